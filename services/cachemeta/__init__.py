@@ -1,0 +1,1 @@
+"""Cache metadata: where every KV block lives, retention, eviction and GC."""

@@ -1,0 +1,1 @@
+"""The decode worker: turns KV into tokens with continuous batching."""

@@ -1,0 +1,7 @@
+import sys
+
+from services.decode.service import DecodeService
+from services.decode.settings import DecodeSettings
+from shared.service import run_service
+
+sys.exit(run_service(DecodeService, DecodeSettings))

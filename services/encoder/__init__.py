@@ -1,0 +1,1 @@
+"""The vision encoder: images to embeddings, cached by content hash."""

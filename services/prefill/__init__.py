@@ -1,0 +1,1 @@
+"""The prefill worker: turns a prompt into KV and hands it to a decode worker."""

@@ -1,0 +1,1 @@
+"""The router: the front door (HTTP and gRPC APIs) and the registry of live services."""

@@ -1,0 +1,217 @@
+"""Typed NATS helpers: publish, subscribe, request/reply and JetStream over one connection.
+
+A ``Bus`` owns one nats-py connection that reconnects forever when the server goes away;
+subscriptions are restored by nats-py on reconnect. Payloads are ``Message`` models as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+
+from shared.messages import Message
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+R = TypeVar("R", bound=Message)
+
+# A reply carrying this header is an error raised by the responder; the value is its text.
+ERROR_HEADER = "Kvmesh-Error"
+
+
+class BusError(Exception):
+    """NATS could not be reached, or a request got no reply in time."""
+
+
+class RemoteError(BusError):
+    """The responder to a request raised; the message is its error text."""
+
+
+class Bus:
+    """One NATS connection with typed helpers. Build with ``await Bus.connect(...)``."""
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.closing = False
+
+    @classmethod
+    async def connect(cls, url: str, name: str, timeout_s: float = 30.0) -> Bus:
+        """Connect, retrying until ``timeout_s`` so services may start before NATS is up."""
+
+        waiting_logged = False
+
+        closing: list[Bus] = []  # filled with the Bus, so a disconnect by close() is quiet
+
+        async def on_disconnect() -> None:
+            if not (closing and closing[0].closing):
+                log.warning("disconnected from NATS at %s; reconnecting", url)
+
+        async def on_reconnect() -> None:
+            log.info("reconnected to NATS at %s", url)
+
+        async def on_error(err: Exception) -> None:
+            nonlocal waiting_logged
+            if closing or waiting_logged:  # after the first connect, disconnects say it all
+                log.debug("NATS: %s", err)
+            else:
+                log.info("waiting for NATS at %s (%s)", url, err)
+                waiting_logged = True
+
+        # With max_reconnect_attempts=-1 nats-py also retries the first connect forever,
+        # so the wait is bounded here; afterwards it reconnects forever (NATS restarts).
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    url,
+                    name=name,
+                    connect_timeout=2,
+                    reconnect_time_wait=0.25,
+                    max_reconnect_attempts=-1,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                    error_cb=on_error,
+                ),
+                timeout_s,
+            )
+        except TimeoutError:
+            raise BusError(f"cannot reach NATS at {url} within {timeout_s:g} s") from None
+        bus = cls(nc)
+        closing.append(bus)
+        return bus
+
+    @property
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
+    async def close(self) -> None:
+        """Flush what was published and close (subscriptions stop at once)."""
+        if self.nc.is_closed:
+            return
+        self.closing = True
+        try:
+            await self.nc.drain()
+        except Exception:  # no server to drain to (it is away or gone): drop the connection
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+    # -- core NATS ---------------------------------------------------------------------------
+
+    async def publish(
+        self, subject: str, msg: Message, headers: dict[str, str] | None = None
+    ) -> None:
+        await self.nc.publish(subject, msg.to_bytes(), headers=headers)
+
+    async def subscribe(
+        self,
+        subject: str,
+        msg_type: type[M],
+        handler: Callable[[M], Awaitable[None]],
+        queue: str = "",
+    ) -> Subscription:
+        """Call ``handler`` with each message; a malformed one is logged and dropped."""
+
+        async def on_msg(raw: Msg) -> None:
+            try:
+                msg = msg_type.from_bytes(raw.data)
+            except ValueError as err:
+                log.warning("dropped a malformed %s on %s: %s", msg_type.__name__, subject, err)
+                return
+            await handler(msg)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    async def serve(
+        self,
+        subject: str,
+        req_type: type[M],
+        handler: Callable[[M], Awaitable[Message]],
+        queue: str = "",
+    ) -> Subscription:
+        """Answer requests on ``subject``; an exception becomes an error reply, not a crash."""
+
+        async def on_msg(raw: Msg) -> None:
+            if not raw.reply:
+                return
+            try:
+                reply = await handler(req_type.from_bytes(raw.data))
+            except Exception as err:  # any failure is the requester's to see
+                log.warning("request on %s failed: %s", subject, err)
+                await self.nc.publish(raw.reply, b"", headers={ERROR_HEADER: str(err) or "error"})
+                return
+            await self.nc.publish(raw.reply, reply.to_bytes())
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    async def request(
+        self, subject: str, msg: Message, reply_type: type[R], timeout_s: float = 2.0
+    ) -> R:
+        try:
+            raw = await self.nc.request(subject, msg.to_bytes(), timeout=timeout_s)
+        except nats.errors.NoRespondersError as err:
+            raise BusError(f"nobody serves {subject}") from err
+        except nats.errors.TimeoutError as err:
+            raise BusError(f"no reply on {subject} within {timeout_s:g} s") from err
+        if raw.headers and ERROR_HEADER in raw.headers:
+            raise RemoteError(raw.headers[ERROR_HEADER])
+        return reply_type.from_bytes(raw.data)
+
+    # -- JetStream ---------------------------------------------------------------------------
+
+    async def ensure_stream(
+        self, name: str, subjects: list[str], max_age_s: float = 0, max_bytes: int = -1
+    ) -> None:
+        """Create the file-backed stream, or update it to this config if it exists."""
+        config = StreamConfig(
+            name=name,
+            subjects=subjects,
+            storage=StorageType.FILE,
+            max_age=max_age_s,
+            max_bytes=max_bytes,
+        )
+        try:
+            await self.js.stream_info(name)
+        except NotFoundError:
+            await self.js.add_stream(config)
+        else:
+            await self.js.update_stream(config)
+
+    async def publish_durable(self, subject: str, msg: Message) -> int:
+        """Publish to a JetStream stream and wait for the store; returns the sequence number."""
+        ack = await self.js.publish(subject, msg.to_bytes())
+        return ack.seq
+
+    async def consume_durable(
+        self,
+        subject: str,
+        durable: str,
+        msg_type: type[M],
+        handler: Callable[[M, int], Awaitable[None]],
+    ) -> Subscription:
+        """Deliver each stored message to ``handler(msg, stream_seq)`` until it succeeds.
+
+        The message is acked after the handler returns, so a crash mid-handler redelivers it.
+        """
+
+        async def on_msg(raw: Msg) -> None:
+            try:
+                msg = msg_type.from_bytes(raw.data)
+            except ValueError as err:
+                log.warning("dropped a malformed %s on %s: %s", msg_type.__name__, subject, err)
+                await raw.term()
+                return
+            await handler(msg, raw.metadata.sequence.stream)
+            await raw.ack()
+
+        return await self.js.subscribe(subject, durable=durable, cb=on_msg, manual_ack=True)

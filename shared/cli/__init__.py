@@ -1,0 +1,1 @@
+"""The `kvmesh` command: `up` runs a local stack, `status` shows the router's registry."""

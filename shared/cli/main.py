@@ -1,0 +1,21 @@
+"""`kvmesh` entry point: parse the command line, hand over to the subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shared.cli import status, up
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    up.add_parser(commands)
+    status.add_parser(commands)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

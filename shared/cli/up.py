@@ -1,0 +1,227 @@
+"""`kvmesh up`: NATS, one cachemeta, one router and N of each worker role, as child processes.
+
+It waits until the router has registered every child, prints the API URL, shows each child's
+log lines prefixed by its name (and keeps them under the state dir's logs/), and on Ctrl-C or
+SIGTERM stops the children, then NATS, leaving no process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import uvloop
+
+from services.router.settings import RouterSettings
+from shared.bus import Bus, BusError, subjects
+from shared.logs import setup_logging
+from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot
+from shared.natsserver import NatsServer, NatsServerError, die_with_parent, is_nats
+from shared.settings import CommonSettings, SettingsError, load_settings
+
+log = logging.getLogger("kvmesh.up")
+
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("up", help="start a local stack and stream its logs")
+    for role in ("prefill", "decode", "encoder"):
+        p.add_argument(f"--{role}", type=int, default=1, metavar="N", help=f"{role} workers")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every service")
+    p.set_defaults(run=run)
+
+
+@dataclass
+class Child:
+    name: str  # also its service id: role-index
+    role: str
+    proc: asyncio.subprocess.Process | None = None
+    pump: asyncio.Task | None = field(default=None, repr=False)
+
+
+class Stack:
+    """The processes of one local stack and the order in which they start and stop."""
+
+    def __init__(self, common: CommonSettings, api_url: str, counts: dict[str, int]) -> None:
+        self.common = common
+        self.api_url = api_url
+        self.children = [Child("cachemeta-0", "cachemeta"), Child("router-0", "router")]
+        for role in ("prefill", "decode", "encoder"):
+            self.children += [Child(f"{role}-{i}", role) for i in range(counts[role])]
+        self.nats: NatsServer | None = None
+        self.nats_url = common.nats_url
+        self.logs_dir = common.state_dir / "logs"
+
+    def start_nats(self) -> None:
+        """Use the NATS at nats_url when one answers there, else start one on that port."""
+        url = self.common.nats_url
+        if is_nats(url):
+            log.info("using the NATS server at %s", url)
+            return
+        parts = urlsplit(url)
+        if parts.hostname not in LOCAL_HOSTS:
+            raise NatsServerError(f"KVMESH_NATS_URL={url}: no NATS server answers there")
+        self.nats = NatsServer(
+            "127.0.0.1",
+            parts.port or 4222,
+            self.common.state_dir / "nats",
+            log_file=self.logs_dir / "nats.log",
+        )
+        self.nats_url = self.nats.start()
+        log.info("started nats-server at %s (JetStream in %s)", self.nats_url, self.nats.store_dir)
+
+    async def spawn(self, child: Child) -> None:
+        env = dict(os.environ)
+        env.update(KVMESH_NATS_URL=self.nats_url, KVMESH_SERVICE_ID=child.name)
+        child.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            f"services.{child.role}",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
+            preexec_fn=die_with_parent,
+        )
+        child.pump = asyncio.create_task(self.pump_logs(child))
+
+    async def pump_logs(self, child: Child) -> None:
+        """Echo the child's lines with its name in front, and append them to its log file."""
+        assert child.proc is not None and child.proc.stdout is not None
+        width = max(len(c.name) for c in self.children)
+        with open(self.logs_dir / f"{child.name}.log", "ab") as file:
+            async for line in child.proc.stdout:
+                file.write(line)
+                file.flush()
+                sys.stdout.write(f"{child.name:<{width}} | {line.decode(errors='replace')}")
+                sys.stdout.flush()
+
+    def exited(self) -> list[Child]:
+        return [c for c in self.children if c.proc is not None and c.proc.returncode is not None]
+
+    async def wait_registered(self, bus: Bus, timeout_s: float) -> None:
+        """Poll the router's registry until every child is there and ready."""
+        expected = {c.name for c in self.children}
+        deadline = time.monotonic() + timeout_s
+        shown: set[str] | None = None
+        while True:
+            if dead := self.exited():
+                names = ", ".join(f"{c.name} (exit code {c.proc.returncode})" for c in dead)
+                raise RuntimeError(f"{names} stopped while the stack was starting; see above")
+            try:
+                snap = await bus.request(
+                    subjects.ROUTER_REGISTRY, RegistryQuery(), RegistrySnapshot, 1.0
+                )
+                ready = {w.service_id for w in snap.workers if w.status == "ready"}
+            except BusError:
+                ready = set()
+            waiting = expected - ready
+            if not waiting:
+                return
+            if waiting != shown:
+                log.info("waiting for %s", ", ".join(sorted(waiting)))
+                shown = waiting
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not registered within {timeout_s:g} s: {sorted(waiting)}")
+            await asyncio.sleep(0.25)
+
+    async def stop(self) -> None:
+        """SIGTERM every child (each drains), SIGKILL what is left after the bound, then NATS."""
+        running = [c for c in self.children if c.proc and c.proc.returncode is None]
+        for child in running:
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.send_signal(signal.SIGTERM)
+        bound = self.common.drain_timeout_s + 5
+        waits = [asyncio.wait_for(c.proc.wait(), bound) for c in running]
+        for child, result in zip(
+            running, await asyncio.gather(*waits, return_exceptions=True), strict=True
+        ):
+            if isinstance(result, TimeoutError):
+                log.warning("%s did not stop within %g s: killed", child.name, bound)
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.kill()
+                await child.proc.wait()
+        for child in self.children:
+            if child.pump is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(child.pump, 2)
+        if self.nats is not None:
+            self.nats.stop()
+            log.info("stopped nats-server")
+
+    async def run(self, timeout_s: float) -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.start_nats()
+        bus = None
+        try:
+            for child in self.children:
+                await self.spawn(child)
+            bus = await Bus.connect(self.nats_url, "kvmesh-up", 10)
+            registered = asyncio.ensure_future(self.wait_registered(bus, timeout_s))
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([registered, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if not registered.done():
+                registered.cancel()
+                return 0
+            stopping.cancel()
+            registered.result()
+            print(
+                f"kvmesh is up: {len(self.children)} services, API at {self.api_url} "
+                "(Ctrl-C stops it)",
+                flush=True,
+            )
+            await self.watch(stop)
+            return 0
+        except (RuntimeError, BusError) as err:
+            log.error("%s", err)
+            return 1
+        finally:
+            if bus is not None:
+                await bus.close()
+            log.info("stopping %d services", len(self.children))
+            await self.stop()
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Until a signal: report a child that exits (the rest of the mesh keeps serving)."""
+        reported: set[str] = set()
+        while not stop.is_set():
+            for child in self.exited():
+                if child.name not in reported:
+                    log.error("%s exited with code %s", child.name, child.proc.returncode)
+                    reported.add(child.name)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+
+
+def run(args: argparse.Namespace) -> int:
+    counts = {"prefill": args.prefill, "decode": args.decode, "encoder": args.encoder}
+    for role, n in counts.items():
+        if not 0 <= n <= 64:
+            print(f"kvmesh up: --{role} must be between 0 and 64 (got {n})", file=sys.stderr)
+            return 2
+    try:
+        common = load_settings(CommonSettings)
+        router = load_settings(RouterSettings)
+    except SettingsError as err:
+        print(f"kvmesh up: {err}", file=sys.stderr)
+        return 2
+    setup_logging(common.log_level)
+    api_url = f"http://{router.http_host}:{router.http_port}"
+    try:
+        return uvloop.run(Stack(common, api_url, counts).run(args.timeout))
+    except NatsServerError as err:
+        print(f"kvmesh up: {err}", file=sys.stderr)
+        return 1

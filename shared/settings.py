@@ -1,0 +1,114 @@
+"""Settings: one pydantic-settings class per service, read once at start, then passed down frozen.
+
+Every value comes, in order of precedence, from the environment, from the optional settings file
+named by ``KVMESH_SETTINGS_FILE`` (TOML: common values under ``[common]``, a service's own under
+``[router]``, ``[prefill]``, ...), then from the defaults here.
+
+Common values use the prefix ``KVMESH_`` (``KVMESH_NATS_URL``); a service's own values use
+``KVMESH_<ROLE>_`` (``KVMESH_ROUTER_HTTP_PORT``), so one environment can configure a whole stack.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+SETTINGS_FILE_VAR = "KVMESH_SETTINGS_FILE"
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class SettingsError(Exception):
+    """A setting a user gave is invalid; the message names the variable and what is allowed."""
+
+
+class KvmeshSettings(BaseSettings):
+    """Base of every settings class: frozen, strict about unknown file keys, file-aware."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="forbid", env_prefix="KVMESH_")
+    # The [table] of the settings file this class reads; subclasses set it.
+    file_table: ClassVar[str] = "common"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = os.environ.get(SETTINGS_FILE_VAR)
+        if path:
+            table = settings_cls.file_table  # type: ignore[attr-defined]
+            sources.append(TomlConfigSettingsSource(settings_cls, Path(path), (table,)))
+        return tuple(sources)
+
+
+class CommonSettings(KvmeshSettings):
+    """What every service and the CLI share."""
+
+    nats_url: str = Field(
+        default="nats://127.0.0.1:4222",
+        pattern=r"^(nats|tls)://[^\s/]+:\d+$",
+        description="NATS server; `kvmesh up` starts one here unless this names a running server",
+    )
+    state_dir: Path = Field(default=Path(".kvmesh"), description="local state: NATS store, logs")
+    service_id: str = Field(
+        default="",
+        pattern=r"^[A-Za-z0-9_.-]{0,64}$",
+        description="unique id of this process; empty means role-host-pid",
+    )
+    log_level: LogLevel = "info"
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
+    drain_timeout_s: float = Field(default=10.0, ge=0, le=600)
+    nats_connect_timeout_s: float = Field(
+        default=30.0, gt=0, le=600, description="how long to wait for NATS at start"
+    )
+
+    def resolved_service_id(self, role: str) -> str:
+        return self.service_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def env_name(cls: type[BaseSettings], field: str) -> str:
+    """The environment variable that sets ``field`` of ``cls``."""
+    prefix = cls.model_config.get("env_prefix", "")
+    return f"{prefix}{field}".upper()
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def load_settings(cls: type[S], **overrides: Any) -> S:
+    """Read ``cls`` from the environment and the settings file, or raise SettingsError.
+
+    The error lists every bad value as ``VARIABLE: what is allowed (got ...)``.
+    """
+    try:
+        return cls(**overrides)
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            field = str(e["loc"][0]) if e["loc"] else "?"
+            if field in cls.model_fields:
+                name = env_name(cls, field)
+            else:  # only the settings file can name an unknown key
+                table = getattr(cls, "file_table", "")
+                name = f"{os.environ.get(SETTINGS_FILE_VAR)} [{table}] {field}"
+            got = e.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  {name}: {e['msg']}{shown}")
+        raise SettingsError("invalid settings:\n" + "\n".join(lines)) from None
+    except (OSError, ValueError) as err:  # an unreadable or malformed settings file
+        raise SettingsError(f"cannot read {SETTINGS_FILE_VAR}: {err}") from None
