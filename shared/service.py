@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from abc import ABC, abstractmethod
@@ -39,6 +40,15 @@ class ServiceSettings(KvmeshSettings):
 
     http_host: str = Field(default="127.0.0.1", description="address of the HTTP server")
     http_port: int = Field(default=0, ge=0, le=65535, description="0: any free port")
+    advertise_host: str = Field(
+        default="", description="host others use to reach this service; empty: derived"
+    )
+
+    def advertised_host(self) -> str:
+        """The host put in heartbeats: a wildcard bind address means "this machine's name"."""
+        if self.advertise_host:
+            return self.advertise_host
+        return socket.gethostname() if self.http_host in ("0.0.0.0", "::") else self.http_host
 
 
 class Service(ABC):
@@ -94,8 +104,11 @@ class Service(ABC):
         return web.json_response(self.heartbeat().model_dump(mode="json"), status=status)
 
 
-async def serve_http(stack: AsyncExitStack, app: web.Application, host: str, port: int) -> str:
-    """Serve ``app`` until the stack closes; returns its URL (the real port when port is 0)."""
+async def serve_http(
+    stack: AsyncExitStack, app: web.Application, settings: ServiceSettings
+) -> str:
+    """Serve ``app`` until the stack closes; returns its advertised URL (the real port)."""
+    host, port = settings.http_host, settings.http_port
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
@@ -105,7 +118,7 @@ async def serve_http(stack: AsyncExitStack, app: web.Application, host: str, por
     except OSError as err:
         raise SettingsError(f"cannot listen on {host}:{port}: {err.strerror}") from None
     bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
-    return f"http://{host}:{bound[1]}"
+    return f"http://{settings.advertised_host()}:{bound[1]}"
 
 
 async def _publish_heartbeats(service: Service, bus: Bus) -> None:
@@ -156,9 +169,7 @@ async def _run(service: Service) -> None:
         await service.start(stack, bus)
         app = web.Application(middlewares=[openai_errors])
         app.add_routes([web.get("/health", service.health), *service.routes()])
-        service.http_url = await serve_http(
-            stack, app, service.settings.http_host, service.settings.http_port
-        )
+        service.http_url = await serve_http(stack, app, service.settings)
         beats = asyncio.create_task(_publish_heartbeats(service, bus))
         log.info("%s ready: %s (http %s)", service.role, service.service_id, service.http_url)
 

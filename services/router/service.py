@@ -85,7 +85,12 @@ class RouterService(Service):
             for role in ROLES
         }
         missing = self.registry.missing_roles()
-        body = {"status": "degraded" if missing else "ok", "missing": missing, "roles": roles}
+        body = {
+            "status": "degraded" if missing else "ok",
+            "service_id": self.service_id,
+            "missing": missing,
+            "roles": roles,
+        }
         return web.json_response(body, status=503 if missing or self.status != "ready" else 200)
 
     async def list_models(self, request: web.Request) -> web.Response:

@@ -1,0 +1,126 @@
+"""Helpers that run real kvmesh processes and a real nats-server for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def service_env(nats_url: str, state_dir: Path, **extra: str) -> dict[str, str]:
+    """A clean environment for a child process: only the KVMESH_ values a test sets."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env.update(
+        KVMESH_NATS_URL=nats_url,
+        KVMESH_STATE_DIR=str(state_dir),
+        KVMESH_NATS_CONNECT_TIMEOUT_S="10",
+    )
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A child process whose output goes to a file the test can read back."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115
+        self.popen = subprocess.Popen(
+            args, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> int:
+        return self.popen.wait(timeout_s)
+
+    def stop(self, timeout_s: float = 15) -> int:
+        self.signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait()
+        finally:
+            self._log.close()
+
+
+def start_service(role: str, env: dict[str, str], log_dir: Path, name: str = "") -> Proc:
+    name = name or role
+    return Proc([sys.executable, "-m", f"services.{role}"], env, log_dir / f"{name}.log")
+
+
+def get_json(url: str, timeout_s: float = 5) -> tuple[int, dict]:
+    """GET a URL; returns (status, JSON body) for 2xx and error statuses alike."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def wait_until(check, timeout_s: float, interval_s: float = 0.1, what: str = "condition"):
+    """Poll ``check()`` until it returns a truthy value; return it, or fail with ``what``."""
+    deadline = time.monotonic() + timeout_s
+    last_err: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except (OSError, ValueError) as err:  # not listening yet, half-written body
+            last_err = err
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} ({last_err})")
+
+
+def health_ids(url: str) -> dict[str, list[str]]:
+    """Role → ids of ready services, from the router's /health."""
+    _, body = get_json(f"{url}/health")
+    return {
+        role: [w["id"] for w in workers if w["status"] == "ready"]
+        for role, workers in body["roles"].items()
+    }
+
+
+def kvmesh_pids(marker: str) -> list[int]:
+    """Pids of live processes whose command line or environment contains ``marker``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            blob = (proc / "cmdline").read_bytes() + (proc / "environ").read_bytes()
+            state = (proc / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if marker.encode() in blob and state != "Z":
+            pids.append(int(proc.name))
+    return pids

@@ -1,0 +1,115 @@
+"""The typed NATS helpers against a real nats-server: pub/sub, request/reply, JetStream,
+and reconnection when the server restarts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared.bus import Bus, BusError, RemoteError
+from shared.messages import Message
+from shared.natsserver import NatsServer
+
+
+class Ping(Message):
+    n: int
+
+
+class Pong(Message):
+    n: int
+    doubled: int
+
+
+async def collect(bus: Bus, subject: str) -> asyncio.Queue[Ping]:
+    got: asyncio.Queue[Ping] = asyncio.Queue()
+
+    async def on_ping(msg: Ping) -> None:
+        await got.put(msg)
+
+    await bus.subscribe(subject, Ping, on_ping)
+    await bus.nc.flush()
+    return got
+
+
+async def test_publish_subscribe_typed_and_malformed_dropped(nats_url: str) -> None:
+    bus = await Bus.connect(nats_url, "t-pubsub")
+    try:
+        got = await collect(bus, "test.pings")
+        await bus.nc.publish("test.pings", b'{"n": "not a number"}')  # dropped, not fatal
+        await bus.publish("test.pings", Ping(n=7))
+        msg = await asyncio.wait_for(got.get(), 2)
+        assert msg == Ping(n=7)
+        assert got.empty()
+    finally:
+        await bus.close()
+
+
+async def test_request_reply_error_and_no_responders(nats_url: str) -> None:
+    bus = await Bus.connect(nats_url, "t-req")
+    try:
+
+        async def double(ping: Ping) -> Pong:
+            if ping.n < 0:
+                raise ValueError("n must be >= 0")
+            return Pong(n=ping.n, doubled=2 * ping.n)
+
+        await bus.serve("test.double", Ping, double, queue="doublers")
+        assert await bus.request("test.double", Ping(n=21), Pong) == Pong(n=21, doubled=42)
+        with pytest.raises(RemoteError, match="n must be >= 0"):
+            await bus.request("test.double", Ping(n=-1), Pong)
+        with pytest.raises(BusError, match="nobody serves test.nobody"):
+            await bus.request("test.nobody", Ping(n=1), Pong, timeout_s=1)
+    finally:
+        await bus.close()
+
+
+async def test_connect_gives_up_with_a_clear_error() -> None:
+    with pytest.raises(BusError, match=r"cannot reach NATS at nats://127.0.0.1:1 within 0.5 s"):
+        await Bus.connect("nats://127.0.0.1:1", "t-none", timeout_s=0.5)
+
+
+async def test_jetstream_durable_consumer_resumes(nats_url: str) -> None:
+    bus = await Bus.connect(nats_url, "t-js")
+    try:
+        await bus.ensure_stream("TEST_EVENTS", ["test.events.>"])
+        await bus.ensure_stream("TEST_EVENTS", ["test.events.>"])  # idempotent
+        seqs = [await bus.publish_durable("test.events.a", Ping(n=i)) for i in range(3)]
+        assert seqs == sorted(seqs)
+
+        got: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+
+        async def on_event(msg: Ping, seq: int) -> None:
+            await got.put((msg.n, seq))
+
+        sub = await bus.consume_durable("test.events.>", "tester", Ping, on_event)
+        assert [await asyncio.wait_for(got.get(), 2) for _ in range(3)] == list(
+            zip(range(3), seqs, strict=True)
+        )
+        await asyncio.sleep(0.2)  # let the acks land before leaving
+        await sub.unsubscribe()
+        # Stored while nobody consumed: the durable consumer picks up where it left off.
+        later = await bus.publish_durable("test.events.b", Ping(n=3))
+        await bus.consume_durable("test.events.>", "tester", Ping, on_event)
+        assert await asyncio.wait_for(got.get(), 2) == (3, later)
+    finally:
+        await bus.close()
+
+
+async def test_reconnects_after_nats_restart(nats_server: NatsServer) -> None:
+    bus = await Bus.connect(nats_server.url, "t-reconnect")
+    try:
+        got = await collect(bus, "test.after")
+        nats_server.stop()
+        await asyncio.sleep(0.5)
+        assert not bus.connected
+        nats_server.start()
+        for _ in range(100):
+            if bus.connected:
+                break
+            await asyncio.sleep(0.1)
+        assert bus.connected
+        await bus.publish("test.after", Ping(n=1))  # the subscription was restored too
+        assert await asyncio.wait_for(got.get(), 3) == Ping(n=1)
+    finally:
+        await bus.close()

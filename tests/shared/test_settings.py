@@ -1,0 +1,103 @@
+"""Settings: environment, settings file, precedence, and readable errors for bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.router.settings import RouterSettings
+from shared.settings import CommonSettings, SettingsError, load_settings
+from tests.procs import REPO
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("KVMESH_"):
+            monkeypatch.delenv(key)
+
+
+def test_defaults_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings(CommonSettings).heartbeat_interval_s == 1.0
+    assert load_settings(RouterSettings).http_port == 8000
+    monkeypatch.setenv("KVMESH_HEARTBEAT_INTERVAL_S", "0.5")
+    monkeypatch.setenv("KVMESH_ROUTER_HTTP_PORT", "9001")
+    assert load_settings(CommonSettings).heartbeat_interval_s == 0.5
+    assert load_settings(RouterSettings).http_port == 9001
+
+
+def test_settings_are_frozen() -> None:
+    common = load_settings(CommonSettings)
+    with pytest.raises(ValueError):
+        common.log_level = "debug"  # type: ignore[misc]
+
+
+def test_settings_file_tables_and_precedence(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    file = tmp_path / "kvmesh.toml"
+    file.write_text('[common]\nlog_level = "debug"\n\n[router]\nhttp_port = 8100\n')
+    monkeypatch.setenv("KVMESH_SETTINGS_FILE", str(file))
+    assert load_settings(CommonSettings).log_level == "debug"
+    assert load_settings(RouterSettings).http_port == 8100
+    monkeypatch.setenv("KVMESH_ROUTER_HTTP_PORT", "8200")  # the environment wins over the file
+    assert load_settings(RouterSettings).http_port == 8200
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "says"),
+    [
+        ("KVMESH_HEARTBEAT_INTERVAL_S", "-1", "greater than 0"),
+        ("KVMESH_HEARTBEAT_INTERVAL_S", "often", "valid number"),
+        ("KVMESH_LOG_LEVEL", "loud", "'debug', 'info', 'warning' or 'error'"),
+        ("KVMESH_NATS_URL", "http://x", "should match pattern"),
+    ],
+)
+def test_bad_common_value_names_variable(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, says: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SettingsError) as err:
+        load_settings(CommonSettings)
+    assert var in str(err.value)
+    assert says in str(err.value)
+    assert repr(value) in str(err.value)
+
+
+def test_unknown_key_in_file_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    file = tmp_path / "kvmesh.toml"
+    file.write_text("[router]\nhttp_prot = 8100\n")
+    monkeypatch.setenv("KVMESH_SETTINGS_FILE", str(file))
+    with pytest.raises(SettingsError, match=r"\[router\] http_prot: Extra inputs"):
+        load_settings(RouterSettings)
+
+
+def test_malformed_file_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    file = tmp_path / "kvmesh.toml"
+    file.write_text("[router\n")
+    monkeypatch.setenv("KVMESH_SETTINGS_FILE", str(file))
+    with pytest.raises(SettingsError, match="cannot read KVMESH_SETTINGS_FILE"):
+        load_settings(RouterSettings)
+
+
+@pytest.mark.parametrize("role", ["router", "prefill", "decode", "encoder", "cachemeta"])
+def test_service_with_bad_setting_stops_at_start(role: str) -> None:
+    """The process exits at once with code 2 and a message naming the variable and the limit."""
+    env = {"PATH": "/usr/bin:/bin", f"KVMESH_{role.upper()}_HTTP_PORT": "70000"}
+    done = subprocess.run(
+        [sys.executable, "-m", f"services.{role}"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert f"KVMESH_{role.upper()}_HTTP_PORT" in done.stderr
+    assert "less than or equal to 65535" in done.stderr
+    assert "Traceback" not in done.stderr

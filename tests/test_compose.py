@@ -1,0 +1,39 @@
+"""docker-compose.yml parses with a compose-spec parser and wires every role to NATS."""
+
+from __future__ import annotations
+
+from compose_spec import PyCompose
+
+from shared.messages.heartbeat import ROLES
+from tests.procs import REPO
+
+
+def load() -> PyCompose:
+    compose = PyCompose.from_yaml((REPO / "docker-compose.yml").read_text())
+    compose.validate()
+    return compose
+
+
+def test_every_role_runs_from_the_repo_image() -> None:
+    services = load().services
+    for role in ROLES:
+        svc = services[role]
+        assert svc.build == "."
+        assert svc.command == ["python", "-m", f"services.{role}"]
+        assert svc.environment["KVMESH_NATS_URL"] == "nats://nats:4222"
+        assert "nats" in svc.depends_on
+    assert (REPO / "Dockerfile").is_file()
+
+
+def test_nats_has_jetstream_and_jaeger_takes_otlp() -> None:
+    services = load().services
+    assert services["nats"].image.startswith("nats:")
+    assert "-js" in services["nats"].command
+    assert services["jaeger"].environment["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert "4317:4317" in services["jaeger"].ports
+
+
+def test_router_publishes_the_api_port() -> None:
+    router = load().services["router"]
+    assert router.environment["KVMESH_ROUTER_HTTP_HOST"] == "0.0.0.0"
+    assert "8000:8000" in router.ports
