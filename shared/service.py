@@ -104,9 +104,7 @@ class Service(ABC):
         return web.json_response(self.heartbeat().model_dump(mode="json"), status=status)
 
 
-async def serve_http(
-    stack: AsyncExitStack, app: web.Application, settings: ServiceSettings
-) -> str:
+async def serve_http(stack: AsyncExitStack, app: web.Application, settings: ServiceSettings) -> str:
     """Serve ``app`` until the stack closes; returns its advertised URL (the real port)."""
     host, port = settings.http_host, settings.http_port
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
