@@ -1,0 +1,192 @@
+"""The Llama-family decoder, computing over a paged KV cache.
+
+Shapes: N tokens in a forward pass (all sequences' new tokens, concatenated), D model dim,
+H query heads, G kv heads, E head dim, S cache slots (n_blocks × block_size). A token's KV lives
+in one slot: slot = block_id × block_size + offset in block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.engine.config import ModelConfig
+from shared.engine.weights import Weights
+
+
+@dataclass
+class Segment:
+    """One sequence's part of a forward pass: its ``q_len`` new tokens at rows
+    [q_start, q_start + q_len) see the ``ctx_len`` tokens whose KV slots are ``slots``
+    (the new tokens are the last ``q_len`` of them)."""
+
+    q_start: int
+    q_len: int
+    slots: torch.Tensor  # [ctx_len] int64
+
+    @property
+    def ctx_len(self) -> int:
+        return self.slots.numel()
+
+
+class KVCache:
+    """K and V for every layer and slot: [layers, S, G, E] each, zero-filled (never NaN)."""
+
+    def __init__(self, config: ModelConfig, n_slots: int, dtype: torch.dtype) -> None:
+        shape = (config.n_layers, n_slots, config.n_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def _rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, [max_context, E], in the half-split layout (HF's rotate_half)."""
+    e = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, e, 2, dtype=torch.float64) / e))
+    angles = torch.outer(torch.arange(config.max_context, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, E]; cos, sin: [N, 1, E]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Transformer:
+    """Forward passes over the paged cache. Weights are plain tensors; no autograd."""
+
+    def __init__(self, config: ModelConfig, weights: Weights) -> None:
+        self.config = config
+        self.w = weights
+        self.lm_head = weights["tok_emb"] if config.tie_embeddings else weights["lm_head"]
+        self.cos, self.sin = _rope_tables(config)
+        n_moe = len(config.moe.layers) if config.moe else 0
+        n_experts = config.moe.n_experts if config.moe else 0
+        # Tokens routed to each expert in the last forward pass: [MoE layers, experts].
+        self.expert_counts = torch.zeros(n_moe, n_experts, dtype=torch.int64)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)
+        return weight * x32.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        segments: list[Segment],
+        cache: KVCache,
+        embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [N, D]. Writes the new tokens' KV to the cache.
+
+        ``embeds`` ([N, D]) replaces the token embeddings where given (image placeholders).
+        """
+        c = self.config
+        x = embeds if embeds is not None else self.w["tok_emb"][tokens]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        new_slots = torch.cat([s.slots[s.ctx_len - s.q_len :] for s in segments])
+        q_dim = c.n_heads * c.head_dim
+        if self.expert_counts.numel():
+            self.expert_counts.zero_()
+        for i in range(c.n_layers):
+            p = f"layers.{i}."
+            h = self._norm(x, self.w[p + "attn_norm"])
+            qkv = F.linear(h, self.w[p + "wqkv"])
+            q = qkv[:, :q_dim].view(-1, c.n_heads, c.head_dim)
+            k = qkv[:, q_dim : q_dim + c.kv_dim].view(-1, c.n_kv_heads, c.head_dim)
+            v = qkv[:, q_dim + c.kv_dim :].view(-1, c.n_kv_heads, c.head_dim)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            cache.k[i].index_copy_(0, new_slots, k.to(cache.k.dtype))
+            cache.v[i].index_copy_(0, new_slots, v.to(cache.v.dtype))
+            attn = self._attention(i, q, segments, cache)
+            x = x + F.linear(attn.reshape(-1, q_dim), self.w[p + "wo"])
+            h = self._norm(x, self.w[p + "ffn_norm"])
+            x = x + (self._moe(i, h) if c.is_moe(i) else self._mlp(h, p))
+        return self._norm(x, self.w["norm"])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    def _mlp(self, h: torch.Tensor, prefix: str, w13: str = "w13", w2: str = "w2") -> torch.Tensor:
+        gate_up = F.linear(h, self.w[prefix + w13])
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w[prefix + w2])
+
+    def _moe(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Top-k routed experts (softmax gate, renormalized over the k) plus a shared expert."""
+        moe = self.config.moe
+        assert moe is not None
+        p = f"layers.{layer}."
+        probs = F.softmax(F.linear(h, self.w[p + "router"]).float(), dim=-1)
+        weights, chosen = probs.topk(moe.top_k, dim=-1)  # [N, k]
+        weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
+        out = torch.zeros_like(h)
+        counts = torch.bincount(chosen.flatten(), minlength=moe.n_experts)
+        self.expert_counts[moe.layers.index(layer)] = counts
+        w13, w2 = self.w[p + "experts_w13"], self.w[p + "experts_w2"]
+        for e in counts.nonzero().flatten().tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            gate, up = F.linear(h[rows], w13[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[e])
+            out.index_add_(0, rows, y * weights[rows, slot].unsqueeze(-1))
+        if moe.shared_expert:
+            out = out + self._mlp(h, p)
+        return out
+
+    def _attention(
+        self, layer: int, q: torch.Tensor, segments: list[Segment], cache: KVCache
+    ) -> torch.Tensor:
+        """Causal attention of each segment's new tokens over its context. Returns [N, H, E]."""
+        window = self.config.window(layer)
+        if len(segments) > 1 and all(s.q_len == 1 for s in segments):
+            return self._decode_attention(layer, q, segments, cache, window)
+        out = torch.empty_like(q)
+        for s in segments:
+            first_q = s.ctx_len - s.q_len  # absolute position of the first new token
+            # A windowed layer never looks further back than the window: those keys are not
+            # even gathered (and need not exist, so an imported prefix can skip them).
+            k_start = max(0, first_q - window + 1) if window else 0
+            slots = s.slots[k_start:]
+            k = cache.k[layer][slots].to(q.dtype).transpose(0, 1)  # [G, keys, E]
+            v = cache.v[layer][slots].to(q.dtype).transpose(0, 1)
+            qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q_len, E]
+            q_pos = torch.arange(first_q, s.ctx_len).unsqueeze(1)
+            k_pos = torch.arange(k_start, s.ctx_len).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if window:
+                mask &= k_pos > q_pos - window
+            o = F.scaled_dot_product_attention(
+                qs.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=True
+            )
+            out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
+        return out
+
+    def _decode_attention(
+        self, layer: int, q: torch.Tensor, segments: list[Segment], cache: KVCache, window: int
+    ) -> torch.Tensor:
+        """One new token per sequence: gather every context padded to the longest, one call."""
+        lens = torch.tensor([s.ctx_len for s in segments])
+        longest = int(lens.max())
+        slots = torch.zeros(len(segments), longest, dtype=torch.int64)
+        for row, s in enumerate(segments):
+            slots[row, : s.ctx_len] = s.slots
+        k = cache.k[layer][slots].to(q.dtype).transpose(1, 2)  # [B, G, L, E]
+        v = cache.v[layer][slots].to(q.dtype).transpose(1, 2)
+        k_pos = torch.arange(longest).unsqueeze(0)
+        mask = k_pos < lens.unsqueeze(1)  # [B, L]; the new token is the last of each context
+        if window:
+            mask &= k_pos >= (lens - window).unsqueeze(1)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], enable_gqa=True
+        )  # [B, H, 1, E]
+        return o.squeeze(2)

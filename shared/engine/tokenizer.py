@@ -1,0 +1,76 @@
+"""The tokenizer and chat template, built from a GGUF file's vocabulary, merges and template.
+
+Building the byte-level BPE from 49K tokens and merges takes a moment, so the result is cached
+as a tokenizer.json under the state dir, keyed by the GGUF file's digest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+log = logging.getLogger(__name__)
+
+CONTROL = 3  # GGUF token type of special tokens such as <|im_start|>
+
+
+def _byte_alphabet() -> set[str]:
+    return set(pre_tokenizers.ByteLevel.alphabet())
+
+
+def build_from_gguf(meta: dict[str, Any]) -> Tokenizer:
+    """A byte-level BPE tokenizer equal to transformers' GGUF conversion of the same file."""
+    assert meta["tokenizer.ggml.model"] == "gpt2", "only byte-level BPE vocabularies"
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta["tokenizer.ggml.token_type"]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = _byte_alphabet()
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, kind in zip(tokens, types, strict=True)
+        if kind == CONTROL and set(t) <= alphabet
+    ]
+    tok.add_special_tokens(special)
+    return tok
+
+
+def load_tokenizer(meta: dict[str, Any], cache_dir: Path, key: str) -> Tokenizer:
+    """The GGUF's tokenizer, from the cache when it was built before."""
+    path = cache_dir / f"tokenizer-{key}.json"
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as err:  # a damaged cache file is rebuilt, never trusted
+            log.warning("rebuilding tokenizer cache %s: %s", path, err)
+    tok = build_from_gguf(meta)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tok.save(str(tmp))
+    tmp.replace(path)
+    return tok
+
+
+class ChatTemplate:
+    """Renders messages with the model's own Jinja chat template (ChatML for SmolLM2)."""
+
+    def __init__(self, source: str, bos: str = "", eos: str = "") -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self.template = env.from_string(source)
+        self.bos, self.eos = bos, eos
+
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos,
+            eos_token=self.eos,
+        )
