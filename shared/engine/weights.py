@@ -131,7 +131,7 @@ def random_weights(config: ModelConfig, seed: int = 0) -> Weights:
     qkv_rows = (config.n_heads + 2 * config.n_kv_heads) * hd
     w: Weights = {"tok_emb": rand(config.vocab_size, d, scale=1.0), "norm": 1 + rand(d, scale=0.1)}
     if not config.tie_embeddings:
-        w["lm_head"] = rand(config.vocab_size, d)
+        w["lm_head"] = rand(config.vocab_size, d, scale=1.0)
     for i in range(config.n_layers):
         p = f"layers.{i}."
         w[p + "wqkv"] = rand(qkv_rows, d)

@@ -1,0 +1,1 @@
+"""The compute engine: a Llama-family model over a paged KV cache, behind ``Engine``."""

@@ -1,0 +1,312 @@
+"""The engine boundary, and the torch engine behind it.
+
+Workers talk to an ``Engine``: a small lifecycle (start, prefill, step, abort, free, cleanup)
+plus KV export and import. ``TorchEngine`` runs our own model on CPU or CUDA; an SGLang-backed
+engine for GPU deployments is meant to slot in behind the same interface.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import torch
+
+from shared.engine import kvformat
+from shared.engine.blocks import BlockPool, PoolExhausted
+from shared.engine.config import ModelConfig
+from shared.engine.loader import LoadedModel
+from shared.engine.model import KVCache, Segment, Transformer
+from shared.engine.sampling import SamplingParams, sample
+from shared.engine.sequence import Sequence, StepOutput
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineOptions", "Prefix", "TorchEngine", "PoolExhausted"]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    block_size: int = 64
+    kv_cache_tokens: int = 65536  # pool size, in tokens (rounded down to whole blocks)
+    dtype: str = "float32"
+    threads: int = 0  # 0: leave torch's default
+    prefill_chunk: int = 512  # tokens per forward pass in prefill (bounds attention memory)
+    max_running: int = 64  # sequences decoding together
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """A hold on cached KV blocks covering the first ``n_tokens`` of some token sequence."""
+
+    block_ids: tuple[int, ...]
+    n_tokens: int
+
+
+class Engine(ABC):
+    """What a worker needs from a compute engine. Not thread-safe: one caller at a time."""
+
+    config: ModelConfig
+    block_size: int
+
+    @abstractmethod
+    def start(self) -> None:
+        """Get ready to serve (threads, warm-up)."""
+
+    @abstractmethod
+    def can_admit(self, n_prompt: int, params: SamplingParams, prefix: Prefix | None) -> bool:
+        """True when prefill of such a request would find the KV blocks it needs."""
+
+    @abstractmethod
+    def prefill(
+        self,
+        seq_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        prefix: Prefix | None = None,
+        embeds: torch.Tensor | None = None,
+    ) -> StepOutput:
+        """Compute the prompt past ``prefix``, sample the first token; the sequence then joins
+        the decode batch unless that token finished it. Raises PoolExhausted when full."""
+
+    @abstractmethod
+    def step(self) -> list[StepOutput]:
+        """Advance every running sequence by one token."""
+
+    @abstractmethod
+    def abort(self, seq_id: str) -> None:
+        """Stop a sequence now and free its blocks."""
+
+    @abstractmethod
+    def free(self, seq_id: str) -> None:
+        """Forget a (finished) sequence and release its blocks."""
+
+    @abstractmethod
+    def export_kv(self, seq_id: str, dtype: str | None = None) -> bytes:
+        """The KV of the sequence's full, computed blocks, as bytes (see kvformat)."""
+
+    @abstractmethod
+    def import_kv(self, source: bytes | BinaryIO) -> Prefix:
+        """Load KV bytes into fresh blocks and hold them; release with ``release``."""
+
+    @abstractmethod
+    def release(self, prefix: Prefix) -> None:
+        """Drop a hold taken by import_kv (blocks stay while a sequence uses them)."""
+
+    @abstractmethod
+    def cleanup(self) -> None:
+        """Abort everything and free memory."""
+
+
+class TorchEngine(Engine):
+    def __init__(self, model: LoadedModel, options: EngineOptions = EngineOptions()) -> None:
+        self.config = model.config
+        self.options = options
+        self.block_size = options.block_size
+        self.tokenizer = model.tokenizer
+        self.dtype = kvformat.DTYPES[options.dtype]
+        weights = {k: v.to(self.dtype) for k, v in model.weights.items()}
+        self.model = Transformer(model.config, weights)
+        n_blocks = options.kv_cache_tokens // options.block_size
+        self.pool = BlockPool(n_blocks, options.block_size)
+        self.cache = KVCache(model.config, n_blocks * options.block_size, self.dtype)
+        self.seqs: dict[str, Sequence] = {}
+        self.running: list[str] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.options.threads:
+            torch.set_num_threads(self.options.threads)
+
+    def cleanup(self) -> None:
+        for seq_id in list(self.seqs):
+            self.abort(seq_id)
+
+    # -- admission -------------------------------------------------------------------------
+
+    def _blocks_needed(self, n_prompt: int, params: SamplingParams, prefix: Prefix | None) -> int:
+        # Room for the whole answer is reserved up front, so decode never runs out mid-answer.
+        total = min(n_prompt + params.max_tokens, self.config.max_context)
+        held = len(prefix.block_ids) if prefix else 0
+        return self.pool.blocks_for(total) - held
+
+    def can_admit(self, n_prompt: int, params: SamplingParams, prefix: Prefix | None) -> bool:
+        return len(self.running) < self.options.max_running and self.pool.can_allocate(
+            self._blocks_needed(n_prompt, params, prefix)
+        )
+
+    # -- prefill and decode ----------------------------------------------------------------
+
+    def prefill(
+        self,
+        seq_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        prefix: Prefix | None = None,
+        embeds: torch.Tensor | None = None,
+    ) -> StepOutput:
+        n = len(token_ids)
+        limit = self.config.max_context
+        if n == 0:
+            raise ValueError("prompt must have at least one token")
+        if n + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {limit} tokens"
+            )
+        assert seq_id not in self.seqs, f"sequence {seq_id} exists"
+        n_cached = prefix.n_tokens if prefix else 0
+        assert n_cached < n, "a prefix must leave at least one token to compute"
+        if len(self.running) >= self.options.max_running:
+            raise PoolExhausted(f"{self.options.max_running} sequences already running")
+        new_blocks = self.pool.allocate(self._blocks_needed(n, params, prefix))
+        if prefix:
+            self.pool.share(list(prefix.block_ids))
+        seq = Sequence(seq_id, list(token_ids), params)
+        seq.block_table = [*(prefix.block_ids if prefix else ()), *new_blocks]
+        seq.n_cached = n_cached
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        self.seqs[seq_id] = seq
+        hidden = None
+        chunk = self.options.prefill_chunk
+        for start in range(n_cached, n, chunk):
+            end = min(n, start + chunk)
+            seg = Segment(0, end - start, seq.slots(self.block_size, end))
+            rows = embeds[start:end] if embeds is not None else None
+            hidden = self.model.forward(
+                torch.tensor(token_ids[start:end]), torch.arange(start, end), [seg], self.cache, rows
+            )
+        seq.n_cached = n
+        assert hidden is not None
+        seq.last_logits = self.model.logits(hidden[-1:])[0]
+        out = self._append(seq, seq.last_logits)
+        if not seq.finished:
+            self.running.append(seq_id)
+        return out
+
+    def step(self) -> list[StepOutput]:
+        if not self.running:
+            return []
+        seqs = [self.seqs[s] for s in self.running]
+        segments = [
+            Segment(row, 1, seq.slots(self.block_size, seq.n_tokens))
+            for row, seq in enumerate(seqs)
+        ]
+        tokens = torch.tensor([seq.tokens[-1] for seq in seqs])
+        positions = torch.tensor([seq.n_tokens - 1 for seq in seqs])
+        hidden = self.model.forward(tokens, positions, segments, self.cache)
+        logits = self.model.logits(hidden)
+        outputs = []
+        for row, seq in enumerate(seqs):
+            seq.n_cached = seq.n_tokens
+            outputs.append(self._append(seq, logits[row]))
+        self.running = [s for s in self.running if not self.seqs[s].finished]
+        return outputs
+
+    def _append(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+        token = sample(logits, seq.params, seq.generator)
+        seq.output_ids.append(token)
+        p = seq.params
+        if (token in self.config.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif p.stop and (hit := self._stop_string(seq)):
+            seq.finish_reason, seq.stop_string = "stop", hit
+        elif len(seq.output_ids) >= p.max_tokens or seq.n_tokens >= self.config.max_context:
+            seq.finish_reason = "length"
+        return StepOutput(seq.seq_id, token, seq.finish_reason, seq.stop_string)
+
+    def _stop_string(self, seq: Sequence) -> str | None:
+        """A stop string that the text ends with now (it may span several tokens)."""
+        longest = max(len(s) for s in seq.params.stop)
+        tail = self.tokenizer.decode(seq.output_ids[-(longest + 4) :])
+        new = self.tokenizer.decode(seq.output_ids[-1:])
+        # Only stops that include the newest text: older ones were checked on earlier steps.
+        recent = tail[-(longest + len(new)) :]
+        return next((s for s in seq.params.stop if s in recent), None)
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def abort(self, seq_id: str) -> None:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return
+        if not seq.finished:
+            seq.finish_reason = "abort"
+        self.free(seq_id)
+
+    def free(self, seq_id: str) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        if seq_id in self.running:
+            self.running.remove(seq_id)
+        self.pool.free(seq.block_table)
+
+    def sequence(self, seq_id: str) -> Sequence:
+        return self.seqs[seq_id]
+
+    # -- KV export and import --------------------------------------------------------------
+
+    def _header_fields(self, n_blocks: int, dtype: str) -> dict:
+        c = self.config
+        return dict(
+            fingerprint=c.fingerprint,
+            dtype=dtype,
+            block_size=self.block_size,
+            n_layers=c.n_layers,
+            n_kv_heads=c.n_kv_heads,
+            head_dim=c.head_dim,
+            windows=[c.window(i) for i in range(c.n_layers)],
+            n_blocks=n_blocks,
+            n_tokens=n_blocks * self.block_size,
+        )
+
+    def export_kv(self, seq_id: str, dtype: str | None = None) -> bytes:
+        seq = self.seqs[seq_id]
+        dtype = dtype or self.options.dtype
+        n_blocks = seq.n_cached // self.block_size
+        slots = seq.slots(self.block_size, n_blocks * self.block_size)
+        shape = (self.config.n_layers, n_blocks, self.block_size, self.config.n_kv_heads, -1)
+        k = self.cache.k[:, slots].reshape(shape).to(kvformat.DTYPES[dtype])
+        v = self.cache.v[:, slots].reshape(shape).to(kvformat.DTYPES[dtype])
+        return kvformat.encode(self._header_fields(n_blocks, dtype), k, v)
+
+    def import_kv(self, source: bytes | BinaryIO) -> Prefix:
+        f = kvformat.as_reader(source)
+        header, data_start = kvformat.read_header(f)
+        expected = self._header_fields(header.n_blocks, header.dtype)
+        for key in ("fingerprint", "block_size", "n_layers", "n_kv_heads", "head_dim", "windows"):
+            if getattr(header, key) != expected[key]:
+                raise kvformat.KVFormatError(
+                    f"KV is for another model or layout: {key} is {getattr(header, key)!r}, "
+                    f"this engine has {expected[key]!r}"
+                )
+        blocks = self.pool.allocate(header.n_blocks)
+        try:
+            for layer in range(header.n_layers):
+                for b in range(header.first_needed_block(layer), header.n_blocks):
+                    k, v = kvformat.read_cell(f, header, data_start, layer, b)
+                    base = blocks[b] * self.block_size
+                    self.cache.k[layer, base : base + self.block_size] = k.to(self.dtype)
+                    self.cache.v[layer, base : base + self.block_size] = v.to(self.dtype)
+        except Exception:
+            self.pool.free(blocks)
+            raise
+        return Prefix(tuple(blocks), header.n_tokens)
+
+    def release(self, prefix: Prefix) -> None:
+        self.pool.free(list(prefix.block_ids))
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        held: dict[int, int] = {}
+        for seq in self.seqs.values():
+            for b in seq.block_table:
+                held[b] = held.get(b, 0) + 1
+        for b, count in held.items():
+            assert self.pool.refcount[b] >= count, f"block {b} used by more than it counts"
+        assert set(self.running) <= set(self.seqs)

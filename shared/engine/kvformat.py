@@ -1,0 +1,119 @@
+"""KV blocks as bytes: to ship to another process or to write to the storage tier.
+
+Layout: MAGIC, a 4-byte little-endian header length, a JSON header, then the data as cells.
+A cell is one layer's K then V for one block: [block_size, G, E] each, in the header's dtype.
+Cells are ordered layer-major (layer 0 blocks 0..n-1, layer 1 ...), so a reader can seek to
+exactly the cells it needs: a sliding-window layer needs only the blocks inside its window.
+Each cell has its own CRC32 in the header; a reader checks every cell it reads.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zlib
+from dataclasses import asdict, dataclass
+from typing import BinaryIO
+
+import numpy as np
+import torch
+
+MAGIC = b"KVMESH\x01\n"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KVFormatError(Exception):
+    """The bytes are not valid KV for this engine (wrong model, damaged, truncated)."""
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    fingerprint: str  # ModelConfig.fingerprint of the model that computed the KV
+    dtype: str
+    block_size: int
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    windows: list[int]  # per layer: its attention window, 0 for full attention
+    n_blocks: int
+    n_tokens: int  # n_blocks × block_size: only full blocks travel
+    crc32: list[int]  # per cell, layer-major
+
+    @property
+    def cell_bytes(self) -> int:
+        itemsize = torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
+        return 2 * self.block_size * self.n_kv_heads * self.head_dim * itemsize
+
+    def cell_index(self, layer: int, block: int) -> int:
+        return layer * self.n_blocks + block
+
+    def first_needed_block(self, layer: int) -> int:
+        """The first block a next token can attend to at this layer (window layers skip some)."""
+        window = self.windows[layer]
+        if not window:
+            return 0
+        return max(0, self.n_tokens - window + 1) // self.block_size
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the raw 16-bit words
+        t = t.view(torch.int16)
+    return t.contiguous().numpy().tobytes()
+
+
+def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy()).view(dtype).view(shape)
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    return torch.from_numpy(np.frombuffer(data, dtype=np_dtype).copy()).view(shape)
+
+
+def encode(header_fields: dict, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    """k, v: [layers, n_blocks, block_size, G, E] in the dtype to store."""
+    cells = []
+    crcs = []
+    for layer in range(k.shape[0]):
+        for block in range(k.shape[1]):
+            cell = _to_bytes(k[layer, block]) + _to_bytes(v[layer, block])
+            cells.append(cell)
+            crcs.append(zlib.crc32(cell))
+    header = KVHeader(**header_fields, crc32=crcs)
+    blob = json.dumps(asdict(header)).encode()
+    return MAGIC + struct.pack("<I", len(blob)) + blob + b"".join(cells)
+
+
+def read_header(f: BinaryIO) -> tuple[KVHeader, int]:
+    """The header and the offset where the data starts."""
+    head = f.read(len(MAGIC) + 4)
+    if len(head) < len(MAGIC) + 4 or head[: len(MAGIC)] != MAGIC:
+        raise KVFormatError("not kvmesh KV data (bad magic)")
+    (size,) = struct.unpack("<I", head[len(MAGIC) :])
+    try:
+        header = KVHeader(**json.loads(f.read(size)))
+    except (ValueError, TypeError) as err:
+        raise KVFormatError(f"damaged KV header: {err}") from None
+    if len(header.crc32) != header.n_layers * header.n_blocks or header.dtype not in DTYPES:
+        raise KVFormatError("damaged KV header: inconsistent fields")
+    return header, len(MAGIC) + 4 + size
+
+
+def read_cell(
+    f: BinaryIO, header: KVHeader, data_start: int, layer: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V for one block, [block_size, G, E] each; checksum verified."""
+    index = header.cell_index(layer, block)
+    f.seek(data_start + index * header.cell_bytes)
+    cell = f.read(header.cell_bytes)
+    if len(cell) != header.cell_bytes:
+        raise KVFormatError(f"KV data truncated at layer {layer} block {block}")
+    if zlib.crc32(cell) != header.crc32[index]:
+        raise KVFormatError(f"KV checksum mismatch at layer {layer} block {block}")
+    shape = (header.block_size, header.n_kv_heads, header.head_dim)
+    dtype = DTYPES[header.dtype]
+    half = header.cell_bytes // 2
+    return _from_bytes(cell[:half], dtype, shape), _from_bytes(cell[half:], dtype, shape)
+
+
+def as_reader(source: bytes | BinaryIO) -> BinaryIO:
+    return io.BytesIO(source) if isinstance(source, bytes | bytearray | memoryview) else source

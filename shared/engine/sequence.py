@@ -1,0 +1,54 @@
+"""A sequence's state in the engine: its tokens, its blocks, and why it finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from shared.engine.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    block_table: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    n_cached: int = 0  # leading tokens whose KV is in the cache
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    stop_string: str | None = None
+    last_logits: torch.Tensor | None = None  # of the prompt's last token, [V] fp32
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def slots(self, block_size: int, n: int) -> torch.Tensor:
+        """Cache slots of the first n tokens, [n] int64."""
+        table = torch.tensor(self.block_table, dtype=torch.int64)
+        pos = torch.arange(n)
+        return table[pos // block_size] * block_size + pos % block_size
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One new token of one sequence; finish_reason is set on its last."""
+
+    seq_id: str
+    token_id: int
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None
