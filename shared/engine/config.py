@@ -69,8 +69,18 @@ class ModelConfig:
 # Tiny configs share the real tokenizer's vocabulary, so text goes in and out as for the real
 # model; their weights are random (seeded), so what they say is noise but deterministic.
 _TINY = dict(
-    vocab_size=49152, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
-    rope_theta=10000.0, max_context=4096, bos_id=1, eos_ids=(2,), tie_embeddings=False,
+    vocab_size=49152,
+    dim=64,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    ffn_dim=128,
+    rope_theta=10000.0,
+    max_context=4096,
+    bos_id=1,
+    eos_ids=(2,),
+    tie_embeddings=False,
 )
 
 TINY_CONFIGS: dict[str, ModelConfig] = {

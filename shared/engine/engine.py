@@ -178,7 +178,11 @@ class TorchEngine(Engine):
             seg = Segment(0, end - start, seq.slots(self.block_size, end))
             rows = embeds[start:end] if embeds is not None else None
             hidden = self.model.forward(
-                torch.tensor(token_ids[start:end]), torch.arange(start, end), [seg], self.cache, rows
+                torch.tensor(token_ids[start:end]),
+                torch.arange(start, end),
+                [seg],
+                self.cache,
+                rows,
             )
         seq.n_cached = n
         assert hidden is not None

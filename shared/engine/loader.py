@@ -68,6 +68,7 @@ def load_model(name: str, state_dir: Path, seed: int = 0) -> LoadedModel:
     else:
         raise UnknownModel(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
     tokenizer, template, _ = _text_assets(state_dir)
-    log.info("loaded %s in %.1f s (fingerprint %s)", name, time.monotonic() - started,
-             config.fingerprint)
+    log.info(
+        "loaded %s in %.1f s (fingerprint %s)", name, time.monotonic() - started, config.fingerprint
+    )
     return LoadedModel(config, weights, tokenizer, template)

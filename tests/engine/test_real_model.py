@@ -1,0 +1,76 @@
+"""The real SmolLM2: tokenizer parity with transformers, template, a sensible greedy answer,
+and logits equal to transformers' own implementation of the same GGUF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine.sampling import SamplingParams
+from shared.engine.weights import find_gguf
+from tests.engine.conftest import make_engine
+
+TEXTS = [
+    "Hello world!",
+    "What is the capital of France?",
+    "  two leading spaces and trailing  ",
+    "emoji 🤖 and ünïcödé, naïve café",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "numbers 1234567 and 3.14159, dates 2026-11-29",
+    "tabs\tand\nnewlines\r\n\n\nend",
+    "中文字符测试 日本語のテキスト 한국어",
+    "def f(x):\n    return x**2  # a comment",
+    "URLs: https://example.com/a?b=c&d=e#f",
+    "",
+    "'quotes' \"double\" `back` — dashes … ellipsis",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    path = find_gguf()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_matches_transformers(real_model, hf_tokenizer, text: str) -> None:
+    ours = real_model.tokenizer.encode(text).ids
+    assert ours == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert real_model.tokenizer.decode(ours, skip_special_tokens=False) == text
+
+
+def test_chat_template_is_chatml(real_model) -> None:
+    text = real_model.chat_template.render([{"role": "user", "content": "Hi"}])
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>system\n")
+
+
+def test_greedy_answer_names_paris(real_model) -> None:
+    engine = make_engine(real_model, block_size=64)
+    text = real_model.chat_template.render(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    ids = real_model.tokenizer.encode(text).ids
+    out = [engine.prefill("q", ids, SamplingParams(max_tokens=24, temperature=0)).token_id]
+    while engine.running:
+        out += [o.token_id for o in engine.step()]
+    answer = real_model.tokenizer.decode(out)
+    assert "Paris" in answer
+    assert engine.sequence("q").finish_reason == "stop"  # it ended with <|im_end|>
+
+
+def test_logits_match_transformers(real_model) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = find_gguf()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    ids = real_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6).ids
+    engine = make_engine(real_model, block_size=64)
+    engine.prefill("x", ids, SamplingParams(max_tokens=1))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    assert (engine.sequence("x").last_logits - ref).abs().max().item() < 1e-3
