@@ -144,7 +144,7 @@ def bench_hf(prompt_len: int = 128, new_tokens: int = 32) -> float:
 def bandwidth_bound(engine: TorchEngine) -> tuple[float, float, int]:
     """Memory read bandwidth (read every weight once, best of 5) and bytes read per token."""
     model = engine.model
-    tensors = [*model.wt.values(), model.lm_head_t]
+    tensors = [*model.wp.values(), model.lm_head_p]
     tensors += [w for name, w in model.w.items() if name.endswith("norm")]
     per_token = sum(t.nbytes for t in tensors)
     best = float("inf")
