@@ -81,7 +81,6 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: Weights) -> None:
         self.config = config
-        self.w = weights
         # Dense projections are kept as [P, in, out/P] column panels and applied with one bmm:
         # torch's one-row matrix product runs on a single thread, the panels of a bmm run in
         # parallel, and the panel layout streams the weights in order (decode reads them all
@@ -93,6 +92,8 @@ class Transformer:
         }
         lm_head = weights["tok_emb"] if config.tie_embeddings else weights["lm_head"]
         self.lm_head_p = _panels(lm_head)
+        # The panels replace those matrices: keep no second copy of them.
+        self.w = {k: v for k, v in weights.items() if k not in self.wp and k != "lm_head"}
         self.cos, self.sin = _rope_tables(config)
         n_moe = len(config.moe.layers) if config.moe else 0
         n_experts = config.moe.n_experts if config.moe else 0
