@@ -3,10 +3,12 @@ own nats-server, the status table shows every service, Ctrl-C leaves no process 
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from shared.messages.heartbeat import ROLES
@@ -37,9 +39,7 @@ def test_up_status_and_clean_stop(state_dir: Path) -> None:
         # NATS runs with JetStream, its store under the state dir.
         assert (state_dir / "nats" / "jetstream").is_dir()
 
-        table = subprocess.run(
-            [*KVMESH, "status"], env=env, capture_output=True, text=True, timeout=30
-        )
+        table = kvmesh(["status"], env)
         assert table.returncode == 0, table.stderr
         lines = table.stdout.splitlines()
         assert lines[0].split()[:3] == ["ROLE", "ID", "STATUS"]
@@ -64,35 +64,40 @@ def test_up_status_and_clean_stop(state_dir: Path) -> None:
         up.stop()
 
 
+def kvmesh(args: list[str], env: dict[str, str], timeout_s: float = 120):
+    return subprocess.run(
+        [*KVMESH, *args], env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+
+
+@contextlib.contextmanager
+def occupied_port() -> Iterator[int]:
+    """A port on 127.0.0.1 held by a listener that is not ours to use."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        yield squatter.getsockname()[1]
+
+
 def test_status_without_a_stack_says_so(state_dir: Path) -> None:
     env = service_env(f"nats://127.0.0.1:{free_port()}", state_dir)
-    done = subprocess.run(
-        [*KVMESH, "status", "--timeout", "1"], env=env, capture_output=True, text=True, timeout=30
-    )
+    done = kvmesh(["status", "--timeout", "1"], env)
     assert done.returncode == 1
     assert "cannot reach NATS" in done.stderr
     assert "kvmesh up" in done.stderr
 
 
 def test_up_with_nats_port_taken_is_a_clear_error(state_dir: Path) -> None:
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
-        squatter.listen()
-        port = squatter.getsockname()[1]
-        env = up_env(state_dir, port, free_port())
-        done = subprocess.run([*KVMESH, "up"], env=env, capture_output=True, text=True, timeout=60)
+    with occupied_port() as port:
+        done = kvmesh(["up"], up_env(state_dir, port, free_port()))
     assert done.returncode == 1
     assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
     assert kvmesh_pids(str(state_dir)) == []
 
 
 def test_up_with_router_port_taken_stops_everything(state_dir: Path) -> None:
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
-        squatter.listen()
-        http_port = squatter.getsockname()[1]
-        env = up_env(state_dir, free_port(), http_port)
-        done = subprocess.run([*KVMESH, "up"], env=env, capture_output=True, text=True, timeout=120)
+    with occupied_port() as http_port:
+        done = kvmesh(["up"], up_env(state_dir, free_port(), http_port))
     assert done.returncode == 1
     assert f"cannot listen on 127.0.0.1:{http_port}" in done.stdout
     assert "router-0 (exit code 1) stopped while the stack was starting" in done.stderr
@@ -101,8 +106,6 @@ def test_up_with_router_port_taken_stops_everything(state_dir: Path) -> None:
 
 def test_up_rejects_bad_counts(state_dir: Path) -> None:
     env = service_env(f"nats://127.0.0.1:{free_port()}", state_dir)
-    done = subprocess.run(
-        [*KVMESH, "up", "--decode", "-1"], env=env, capture_output=True, text=True, timeout=30
-    )
+    done = kvmesh(["up", "--decode", "-1"], env)
     assert done.returncode == 2
     assert "--decode must be between 0 and 64 (got -1)" in done.stderr
