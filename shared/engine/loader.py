@@ -30,10 +30,11 @@ class LoadedModel:
     chat_template: ChatTemplate
 
 
-def _text_assets(state_dir: Path) -> tuple[Tokenizer, ChatTemplate, dict | None]:
+def _text_assets(state_dir: Path, meta: dict | None = None) -> tuple[Tokenizer, ChatTemplate]:
     """The real model's tokenizer and chat template, from the cache when possible.
 
-    Returns the GGUF metadata too when the file had to be read (None from the cache).
+    ``meta`` is the GGUF metadata when the caller has already read the file; otherwise the
+    file is opened only if the cache lacks something.
     """
     path = find_gguf()
     stat = path.stat()
@@ -41,17 +42,17 @@ def _text_assets(state_dir: Path) -> tuple[Tokenizer, ChatTemplate, dict | None]
     cache = state_dir / "cache"
     template_file = cache / f"chat_template-{key}.jinja"
     tok_file = cache / f"tokenizer-{key}.json"
-    meta = None
-    if not (template_file.is_file() and tok_file.is_file()):
+    if meta is None and not (template_file.is_file() and tok_file.is_file()):
         from gguf import GGUFReader
 
         reader = GGUFReader(path)
         meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    if not template_file.is_file():
+        assert meta is not None
         cache.mkdir(parents=True, exist_ok=True)
         template_file.write_text(meta["tokenizer.chat_template"])
     tokenizer = load_tokenizer(meta or {}, cache, key)
-    template = ChatTemplate(template_file.read_text())
-    return tokenizer, template, meta
+    return tokenizer, ChatTemplate(template_file.read_text())
 
 
 def load_model(name: str, state_dir: Path, seed: int = 0) -> LoadedModel:
@@ -60,14 +61,15 @@ def load_model(name: str, state_dir: Path, seed: int = 0) -> LoadedModel:
     if name == REAL_MODEL:
         log.info("loading %s: reading and dequantizing the GGUF file", name)
         gguf = read_gguf(find_gguf())
-        config, weights = gguf.config, gguf.weights
+        config, weights, meta = gguf.config, gguf.weights, gguf.metadata
     elif name in TINY_CONFIGS:
         base = TINY_CONFIGS[name]
         config = ModelConfig(**{**base.__dict__, "weights_id": f"seed:{seed}"})
         weights = random_weights(config, seed)
+        meta = None
     else:
         raise UnknownModel(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
-    tokenizer, template, _ = _text_assets(state_dir)
+    tokenizer, template = _text_assets(state_dir, meta)
     log.info(
         "loaded %s in %.1f s (fingerprint %s)", name, time.monotonic() - started, config.fingerprint
     )
