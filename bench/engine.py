@@ -130,14 +130,13 @@ def bench_hf(prompt_len: int = 128, new_tokens: int = 32) -> float:
     )
     ids = torch.tensor([prompt_ids(prompt_len)])
     kw = dict(do_sample=False, pad_token_id=2, eos_token_id=None)
+    def generate(n: int) -> None:
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
-        t = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, **kw)
-        total = time.perf_counter() - t
-        t = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        first = time.perf_counter() - t
+        generate(4)
+        total = median_time(lambda: generate(new_tokens + 1))
+        first = median_time(lambda: generate(1))
     return new_tokens / (total - first)  # decode only: the prompt's prefill taken out
 
 

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 PREFIX = "kvmesh"
 
+
+def _token(name: str) -> str:
+    """One subject token from an id: no dots (hostnames have them), wildcards or spaces."""
+    return "".join("_" if c in ".*> \t" else c for c in name) or "_"
+
+
 # Heartbeats and load reports: every service publishes on heartbeat(role) every interval.
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"
 
@@ -19,3 +25,22 @@ def heartbeat(role: str) -> str:
 # Request/reply: a router's view of the live workers (served by every router, queue group).
 ROUTER_REGISTRY = f"{PREFIX}.router.registry"
 ROUTER_QUEUE = "router"
+
+
+# The request path. A router sends a GenerateTask to the worker it picked (request/reply: the
+# reply is a TaskAck); tokens come back on reply(router_id, request_id) as TokenEvents.
+def tasks(role: str, service_id: str) -> str:
+    return f"{PREFIX}.{role}.{_token(service_id)}.tasks"
+
+
+def replies(router_id: str) -> str:
+    """All reply subjects of one router (it subscribes once and sorts events by request)."""
+    return f"{PREFIX}.reply.{_token(router_id)}.>"
+
+
+def reply(router_id: str, request_id: str) -> str:
+    return f"{PREFIX}.reply.{_token(router_id)}.{_token(request_id)}"
+
+
+# A cancelled request: every prefill and decode worker listens, the one holding it acts.
+CANCEL = f"{PREFIX}.cancel"

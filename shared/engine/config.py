@@ -54,6 +54,19 @@ class ModelConfig:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        d = json.loads(text)
+        moe = d.pop("moe")
+        for key in ("swa_layers", "eos_ids"):
+            d[key] = tuple(d[key])
+        if moe:
+            moe = MoEConfig(**{**moe, "layers": tuple(moe["layers"])})
+        return cls(**d, moe=moe)
+
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim

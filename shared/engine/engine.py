@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -24,7 +25,11 @@ from shared.engine.sequence import Sequence, StepOutput
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineOptions", "Prefix", "TorchEngine", "PoolExhausted"]
+__all__ = ["Cancelled", "Engine", "EngineOptions", "Prefix", "TorchEngine", "PoolExhausted"]
+
+
+class Cancelled(Exception):
+    """A prefill was stopped between chunks because its request was cancelled."""
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,27 @@ class Engine(ABC):
         params: SamplingParams,
         prefix: Prefix | None = None,
         embeds: torch.Tensor | None = None,
+        handoff: bool = False,
+        cancelled: Callable[[], bool] | None = None,
     ) -> StepOutput:
         """Compute the prompt past ``prefix``, sample the first token; the sequence then joins
-        the decode batch unless that token finished it. Raises PoolExhausted when full."""
+        the decode batch unless that token finished it. Raises PoolExhausted when full.
+
+        ``handoff``: the sequence will decode elsewhere: blocks are reserved for the prompt
+        only, it never joins the batch; export it with ``export_kv(partial=True)``, then free.
+        ``cancelled`` is polled between chunks; when it says True, Cancelled is raised."""
+
+    @abstractmethod
+    def reserve(self, seq_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        """Hold blocks for a prompt whose KV comes from elsewhere, and for its whole answer.
+        Raises PoolExhausted (or ValueError for a prompt too long) when it cannot."""
+
+    @abstractmethod
+    def receive(
+        self, seq_id: str, source: bytes | BinaryIO, first_token: int, generator_state: bytes = b""
+    ) -> None:
+        """Write a reserved sequence's prompt KV (from ``export_kv(partial=True)``) and its first
+        token (sampled by the prefill side), and join it to the decode batch."""
 
     @abstractmethod
     def step(self) -> list[StepOutput]:
@@ -127,16 +150,31 @@ class TorchEngine(Engine):
 
     # -- admission -------------------------------------------------------------------------
 
-    def _blocks_needed(self, n_prompt: int, params: SamplingParams, prefix: Prefix | None) -> int:
+    def _blocks_needed(
+        self, n_prompt: int, params: SamplingParams, prefix: Prefix | None, answer: bool = True
+    ) -> int:
         # Room for the whole answer is reserved up front, so decode never runs out mid-answer.
-        total = min(n_prompt + params.max_tokens, self.config.max_context)
+        total = min(n_prompt + (params.max_tokens if answer else 0), self.config.max_context)
         held = len(prefix.block_ids) if prefix else 0
         return self.pool.blocks_for(total) - held
 
     def can_admit(self, n_prompt: int, params: SamplingParams, prefix: Prefix | None) -> bool:
-        return len(self.running) < self.options.max_running and self.pool.can_allocate(
+        return len(self.seqs) < self.options.max_running and self.pool.can_allocate(
             self._blocks_needed(n_prompt, params, prefix)
         )
+
+    def _check_fits(self, seq_id: str, n: int, params: SamplingParams) -> None:
+        limit = self.config.max_context
+        if n == 0:
+            raise ValueError("prompt must have at least one token")
+        if n + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {limit} tokens"
+            )
+        assert seq_id not in self.seqs, f"sequence {seq_id} exists"
+        if len(self.seqs) >= self.options.max_running:
+            raise PoolExhausted(f"{self.options.max_running} sequences already running")
 
     # -- prefill and decode ----------------------------------------------------------------
 
@@ -147,22 +185,15 @@ class TorchEngine(Engine):
         params: SamplingParams,
         prefix: Prefix | None = None,
         embeds: torch.Tensor | None = None,
+        handoff: bool = False,
+        cancelled: Callable[[], bool] | None = None,
     ) -> StepOutput:
         n = len(token_ids)
-        limit = self.config.max_context
-        if n == 0:
-            raise ValueError("prompt must have at least one token")
-        if n + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context of {limit} tokens"
-            )
-        assert seq_id not in self.seqs, f"sequence {seq_id} exists"
+        self._check_fits(seq_id, n, params)
         n_cached = prefix.n_tokens if prefix else 0
         assert n_cached < n, "a prefix must leave at least one token to compute"
-        if len(self.running) >= self.options.max_running:
-            raise PoolExhausted(f"{self.options.max_running} sequences already running")
-        new_blocks = self.pool.allocate(self._blocks_needed(n, params, prefix))
+        # A handed-off sequence needs KV for its prompt only: the answer is decoded elsewhere.
+        new_blocks = self.pool.allocate(self._blocks_needed(n, params, prefix, not handoff))
         if prefix:
             self.pool.share(list(prefix.block_ids))
         seq = Sequence(seq_id, list(token_ids), params)
@@ -174,6 +205,9 @@ class TorchEngine(Engine):
         hidden = None
         chunk = self.options.prefill_chunk
         for start in range(n_cached, n, chunk):
+            if cancelled is not None and cancelled():
+                self.free(seq_id)
+                raise Cancelled(f"prefill of {seq_id} cancelled at token {start} of {n}")
             end = min(n, start + chunk)
             seg = Segment(0, end - start, seq.slots(self.block_size, end))
             rows = embeds[start:end] if embeds is not None else None
@@ -188,9 +222,38 @@ class TorchEngine(Engine):
         assert hidden is not None
         seq.last_logits = self.model.logits(hidden[-1:])[0]
         out = self._append(seq, seq.last_logits)
-        if not seq.finished:
+        if not seq.finished and not handoff:
             self.running.append(seq_id)
         return out
+
+    def reserve(self, seq_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        self._check_fits(seq_id, len(token_ids), params)
+        seq = Sequence(seq_id, list(token_ids), params)
+        seq.block_table = self.pool.allocate(self._blocks_needed(len(token_ids), params, None))
+        self.seqs[seq_id] = seq
+
+    def receive(
+        self, seq_id: str, source: bytes | BinaryIO, first_token: int, generator_state: bytes = b""
+    ) -> None:
+        seq = self.seqs[seq_id]
+        assert seq.n_cached == 0 and not seq.output_ids, f"sequence {seq_id} already has KV"
+        f = kvformat.as_reader(source)
+        header, data_start = self._read_header(f)
+        if header.n_tokens != len(seq.prompt_ids):
+            raise kvformat.KVFormatError(
+                f"KV covers {header.n_tokens} tokens; the prompt has {len(seq.prompt_ids)}"
+            )
+        self._write_cells(f, header, data_start, seq.block_table)
+        seq.n_cached = header.n_tokens
+        if seq.params.seed is not None:
+            seq.generator = torch.Generator()
+            if generator_state:
+                state = torch.frombuffer(bytearray(generator_state), dtype=torch.uint8)
+                seq.generator.set_state(state)
+            else:
+                seq.generator.manual_seed(seq.params.seed)
+        seq.output_ids.append(first_token)
+        self.running.append(seq_id)
 
     def step(self) -> list[StepOutput]:
         if not self.running:
@@ -255,7 +318,7 @@ class TorchEngine(Engine):
 
     # -- KV export and import --------------------------------------------------------------
 
-    def _header_fields(self, n_blocks: int, dtype: str) -> dict:
+    def _header_fields(self, n_blocks: int, n_tokens: int, dtype: str) -> dict:
         c = self.config
         return dict(
             fingerprint=c.fingerprint,
@@ -266,37 +329,49 @@ class TorchEngine(Engine):
             head_dim=c.head_dim,
             windows=[c.window(i) for i in range(c.n_layers)],
             n_blocks=n_blocks,
-            n_tokens=n_blocks * self.block_size,
+            n_tokens=n_tokens,
         )
 
-    def export_kv(self, seq_id: str, dtype: str | None = None) -> bytes:
+    def export_kv(self, seq_id: str, dtype: str | None = None, partial: bool = False) -> bytes:
+        """``partial``: include the last, partly filled block (a handoff ships the whole prompt;
+        a cache keeps whole blocks only)."""
         seq = self.seqs[seq_id]
         dtype = dtype or self.options.dtype
-        n_blocks = seq.n_cached // self.block_size
+        n_tokens = seq.n_cached if partial else seq.n_cached // self.block_size * self.block_size
+        n_blocks = self.pool.blocks_for(n_tokens)
         slots = seq.slots(self.block_size, n_blocks * self.block_size)
         shape = (self.config.n_layers, n_blocks, self.block_size, self.config.n_kv_heads, -1)
         k = self.cache.k[:, slots].reshape(shape).to(kvformat.DTYPES[dtype])
         v = self.cache.v[:, slots].reshape(shape).to(kvformat.DTYPES[dtype])
-        return kvformat.encode(self._header_fields(n_blocks, dtype), k, v)
+        return kvformat.encode(self._header_fields(n_blocks, n_tokens, dtype), k, v)
 
-    def import_kv(self, source: bytes | BinaryIO) -> Prefix:
-        f = kvformat.as_reader(source)
+    def _read_header(self, f: BinaryIO) -> tuple[kvformat.KVHeader, int]:
         header, data_start = kvformat.read_header(f)
-        expected = self._header_fields(header.n_blocks, header.dtype)
+        expected = self._header_fields(header.n_blocks, header.n_tokens, header.dtype)
         for key in ("fingerprint", "block_size", "n_layers", "n_kv_heads", "head_dim", "windows"):
             if getattr(header, key) != expected[key]:
                 raise kvformat.KVFormatError(
                     f"KV is for another model or layout: {key} is {getattr(header, key)!r}, "
                     f"this engine has {expected[key]!r}"
                 )
+        return header, data_start
+
+    def _write_cells(
+        self, f: BinaryIO, header: kvformat.KVHeader, data_start: int, blocks: list[int]
+    ) -> None:
+        for layer in range(header.n_layers):
+            for b in range(header.first_needed_block(layer), header.n_blocks):
+                k, v = kvformat.read_cell(f, header, data_start, layer, b)
+                base = blocks[b] * self.block_size
+                self.cache.k[layer, base : base + self.block_size] = k.to(self.dtype)
+                self.cache.v[layer, base : base + self.block_size] = v.to(self.dtype)
+
+    def import_kv(self, source: bytes | BinaryIO) -> Prefix:
+        f = kvformat.as_reader(source)
+        header, data_start = self._read_header(f)
         blocks = self.pool.allocate(header.n_blocks)
         try:
-            for layer in range(header.n_layers):
-                for b in range(header.first_needed_block(layer), header.n_blocks):
-                    k, v = kvformat.read_cell(f, header, data_start, layer, b)
-                    base = blocks[b] * self.block_size
-                    self.cache.k[layer, base : base + self.block_size] = k.to(self.dtype)
-                    self.cache.v[layer, base : base + self.block_size] = v.to(self.dtype)
+            self._write_cells(f, header, data_start, blocks)
         except Exception:
             self.pool.free(blocks)
             raise

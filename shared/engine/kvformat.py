@@ -37,7 +37,7 @@ class KVHeader:
     head_dim: int
     windows: list[int]  # per layer: its attention window, 0 for full attention
     n_blocks: int
-    n_tokens: int  # n_blocks × block_size: only full blocks travel
+    n_tokens: int  # tokens with KV: the last block may be partial (a handoff's prompt)
     crc32: list[int]  # per cell, layer-major
 
     @property

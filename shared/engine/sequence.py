@@ -37,6 +37,11 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def generator_state(self) -> bytes:
+        """The sampler's random state, so another process can continue the same stream."""
+        return self.generator.get_state().numpy().tobytes() if self.generator else b""
+
     def slots(self, block_size: int, n: int) -> torch.Tensor:
         """Cache slots of the first n tokens, [n] int64."""
         table = torch.tensor(self.block_table, dtype=torch.int64)

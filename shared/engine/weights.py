@@ -64,19 +64,24 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> GGUFModel:
+def read_gguf_config(path: Path) -> ModelConfig:
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
-    started = time.monotonic()
     reader = GGUFReader(path)
     meta = {key: field.contents() for key, field in reader.fields.items()}
+    config = _config_from_meta(meta, path)
+    if not any(t.name == "output.weight" for t in reader.tensors):
+        return config
+    return replace(config, tie_embeddings=False)
+
+
+def _config_from_meta(meta: dict[str, Any], path: Path) -> ModelConfig:
     arch = meta["general.architecture"]
     assert arch == "llama", f"only llama-architecture GGUF files are supported, not {arch}"
     n_heads = int(meta["llama.attention.head_count"])
     n_kv = int(meta["llama.attention.head_count_kv"])
     dim = int(meta["llama.embedding_length"])
-    config = ModelConfig(
+    return ModelConfig(
         name=REAL_MODEL,
         vocab_size=int(meta.get("llama.vocab_size", len(meta["tokenizer.ggml.tokens"]))),
         dim=dim,
@@ -92,6 +97,16 @@ def read_gguf(path: Path) -> GGUFModel:
         eos_ids=(int(meta["tokenizer.ggml.eos_token_id"]),),
         weights_id=f"gguf:{file_digest(path)}",
     )
+
+
+def read_gguf(path: Path) -> GGUFModel:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    started = time.monotonic()
+    reader = GGUFReader(path)
+    meta = {key: field.contents() for key, field in reader.fields.items()}
+    config = _config_from_meta(meta, path)
     raw: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         raw[t.name] = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
@@ -104,8 +119,8 @@ def read_gguf(path: Path) -> GGUFModel:
         config = replace(config, tie_embeddings=False)
     for i in range(config.n_layers):
         p = f"blk.{i}."
-        q = _unpermute_rope(raw[p + "attn_q.weight"], n_heads)
-        k = _unpermute_rope(raw[p + "attn_k.weight"], n_kv)
+        q = _unpermute_rope(raw[p + "attn_q.weight"], config.n_heads)
+        k = _unpermute_rope(raw[p + "attn_k.weight"], config.n_kv_heads)
         v = raw[p + "attn_v.weight"]
         w[f"layers.{i}.wqkv"] = torch.from_numpy(np.concatenate([q, k, v]))
         w[f"layers.{i}.wo"] = torch.from_numpy(raw[p + "attn_output.weight"].copy())

@@ -1,0 +1,86 @@
+"""The request path: router → prefill/decode tasks, worker → router token events, cancels.
+
+Tasks are sent with NATS request/reply: the reply (TaskAck) only says the worker accepted the
+task into its queue; tokens then arrive as TokenEvents on the request's reply subject.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from shared.engine.sampling import SamplingParams
+from shared.messages import Message
+
+
+class Sampling(Message):
+    """SamplingParams on the wire (validated again by the engine)."""
+
+    max_tokens: int = Field(ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=tuple(self.stop),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class GenerateTask(Message):
+    """Compute a prompt and stream its answer. Sent to a prefill worker, which hands the KV to
+    ``decode_id`` at ``decode_kv_address``; or, for a short uncached prompt, straight to the
+    decode worker, which prefills it itself (conditional disaggregation)."""
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+    sampling: Sampling
+    reply_subject: str
+    decode_id: str
+    decode_kv_address: str = Field(description="host:port of the decode worker's KV server")
+    deadline: float = Field(description="unix time after which nobody waits for the answer")
+
+
+class TaskAck(Message):
+    accepted: bool
+    reason: str = ""  # why not: "busy" (queue full), "unknown model", ...
+    queued: int = 0  # tasks ahead of this one
+
+
+ErrorCode = Literal["", "busy", "unavailable", "internal", "cancelled"]
+
+
+class TokenEvent(Message):
+    """New tokens of a request, in order: ``index`` is the position of the first of them in
+    the answer. The last event has ``finish_reason`` (or ``error``)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_string: str | None = None
+    cached_tokens: int | None = None  # on the first event: prompt tokens whose KV was reused
+    error: str = ""
+    error_code: ErrorCode = ""
+    # Where the time went (seconds), on the events that know it: prefill on the first,
+    # decode compute on the last.
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    kv_bytes: int | None = None
+    kv_transfer_s: float | None = None
+    worker_id: str = ""
+
+
+class Cancel(Message):
+    """The client went away: free the request's sequence wherever it is."""
+
+    request_id: str

@@ -1,0 +1,75 @@
+"""Prefill on one engine, decode on another: the handoff the mesh does between workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine.engine import Cancelled
+from shared.engine.kvformat import KVFormatError
+from shared.engine.sampling import SamplingParams
+from tests.engine.conftest import make_engine
+from tests.engine.test_batching import run_alone
+from tests.engine.test_prefix_reuse import prompt
+
+
+def hand_off(prefill_model, decode_model, ids: list[int], params: SamplingParams) -> list[int]:
+    """Prefill on engine A, ship the prompt's KV (a partial last block too) to engine B."""
+    a, b = make_engine(prefill_model), make_engine(decode_model)
+    first = a.prefill("r", ids, params, handoff=True)
+    assert "r" not in a.running, "a handed-off sequence never decodes where it was prefilled"
+    blob = a.export_kv("r", partial=True)
+    state = a.sequence("r").generator_state
+    a.free("r")
+    assert a.pool.used_blocks == 0
+    b.reserve("r", ids, params)
+    reserved = b.pool.used_blocks
+    assert reserved == b.pool.blocks_for(len(ids) + params.max_tokens)
+    b.receive("r", blob, first.token_id, state)
+    out = [first.token_id]
+    while b.running:
+        out += [o.token_id for o in b.step()]
+    b.free("r")
+    assert b.pool.used_blocks == 0
+    b.check_integrity()
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-swa", "tiny-moe"])
+def test_handed_off_greedy_answer_equals_one_engine(tiny_models, name: str) -> None:
+    model = tiny_models[name]
+    ids = prompt(45)  # not a whole number of 8-token blocks: the last block travels partly full
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert hand_off(model, model, ids, params) == run_alone(model, ids, params)
+
+
+def test_handed_off_seeded_sampling_continues_the_same_stream(tiny_models) -> None:
+    model = tiny_models["tiny"]
+    ids = prompt(30, seed=3)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    assert hand_off(model, model, ids, params) == run_alone(model, ids, params)
+
+
+def test_kv_for_another_prompt_length_is_refused(tiny_models) -> None:
+    model = tiny_models["tiny"]
+    a, b = make_engine(model), make_engine(model)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    first = a.prefill("r", prompt(20), params, handoff=True)
+    blob = a.export_kv("r", partial=True)
+    b.reserve("r", prompt(21), params)
+    with pytest.raises(KVFormatError, match="20 tokens"):
+        b.receive("r", blob, first.token_id)
+    b.abort("r")
+    assert b.pool.used_blocks == 0
+
+
+def test_cancelled_prefill_stops_between_chunks_and_frees(tiny_models) -> None:
+    engine = make_engine(tiny_models["tiny"], prefill_chunk=16)
+    polls = []
+
+    def cancelled() -> bool:
+        polls.append(1)
+        return len(polls) > 2  # cancelled after two chunks
+
+    with pytest.raises(Cancelled, match="at token 32 of 100"):
+        engine.prefill("r", prompt(100), SamplingParams(max_tokens=4), cancelled=cancelled)
+    assert engine.pool.used_blocks == 0 and not engine.seqs
