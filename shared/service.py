@@ -107,7 +107,9 @@ class Service(ABC):
 async def serve_http(stack: AsyncExitStack, app: web.Application, settings: ServiceSettings) -> str:
     """Serve ``app`` until the stack closes; returns its advertised URL (the real port)."""
     host, port = settings.http_host, settings.http_port
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    # handler_cancellation: a handler whose client went away is cancelled (and so, for the
+    # router, is the request on its workers).
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     site = web.TCPSite(runner, host, port, reuse_address=True)

@@ -1,24 +1,246 @@
-"""The decode worker process. It joins the mesh and advertises its model; the work comes later."""
+"""The decode worker: receives KV over gRPC (or prefills short prompts itself), runs the
+continuous batch, and publishes each new token to the request's reply subject."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import collections
+import logging
+import time
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import grpc
 
 from services.decode.settings import DecodeSettings
-from shared.bus import Bus
-from shared.service import Service
+from shared.bus import Bus, subjects
+from shared.engine.blocks import PoolExhausted
+from shared.engine.kvformat import KVFormatError
+from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck, TokenEvent
+from shared.messages.heartbeat import Load
+from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.settings import CommonSettings
+from shared.worker import WorkerService
+
+log = logging.getLogger(__name__)
 
 
-class DecodeService(Service):
+@dataclass
+class Active:
+    """A request this worker holds: receiving its KV, prefilling it, or decoding it."""
+
+    task: GenerateTask
+    next_index: int  # position in the answer of the next token to publish
+    decode_s: float = 0.0
+    kv_bytes: int | None = None  # reported once, on the first event after the handoff
+    kv_transfer_s: float | None = None
+    cancelled: bool = False
+
+
+class DecodeService(WorkerService):
     role = "decode"
 
     def __init__(self, common: CommonSettings, settings: DecodeSettings) -> None:
         super().__init__(common, settings)
-        self.model = settings.model
+        self.settings: DecodeSettings = settings
+        self.active: dict[str, Active] = {}
+        self.pending: collections.deque[GenerateTask] = collections.deque()
+        self.kv_address = ""
+        self._wake = asyncio.Event()
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
-        pass
+        await self.start_engine(stack, bus)
+        server = grpc.aio.server()
+        kv_pb2_grpc.add_KvHandoffServicer_to_server(KvReceiver(self), server)
+        port = server.add_insecure_port(f"{self.settings.http_host}:{self.settings.kv_port}")
+        await server.start()
+        stack.push_async_callback(server.stop, 1.0)
+        self.kv_address = f"{self.settings.advertised_host()}:{port}"
+        await bus.serve(subjects.tasks(self.role, self.service_id), GenerateTask, self.on_task)
+        loop = asyncio.create_task(self.decode_loop())
+        stack.callback(loop.cancel)
 
-    def models(self) -> list[str]:
-        return [self.model]
+    def addresses(self) -> dict[str, str]:
+        return {**super().addresses(), "kv": self.kv_address}
+
+    def load(self) -> Load:
+        if self.runner is None:
+            return Load()
+        pool = self.engine.pool
+        return Load(
+            inflight=len(self.active),
+            queued=len(self.pending),
+            kv_blocks_used=pool.used_blocks,
+            kv_blocks_total=pool.n_blocks,
+        )
+
+    async def drain(self) -> None:
+        while self.active or self.pending:
+            await asyncio.sleep(0.05)
+
+    # -- work arriving -----------------------------------------------------------------------
+
+    async def on_task(self, task: GenerateTask) -> TaskAck:
+        """A short prompt to prefill here (no KV moves)."""
+        if self.status != "ready" or len(self.pending) >= self.settings.max_queued:
+            return TaskAck(accepted=False, reason="busy", queued=len(self.pending))
+        if task.model != self.settings.model:
+            return TaskAck(accepted=False, reason=f"this worker serves {self.settings.model}")
+        params = task.sampling.params()
+        if not self.engine.can_admit(len(task.token_ids), params, None):
+            return TaskAck(accepted=False, reason="busy", queued=len(self.pending))
+        self.pending.append(task)
+        self._wake.set()
+        return TaskAck(accepted=True, queued=len(self.pending) - 1)
+
+    async def on_cancel(self, cancel: Cancel) -> None:
+        rid = cancel.request_id
+        for task in list(self.pending):
+            if task.request_id == rid:
+                self.pending.remove(task)
+        active = self.active.get(rid)
+        if active is not None:
+            active.cancelled = True
+            await self.drop(rid)
+
+    async def drop(self, rid: str) -> None:
+        """Forget a request and give its KV blocks back."""
+        if self.active.pop(rid, None) is not None:
+            await self.runner.call(self.engine.abort, rid)
+            log.info("dropped %s", rid)
+
+    # -- the batch ---------------------------------------------------------------------------
+
+    async def decode_loop(self) -> None:
+        while True:
+            if not self.pending and not self.engine.running:
+                self._wake.clear()
+                await self._wake.wait()
+            if self.pending:  # one local prefill, then a step: running answers keep flowing
+                await self.prefill_here(self.pending.popleft())
+            if self.engine.running:
+                await self.step()
+
+    async def prefill_here(self, task: GenerateTask) -> None:
+        rid = task.request_id
+        self.active[rid] = active = Active(task, next_index=0)
+        started = time.perf_counter()
+        try:
+            out = await self.runner.call(
+                self.engine.prefill, rid, task.token_ids, task.sampling.params()
+            )
+        except (PoolExhausted, ValueError) as err:
+            self.active.pop(rid, None)
+            code = "busy" if isinstance(err, PoolExhausted) else "internal"
+            await self.send(task.reply_subject, self._error(rid, str(err), code))
+            return
+        if active.cancelled:
+            await self.runner.call(self.engine.abort, rid)
+            return
+        event = TokenEvent(
+            request_id=rid,
+            index=0,
+            token_ids=[out.token_id],
+            finish_reason=out.finish_reason,
+            stop_string=out.stop_string,
+            cached_tokens=0,
+            prefill_s=time.perf_counter() - started,
+            worker_id=self.service_id,
+        )
+        active.next_index = 1
+        if out.finish_reason:
+            await self.drop(rid)
+        await self.send(task.reply_subject, event)
+
+    async def step(self) -> None:
+        started = time.perf_counter()
+        outputs = await self.runner.call(self.engine.step)
+        took = time.perf_counter() - started
+        now = time.time()
+        for out in outputs:
+            active = self.active.get(out.seq_id)
+            if active is None:  # cancelled during the step
+                continue
+            active.decode_s += took
+            finish = out.finish_reason
+            if not finish and now > active.task.deadline:
+                finish = "abort"
+            event = TokenEvent(
+                request_id=out.seq_id,
+                index=active.next_index,
+                token_ids=[out.token_id],
+                finish_reason=finish,
+                stop_string=out.stop_string,
+                decode_s=active.decode_s if finish else None,
+                kv_bytes=active.kv_bytes,
+                kv_transfer_s=active.kv_transfer_s,
+                worker_id=self.service_id,
+            )
+            active.next_index += 1
+            active.kv_bytes = active.kv_transfer_s = None
+            if finish:
+                await self.drop(out.seq_id)
+            await self.send(active.task.reply_subject, event)
+
+    def _error(self, rid: str, message: str, code: str) -> TokenEvent:
+        return TokenEvent(
+            request_id=rid, index=0, error=message, error_code=code, worker_id=self.service_id
+        )
+
+
+class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
+    """The gRPC end of a KV handoff (see shared/proto/kv.proto for the exchange)."""
+
+    def __init__(self, service: DecodeService) -> None:
+        self.svc = service
+
+    async def Handoff(self, request_iterator, context):  # noqa: ANN001, ANN201, N802
+        svc = self.svc
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.reserve:
+            yield kv_pb2.HandoffStatus(ok=False, code="internal", error="no reserve message")
+            return
+        task = GenerateTask.from_bytes(first.reserve)
+        rid = task.request_id
+        if svc.status != "ready" or task.model != svc.settings.model:
+            yield kv_pb2.HandoffStatus(ok=False, code="busy", error=f"{svc.service_id} not taking")
+            return
+        try:
+            await svc.runner.call(svc.engine.reserve, rid, task.token_ids, task.sampling.params())
+        except (PoolExhausted, ValueError) as err:
+            code = "busy" if isinstance(err, PoolExhausted) else "internal"
+            yield kv_pb2.HandoffStatus(ok=False, code=code, error=str(err))
+            return
+        svc.active[rid] = active = Active(task, next_index=1)
+        joined = False
+        try:
+            yield kv_pb2.HandoffStatus(ok=True)
+            data = bytearray()
+            started: float | None = None
+            done: HandoffDone | None = None
+            async for chunk in request_iterator:
+                if chunk.data:
+                    started = started or time.perf_counter()
+                    data += chunk.data
+                if chunk.done:
+                    done = HandoffDone.from_bytes(chunk.done)
+                    break
+            if done is None or active.cancelled:
+                return  # prefill gave up (its first token finished the answer, or a cancel)
+            took = time.perf_counter() - (started or time.perf_counter())
+            state = base64.b64decode(done.generator_state)
+            try:
+                await svc.runner.call(svc.engine.receive, rid, bytes(data), done.first_token, state)
+            except KVFormatError as err:
+                yield kv_pb2.HandoffStatus(ok=False, code="internal", error=str(err))
+                return
+            active.kv_bytes, active.kv_transfer_s = len(data), took
+            joined = True
+            svc._wake.set()
+            log.debug("%s joined: %d KV bytes in %.1f ms", rid, len(data), took * 1e3)
+            yield kv_pb2.HandoffStatus(ok=True)
+        finally:
+            if not joined and rid in svc.active:
+                # Not awaited here: this may run while the call is being cancelled.
+                asyncio.get_running_loop().create_task(svc.drop(rid))

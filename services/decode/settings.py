@@ -7,11 +7,16 @@ from typing import ClassVar
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from shared.service import ServiceSettings
+from shared.worker import WorkerSettings
 
 
-class DecodeSettings(ServiceSettings):
+class DecodeSettings(WorkerSettings):
     model_config = SettingsConfigDict(env_prefix="KVMESH_DECODE_")
     file_table: ClassVar[str] = "decode"
 
-    model: str = Field(default="smollm2-135m-instruct", min_length=1, description="model served")
+    kv_port: int = Field(
+        default=0, ge=0, le=65535, description="gRPC port that receives KV handoffs; 0: any"
+    )
+    max_queued: int = Field(
+        default=64, ge=0, description="local-prefill tasks waiting at most; more are refused"
+    )

@@ -7,11 +7,19 @@ from typing import ClassVar
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from shared.service import ServiceSettings
+from shared.worker import WorkerSettings
 
 
-class PrefillSettings(ServiceSettings):
+class PrefillSettings(WorkerSettings):
     model_config = SettingsConfigDict(env_prefix="KVMESH_PREFILL_")
     file_table: ClassVar[str] = "prefill"
 
-    model: str = Field(default="smollm2-135m-instruct", min_length=1, description="model served")
+    max_queued: int = Field(
+        default=64, ge=0, description="tasks waiting at most; more are refused (busy)"
+    )
+    kv_chunk_bytes: int = Field(
+        default=1 << 20, ge=4096, le=4 << 20, description="bytes per KV handoff message"
+    )
+    handoff_timeout_s: float = Field(
+        default=10.0, gt=0, description="a decode worker must answer a handoff step within this"
+    )

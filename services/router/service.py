@@ -6,20 +6,29 @@ import asyncio
 import logging
 import time
 from contextlib import AsyncExitStack
+from pathlib import Path
 
+import grpc
 from aiohttp import web
 
+from services.router.dispatch import Dispatcher, DispatchLimits
+from services.router.frontend import Frontend
+from services.router.grpc_api import GrpcApi
+from services.router.http_api import HttpApi
+from services.router.policy import POLICIES
 from services.router.registry import WorkerRegistry
 from services.router.settings import RouterSettings
 from shared.bus import Bus, subjects
 from shared.messages.heartbeat import (
     ROLES,
     Heartbeat,
+    Load,
     RegistryQuery,
     RegistrySnapshot,
 )
+from shared.proto import api_pb2_grpc
 from shared.service import Service
-from shared.settings import CommonSettings
+from shared.settings import CommonSettings, SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +38,44 @@ class RouterService(Service):
 
     def __init__(self, common: CommonSettings, settings: RouterSettings) -> None:
         super().__init__(common, settings)
+        self.settings: RouterSettings = settings
         self.registry = WorkerRegistry(missed_beats=settings.missed_heartbeats)
+        self.frontend: Frontend | None = None
+        self.grpc_address = ""
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
+        s = self.settings
         await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await bus.serve(
             subjects.ROUTER_REGISTRY, RegistryQuery, self.on_registry_query, subjects.ROUTER_QUEUE
         )
         sweeper = asyncio.create_task(self.sweep())
         stack.callback(sweeper.cancel)
+        limits = DispatchLimits(
+            ack_timeout_s=s.ack_timeout_s, local_prefill_max_tokens=s.local_prefill_max_tokens
+        )
+        policy = POLICIES[s.routing_policy]()
+        dispatcher = Dispatcher(bus, self.service_id, self.registry, policy, limits)
+        await dispatcher.start()
+        self.frontend = Frontend(s, dispatcher, Path(self.common.state_dir))
+        server = grpc.aio.server()
+        api_pb2_grpc.add_GenerationServicer_to_server(GrpcApi(self.frontend), server)
+        port = server.add_insecure_port(f"{s.http_host}:{s.grpc_port}")
+        if not port:
+            raise SettingsError(f"cannot listen for gRPC on {s.http_host}:{s.grpc_port}")
+        await server.start()
+        stack.push_async_callback(server.stop, 1.0)
+        self.grpc_address = f"{s.advertised_host()}:{port}"
+
+    def addresses(self) -> dict[str, str]:
+        return {**super().addresses(), "grpc": self.grpc_address}
+
+    def load(self) -> Load:
+        return Load(inflight=self.frontend.inflight if self.frontend else 0)
+
+    async def drain(self) -> None:
+        while self.frontend and self.frontend.inflight:
+            await asyncio.sleep(0.05)
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
         if self.registry.observe(hb, time.monotonic()):
@@ -65,7 +103,8 @@ class RouterService(Service):
         )
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.get("/v1/models", self.list_models)]
+        assert self.frontend is not None
+        return [web.get("/v1/models", self.list_models), *HttpApi(self.frontend).routes()]
 
     async def health(self, request: web.Request) -> web.Response:
         """Each role with its services; 200 when every role has a ready one, else 503."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.router.policy import POLICIES
 from shared.service import ServiceSettings
 
 
@@ -15,6 +16,32 @@ class RouterSettings(ServiceSettings):
     file_table: ClassVar[str] = "router"
 
     http_port: int = Field(default=8000, ge=0, le=65535, description="the public API port")
+    grpc_port: int = Field(default=50051, ge=0, le=65535, description="the public gRPC API port")
     missed_heartbeats: int = Field(
         default=3, ge=1, le=100, description="a service that misses this many beats is dropped"
     )
+    routing_policy: str = Field(default="least-loaded", description="how workers are picked")
+    max_inflight: int = Field(
+        default=256, ge=1, description="requests in progress at most; more get 429"
+    )
+    default_max_tokens: int = Field(
+        default=512, ge=1, description="answer length when a request gives none"
+    )
+    local_prefill_max_tokens: int = Field(
+        default=64,
+        ge=0,
+        description="uncached prompt tokens at most this: decode prefills it, no KV moves",
+    )
+    ack_timeout_s: float = Field(
+        default=2.0, gt=0, description="a worker must queue or refuse a task within this"
+    )
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="a request still unanswered after this fails (504)"
+    )
+
+    @field_validator("routing_policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"one of {', '.join(POLICIES)}")
+        return name

@@ -84,3 +84,11 @@ class Cancel(Message):
     """The client went away: free the request's sequence wherever it is."""
 
     request_id: str
+
+
+class HandoffDone(Message):
+    """The end of a KV handoff (prefill → decode, in the last gRPC chunk): the first token,
+    sampled by prefill, and the sampler's state so a seeded answer continues the same stream."""
+
+    first_token: int
+    generator_state: str = ""  # base64 of torch.Generator.get_state(); empty when unseeded

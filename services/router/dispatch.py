@@ -1,0 +1,232 @@
+"""Sending a request to workers and getting its tokens back, with retry and cancellation.
+
+The router picks a prefill and a decode worker (a policy ranks them), sends the GenerateTask
+with NATS request/reply (the reply only says "queued" or "busy"), then reads TokenEvents from
+its reply subject. A worker that does not answer, or that disappears from the registry before
+the first token, costs one retry on other workers; after that the request fails with 503.
+A busy worker is skipped for the next one; when every candidate is busy: 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.router.openai_api import ApiError
+from services.router.policy import Outstanding, RouteRequest, RoutingPolicy
+from services.router.registry import WorkerRecord, WorkerRegistry
+from shared.bus import Bus, BusError, subjects
+from shared.messages.generate import Cancel, GenerateTask, Sampling, TaskAck, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    model: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    deadline: float  # unix time
+    cached_tokens: int = 0  # the router's estimate of reusable prompt KV (routing issue)
+
+
+@dataclass(frozen=True)
+class DispatchLimits:
+    ack_timeout_s: float  # a worker must queue (or refuse) a task within this
+    local_prefill_max_tokens: int  # uncached prompt at most this: the decode worker prefills it
+    liveness_check_s: float = 0.25  # how often a waiting request checks its workers still live
+
+
+class _Failed(Exception):
+    """This attempt failed before any token: the workers named are not tried again."""
+
+    def __init__(self, reason: str, *service_ids: str) -> None:
+        super().__init__(reason)
+        self.service_ids = service_ids
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        bus: Bus,
+        router_id: str,
+        registry: WorkerRegistry,
+        policy: RoutingPolicy,
+        limits: DispatchLimits,
+    ) -> None:
+        self.bus = bus
+        self.router_id = router_id
+        self.registry = registry
+        self.policy = policy
+        self.limits = limits
+        self.outstanding = Outstanding()
+        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+
+    async def start(self) -> None:
+        await self.bus.subscribe(subjects.replies(self.router_id), TokenEvent, self._on_event)
+
+    async def _on_event(self, event: TokenEvent) -> None:
+        queue = self._queues.get(event.request_id)
+        if queue is not None:
+            queue.put_nowait(event)
+
+    def check_servable(self, model: str) -> None:
+        """503 unless a ready prefill and a ready decode worker serve the model."""
+        for role in ("prefill", "decode"):
+            if not self._candidates(role, model, set()):
+                raise ApiError(
+                    503, f"no live {role} worker serves {model!r}; retry later", code="unavailable"
+                )
+
+    def _candidates(self, role: str, model: str, excluded: set[str]) -> list[WorkerRecord]:
+        return [
+            w
+            for w in self.registry.ready(role)
+            if model in w.heartbeat.models and w.service_id not in excluded
+        ]
+
+    async def generate(self, job: Job) -> AsyncIterator[TokenEvent]:
+        """The request's token events in order, ending with the one that has finish_reason.
+
+        Leaving early (the client went away, a stop string) cancels the request on its workers.
+        """
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[job.request_id] = queue
+        finished = False
+        excluded: set[str] = set()
+        try:
+            for attempt in (1, 2):
+                workers: tuple[str, ...] = ()
+                started = False
+                try:
+                    workers = await self._send(job, excluded)
+                    for w in workers:
+                        self.outstanding.add(w)
+                    async for event in self._events(job, queue, workers):
+                        started = True
+                        yield event
+                        if event.finish_reason:
+                            finished = True
+                            return
+                except _Failed as failure:
+                    if started or attempt == 2:
+                        raise ApiError(
+                            503, f"request failed: {failure}", code="unavailable"
+                        ) from None
+                    log.warning("%s: %s; retrying on other workers", job.request_id, failure)
+                    excluded.update(failure.service_ids)
+                    queue = self._fresh_queue(job.request_id)
+                finally:
+                    for w in workers:
+                        self.outstanding.done(w)
+        finally:
+            self._queues.pop(job.request_id, None)
+            if not finished:
+                with contextlib.suppress(Exception):
+                    await self.bus.publish(subjects.CANCEL, Cancel(request_id=job.request_id))
+
+    def _fresh_queue(self, request_id: str) -> asyncio.Queue[TokenEvent]:
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    async def _send(self, job: Job, excluded: set[str]) -> tuple[str, ...]:
+        """Queue the task on the best worker that takes it; returns the workers involved."""
+        route = RouteRequest(job.model, len(job.prompt_ids), job.sampling.max_tokens)
+        decodes = self.policy.rank_decode(
+            self._candidates("decode", job.model, excluded), route, self.outstanding
+        )
+        if not decodes:
+            self.check_servable(job.model)
+            raise ApiError(503, "no decode worker has room for this request", code="unavailable")
+        local = len(job.prompt_ids) - job.cached_tokens <= self.limits.local_prefill_max_tokens
+        if local:
+            plan = [(d, d) for d in decodes]
+        else:
+            prefills = self.policy.rank_prefill(
+                self._candidates("prefill", job.model, excluded), route, self.outstanding
+            )
+            if not prefills:
+                self.check_servable(job.model)
+                raise ApiError(503, "every prefill worker failed this request", code="unavailable")
+            plan = [(p, decodes[0]) for p in prefills]
+        busy = 0
+        for worker, decode in plan:
+            task = GenerateTask(
+                request_id=job.request_id,
+                model=job.model,
+                token_ids=job.prompt_ids,
+                sampling=job.sampling,
+                reply_subject=subjects.reply(self.router_id, job.request_id),
+                decode_id=decode.service_id,
+                decode_kv_address=decode.heartbeat.addresses.get("kv", ""),
+                deadline=job.deadline,
+            )
+            role = worker.heartbeat.role
+            try:
+                ack = await self.bus.request(
+                    subjects.tasks(role, worker.service_id),
+                    task,
+                    TaskAck,
+                    self.limits.ack_timeout_s,
+                )
+            except BusError as err:
+                raise _Failed(
+                    f"{role} {worker.service_id} did not answer: {err}", worker.service_id
+                ) from None
+            if ack.accepted:
+                return tuple(dict.fromkeys((worker.service_id, decode.service_id)))
+            if ack.reason != "busy":
+                raise ApiError(503, f"{role} worker refused: {ack.reason}", code="unavailable")
+            busy += 1
+        raise ApiError(
+            429, f"all {busy} workers are busy; retry shortly", code="overloaded", retry_after_s=1
+        )
+
+    async def _events(
+        self, job: Job, queue: asyncio.Queue[TokenEvent], workers: tuple[str, ...]
+    ) -> AsyncIterator[TokenEvent]:
+        """Events in answer order (prefill and decode publish on separate connections)."""
+        next_index = 0
+        early: dict[int, TokenEvent] = {}
+        while True:
+            if next_index in early:
+                event = early.pop(next_index)
+            else:
+                event = await self._next(job, queue, workers)
+                if event.error:
+                    if event.error_code in ("busy", "unavailable"):
+                        raise _Failed(event.error, *([event.worker_id] if event.worker_id else []))
+                    raise ApiError(500, f"worker error: {event.error}", code="internal")
+                if event.index > next_index:
+                    early[event.index] = event
+                    continue
+                if event.index < next_index:  # a duplicate
+                    continue
+            next_index += len(event.token_ids)
+            yield event
+            if event.finish_reason:
+                return
+
+    async def _next(
+        self, job: Job, queue: asyncio.Queue[TokenEvent], workers: tuple[str, ...]
+    ) -> TokenEvent:
+        while True:
+            left = job.deadline - time.time()
+            if left <= 0:
+                raise ApiError(504, "request deadline passed", code="timeout")
+            try:
+                return await asyncio.wait_for(queue.get(), min(left, self.limits.liveness_check_s))
+            except TimeoutError:
+                gone = [w for w in workers if not self._alive(w)]
+                if gone:
+                    raise _Failed(f"worker {gone[0]} went away", *gone) from None
+
+    def _alive(self, service_id: str) -> bool:
+        record = self.registry.get(service_id)
+        return record is not None and record.heartbeat.status != "stopped"

@@ -1,0 +1,158 @@
+"""From a request body to a running generation: checks, chat template, tokens, limits.
+
+Shared by the HTTP and the gRPC API, which only differ in how bytes come and go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.router.dispatch import Dispatcher, Job
+from services.router.generation import Delta, Timing, stream_text
+from services.router.openai_api import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Shape,
+    Usage,
+    chat_messages,
+    completion_prompt,
+    parse,
+)
+from services.router.settings import RouterSettings
+from shared.engine.loader import MODEL_NAMES, TextModel, load_text_model
+from shared.messages.generate import Sampling
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def request_id(header: str | None) -> str:
+    """The client's X-Request-Id when it is a safe token, else a fresh one."""
+    if header and _SAFE_ID.match(header):
+        return header
+    return uuid.uuid4().hex
+
+
+@dataclass
+class Prepared:
+    job: Job
+    shape: Shape
+    text: TextModel
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    usage: Usage
+    timing: Timing = field(default_factory=Timing)
+    received_at: float = field(default_factory=time.perf_counter)
+
+
+class Frontend:
+    def __init__(self, settings: RouterSettings, dispatcher: Dispatcher, state_dir: Path) -> None:
+        self.settings = settings
+        self.dispatcher = dispatcher
+        self.state_dir = state_dir
+        self.inflight = 0
+        self._models: dict[str, TextModel] = {}
+        self._model_lock = asyncio.Lock()
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Count a request in progress; 429 when there are already max_inflight."""
+        if self.inflight >= self.settings.max_inflight:
+            raise ApiError(
+                429,
+                f"too many requests in progress ({self.settings.max_inflight}); retry shortly",
+                code="overloaded",
+                retry_after_s=1,
+            )
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+    async def text_model(self, name: str) -> TextModel:
+        if name not in self._models:
+            async with self._model_lock:
+                if name not in self._models:
+                    loop = asyncio.get_running_loop()
+                    self._models[name] = await loop.run_in_executor(
+                        None, load_text_model, name, self.state_dir
+                    )
+        return self._models[name]
+
+    async def prepare(self, body: bytes, chat: bool, rid: str) -> Prepared:
+        req = parse(body, ChatRequest if chat else CompletionRequest)
+        if req.model not in MODEL_NAMES:
+            raise ApiError(
+                404, f"model {req.model!r} does not exist", param="model", code="model_not_found"
+            )
+        self.dispatcher.check_servable(req.model)
+        text = await self.text_model(req.model)
+        config = text.config
+        if isinstance(req, ChatRequest):
+            rendered = text.chat_template.render(chat_messages(req))
+            ids = text.tokenizer.encode(rendered, add_special_tokens=False).ids
+            prompt_field = "messages"
+            max_tokens = req.max_completion_tokens or req.max_tokens
+            max_field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        else:
+            prompt = completion_prompt(req)
+            if isinstance(prompt, str):
+                ids = text.tokenizer.encode(prompt, add_special_tokens=False).ids
+            else:
+                bad = next((t for t in prompt if not 0 <= t < config.vocab_size), None)
+                if bad is not None:
+                    raise ApiError(
+                        400, f"prompt: token id {bad} is outside the vocabulary", param="prompt"
+                    )
+                ids = list(prompt)
+            prompt_field, max_tokens, max_field = "prompt", req.max_tokens, "max_tokens"
+        if not ids:
+            raise ApiError(400, f"{prompt_field}: the prompt is empty", param=prompt_field)
+        room = config.max_context - len(ids)
+        if max_tokens is None:
+            max_tokens = min(self.settings.default_max_tokens, room)
+        if room < 1 or len(ids) + max_tokens > config.max_context:
+            raise ApiError(
+                400,
+                f"{prompt_field} ({len(ids)} tokens) plus {max_field} ({max_tokens}) exceeds the "
+                f"model's context of {config.max_context} tokens",
+                param=max_field if room >= 1 else prompt_field,
+                code="context_length_exceeded",
+            )
+        stop = req.stop_list()
+        sampling = Sampling(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            stop=stop,
+        )
+        job = Job(
+            request_id=rid,
+            model=req.model,
+            prompt_ids=ids,
+            sampling=sampling,
+            deadline=time.time() + self.settings.request_timeout_s,
+        )
+        prefix = "chatcmpl" if chat else "cmpl"
+        return Prepared(
+            job=job,
+            shape=Shape(chat=chat, response_id=f"{prefix}-{rid}", model=req.model),
+            text=text,
+            stop=stop,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            usage=Usage(prompt_tokens=len(ids)),
+        )
+
+    def deltas(self, p: Prepared) -> AsyncIterator[Delta]:
+        return stream_text(self.dispatcher, p.job, p.text.tokenizer, p.stop, p.usage, p.timing)

@@ -1,0 +1,79 @@
+"""A request's answer as text: token events from the dispatcher, detokenized, stop strings
+cut, usage and timing counted. Shared by the HTTP and the gRPC API."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from services.router.detokenizer import Detokenizer
+from services.router.dispatch import Dispatcher, Job
+from services.router.openai_api import ApiError, Usage
+
+
+@dataclass
+class Timing:
+    """Where a request's time went, in the workers (ms); the rest is the mesh's."""
+
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    kv_bytes: int = 0
+    kv_transfer_ms: float = 0.0
+    workers: list[str] = field(default_factory=list)
+
+    @property
+    def engine_ms(self) -> float:
+        return self.prefill_ms + self.decode_ms
+
+    def to_dict(self) -> dict:
+        return {
+            "engine_ms": round(self.engine_ms, 3),
+            "prefill_ms": round(self.prefill_ms, 3),
+            "decode_ms": round(self.decode_ms, 3),
+            "kv_bytes": self.kv_bytes,
+            "kv_transfer_ms": round(self.kv_transfer_ms, 3),
+            "workers": self.workers,
+        }
+
+
+@dataclass
+class Delta:
+    text: str
+    finish_reason: str | None = None  # on the last: "stop" or "length"
+
+
+async def stream_text(
+    dispatcher: Dispatcher,
+    job: Job,
+    tokenizer: Tokenizer,
+    stop: list[str],
+    usage: Usage,
+    timing: Timing,
+) -> AsyncIterator[Delta]:
+    """Text deltas of the answer; the last has finish_reason. ``usage`` and ``timing`` are
+    filled in as events arrive (complete once the last delta is out)."""
+    detok = Detokenizer(tokenizer, stop)
+    async for event in dispatcher.generate(job):
+        if event.cached_tokens is not None:
+            usage.cached_tokens = event.cached_tokens
+        usage.completion_tokens += len(event.token_ids)
+        timing.prefill_ms += (event.prefill_s or 0.0) * 1e3
+        timing.decode_ms += (event.decode_s or 0.0) * 1e3
+        timing.kv_bytes += event.kv_bytes or 0
+        timing.kv_transfer_ms += (event.kv_transfer_s or 0.0) * 1e3
+        if event.worker_id and event.worker_id not in timing.workers:
+            timing.workers.append(event.worker_id)
+        text = detok.add(event.token_ids)
+        if detok.stopped:  # leaving the loop cancels the rest of the answer on decode
+            yield Delta(text, "stop")
+            return
+        if event.finish_reason == "abort":
+            raise ApiError(503, "the worker stopped this request", code="aborted")
+        if event.finish_reason:
+            text += detok.finish()
+            yield Delta(text, "stop" if event.finish_reason == "stop" else "length")
+            return
+        if text:
+            yield Delta(text)

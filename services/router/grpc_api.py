@@ -1,0 +1,96 @@
+"""The public gRPC API (shared/proto/api.proto): the same checks and generation as HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from services.router.frontend import Frontend, Prepared, request_id
+from services.router.openai_api import ApiError
+from shared.proto import api_pb2, api_pb2_grpc
+
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def _as_body(req: api_pb2.GenerateRequest) -> tuple[bytes, bool]:
+    """The request as an OpenAI JSON body (so both APIs share one set of checks)."""
+    body: dict = {"model": req.model, "stop": list(req.stop)}
+    if req.user:
+        body["user"] = req.user
+    for name in ("max_tokens", "temperature", "top_p", "seed", "n"):
+        if req.HasField(name):
+            body[name] = getattr(req, name)
+    chat = len(req.messages) > 0
+    if chat == req.HasField("prompt"):
+        raise ApiError(400, "messages or prompt: give exactly one of them", param="messages")
+    if chat:
+        body["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
+    else:
+        body["prompt"] = req.prompt
+    return json.dumps(body).encode(), chat
+
+
+def _usage(p: Prepared) -> api_pb2.Usage:
+    return api_pb2.Usage(
+        prompt_tokens=p.usage.prompt_tokens,
+        completion_tokens=p.usage.completion_tokens,
+        cached_tokens=p.usage.cached_tokens,
+    )
+
+
+class GrpcApi(api_pb2_grpc.GenerationServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    async def _prepare(self, req: api_pb2.GenerateRequest, context) -> Prepared:  # noqa: ANN001
+        rid = request_id(dict(context.invocation_metadata() or ()).get("x-request-id"))
+        body, chat = _as_body(req)
+        return await self.frontend.prepare(body, chat, rid)
+
+    async def Generate(self, request, context):  # noqa: ANN001, ANN201, N802
+        try:
+            with self.frontend.admitted():
+                p = await self._prepare(request, context)
+                parts, finish = [], "stop"
+                deltas = self.frontend.deltas(p)
+                try:
+                    async for delta in deltas:
+                        parts.append(delta.text)
+                        finish = delta.finish_reason or finish
+                finally:
+                    await deltas.aclose()
+        except ApiError as err:
+            await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+        return api_pb2.GenerateResponse(
+            id=p.shape.response_id,
+            model=p.job.model,
+            text="".join(parts),
+            finish_reason=finish,
+            usage=_usage(p),
+        )
+
+    async def GenerateStream(self, request, context):  # noqa: ANN001, ANN201, N802
+        try:
+            with self.frontend.admitted():
+                p = await self._prepare(request, context)
+                deltas = self.frontend.deltas(p)
+                try:
+                    async for delta in deltas:
+                        last = delta.finish_reason is not None
+                        yield api_pb2.GenerateChunk(
+                            id=p.shape.response_id,
+                            text=delta.text,
+                            finish_reason=delta.finish_reason or "",
+                            usage=_usage(p) if last else None,
+                        )
+                finally:
+                    await deltas.aclose()
+        except ApiError as err:
+            await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)

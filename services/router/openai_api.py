@@ -1,0 +1,195 @@
+"""The OpenAI-compatible request bodies, their checks, and the response and chunk shapes.
+
+Pure: JSON text in, a checked ``Prompt`` out (or ``ApiError`` naming the field); events in,
+OpenAI-shaped dicts out. The HTTP handlers in service.py only move bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ApiError(Exception):
+    """A request the API refuses: HTTP status, message, the offending field, an error code."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s
+
+
+class _Body(BaseModel):
+    # Strict: "5" is not a number. Unknown fields are ignored, as most OpenAI servers do.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=1, description="only one choice per request")
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_stop(self):  # noqa: ANN202
+        stops = self.stop_list()
+        if len(stops) > 4 or not all(stops):
+            raise ValueError("stop: at most 4 non-empty strings")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+
+
+def parse(body: bytes, kind: type[_Sampling]) -> _Sampling:
+    """The request body, checked; ApiError(400) names the first bad field."""
+    try:
+        return kind.model_validate_json(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
+        if first["type"] == "json_invalid":
+            raise ApiError(400, f"request body is not valid JSON: {first['msg']}") from None
+        if first["type"] == "model_type" and not loc:
+            raise ApiError(400, "request body must be a JSON object") from None
+        msg = first["msg"].removeprefix("Value error, ")
+        if loc and msg.startswith(loc + ":"):
+            msg = msg[len(loc) + 1 :].strip()
+        raise ApiError(400, f"{loc or 'body'}: {msg}", param=loc or None) from None
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.text()} for m in req.messages]
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
+        if len(req.prompt) != 1:
+            raise ApiError(400, "prompt: one prompt per request", param="prompt")
+        return req.prompt[0]
+    return req.prompt  # type: ignore[return-value]
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass
+class Shape:
+    """The ids and object names of one response: a chat or a completion."""
+
+    chat: bool
+    response_id: str
+    model: str
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.created = self.created or int(time.time())
+
+    def _envelope(self, chunk: bool) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {
+            "id": self.response_id,
+            "object": f"{kind}.chunk" if chunk and self.chat else kind,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def _choice(self, text: str | None, finish: str | None, chunk: bool, first: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if chunk:
+            delta = {"role": "assistant", "content": text or ""} if first else {}
+            if text and not first:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+
+    def response(self, text: str, finish: str, usage: Usage, timing: dict) -> dict:
+        return {
+            **self._envelope(chunk=False),
+            "choices": [self._choice(text, finish, chunk=False, first=False)],
+            "usage": usage.to_dict(),
+            "kvmesh": timing,
+        }
+
+    def chunk(
+        self,
+        text: str | None,
+        finish: str | None = None,
+        first: bool = False,
+        with_usage_field: bool = False,
+    ) -> dict:
+        out = {**self._envelope(chunk=True), "choices": [self._choice(text, finish, True, first)]}
+        if with_usage_field:  # with include_usage, every chunk carries "usage": null
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage: Usage, timing: dict) -> dict:
+        return {
+            **self._envelope(chunk=True),
+            "choices": [],
+            "usage": usage.to_dict(),
+            "kvmesh": timing,
+        }
