@@ -32,7 +32,7 @@ class WorkerSettings(ServiceSettings):
     model: str = Field(default="smollm2-135m-instruct", min_length=1, description="model served")
     block_size: int = Field(default=64, ge=1, le=4096, description="tokens per KV block")
     kv_cache_tokens: int = Field(
-        default=65536, ge=64, description="KV pool size in tokens (whole blocks)"
+        default=16384, ge=64, description="KV pool size in tokens (whole blocks)"
     )
     threads: int = Field(default=0, ge=0, le=1024, description="torch threads; 0: all cores")
     prefill_chunk: int = Field(default=512, ge=1, description="tokens per prefill forward pass")

@@ -29,6 +29,14 @@ def service_env(nats_url: str, state_dir: Path, **extra: str) -> dict[str, str]:
         KVMESH_NATS_URL=nats_url,
         KVMESH_STATE_DIR=str(state_dir),
         KVMESH_NATS_CONNECT_TIMEOUT_S="10",
+        KVMESH_ROUTER_GRPC_PORT="0",
+        # Tests are about the mesh unless they say otherwise: the tiny model, one thread each.
+        KVMESH_PREFILL_MODEL="tiny",
+        KVMESH_DECODE_MODEL="tiny",
+        KVMESH_PREFILL_THREADS="1",
+        KVMESH_DECODE_THREADS="1",
+        KVMESH_PREFILL_KV_CACHE_TOKENS="4096",
+        KVMESH_DECODE_KV_CACHE_TOKENS="4096",
     )
     env.update(extra)
     return env

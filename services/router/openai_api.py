@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ApiError(Exception):
@@ -65,12 +65,13 @@ class _Sampling(_Body):
     n: int = Field(default=1, ge=1, le=1, description="only one choice per request")
     user: str | None = None
 
-    @model_validator(mode="after")
-    def _check_stop(self):  # noqa: ANN202
-        stops = self.stop_list()
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > 4 or not all(stops):
-            raise ValueError("stop: at most 4 non-empty strings")
-        return self
+            raise ValueError("at most 4 non-empty strings")
+        return stop
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from shared.engine.config import TINY_CONFIGS, ModelConfig
-from shared.engine.tokenizer import ChatTemplate, load_tokenizer
+from shared.engine.tokenizer import ChatTemplate, load_tokenizer, write_atomically
 from shared.engine.weights import (
     REAL_MODEL,
     Weights,
@@ -66,7 +66,7 @@ def _text_assets(state_dir: Path, meta: dict | None = None) -> tuple[Tokenizer, 
     if not template_file.is_file():
         assert meta is not None
         cache.mkdir(parents=True, exist_ok=True)
-        template_file.write_text(meta["tokenizer.chat_template"])
+        write_atomically(template_file, meta["tokenizer.chat_template"])
     tokenizer = load_tokenizer(meta or {}, cache, key)
     return tokenizer, ChatTemplate(template_file.read_text())
 
@@ -78,7 +78,7 @@ def load_model(name: str, state_dir: Path, seed: int = 0) -> LoadedModel:
         log.info("loading %s: reading and dequantizing the GGUF file", name)
         gguf = read_gguf(find_gguf())
         config, weights, meta = gguf.config, gguf.weights, gguf.metadata
-        _config_file(state_dir).write_text(config.to_json())
+        write_atomically(_config_file(state_dir), config.to_json())
     elif name in TINY_CONFIGS:
         config = _tiny_config(name, seed)
         weights = random_weights(config, seed)
@@ -108,7 +108,7 @@ def load_text_model(name: str, state_dir: Path, seed: int = 0) -> TextModel:
         path = _config_file(state_dir)
         if not path.is_file():  # first start: a worker's load writes it too
             log.info("reading %s's configuration from the GGUF file", name)
-            path.write_text(read_gguf_config(find_gguf()).to_json())
+            write_atomically(path, read_gguf_config(find_gguf()).to_json())
         config = ModelConfig.from_json(path.read_text())
     elif name in TINY_CONFIGS:
         config = _tiny_config(name, seed)

@@ -7,6 +7,7 @@ as a tokenizer.json under the state dir, keyed by the GGUF file's digest.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,10 +54,18 @@ def load_tokenizer(meta: dict[str, Any], cache_dir: Path, key: str) -> Tokenizer
             log.warning("rebuilding tokenizer cache %s: %s", path, err)
     tok = build_from_gguf(meta)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # workers starting together each write theirs
     tok.save(str(tmp))
     tmp.replace(path)
     return tok
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never half of it (processes share the cache)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 class ChatTemplate:

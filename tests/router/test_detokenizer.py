@@ -1,0 +1,55 @@
+"""Incremental detokenizing: multi-byte characters, stop strings across token boundaries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.router.detokenizer import Detokenizer
+from shared.engine.loader import load_text_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    state = Path(tmp_path_factory.mktemp("state"))
+    return load_text_model("smollm2-135m-instruct", state).tokenizer
+
+
+def stream(tokenizer, text: str, stop: list[str]) -> tuple[list[str], str]:
+    """Feed the text's tokens one at a time; returns the pieces sent and the whole."""
+    detok = Detokenizer(tokenizer, stop)
+    pieces = []
+    for token in tokenizer.encode(text, add_special_tokens=False).ids:
+        pieces.append(detok.add([token]))
+        if detok.stopped:
+            break
+    else:
+        pieces.append(detok.finish())
+    return pieces, "".join(pieces)
+
+
+@pytest.mark.parametrize(
+    "text", ["Héllo wörld, naïve café", "日本語のテキスト", "emoji 🎉🚀 ok", "plain"]
+)
+def test_streamed_pieces_join_to_the_text_and_never_split_a_character(tokenizer, text) -> None:
+    pieces, whole = stream(tokenizer, text, [])
+    assert whole == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_across_tokens_is_cut_and_never_sent(tokenizer) -> None:
+    pieces, whole = stream(tokenizer, "The answer is forty-two. END of story", ["END"])
+    assert whole == "The answer is forty-two. "
+    assert not any("E" in p for p in pieces)
+
+
+def test_text_that_only_looks_like_a_stop_is_released_at_the_end(tokenizer) -> None:
+    pieces, whole = stream(tokenizer, "and then EN", ["END"])
+    assert whole == "and then EN"
+    assert pieces[-1].endswith("EN")  # held back until the answer ended
+
+
+def test_earliest_of_several_stops_wins(tokenizer) -> None:
+    _, whole = stream(tokenizer, "one two three four", ["four", "two"])
+    assert whole == "one "

@@ -1,0 +1,354 @@
+"""The request path through real processes: router, 2 prefill and 2 decode workers (the tiny
+model), a real nats-server, gRPC handoffs; driven with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from shared.engine.engine import EngineOptions, TorchEngine
+from shared.engine.loader import load_model
+from shared.engine.sampling import SamplingParams
+from shared.natsserver import NatsServer
+from shared.proto import api_pb2, api_pb2_grpc
+from tests.procs import Proc, free_port, get_json, service_env, start_service, wait_until
+
+LOCAL_MAX = 16  # prompts of at most this many tokens are prefilled on decode
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp("request-path")
+    port, grpc_port = free_port(), free_port()
+    env = service_env(
+        nats_server.url,
+        tmp,
+        KVMESH_ROUTER_HTTP_PORT=str(port),
+        KVMESH_ROUTER_GRPC_PORT=str(grpc_port),
+        KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS=str(LOCAL_MAX),
+    )
+    procs: dict[str, Proc] = {}
+    for sid in ("router-0", "prefill-0", "prefill-1", "decode-0", "decode-1"):
+        procs[sid] = start_service(sid.split("-")[0], {**env, "KVMESH_SERVICE_ID": sid}, tmp, sid)
+    url = f"http://127.0.0.1:{port}"
+
+    wait_until(lambda: workers_ready(url) == 4, 60, what="2 prefill and 2 decode workers ready")
+    yield {"url": url, "grpc": f"127.0.0.1:{grpc_port}", "env": env, "dir": tmp, "procs": procs}
+    for proc in procs.values():
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(stack):
+    """The same tiny model in this process: what the mesh must reproduce."""
+    model = load_model("tiny", Path(stack["dir"]))
+    engine = TorchEngine(model, EngineOptions(block_size=64, kv_cache_tokens=4096))
+
+    def run(ids: list[int], max_tokens: int) -> str:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        out = [engine.prefill("ref", ids, params).token_id]
+        while engine.running:
+            out += [o.token_id for o in engine.step()]
+        engine.free("ref")
+        return model.tokenizer.decode(out, skip_special_tokens=True)
+
+    return model, run
+
+
+def chat_ids(model, text: str) -> list[int]:
+    rendered = model.chat_template.render([{"role": "user", "content": text}])
+    return model.tokenizer.encode(rendered, add_special_tokens=False).ids
+
+
+def post(url: str, body: bytes | dict) -> tuple[int, dict, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), json.loads(err.read())
+
+
+def workers_ready(url: str) -> int:
+    """Ready prefill and decode workers the router knows (this stack has no encoder or
+    cachemeta, so /health itself says 503)."""
+    _, body = get_json(f"{url}/health")
+    return sum(w["status"] == "ready" for r in ("prefill", "decode") for w in body["roles"][r])
+
+
+def decode_blocks_used(url: str) -> int:
+    _, body = get_json(f"{url}/health")
+    return sum(w["load"]["kv_blocks_used"] for w in body["roles"]["decode"])
+
+
+# -- answers ---------------------------------------------------------------------------------
+
+
+def test_chat_greedy_answer_equals_the_engine_in_one_process(client, reference) -> None:
+    model, run = reference
+    text = "Tell me about the sea and the ships that sail on it."
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=24, temperature=0
+    )
+    resp = raw.parse()
+    assert raw.headers["x-request-id"]
+    ids = chat_ids(model, text)
+    assert len(ids) > LOCAL_MAX  # so the KV moved from a prefill worker to a decode worker
+    assert resp.choices[0].message.content == run(ids, 24)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.usage.completion_tokens == 24
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+    timing = resp.model_extra["kvmesh"]
+    assert timing["kv_bytes"] > 0 and any(w.startswith("prefill") for w in timing["workers"])
+
+
+def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(client, reference) -> None:
+    text = "Write about mountains, rivers and the weather in spring."
+    whole = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=20, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": text}],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_short_prompt_is_prefilled_on_decode_and_no_kv_moves(client, reference) -> None:
+    model, run = reference
+    ids = model.tokenizer.encode("Hello", add_special_tokens=False).ids
+    assert len(ids) <= LOCAL_MAX
+    resp = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0)
+    assert resp.choices[0].text == run(ids, 12)
+    timing = resp.model_extra["kvmesh"]
+    assert timing["kv_bytes"] == 0 and all(w.startswith("decode") for w in timing["workers"])
+
+
+def test_streamed_completion_with_a_stop_string(client) -> None:
+    full = (
+        client.completions.create(model="tiny", prompt=[5, 6, 7] * 10, max_tokens=16, temperature=0)
+        .choices[0]
+        .text
+    )
+    stop = full[len(full) // 2 : len(full) // 2 + 3]  # three characters from the middle
+    assert stop.strip()
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=[5, 6, 7] * 10,
+            max_tokens=16,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == full[: full.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_through_the_mesh_is_reproducible(client) -> None:
+    kw = dict(model="tiny", prompt="x " * 30, max_tokens=10, temperature=1.0, seed=11)
+    first = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(**kw).choices[0].text == first
+
+
+def test_grpc_unary_and_streaming_generate(stack, client) -> None:
+    msgs = [api_pb2.ChatMessage(role="user", content="Tell me about the sea and the ships.")]
+    req = api_pb2.GenerateRequest(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+    with grpc.insecure_channel(stack["grpc"]) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        whole = stub.Generate(req, timeout=30)
+        chunks = list(stub.GenerateStream(req, timeout=30))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(api_pb2.GenerateRequest(model="tiny", messages=msgs, max_tokens=0))
+    assert (
+        err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in err.value.details()
+    )
+    http = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": msgs[0].content}],
+        max_tokens=10,
+        temperature=0,
+    )
+    assert whole.text == http.choices[0].message.content == "".join(c.text for c in chunks)
+    assert whole.finish_reason == chunks[-1].finish_reason == "length"
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 10
+
+
+def test_concurrent_requests_spread_over_both_pools_and_all_complete(client) -> None:
+    def ask(i: int) -> tuple[str, list[str]]:
+        resp = client.chat.completions.create(
+            model="tiny",
+            messages=[
+                {"role": "user", "content": f"Request number {i}: describe a city at night."}
+            ],
+            max_tokens=16,
+            temperature=0,
+        )
+        return resp.choices[0].finish_reason, resp.model_extra["kvmesh"]["workers"]
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(ask, range(12)))
+    assert all(finish == "length" for finish, _ in results)
+    used = {w for _, workers in results for w in workers}
+    assert {"prefill-0", "prefill-1", "decode-0", "decode-1"} <= used
+
+
+# -- cancellation ------------------------------------------------------------------------------
+
+
+def test_client_disconnect_frees_decode_kv(stack, client) -> None:
+    url = stack["url"]
+    wait_until(lambda: decode_blocks_used(url) == 0, 10, what="decode pools idle")
+    rid = "disconnect-test-1"
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Go on and on about anything you like, at length."}],
+        max_tokens=4000,
+        temperature=0,
+        stream=True,
+        extra_headers={"x-request-id": rid},
+    )
+    chunks = iter(stream)
+    next(chunks)
+    # The answer's blocks are held while it streams (seen in the next heartbeat).
+    wait_until(lambda: next(chunks) and decode_blocks_used(url) > 0, 5, what="KV in use")
+    stream.close()
+    wait_until(lambda: decode_blocks_used(url) == 0, 5, what="decode KV back to its usage before")
+    logs = "".join((stack["dir"] / f"decode-{i}.log").read_text() for i in (0, 1))
+    assert f"dropped {rid}" in logs  # cancelled, not run to its 4000 tokens
+
+
+# -- limits and bad input ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, status, field",
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        ({"model": "tiny"}, 400, "messages"),
+        ({"model": "tiny", "messages": "hi"}, 400, "messages"),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "temperature": "hot",
+            },
+            400,
+            "temperature",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]},
+            400,
+            "messages.0.role",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000},
+            400,
+            "max_tokens",
+        ),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "stop": ["a", "b", "c", "d", "e"],
+            },
+            400,
+            "stop",
+        ),
+        ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ],
+)
+def test_bad_chat_requests_get_openai_errors_naming_the_field(stack, body, status, field) -> None:
+    code, headers, resp = post(stack["url"] + "/v1/chat/completions", body)
+    assert code == status, resp
+    assert set(resp["error"]) >= {"message", "type", "param", "code"}
+    assert resp["error"]["param"] == field
+    if field:
+        assert field.split(".")[0] in resp["error"]["message"]
+    assert headers.get("x-request-id")
+
+
+def test_prompt_beyond_the_context_is_refused(stack) -> None:
+    code, _, resp = post(
+        stack["url"] + "/v1/completions", {"model": "tiny", "prompt": [7] * 4100, "max_tokens": 1}
+    )
+    assert code == 400 and resp["error"]["code"] == "context_length_exceeded"
+    assert "4096" in resp["error"]["message"]
+
+
+def test_a_model_no_worker_serves_gets_503(stack) -> None:
+    code, _, resp = post(
+        stack["url"] + "/v1/completions", {"model": "tiny-moe", "prompt": "hi", "max_tokens": 2}
+    )
+    assert code == 503 and "tiny-moe" in resp["error"]["message"]
+
+
+def test_the_service_still_serves_after_bad_input(client) -> None:
+    resp = client.completions.create(model="tiny", prompt="still here", max_tokens=3)
+    assert resp.usage.completion_tokens == 3
+
+
+def test_full_router_answers_429_with_retry_after(stack, nats_server) -> None:
+    """A second router that admits one request at a time, over the same workers."""
+    port = free_port()
+    env = {**stack["env"], "KVMESH_ROUTER_HTTP_PORT": str(port), "KVMESH_ROUTER_MAX_INFLIGHT": "1"}
+    router = start_service(
+        "router", {**env, "KVMESH_SERVICE_ID": "router-small"}, stack["dir"], "router-small"
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: workers_ready(url) == 4, 30, what="the second router to see workers")
+        small = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        stream = small.completions.create(
+            model="tiny", prompt="long " * 20, max_tokens=2000, stream=True
+        )
+        next(iter(stream))  # the one admitted request is now streaming
+        code, headers, resp = post(url + "/v1/completions", {"model": "tiny", "prompt": "hi"})
+        stream.close()
+        assert code == 429 and headers.get("Retry-After") == "1"
+        assert resp["error"]["type"] == "rate_limit_error"
+        wait_until(
+            lambda: (
+                post(url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0]
+                == 200
+            ),
+            10,
+            what="the router to admit again after the stream closed",
+        )
+    finally:
+        router.stop()
