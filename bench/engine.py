@@ -130,6 +130,7 @@ def bench_hf(prompt_len: int = 128, new_tokens: int = 32) -> float:
     )
     ids = torch.tensor([prompt_ids(prompt_len)])
     kw = dict(do_sample=False, pad_token_id=2, eos_token_id=None)
+
     def generate(n: int) -> None:
         model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
 

@@ -1,10 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -14,7 +12,7 @@ class ChatMessage(_message.Message):
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: str | None = ..., content: str | None = ...) -> None: ...
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "messages", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "user")
@@ -38,7 +36,7 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     n: int
     user: str
-    def __init__(self, model: str | None = ..., messages: _Iterable[ChatMessage | _Mapping] | None = ..., prompt: str | None = ..., max_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ..., seed: int | None = ..., stop: _Iterable[str] | None = ..., n: int | None = ..., user: str | None = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., n: _Optional[int] = ..., user: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -48,7 +46,7 @@ class Usage(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: int | None = ..., completion_tokens: int | None = ..., cached_tokens: int | None = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("id", "model", "text", "finish_reason", "usage")
@@ -62,7 +60,7 @@ class GenerateResponse(_message.Message):
     text: str
     finish_reason: str
     usage: Usage
-    def __init__(self, id: str | None = ..., model: str | None = ..., text: str | None = ..., finish_reason: str | None = ..., usage: Usage | _Mapping | None = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("id", "text", "finish_reason", "usage")
@@ -74,4 +72,4 @@ class GenerateChunk(_message.Message):
     text: str
     finish_reason: str
     usage: Usage
-    def __init__(self, id: str | None = ..., text: str | None = ..., finish_reason: str | None = ..., usage: Usage | _Mapping | None = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...

@@ -1,7 +1,6 @@
-from typing import ClassVar as _ClassVar
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -13,7 +12,7 @@ class KvChunk(_message.Message):
     reserve: bytes
     data: bytes
     done: bytes
-    def __init__(self, reserve: bytes | None = ..., data: bytes | None = ..., done: bytes | None = ...) -> None: ...
+    def __init__(self, reserve: _Optional[bytes] = ..., data: _Optional[bytes] = ..., done: _Optional[bytes] = ...) -> None: ...
 
 class HandoffStatus(_message.Message):
     __slots__ = ("ok", "error", "code")
@@ -23,4 +22,4 @@ class HandoffStatus(_message.Message):
     ok: bool
     error: str
     code: str
-    def __init__(self, ok: bool | None = ..., error: str | None = ..., code: str | None = ...) -> None: ...
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...

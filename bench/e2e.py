@@ -1,0 +1,218 @@
+"""End-to-end benchmark of the request path: a real stack, concurrent streaming clients.
+
+Starts `kvmesh up` (1 prefill, 1 decode worker) on the tiny model, so compute is small and
+the mesh itself is measured, then on the real model; drives 1, 8 and 32 concurrent streaming
+chat clients through the official openai client. Prints a table, then as its last line one
+JSON object with the tiny model's figures at 8 clients: ttft_p50_ms, ttft_p99_ms,
+tpot_p50_ms, rps, kv_transfer_mb_s, mesh_overhead_p50_ms.
+
+mesh overhead = what the client waited (request sent → last chunk) minus the time the
+engines computed for the request (prefill + its decode steps, reported by the workers).
+
+    .venv/bin/python bench/e2e.py [--skip-real] [--requests 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = (
+    "You are reviewing a long design document about a distributed cache for language model "
+    "serving. Summarize the trade-offs between keeping KV blocks in worker memory and in a "
+    "shared storage tier, and say which one you would pick for a chat product. "
+)
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """`kvmesh up` in a subprocess, on free ports and a scratch state dir."""
+
+    def __init__(self, model: str, threads: int) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+        env.update(
+            KVMESH_STATE_DIR=str(self.dir),
+            KVMESH_NATS_URL=f"nats://127.0.0.1:{free_port()}",
+            KVMESH_ROUTER_HTTP_PORT=str(self.port),
+            KVMESH_ROUTER_GRPC_PORT="0",
+            KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",  # every request moves its KV
+            KVMESH_PREFILL_MODEL=model,
+            KVMESH_DECODE_MODEL=model,
+            KVMESH_PREFILL_THREADS=str(threads),
+            KVMESH_DECODE_THREADS=str(threads),
+            KVMESH_PREFILL_KV_CACHE_TOKENS="16384",
+            KVMESH_DECODE_KV_CACHE_TOKENS="16384",
+            KVMESH_LOG_LEVEL="WARNING",
+        )
+        self.log = open(self.dir / "up.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli.main", "up"],
+            env=env,
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+                    if json.loads(r.read())["data"]:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise SystemExit(f"kvmesh up exited; see {self.dir / 'up.log'}")
+            time.sleep(0.2)
+        raise SystemExit(f"stack not ready in {timeout_s:g} s; see {self.dir / 'up.log'}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+async def one_request(client: openai.AsyncOpenAI, model: str, i: int, max_tokens: int) -> dict:
+    sent = time.perf_counter()
+    first = last = None
+    n_chunks = 0
+    timing: dict = {}
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": f"({i}) {PROMPT}"}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or now
+            last = now
+            n_chunks += 1
+        if chunk.usage:
+            timing = chunk.model_extra.get("kvmesh", {})
+            tokens = chunk.usage.completion_tokens
+    done = time.perf_counter()
+    return {
+        "ttft": (first or done) - sent,
+        "tpot": ((last - first) / (tokens - 1)) if first and last and tokens > 1 else None,
+        "latency": done - sent,
+        "engine": timing.get("engine_ms", 0.0) / 1e3,
+        "kv_bytes": timing.get("kv_bytes", 0),
+        "kv_s": timing.get("kv_transfer_ms", 0.0) / 1e3,
+    }
+
+
+async def drive(url: str, model: str, clients: int, per_client: int, max_tokens: int) -> dict:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+    async def worker(c: int) -> list[dict]:
+        return [
+            await one_request(client, model, c * 1000 + r, max_tokens) for r in range(per_client)
+        ]
+
+    await one_request(client, model, -1, 4)  # warm-up
+    started = time.perf_counter()
+    results = [r for rs in await asyncio.gather(*(worker(c) for c in range(clients))) for r in rs]
+    wall = time.perf_counter() - started
+    await client.close()
+
+    def pct(values: list[float], p: float) -> float:
+        values = sorted(values)
+        return values[min(len(values) - 1, int(p / 100 * len(values)))] * 1e3
+
+    kv_bytes = sum(r["kv_bytes"] for r in results)
+    kv_s = sum(r["kv_s"] for r in results)
+    tpots = [r["tpot"] for r in results if r["tpot"] is not None]
+    overhead = [r["latency"] - r["engine"] for r in results]
+    return {
+        "requests": len(results),
+        "ttft_p50_ms": round(pct([r["ttft"] for r in results], 50), 2),
+        "ttft_p99_ms": round(pct([r["ttft"] for r in results], 99), 2),
+        "tpot_p50_ms": round(statistics.median(tpots) * 1e3, 2) if tpots else None,
+        "rps": round(len(results) / wall, 2),
+        "kv_transfer_mb_s": round(kv_bytes / kv_s / 1e6, 1) if kv_s else None,
+        "mesh_overhead_p50_ms": round(pct(overhead, 50), 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--skip-real", action="store_true", help="only the tiny model")
+    ap.add_argument("--requests", type=int, default=3, help="requests per client (tiny model)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args()
+    runs = [("tiny", 1, args.requests)]
+    if not args.skip_real:
+        runs.append(("smollm2-135m-instruct", 1, 1))
+    rows = []
+    summary: dict = {}
+    for model, threads, per_client in runs:
+        say(f"starting a stack on {model} (1 prefill, 1 decode worker)")
+        stack = Stack(model, threads)
+        try:
+            stack.wait_ready()
+            for clients in (1, 8, 32):
+                say(f"{model}: {clients} clients x {per_client} requests")
+                fig = asyncio.run(drive(stack.url, model, clients, per_client, args.max_tokens))
+                rows.append((model, clients, fig))
+                if model == "tiny" and clients == 8:
+                    summary = {k: v for k, v in fig.items() if k != "requests"}
+        finally:
+            stack.stop()
+    head = (
+        "model",
+        "clients",
+        "reqs",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "req/s",
+        "KV MB/s",
+        "mesh overhead p50",
+    )
+    print("{:<22}{:>8}{:>6}{:>10}{:>10}{:>10}{:>8}{:>9}{:>19}".format(*head))
+    for model, clients, f in rows:
+        print(
+            f"{model:<22}{clients:>8}{f['requests']:>6}{f['ttft_p50_ms']:>8.1f}ms"
+            f"{f['ttft_p99_ms']:>8.1f}ms{f['tpot_p50_ms'] or 0:>8.1f}ms{f['rps']:>8.1f}"
+            f"{f['kv_transfer_mb_s'] or 0:>9.1f}{f['mesh_overhead_p50_ms']:>17.1f}ms"
+        )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
