@@ -2,7 +2,7 @@
 
 Starts `kvmesh up` (1 prefill, 1 decode worker) on the tiny model, so compute is small and
 the mesh itself is measured, then on the real model; drives 1, 8 and 32 concurrent streaming
-chat clients through the official openai client. Prints a table, then as its last line one
+chat clients (raw server-sent events over aiohttp). Prints a table, then as its last line one
 JSON object with the tiny model's figures at 8 clients: ttft_p50_ms, ttft_p99_ms,
 tpot_p50_ms, rps, kv_transfer_mb_s, mesh_overhead_p50_ms.
 
@@ -27,7 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-import openai
+import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = (
@@ -68,7 +68,7 @@ class Stack:
             KVMESH_DECODE_THREADS=str(threads),
             KVMESH_PREFILL_KV_CACHE_TOKENS="16384",
             KVMESH_DECODE_KV_CACHE_TOKENS="16384",
-            KVMESH_LOG_LEVEL="WARNING",
+            KVMESH_LOG_LEVEL="warning",
         )
         self.log = open(self.dir / "up.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -103,28 +103,37 @@ class Stack:
         self.log.close()
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, i: int, max_tokens: int) -> dict:
+async def one_request(
+    session: aiohttp.ClientSession, url: str, model: str, i: int, max_tokens: int
+) -> dict:
+    """One streaming chat request, read as raw server-sent events (a lean client, so its own
+    parsing cost is not charged to the mesh)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"({i}) {PROMPT}"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.perf_counter()
     first = last = None
-    n_chunks = 0
+    tokens = 0
     timing: dict = {}
-    stream = await client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": f"({i}) {PROMPT}"}],
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].delta.content:
-            first = first or now
-            last = now
-            n_chunks += 1
-        if chunk.usage:
-            timing = chunk.model_extra.get("kvmesh", {})
-            tokens = chunk.usage.completion_tokens
+    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            raise SystemExit(f"HTTP {resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = first or now
+                last = now
+            if chunk.get("usage"):
+                timing = chunk.get("kvmesh", {})
+                tokens = chunk["usage"]["completion_tokens"]
     done = time.perf_counter()
     return {
         "ttft": (first or done) - sent,
@@ -137,18 +146,20 @@ async def one_request(client: openai.AsyncOpenAI, model: str, i: int, max_tokens
 
 
 async def drive(url: str, model: str, clients: int, per_client: int, max_tokens: int) -> dict:
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
 
-    async def worker(c: int) -> list[dict]:
-        return [
-            await one_request(client, model, c * 1000 + r, max_tokens) for r in range(per_client)
-        ]
+        async def worker(c: int) -> list[dict]:
+            return [
+                await one_request(session, url, model, c * 1000 + r, max_tokens)
+                for r in range(per_client)
+            ]
 
-    await one_request(client, model, -1, 4)  # warm-up
-    started = time.perf_counter()
-    results = [r for rs in await asyncio.gather(*(worker(c) for c in range(clients))) for r in rs]
-    wall = time.perf_counter() - started
-    await client.close()
+        await one_request(session, url, model, -1, 4)  # warm-up
+        started = time.perf_counter()
+        per_worker = await asyncio.gather(*(worker(c) for c in range(clients)))
+        wall = time.perf_counter() - started
+    results = [r for rs in per_worker for r in rs]
 
     def pct(values: list[float], p: float) -> float:
         values = sorted(values)

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TypeVar
@@ -66,6 +66,16 @@ class EngineRunner:
     async def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, lambda: fn(*args, **kwargs))
+
+    def submit(self, fn: Callable[..., object], *args) -> None:
+        """Queue work on the engine thread without waiting for it (it runs before any call
+        made after it); a failure is logged."""
+
+        def done(future: Future) -> None:
+            if future.exception() is not None:
+                log.error("engine call %s failed", fn.__name__, exc_info=future.exception())
+
+        self._thread.submit(fn, *args).add_done_callback(done)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)

@@ -48,6 +48,7 @@ class DecodeService(WorkerService):
         self.pending: collections.deque[GenerateTask] = collections.deque()
         self.kv_address = ""
         self._wake = asyncio.Event()
+        self._publishing: asyncio.Task | None = None
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await self.start_engine(stack, bus)
@@ -154,10 +155,13 @@ class DecodeService(WorkerService):
         await self.send(task.reply_subject, event)
 
     async def step(self) -> None:
+        """One token for every running sequence. Its events go out while the next step
+        computes (the engine thread releases the GIL), so the batch never waits on NATS."""
         started = time.perf_counter()
         outputs = await self.runner.call(self.engine.step)
         took = time.perf_counter() - started
         now = time.time()
+        events = []
         for out in outputs:
             active = self.active.get(out.seq_id)
             if active is None:  # cancelled during the step
@@ -166,22 +170,37 @@ class DecodeService(WorkerService):
             finish = out.finish_reason
             if not finish and now > active.task.deadline:
                 finish = "abort"
-            event = TokenEvent(
-                request_id=out.seq_id,
-                index=active.next_index,
-                token_ids=[out.token_id],
-                finish_reason=finish,
-                stop_string=out.stop_string,
-                decode_s=active.decode_s if finish else None,
-                kv_bytes=active.kv_bytes,
-                kv_transfer_s=active.kv_transfer_s,
-                worker_id=self.service_id,
+            events.append(
+                (
+                    active.task.reply_subject,
+                    TokenEvent(
+                        request_id=out.seq_id,
+                        index=active.next_index,
+                        token_ids=[out.token_id],
+                        finish_reason=finish,
+                        stop_string=out.stop_string,
+                        decode_s=active.decode_s if finish else None,
+                        kv_bytes=active.kv_bytes,
+                        kv_transfer_s=active.kv_transfer_s,
+                        worker_id=self.service_id,
+                    ),
+                )
             )
             active.next_index += 1
             active.kv_bytes = active.kv_transfer_s = None
-            if finish:
-                await self.drop(out.seq_id)
-            await self.send(active.task.reply_subject, event)
+            if finish:  # freed on the engine thread before its next step; nobody waits
+                del self.active[out.seq_id]
+                self.runner.submit(self.engine.abort, out.seq_id)
+        previous = self._publishing
+        self._publishing = asyncio.create_task(self._send_all(previous, events))
+
+    async def _send_all(
+        self, previous: asyncio.Task | None, events: list[tuple[str, TokenEvent]]
+    ) -> None:
+        if previous is not None:
+            await previous  # a request's events stay in order
+        for subject, event in events:
+            await self.send(subject, event)
 
     def _error(self, rid: str, message: str, code: str) -> TokenEvent:
         return TokenEvent(

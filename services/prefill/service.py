@@ -7,6 +7,7 @@ import asyncio
 import base64
 import logging
 import time
+from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 
 import grpc
@@ -14,7 +15,8 @@ import grpc
 from services.prefill.settings import PrefillSettings
 from shared.bus import Bus, subjects
 from shared.engine.blocks import PoolExhausted
-from shared.engine.engine import Cancelled
+from shared.engine.engine import Cancelled, PrefillRequest
+from shared.engine.sequence import StepOutput
 from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck, TokenEvent
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
@@ -38,8 +40,10 @@ class PrefillService(WorkerService):
         self.settings: PrefillSettings = settings
         self.queue: asyncio.Queue[GenerateTask] = asyncio.Queue()
         self.cancelled: set[str] = set()  # of requests queued or running here
-        self.current: str | None = None
+        self.current: set[str] = set()  # requests being computed
         self.channels: dict[str, grpc.aio.Channel] = {}
+        self.shipping = asyncio.Semaphore(settings.max_transfers)
+        self.transfers: set[asyncio.Task] = set()
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await self.start_engine(stack, bus)
@@ -57,14 +61,14 @@ class PrefillService(WorkerService):
             return Load()
         pool = self.engine.pool
         return Load(
-            inflight=int(self.current is not None),
+            inflight=len(self.current) + len(self.transfers),
             queued=self.queue.qsize(),
             kv_blocks_used=pool.used_blocks,
             kv_blocks_total=pool.n_blocks,
         )
 
     async def drain(self) -> None:
-        while self.current is not None or not self.queue.empty():
+        while self.current or not self.queue.empty() or self.transfers:
             await asyncio.sleep(0.05)
 
     async def on_task(self, task: GenerateTask) -> TaskAck:
@@ -77,51 +81,155 @@ class PrefillService(WorkerService):
 
     async def on_cancel(self, cancel: Cancel) -> None:
         rid = cancel.request_id
-        if rid == self.current or any(t.request_id == rid for t in self.queue._queue):  # type: ignore[attr-defined]
+        if rid in self.current or any(t.request_id == rid for t in self.queue._queue):  # type: ignore[attr-defined]
             self.cancelled.add(rid)
 
     async def work(self) -> None:
+        """Prefill tasks in batches; each KV transfer runs on while the next batch computes."""
         while True:
-            task = await self.queue.get()
-            rid = task.request_id
-            if rid in self.cancelled or time.time() > task.deadline:
-                self.cancelled.discard(rid)
-                continue
-            self.current = rid
+            batch = await self._next_batch()
+            self.current = {t.request_id for t in batch}
+            ships: list[tuple[GenerateTask, Awaitable[None]]] = []
             try:
-                await self.prefill(task)
-            except Cancelled:
-                log.info("prefill of %s cancelled", rid)
-            except PoolExhausted as err:
-                await self.send(task.reply_subject, self._error(rid, str(err), "busy"))
-            except HandoffFailed as err:
-                log.warning("handoff of %s failed: %s", rid, err)
-                await self.send(task.reply_subject, self._error(rid, str(err), err.code))
-            except Exception as err:
-                log.exception("prefill of %s failed", rid)
-                await self.send(task.reply_subject, self._error(rid, str(err), "internal"))
+                ships = await self.prefill(batch)
+            except Exception as err:  # a failure of the whole batch (the engine thread)
+                for task in batch:
+                    await self._report(task, err)
             finally:
-                self.current = None
-                self.cancelled.discard(rid)
-                if rid in self.engine.seqs:
-                    await self.runner.call(self.engine.free, rid)
+                self.current = set()
+                for task in batch:
+                    self.cancelled.discard(task.request_id)
+                    if task.request_id in self.engine.seqs:
+                        await self.runner.call(self.engine.free, task.request_id)
+            for task, ship in ships:
+                await self.shipping.acquire()  # a bounded number of transfers at once
+                transfer = asyncio.create_task(self._ship_and_report(task, ship))
+                self.transfers.add(transfer)
+                transfer.add_done_callback(self.transfers.discard)
+
+    async def _next_batch(self) -> list[GenerateTask]:
+        """The next task, and those queued behind it while their prompts together fit one
+        prefill chunk (short prompts then share one pass over the weights)."""
+        batch: list[GenerateTask] = []
+        budget = self.settings.prefill_chunk
+        while not batch or not self.queue.empty():
+            if batch and len(self.queue._queue[0].token_ids) > budget:  # type: ignore[attr-defined]
+                break
+            task = await self.queue.get()
+            if task.request_id in self.cancelled or time.time() > task.deadline:
+                self.cancelled.discard(task.request_id)
+                continue
+            batch.append(task)
+            budget -= len(task.token_ids)
+            if budget <= 0:
+                break
+            if len(batch) == 1:
+                # Tasks a router sent together arrive together: let the loop read the ones
+                # already on the socket, so they share this pass (no waiting beyond that).
+                for _ in range(3):
+                    await asyncio.sleep(0)
+        return batch
+
+    async def _ship_and_report(self, task: GenerateTask, ship: Awaitable[None]) -> None:
+        try:
+            await ship
+        except Exception as err:
+            await self._report(task, err)
+        finally:
+            self.shipping.release()
+
+    async def _report(self, task: GenerateTask, err: Exception) -> None:
+        rid = task.request_id
+        if isinstance(err, Cancelled):
+            log.info("prefill of %s cancelled", rid)
+            return
+        if isinstance(err, HandoffFailed):
+            log.warning("handoff of %s failed: %s", rid, err)
+            code = err.code
+        elif isinstance(err, PoolExhausted):
+            code = "busy"
+        else:
+            log.error("prefill of %s failed", rid, exc_info=err)
+            code = "internal"
+        await self.send(task.reply_subject, self._error(rid, str(err), code))
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self.channels:
             self.channels[address] = grpc.aio.insecure_channel(address)
         return self.channels[address]
 
-    async def prefill(self, task: GenerateTask) -> None:
-        """Reserve room on decode, compute, publish the first token, ship the KV."""
-        rid = task.request_id
+    async def prefill(
+        self, tasks: list[GenerateTask]
+    ) -> list[tuple[GenerateTask, Awaitable[None]]]:
+        """Reserve room on decode while computing, publish the first tokens; returns what
+        ships each KV (none for an answer that its first token finished)."""
         timeout = self.settings.handoff_timeout_s
-        call = kv_pb2_grpc.KvHandoffStub(self._channel(task.decode_kv_address)).Handoff()
+        calls, reserved = {}, {}
+        for task in tasks:
+            rid = task.request_id
+            calls[rid] = kv_pb2_grpc.KvHandoffStub(self._channel(task.decode_kv_address)).Handoff()
+            reserved[rid] = asyncio.ensure_future(self._reserve(task, calls[rid], timeout))
+        shipping: set[str] = set()
+        try:
+            started = time.perf_counter()
+            results = await self._compute(tasks)
+            took = time.perf_counter() - started
+            ships = []
+            for task, out in zip(tasks, results, strict=True):
+                rid = task.request_id
+                try:
+                    await reserved[rid]  # decode's answer came while the prompts computed
+                except HandoffFailed as err:  # before any token went out: the router retries
+                    out = err
+                if isinstance(out, Exception):
+                    await self._report(task, out)
+                    continue
+                first = TokenEvent(
+                    request_id=rid,
+                    index=0,
+                    token_ids=[out.token_id],
+                    finish_reason=out.finish_reason,
+                    stop_string=out.stop_string,
+                    cached_tokens=0,
+                    prefill_s=took,
+                    worker_id=self.service_id,
+                )
+                await self.send(task.reply_subject, first)
+                if out.finish_reason:
+                    continue  # a one-token answer: decode's reservation goes with the call
+                blob, state = await self.runner.call(self._export, rid)
+                done = HandoffDone(first_token=out.token_id, generator_state=state)
+                ships.append((task, self._ship(task, calls[rid], blob, done)))
+                shipping.add(rid)
+            return ships
+        finally:
+            for rid, call in calls.items():
+                if rid not in shipping:
+                    reserved[rid].cancel()
+                    call.cancel()
+
+    async def _reserve(
+        self, task: GenerateTask, call: grpc.aio.StreamStreamCall, timeout: float
+    ) -> None:
         try:
             await self._step(call.write(kv_pb2.KvChunk(reserve=task.to_bytes())), timeout)
-            reserved = await self._step(call.read(), timeout)
-            if not reserved.ok:
-                raise HandoffFailed(f"{task.decode_id}: {reserved.error}", reserved.code or "busy")
-            started = time.perf_counter()
+            status = await self._step(call.read(), timeout)
+        except grpc.aio.AioRpcError as err:
+            raise self._rpc_failed(task, err) from None
+        if not status.ok:
+            raise HandoffFailed(f"{task.decode_id}: {status.error}", status.code or "busy")
+
+    async def _compute(self, tasks: list[GenerateTask]) -> list[StepOutput | Exception]:
+        """One prompt: chunked, cancellable between chunks. Several: one batched pass."""
+        if len(tasks) > 1:
+            requests = [
+                PrefillRequest(t.request_id, t.token_ids, t.sampling.params(), handoff=True)
+                for t in tasks
+            ]
+            return await self.runner.call(self.engine.prefill_batch, requests)
+        task = tasks[0]
+        rid = task.request_id
+        try:
             out = await self.runner.call(
                 self.engine.prefill,
                 rid,
@@ -130,35 +238,33 @@ class PrefillService(WorkerService):
                 handoff=True,
                 cancelled=lambda: rid in self.cancelled,
             )
-            first = TokenEvent(
-                request_id=rid,
-                index=0,
-                token_ids=[out.token_id],
-                finish_reason=out.finish_reason,
-                stop_string=out.stop_string,
-                cached_tokens=0,
-                prefill_s=time.perf_counter() - started,
-                worker_id=self.service_id,
-            )
-            await self.send(task.reply_subject, first)
-            if out.finish_reason:
-                return  # the answer is one token: decode's reservation goes with the call
-            blob, state = await self.runner.call(self._export, rid)
-            size = self.settings.kv_chunk_bytes
-            for offset in range(0, len(blob), size):  # flow control paces these writes
+        except (Cancelled, PoolExhausted, ValueError) as err:
+            return [err]
+        return [out]
+
+    async def _ship(
+        self, task: GenerateTask, call: grpc.aio.StreamStreamCall, blob: bytes, done: HandoffDone
+    ) -> None:
+        """Stream the KV in chunks (HTTP/2 flow control paces them), then the first token."""
+        timeout = self.settings.handoff_timeout_s
+        size = self.settings.kv_chunk_bytes
+        try:
+            for offset in range(0, len(blob), size):
                 chunk = kv_pb2.KvChunk(data=blob[offset : offset + size])
                 await self._step(call.write(chunk), timeout)
-            done = HandoffDone(first_token=out.token_id, generator_state=state)
             await self._step(call.write(kv_pb2.KvChunk(done=done.to_bytes())), timeout)
             joined = await self._step(call.read(), timeout)
             if not joined.ok:
                 raise HandoffFailed(f"{task.decode_id}: {joined.error}", joined.code or "internal")
         except grpc.aio.AioRpcError as err:
-            raise HandoffFailed(
-                f"{task.decode_id} at {task.decode_kv_address}: {err.details()}", "unavailable"
-            ) from None
+            raise self._rpc_failed(task, err) from None
         finally:
             call.cancel()
+
+    @staticmethod
+    def _rpc_failed(task: GenerateTask, err: grpc.aio.AioRpcError) -> HandoffFailed:
+        where = f"{task.decode_id} at {task.decode_kv_address}"
+        return HandoffFailed(f"{where}: {err.details()}", "unavailable")
 
     @staticmethod
     async def _step(awaitable, timeout_s: float):  # noqa: ANN001, ANN205

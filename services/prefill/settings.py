@@ -20,6 +20,9 @@ class PrefillSettings(WorkerSettings):
     kv_chunk_bytes: int = Field(
         default=1 << 20, ge=4096, le=4 << 20, description="bytes per KV handoff message"
     )
+    max_transfers: int = Field(
+        default=8, ge=1, description="KV handoffs in flight at once (prefill goes on meanwhile)"
+    )
     handoff_timeout_s: float = Field(
         default=10.0, gt=0, description="a decode worker must answer a handoff step within this"
     )

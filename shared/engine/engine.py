@@ -25,7 +25,15 @@ from shared.engine.sequence import Sequence, StepOutput
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Cancelled", "Engine", "EngineOptions", "Prefix", "TorchEngine", "PoolExhausted"]
+__all__ = [
+    "Cancelled",
+    "Engine",
+    "EngineOptions",
+    "PoolExhausted",
+    "PrefillRequest",
+    "Prefix",
+    "TorchEngine",
+]
 
 
 class Cancelled(Exception):
@@ -48,6 +56,15 @@ class Prefix:
 
     block_ids: tuple[int, ...]
     n_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    seq_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    prefix: Prefix | None = None
+    handoff: bool = False
 
 
 class Engine(ABC):
@@ -81,6 +98,10 @@ class Engine(ABC):
         ``handoff``: the sequence will decode elsewhere: blocks are reserved for the prompt
         only, it never joins the batch; export it with ``export_kv(partial=True)``, then free.
         ``cancelled`` is polled between chunks; when it says True, Cancelled is raised."""
+
+    @abstractmethod
+    def prefill_batch(self, requests: list[PrefillRequest]) -> list[StepOutput | Exception]:
+        """Several short prompts in one pass; per request, its first token or its error."""
 
     @abstractmethod
     def reserve(self, seq_id: str, token_ids: list[int], params: SamplingParams) -> None:
@@ -188,20 +209,8 @@ class TorchEngine(Engine):
         handoff: bool = False,
         cancelled: Callable[[], bool] | None = None,
     ) -> StepOutput:
-        n = len(token_ids)
-        self._check_fits(seq_id, n, params)
-        n_cached = prefix.n_tokens if prefix else 0
-        assert n_cached < n, "a prefix must leave at least one token to compute"
-        # A handed-off sequence needs KV for its prompt only: the answer is decoded elsewhere.
-        new_blocks = self.pool.allocate(self._blocks_needed(n, params, prefix, not handoff))
-        if prefix:
-            self.pool.share(list(prefix.block_ids))
-        seq = Sequence(seq_id, list(token_ids), params)
-        seq.block_table = [*(prefix.block_ids if prefix else ()), *new_blocks]
-        seq.n_cached = n_cached
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
-        self.seqs[seq_id] = seq
+        seq = self._admit(PrefillRequest(seq_id, token_ids, params, prefix, handoff))
+        n, n_cached = len(token_ids), seq.n_cached
         hidden = None
         chunk = self.options.prefill_chunk
         for start in range(n_cached, n, chunk):
@@ -220,10 +229,63 @@ class TorchEngine(Engine):
             )
         seq.n_cached = n
         assert hidden is not None
-        seq.last_logits = self.model.logits(hidden[-1:])[0]
-        out = self._append(seq, seq.last_logits)
+        return self._first_token(seq, self.model.logits(hidden[-1:])[0], handoff)
+
+    def prefill_batch(self, requests: list[PrefillRequest]) -> list[StepOutput | Exception]:
+        """Several prompts in one forward pass: for short ones, whose uncached tokens together
+        fit about one prefill chunk (one pass over the weights instead of one each). Each
+        result is the first token, or the error that request alone got (ValueError,
+        PoolExhausted); the others are unaffected."""
+        results: list[StepOutput | Exception] = []
+        admitted: list[tuple[int, Sequence, PrefillRequest]] = []
+        for i, req in enumerate(requests):
+            try:
+                admitted.append((i, self._admit(req), req))
+                results.append(ValueError("not computed"))
+            except (ValueError, PoolExhausted) as err:
+                results.append(err)
+        if not admitted:
+            return results
+        segments, tokens, positions, row = [], [], [], 0
+        for _, seq, req in admitted:
+            n, start = len(req.token_ids), seq.n_cached
+            segments.append(Segment(row, n - start, seq.slots(self.block_size, n)))
+            tokens += req.token_ids[start:]
+            positions += range(start, n)
+            row += n - start
+        hidden = self.model.forward(
+            torch.tensor(tokens), torch.tensor(positions), segments, self.cache
+        )
+        last_rows = torch.tensor([seg.q_start + seg.q_len - 1 for seg in segments])
+        logits = self.model.logits(hidden[last_rows])
+        for j, (i, seq, req) in enumerate(admitted):
+            seq.n_cached = len(req.token_ids)
+            results[i] = self._first_token(seq, logits[j], req.handoff)
+        return results
+
+    def _admit(self, req: PrefillRequest) -> Sequence:
+        """Check a prompt fits, take its blocks (sharing the prefix's), create its sequence."""
+        n, params, prefix = len(req.token_ids), req.params, req.prefix
+        self._check_fits(req.seq_id, n, params)
+        n_cached = prefix.n_tokens if prefix else 0
+        assert n_cached < n, "a prefix must leave at least one token to compute"
+        # A handed-off sequence needs KV for its prompt only: the answer is decoded elsewhere.
+        new_blocks = self.pool.allocate(self._blocks_needed(n, params, prefix, not req.handoff))
+        if prefix:
+            self.pool.share(list(prefix.block_ids))
+        seq = Sequence(req.seq_id, list(req.token_ids), params)
+        seq.block_table = [*(prefix.block_ids if prefix else ()), *new_blocks]
+        seq.n_cached = n_cached
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        self.seqs[req.seq_id] = seq
+        return seq
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor, handoff: bool) -> StepOutput:
+        seq.last_logits = logits
+        out = self._append(seq, logits)
         if not seq.finished and not handoff:
-            self.running.append(seq_id)
+            self.running.append(seq.seq_id)
         return out
 
     def reserve(self, seq_id: str, token_ids: list[int], params: SamplingParams) -> None:

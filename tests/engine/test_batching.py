@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.blocks import BlockPool, PoolExhausted
+from shared.engine.engine import PrefillRequest
 from shared.engine.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 from tests.engine.test_prefix_reuse import prompt
@@ -154,3 +155,22 @@ def test_moe_counts_tokens_per_expert(tiny_models) -> None:
     assert counts.sum(dim=1).tolist() == [30 * moe.top_k] * len(moe.layers)
     engine.step()
     assert counts.sum(dim=1).tolist() == [moe.top_k] * len(moe.layers)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-swa", "tiny-moe"])
+def test_batched_prefill_equals_one_at_a_time(tiny_models, name: str) -> None:
+    model = tiny_models[name]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [prompt(n, seed=n) for n in (3, 17, 40)]
+    engine = make_engine(model)
+    reqs = [PrefillRequest(f"s{i}", ids, params) for i, ids in enumerate(prompts)]
+    reqs.insert(1, PrefillRequest("too-long", prompt(9000), params))  # refused alone
+    firsts = engine.prefill_batch(reqs)
+    assert isinstance(firsts[1], ValueError) and "context" in str(firsts[1])
+    outs = {f"s{i}": [firsts[j].token_id] for i, j in ((0, 0), (1, 2), (2, 3))}
+    while engine.running:
+        for o in engine.step():
+            outs[o.seq_id].append(o.token_id)
+    engine.check_integrity()
+    for i, ids in enumerate(prompts):
+        assert outs[f"s{i}"] == run_alone(model, ids, params)
