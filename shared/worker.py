@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TypeVar
@@ -18,6 +16,7 @@ from shared.bus import Bus, subjects
 from shared.engine.engine import EngineOptions, TorchEngine
 from shared.engine.loader import MODEL_NAMES, load_model
 from shared.messages.generate import Cancel, TokenEvent
+from shared.runner import EngineRunner
 from shared.service import Service, ServiceSettings
 from shared.settings import CommonSettings
 
@@ -53,32 +52,6 @@ class WorkerSettings(ServiceSettings):
             prefill_chunk=self.prefill_chunk,
             max_running=self.max_running,
         )
-
-
-class EngineRunner:
-    """The engine on one thread of its own: the event loop stays free while it computes, and
-    engine calls never overlap (the engine is not thread-safe)."""
-
-    def __init__(self, engine: TorchEngine) -> None:
-        self.engine = engine
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
-
-    async def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, lambda: fn(*args, **kwargs))
-
-    def submit(self, fn: Callable[..., object], *args) -> None:
-        """Queue work on the engine thread without waiting for it (it runs before any call
-        made after it); a failure is logged."""
-
-        def done(future: Future) -> None:
-            if future.exception() is not None:
-                log.error("engine call %s failed", fn.__name__, exc_info=future.exception())
-
-        self._thread.submit(fn, *args).add_done_callback(done)
-
-    def close(self) -> None:
-        self._thread.shutdown(wait=True, cancel_futures=True)
 
 
 class WorkerService(Service):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import collections
 import logging
 import time
 from contextlib import AsyncExitStack
@@ -17,6 +16,7 @@ from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
 from shared.engine.blocks import PoolExhausted
 from shared.engine.kvformat import KVFormatError
+from shared.engine.sequence import StepOutput
 from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck, TokenEvent
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
@@ -45,9 +45,9 @@ class DecodeService(WorkerService):
         super().__init__(common, settings)
         self.settings: DecodeSettings = settings
         self.active: dict[str, Active] = {}
-        self.pending: collections.deque[GenerateTask] = collections.deque()
+        self.pending = 0  # local prefills accepted, not yet computed
+        self.prefills: set[asyncio.Task] = set()
         self.kv_address = ""
-        self._wake = asyncio.Event()
         self._publishing: asyncio.Task | None = None
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
@@ -59,8 +59,7 @@ class DecodeService(WorkerService):
         stack.push_async_callback(server.stop, 1.0)
         self.kv_address = f"{self.settings.advertised_host()}:{port}"
         await bus.serve(subjects.tasks(self.role, self.service_id), GenerateTask, self.on_task)
-        loop = asyncio.create_task(self.decode_loop())
-        stack.callback(loop.cancel)
+        self.runner.start_stepping(self.publish)
 
     def addresses(self) -> dict[str, str]:
         return {**super().addresses(), "kv": self.kv_address}
@@ -71,7 +70,7 @@ class DecodeService(WorkerService):
         pool = self.engine.pool
         return Load(
             inflight=len(self.active),
-            queued=len(self.pending),
+            queued=self.pending,
             kv_blocks_used=pool.used_blocks,
             kv_blocks_total=pool.n_blocks,
         )
@@ -84,22 +83,21 @@ class DecodeService(WorkerService):
 
     async def on_task(self, task: GenerateTask) -> TaskAck:
         """A short prompt to prefill here (no KV moves)."""
-        if self.status != "ready" or len(self.pending) >= self.settings.max_queued:
-            return TaskAck(accepted=False, reason="busy", queued=len(self.pending))
+        if self.status != "ready" or self.pending >= self.settings.max_queued:
+            return TaskAck(accepted=False, reason="busy", queued=self.pending)
         if task.model != self.settings.model:
             return TaskAck(accepted=False, reason=f"this worker serves {self.settings.model}")
         params = task.sampling.params()
         if not self.engine.can_admit(len(task.token_ids), params, None):
-            return TaskAck(accepted=False, reason="busy", queued=len(self.pending))
-        self.pending.append(task)
-        self._wake.set()
-        return TaskAck(accepted=True, queued=len(self.pending) - 1)
+            return TaskAck(accepted=False, reason="busy", queued=self.pending)
+        self.pending += 1
+        prefill = asyncio.create_task(self.prefill_here(task))
+        self.prefills.add(prefill)
+        prefill.add_done_callback(self.prefills.discard)
+        return TaskAck(accepted=True, queued=self.pending - 1)
 
     async def on_cancel(self, cancel: Cancel) -> None:
         rid = cancel.request_id
-        for task in list(self.pending):
-            if task.request_id == rid:
-                self.pending.remove(task)
         active = self.active.get(rid)
         if active is not None:
             active.cancelled = True
@@ -113,29 +111,20 @@ class DecodeService(WorkerService):
 
     # -- the batch ---------------------------------------------------------------------------
 
-    async def decode_loop(self) -> None:
-        while True:
-            if not self.pending and not self.engine.running:
-                self._wake.clear()
-                await self._wake.wait()
-            if self.pending:  # one local prefill, then a step: running answers keep flowing
-                await self.prefill_here(self.pending.popleft())
-            if self.engine.running:
-                await self.step()
-
     async def prefill_here(self, task: GenerateTask) -> None:
+        """A short prompt computed here, between two decode steps; its first token is
+        published here, the rest by the steps (index 1 on)."""
         rid = task.request_id
-        self.active[rid] = active = Active(task, next_index=0)
-        started = time.perf_counter()
+        self.active[rid] = active = Active(task, next_index=1)
         try:
-            out = await self.runner.call(
-                self.engine.prefill, rid, task.token_ids, task.sampling.params()
-            )
+            out, took = await self.runner.call(self._timed_prefill, task)
         except (PoolExhausted, ValueError) as err:
             self.active.pop(rid, None)
+            self.pending -= 1
             code = "busy" if isinstance(err, PoolExhausted) else "internal"
             await self.send(task.reply_subject, self._error(rid, str(err), code))
             return
+        self.pending -= 1
         if active.cancelled:
             await self.runner.call(self.engine.abort, rid)
             return
@@ -146,20 +135,21 @@ class DecodeService(WorkerService):
             finish_reason=out.finish_reason,
             stop_string=out.stop_string,
             cached_tokens=0,
-            prefill_s=time.perf_counter() - started,
+            prefill_s=took,
             worker_id=self.service_id,
         )
-        active.next_index = 1
         if out.finish_reason:
             await self.drop(rid)
         await self.send(task.reply_subject, event)
 
-    async def step(self) -> None:
-        """One token for every running sequence. Its events go out while the next step
-        computes (the engine thread releases the GIL), so the batch never waits on NATS."""
+    def _timed_prefill(self, task: GenerateTask) -> tuple[StepOutput, float]:
+        """On the engine thread: the prefill and its compute time."""
         started = time.perf_counter()
-        outputs = await self.runner.call(self.engine.step)
-        took = time.perf_counter() - started
+        out = self.engine.prefill(task.request_id, task.token_ids, task.sampling.params())
+        return out, time.perf_counter() - started
+
+    def publish(self, outputs: list[StepOutput], took: float) -> None:
+        """A step's tokens as events, sent in order behind the previous step's."""
         now = time.time()
         events = []
         for out in outputs:
@@ -256,7 +246,6 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                 return
             active.kv_bytes, active.kv_transfer_s = len(data), took
             joined = True
-            svc._wake.set()
             log.debug("%s joined: %d KV bytes in %.1f ms", rid, len(data), took * 1e3)
             yield kv_pb2.HandoffStatus(ok=True)
         finally:

@@ -1,0 +1,111 @@
+"""The engine on a thread of its own.
+
+The event loop stays free while the engine computes, and engine calls never overlap (the
+engine is not thread-safe). A decode worker also turns on stepping: the thread then runs
+decode steps back to back for as long as sequences are running, doing queued calls (receive
+a handoff, abort, a local prefill) between two steps, and hands each step's tokens to the
+event loop without waiting for it, so the batch never waits on Python bookkeeping or NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from shared.engine.engine import Engine
+from shared.engine.sequence import StepOutput
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+OnStep = Callable[[list[StepOutput], float], None]
+
+
+class EngineRunner:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._on_step: OnStep | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[..., T], *args, **kwargs) -> asyncio.Future[T]:
+        """Run ``fn`` on the engine thread (between two steps); await the result when needed."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((fn, args, kwargs, loop, future))
+        return future
+
+    def submit(self, fn: Callable[..., object], *args) -> None:
+        """Queue ``fn`` on the engine thread without waiting for it; a failure is logged."""
+        self._jobs.put((fn, args, {}, None, None))
+
+    def start_stepping(self, on_step: OnStep) -> None:
+        """From now on, step whenever sequences are running; ``on_step(outputs, seconds)``
+        is called on the event loop after each step."""
+        # A stepping thread holds the GIL most of the time; by default another thread waits
+        # up to 5 ms for it, which would starve the event loop (token events, handoffs).
+        sys.setswitchinterval(0.0005)
+        self._loop = asyncio.get_running_loop()
+        self._on_step = on_step
+        self._jobs.put(None)  # wake the thread
+
+    def close(self) -> None:
+        self._jobs.put(StopIteration)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        """The queued calls, then one step (when stepping and sequences run), and again.
+        Calls are short (a join, an abort, a prefill of a short prompt), so new sequences
+        join at the next step."""
+        while True:
+            stepping = self._on_step is not None and bool(self.engine.running)
+            try:
+                job = self._jobs.get(block=not stepping)
+            except queue.Empty:
+                self._step()
+                continue
+            if job is StopIteration:
+                return
+            if job is not None:
+                self._do(*job)
+
+    def _do(self, fn, args, kwargs, loop, future) -> None:  # noqa: ANN001
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as err:  # the caller gets it; a fire-and-forget call is logged
+            if loop is None:
+                log.error("engine call %s failed", fn.__name__, exc_info=err)
+            else:
+                loop.call_soon_threadsafe(_settle, future, None, err)
+            return
+        if loop is not None:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            log.exception("decode step failed")
+            return
+        took = time.perf_counter() - started
+        assert self._loop is not None and self._on_step is not None
+        self._loop.call_soon_threadsafe(self._on_step, outputs, took)
+
+
+def _settle(future: asyncio.Future, result: object, err: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if err is not None:
+        future.set_exception(err)
+    else:
+        future.set_result(result)
