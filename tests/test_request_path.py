@@ -4,6 +4,9 @@ model), a real nats-server, gRPC handoffs; driven with the official openai clien
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -352,3 +355,46 @@ def test_full_router_answers_429_with_retry_after(stack, nats_server) -> None:
         )
     finally:
         router.stop()
+
+
+# -- workers that stop answering ---------------------------------------------------------------
+
+
+def test_a_silent_worker_costs_one_retry_then_503(stack, client) -> None:
+    """SIGSTOP freezes a prefill worker: still in the registry, answering nothing."""
+    url, procs = stack["url"], stack["procs"]
+    frozen = [procs["prefill-0"]]
+    os.kill(procs["prefill-0"].pid, signal.SIGSTOP)
+    try:
+
+        def ask(i: int) -> str:
+            return (
+                client.chat.completions.create(
+                    model="tiny",
+                    messages=[
+                        {"role": "user", "content": f"Retry {i}: describe a harbour at dawn."}
+                    ],
+                    max_tokens=8,
+                )
+                .choices[0]
+                .finish_reason
+            )
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:  # one of the two is routed to the frozen worker
+            assert list(pool.map(ask, range(2))) == ["length", "length"]
+        assert time.monotonic() - started >= 2.0  # it waited the ack timeout, then went on
+
+        frozen.append(procs["prefill-1"])
+        os.kill(procs["prefill-1"].pid, signal.SIGSTOP)
+        code, _, resp = post(
+            url + "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "x " * 40}]},
+        )
+        assert code == 503 and resp["error"]["type"] == "service_unavailable"
+    finally:
+        for proc in frozen:
+            os.kill(proc.pid, signal.SIGCONT)
+    wait_until(lambda: workers_ready(url) == 4, 15, what="both prefill workers back")
+    # Woken up, they drop the tasks the router gave up on, and serve new ones.
+    assert client.completions.create(model="tiny", prompt="y " * 30, max_tokens=2).choices

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.router.openai_api import ApiError
 from services.router.policy import Outstanding, RouteRequest, RoutingPolicy
@@ -95,48 +95,39 @@ class Dispatcher:
 
         Leaving early (the client went away, a stop string) cancels the request on its workers.
         """
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._queues[job.request_id] = queue
-        finished = False
         excluded: set[str] = set()
-        try:
-            for attempt in (1, 2):
-                workers: tuple[str, ...] = ()
-                started = False
-                try:
-                    workers = await self._send(job, excluded)
-                    for w in workers:
-                        self.outstanding.add(w)
-                    async for event in self._events(job, queue, workers):
-                        started = True
-                        yield event
-                        if event.finish_reason:
-                            finished = True
-                            return
-                except _Failed as failure:
-                    if started or attempt == 2:
-                        raise ApiError(
-                            503, f"request failed: {failure}", code="unavailable"
-                        ) from None
-                    log.warning("%s: %s; retrying on other workers", job.request_id, failure)
-                    excluded.update(failure.service_ids)
-                    queue = self._fresh_queue(job.request_id)
-                finally:
-                    for w in workers:
-                        self.outstanding.done(w)
-        finally:
-            self._queues.pop(job.request_id, None)
-            if not finished:
-                with contextlib.suppress(Exception):
-                    await self.bus.publish(subjects.CANCEL, Cancel(request_id=job.request_id))
-
-    def _fresh_queue(self, request_id: str) -> asyncio.Queue[TokenEvent]:
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._queues[request_id] = queue
-        return queue
+        for attempt in (1, 2):
+            # A retry has an id of its own: a worker that wakes up late with the first
+            # attempt (and is told to cancel it) can never mix its tokens into the answer.
+            wire = job if attempt == 1 else replace(job, request_id=f"{job.request_id}-retry")
+            queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+            self._queues[wire.request_id] = queue
+            workers: tuple[str, ...] = ()
+            started = finished = False
+            try:
+                workers = await self._send(wire, excluded)  # counted in outstanding
+                async for event in self._events(wire, queue, workers):
+                    started = True
+                    yield event
+                    if event.finish_reason:
+                        finished = True
+                        return
+            except _Failed as failure:
+                if started or attempt == 2:
+                    raise ApiError(503, f"request failed: {failure}", code="unavailable") from None
+                log.warning("%s: %s; retrying on other workers", job.request_id, failure)
+                excluded.update(failure.service_ids)
+            finally:
+                for w in workers:
+                    self.outstanding.done(w)
+                self._queues.pop(wire.request_id, None)
+                if not finished:
+                    with contextlib.suppress(Exception):
+                        await self.bus.publish(subjects.CANCEL, Cancel(request_id=wire.request_id))
 
     async def _send(self, job: Job, excluded: set[str]) -> tuple[str, ...]:
-        """Queue the task on the best worker that takes it; returns the workers involved."""
+        """Queue the task on the best worker that takes it; returns the workers involved,
+        counted in ``outstanding`` until the caller says they are done."""
         route = RouteRequest(job.model, len(job.prompt_ids), job.sampling.max_tokens)
         decodes = self.policy.rank_decode(
             self._candidates("decode", job.model, excluded), route, self.outstanding
@@ -168,6 +159,10 @@ class Dispatcher:
                 deadline=job.deadline,
             )
             role = worker.heartbeat.role
+            involved = tuple(dict.fromkeys((worker.service_id, decode.service_id)))
+            # Counted from now: requests routed meanwhile see this one (before its ack).
+            for w in involved:
+                self.outstanding.add(w)
             try:
                 ack = await self.bus.request(
                     subjects.tasks(role, worker.service_id),
@@ -176,11 +171,15 @@ class Dispatcher:
                     self.limits.ack_timeout_s,
                 )
             except BusError as err:
+                for w in involved:
+                    self.outstanding.done(w)
                 raise _Failed(
                     f"{role} {worker.service_id} did not answer: {err}", worker.service_id
                 ) from None
             if ack.accepted:
-                return tuple(dict.fromkeys((worker.service_id, decode.service_id)))
+                return involved
+            for w in involved:
+                self.outstanding.done(w)
             if ack.reason != "busy":
                 raise ApiError(503, f"{role} worker refused: {ack.reason}", code="unavailable")
             busy += 1
