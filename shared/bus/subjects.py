@@ -44,3 +44,13 @@ def reply(router_id: str, request_id: str) -> str:
 
 # A cancelled request: every prefill and decode worker listens, the one holding it acts.
 CANCEL = f"{PREFIX}.cancel"
+
+
+# KV events: every block stored at or removed from a location, on a JetStream stream that
+# cachemeta consumes with a durable consumer (so it loses none across restarts).
+KV_EVENTS_STREAM = "KVMESH_KV_EVENTS"
+KV_EVENTS = f"{PREFIX}.kv.events"
+
+# Request/reply: how many leading blocks of a prompt each location holds (cachemeta answers).
+CACHEMETA_LOOKUP = f"{PREFIX}.cachemeta.lookup"
+CACHEMETA_QUEUE = "cachemeta"

@@ -1,0 +1,161 @@
+"""The block index: which locations hold each KV block, its size, last access and retention.
+
+Pure and synchronous: KV events in, lookups and garbage-collection decisions out. The storage
+tier's blocks are also kept in least-recently-used order, for eviction past a capacity.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from shared.messages.kvevents import STORE, KvEvent
+
+
+@dataclass
+class Entry:
+    size: int
+    retention: str
+    last_access: float
+    locations: set[str] = field(default_factory=set)
+
+
+class BlockIndex:
+    def __init__(self, ttl_s: dict[str, float]) -> None:
+        self.ttl_s = ttl_s  # retention class → seconds a block lives after its last use
+        self.entries: dict[str, Entry] = {}
+        self.store_lru: OrderedDict[str, None] = OrderedDict()  # oldest use first
+        self.store_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    # -- changes ---------------------------------------------------------------------------
+
+    def apply(self, event: KvEvent) -> None:
+        if event.kind == "stored":
+            sizes = event.sizes or [0] * len(event.hashes)
+            for h, size in zip(event.hashes, sizes, strict=True):
+                self._add(h, event.location, size, event.retention, event.at)
+        else:
+            for h in event.hashes:
+                self._remove(h, event.location)
+
+    def _add(self, h: str, location: str, size: int, retention: str, at: float) -> None:
+        entry = self.entries.get(h)
+        if entry is None:
+            entry = self.entries[h] = Entry(size, retention, at)
+        else:
+            entry.last_access = max(entry.last_access, at)
+            # The longer-lived class wins: an agent's block is not cut short by a chat's.
+            if self.ttl_s[retention] > self.ttl_s[entry.retention]:
+                entry.retention = retention
+            entry.size = size or entry.size
+        if location == STORE and STORE not in entry.locations:
+            self.store_bytes += entry.size
+            self.store_lru[h] = None
+        if location == STORE:
+            self.store_lru.move_to_end(h)
+        entry.locations.add(location)
+
+    def _remove(self, h: str, location: str) -> None:
+        entry = self.entries.get(h)
+        if entry is None or location not in entry.locations:
+            return
+        entry.locations.discard(location)
+        if location == STORE:
+            self.store_bytes -= entry.size
+            del self.store_lru[h]
+        if not entry.locations:
+            del self.entries[h]
+
+    def drop_location(self, location: str) -> int:
+        """A worker is gone: its memory tier with it. Returns the blocks it held."""
+        held = [h for h, e in self.entries.items() if location in e.locations]
+        for h in held:
+            self._remove(h, location)
+        return len(held)
+
+    # -- questions -------------------------------------------------------------------------
+
+    def _alive(self, entry: Entry, now: float) -> bool:
+        return now <= entry.last_access + self.ttl_s[entry.retention]
+
+    def lookup(self, hashes: list[str], now: float) -> dict[str, int]:
+        """Per location, how many of ``hashes`` from the first it holds. Blocks counted are
+        marked used now (they are about to be read)."""
+        counts: dict[str, int] = {}
+        alive: set[str] | None = None
+        n = 0
+        for h in hashes:
+            entry = self.entries.get(h)
+            if entry is None or not self._alive(entry, now):
+                break
+            here = entry.locations if alive is None else alive & entry.locations
+            if alive is not None:
+                for gone in alive - here:
+                    counts[gone] = n
+            if not here:
+                break
+            alive = here
+            n += 1
+        for location in alive or ():
+            counts[location] = n
+        longest = max(counts.values(), default=0)
+        for h in hashes[:longest]:
+            entry = self.entries[h]
+            entry.last_access = now
+            if STORE in entry.locations:
+                self.store_lru.move_to_end(h)
+        return counts
+
+    def expired(self, now: float) -> list[tuple[str, Entry]]:
+        return [(h, e) for h, e in self.entries.items() if not self._alive(e, now)]
+
+    def forget(self, hashes: Iterable[str]) -> None:
+        """Drop blocks from every location (expired ones)."""
+        for h in hashes:
+            entry = self.entries.get(h)
+            if entry is not None:
+                for location in list(entry.locations):
+                    self._remove(h, location)
+
+    def eviction_victims(self, capacity: int, high: float, low: float) -> list[str]:
+        """Past the high watermark, the least recently used storage-tier blocks whose removal
+        brings it down to the low watermark."""
+        if self.store_bytes <= capacity * high:
+            return []
+        victims, freed = [], 0
+        for h in self.store_lru:
+            if self.store_bytes - freed <= capacity * low:
+                break
+            victims.append(h)
+            freed += self.entries[h].size
+        return victims
+
+    # -- persistence -----------------------------------------------------------------------
+
+    def to_rows(self) -> list[list]:
+        """The index as plain rows, storage-tier blocks in LRU order first."""
+        rows = [self._row(h) for h in self.store_lru]
+        rows += [self._row(h) for h, e in self.entries.items() if STORE not in e.locations]
+        return rows
+
+    def _row(self, h: str) -> list:
+        e = self.entries[h]
+        return [h, e.size, e.retention, e.last_access, sorted(e.locations)]
+
+    @classmethod
+    def from_rows(cls, rows: list[list], ttl_s: dict[str, float]) -> BlockIndex:
+        index = cls(ttl_s)
+        for h, size, retention, last_access, locations in rows:
+            for location in locations:
+                index._add(h, location, size, retention, last_access)
+        return index
+
+    def check_integrity(self) -> None:
+        in_store = {h for h, e in self.entries.items() if STORE in e.locations}
+        assert in_store == set(self.store_lru), "LRU order and store locations differ"
+        assert self.store_bytes == sum(self.entries[h].size for h in in_store)
+        assert all(e.locations for e in self.entries.values()), "an entry with no location"

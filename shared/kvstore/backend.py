@@ -1,0 +1,177 @@
+"""Where KV blocks are kept, behind one small interface: a blob store keyed by block hash.
+
+A blob is one block's KV in kvformat, which carries a CRC32 per cell: the engine verifies every
+cell it loads, so a damaged block never reaches the model; whoever loaded it then calls
+``discard`` (deleted, counted, reported). Checking the CRCs once, while the cells are copied
+into the cache, keeps a read at the speed of a plain read. ``FileStore`` keeps one file per
+block under a root path, written atomically (temp file + rename) and framed with its length, so
+a truncated file is a miss at once. Any POSIX mount works, so a shared file system mounted at
+the same path on every worker makes it a cluster-wide tier. ``MemoryStore`` is a worker's
+host-memory tier: LRU within a byte capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVB1"
+_FRAME = struct.Struct("<4sQ")  # magic, payload length
+
+
+class BlockStore(ABC):
+    @abstractmethod
+    def put(self, key: str, blob: bytes) -> list[str]:
+        """Keep ``blob`` under ``key``; returns the keys this pushed out (capacity)."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The blob; None when absent or visibly damaged (truncated: then it is removed)."""
+
+    def discard(self, key: str, reason: str) -> None:
+        """A blob found damaged by its reader: remove it."""
+        self.delete(key)
+
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove the blob; True when it was there."""
+
+    @abstractmethod
+    def __contains__(self, key: str) -> bool: ...
+
+
+class FileStore(BlockStore):
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.damaged = 0  # files found damaged (and deleted) by this process
+
+    def path(self, key: str) -> Path:
+        assert len(key) >= 4 and all(c in "0123456789abcdef" for c in key), key
+        return self.root / key[:2] / key[2:4] / f"{key}.kvb"
+
+    def put(self, key: str, blob: bytes) -> list[str]:
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(_FRAME.pack(MAGIC, len(blob)))
+            f.write(blob)
+        # No fsync: this is a cache. A file lost in a crash is a miss; a torn one is found by
+        # its length or its cells' checksums and deleted.
+        os.replace(tmp, path)
+        return []
+
+    def get(self, key: str) -> bytes | None:
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_FRAME.size)
+                blob = f.read()
+        except FileNotFoundError:
+            return None
+        problem = self._check(head, blob)
+        if problem:
+            self.discard(key, problem)
+            return None
+        return blob
+
+    def discard(self, key: str, reason: str) -> None:
+        """A damaged blob: delete it, say so, count it."""
+        log.warning("KV block %s in %s is damaged (%s): deleted", key, self.root, reason)
+        self.damaged += 1
+        self.delete(key)
+
+    @staticmethod
+    def _check(head: bytes, blob: bytes) -> str:
+        if len(head) < _FRAME.size:
+            return "truncated header"
+        magic, length = _FRAME.unpack(head)
+        if magic != MAGIC:
+            return "bad magic"
+        if length != len(blob):
+            return f"{len(blob)} of {length} bytes"
+        return ""
+
+    def delete(self, key: str) -> bool:
+        try:
+            self.path(key).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def __contains__(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def size_on_disk(self, key: str) -> int:
+        try:
+            return self.path(key).stat().st_size
+        except FileNotFoundError:
+            return 0
+
+
+class MemoryStore(BlockStore):
+    """LRU within ``capacity_bytes``; thread-safe (written behind, read by prefill)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._blobs: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, key: str, blob: bytes) -> list[str]:
+        if len(blob) > self.capacity_bytes:
+            return []
+        evicted = []
+        with self._lock:
+            old = self._blobs.pop(key, None)
+            if old is not None:
+                self.used_bytes -= len(old)
+            while self.used_bytes + len(blob) > self.capacity_bytes:
+                gone, data = self._blobs.popitem(last=False)
+                self.used_bytes -= len(data)
+                evicted.append(gone)
+            self._blobs[key] = blob
+            self.used_bytes += len(blob)
+        return evicted
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            blob = self._blobs.get(key)
+            if blob is not None:
+                self._blobs.move_to_end(key)
+            return blob
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            blob = self._blobs.pop(key, None)
+            if blob is not None:
+                self.used_bytes -= len(blob)
+            return blob is not None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._blobs
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def leading(self, keys: list[str]) -> int:
+        """How many of ``keys``, from the first, are held."""
+        n = 0
+        for key in keys:
+            if key not in self._blobs:
+                break
+            n += 1
+        return n
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert self.used_bytes == sum(len(b) for b in self._blobs.values())
+            assert self.used_bytes <= self.capacity_bytes

@@ -1,0 +1,38 @@
+"""Block identity: a chained hash over the full blocks of a token sequence.
+
+Block i's hash covers every token up to the end of block i (it chains block i-1's hash), the
+model's fingerprint (another model's KV never matches) and extra keys (a tenant salt; image
+content hashes later). blake2b, so the same prefix has the same hashes in every process and
+after restarts, unlike Python's ``hash()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+DIGEST_BYTES = 16
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    fingerprint: str,
+    salt: str = "",
+    extra_keys: Sequence[str] = (),
+) -> list[str]:
+    """Hex hashes of the full blocks of ``token_ids`` (a trailing partial block has none)."""
+    assert block_size > 0
+    seed = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    for key in (fingerprint, salt, *extra_keys):
+        seed.update(key.encode())
+        seed.update(b"\x00")
+    prev = seed.digest()
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES)
+        h.update(array("i", token_ids[start : start + block_size]).tobytes())
+        prev = h.digest()
+        hashes.append(prev.hex())
+    return hashes

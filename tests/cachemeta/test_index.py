@@ -1,0 +1,74 @@
+"""The block index: lookups per location, TTLs, LRU eviction, persistence."""
+
+from __future__ import annotations
+
+from services.cachemeta.index import BlockIndex
+from shared.messages.kvevents import STORE, KvEvent
+
+TTL = {"chat": 100.0, "agent": 10.0}
+
+
+def stored(location: str, hashes: list[str], at: float = 0.0, retention: str = "chat", size=10):
+    return KvEvent(
+        kind="stored",
+        location=location,
+        hashes=hashes,
+        sizes=[size] * len(hashes),
+        retention=retention,
+        at=at,
+    )
+
+
+def test_lookup_counts_leading_blocks_per_location() -> None:
+    index = BlockIndex(TTL)
+    index.apply(stored(STORE, ["a", "b", "c"]))
+    index.apply(stored("mem:p0", ["a", "b"]))
+    index.apply(stored("mem:p1", ["b", "c"]))  # not from the first block: holds no prefix
+    assert index.lookup(["a", "b", "c", "d"], now=1) == {STORE: 3, "mem:p0": 2}
+    assert index.lookup(["x", "a"], now=1) == {}
+    index.check_integrity()
+
+
+def test_removal_and_a_gone_worker() -> None:
+    index = BlockIndex(TTL)
+    index.apply(stored(STORE, ["a", "b"]))
+    index.apply(stored("mem:p0", ["a", "b"]))
+    index.apply(KvEvent(kind="removed", location=STORE, hashes=["b"], at=1))
+    assert index.lookup(["a", "b"], now=2) == {STORE: 1, "mem:p0": 2}
+    assert index.drop_location("mem:p0") == 2
+    assert index.lookup(["a", "b"], now=2) == {STORE: 1}
+    assert index.store_bytes == 10
+    index.check_integrity()
+
+
+def test_ttl_by_retention_class_counts_from_last_use() -> None:
+    index = BlockIndex(TTL)
+    index.apply(stored(STORE, ["a"], at=0, retention="agent"))
+    index.apply(stored(STORE, ["b"], at=0, retention="chat"))
+    assert index.lookup(["a"], now=9) == {STORE: 1}  # used at 9: lives until 19
+    assert [h for h, _ in index.expired(now=15)] == []
+    assert [h for h, _ in index.expired(now=20)] == ["a"]
+    index.forget(["a"])
+    assert index.lookup(["a"], now=20) == {}
+    assert index.lookup(["b"], now=99) == {STORE: 1}
+    assert index.lookup(["b"], now=250) == {}  # past its TTL: not offered even before GC
+
+
+def test_eviction_takes_least_recently_used_down_to_low_watermark() -> None:
+    index = BlockIndex(TTL)
+    index.apply(stored(STORE, ["a", "b", "c", "d", "e"], size=20))  # 100 bytes
+    index.lookup(["a"], now=1)  # a is now the most recently used
+    assert index.eviction_victims(capacity=200, high=0.9, low=0.5) == []
+    assert index.eviction_victims(capacity=100, high=0.9, low=0.5) == ["b", "c", "d"]
+
+
+def test_rows_round_trip_keeps_order_and_locations() -> None:
+    index = BlockIndex(TTL)
+    index.apply(stored(STORE, ["a", "b"], at=5))
+    index.apply(stored("mem:p0", ["c"], at=6, retention="agent"))
+    index.lookup(["a"], now=7)
+    again = BlockIndex.from_rows(index.to_rows(), TTL)
+    assert list(again.store_lru) == ["b", "a"]
+    assert again.lookup(["a"], now=8) == {STORE: 1}
+    assert again.entries["c"].retention == "agent" and again.entries["c"].locations == {"mem:p0"}
+    again.check_integrity()

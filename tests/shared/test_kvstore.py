@@ -1,0 +1,45 @@
+"""Block hashing and the storage backends."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shared.kvstore.backend import FileStore, MemoryStore
+from shared.kvstore.hashing import block_hashes
+
+
+def test_hashes_chain_over_full_blocks_and_depend_on_model_and_salt() -> None:
+    ids = list(range(200))
+    h = block_hashes(ids, 64, "model-a")
+    assert len(h) == 3 and len(set(h)) == 3
+    assert block_hashes(ids[:130], 64, "model-a") == h[:2]  # same prefix, same hashes
+    assert block_hashes([999] + ids[1:], 64, "model-a")[2] != h[2]  # chained: block 0 matters
+    assert block_hashes(ids, 64, "model-b")[0] != h[0]
+    assert block_hashes(ids, 64, "model-a", salt="tenant-1")[0] != h[0]
+    # Stable across processes and restarts: a fixed value, not Python's hash().
+    assert block_hashes([1] * 4, 4, "m") == ["e8c3f88f0931e05adce3efceaf0eb004"]
+    assert len(h[0]) == 32 and int(h[0], 16) >= 0
+
+
+def test_file_store_round_trip_atomic_and_truncation_is_a_miss(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    key, blob = "ab" * 16, os.urandom(10_000)
+    store.put(key, blob)
+    assert key in store and store.get(key) == blob
+    assert not list(tmp_path.rglob("*.tmp"))  # the temp file was renamed into place
+    path = store.path(key)
+    path.write_bytes(path.read_bytes()[:-10])  # torn write
+    assert store.get(key) is None
+    assert not path.exists() and store.damaged == 1
+    assert store.get("cd" * 16) is None
+
+
+def test_memory_store_is_lru_within_capacity() -> None:
+    mem = MemoryStore(capacity_bytes=30)
+    assert mem.put("a", b"x" * 10) == [] and mem.put("b", b"x" * 10) == []
+    mem.get("a")  # a is now more recent than b
+    assert mem.put("c", b"x" * 15) == ["b"]
+    assert mem.leading(["a", "c", "b"]) == 2
+    assert mem.put("huge", b"x" * 31) == [] and "huge" not in mem
+    mem.check_integrity()
