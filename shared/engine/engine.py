@@ -407,6 +407,54 @@ class TorchEngine(Engine):
         v = self.cache.v[:, slots].reshape(shape).to(kvformat.DTYPES[dtype])
         return kvformat.encode(self._header_fields(n_blocks, n_tokens, dtype), k, v)
 
+    def export_blocks(
+        self, seq_id: str, first: int, last: int, dtype: str | None = None
+    ) -> list[bytes]:
+        """Full blocks ``first`` .. ``last - 1`` of a sequence, one kvformat blob each (what the
+        storage tiers keep, keyed by block hash)."""
+        seq = self.seqs[seq_id]
+        bs = self.block_size
+        assert last * bs <= seq.n_cached, "only blocks whose KV is computed"
+        dtype = dtype or self.options.dtype
+        shape = (self.config.n_layers, 1, bs, self.config.n_kv_heads, -1)
+        blobs = []
+        for b in range(first, last):
+            base = seq.block_table[b] * bs
+            k = self.cache.k[:, base : base + bs].reshape(shape).to(kvformat.DTYPES[dtype])
+            v = self.cache.v[:, base : base + bs].reshape(shape).to(kvformat.DTYPES[dtype])
+            blobs.append(kvformat.encode(self._header_fields(1, bs, dtype), k, v))
+        return blobs
+
+    def import_blocks(self, sources: list[bytes | BinaryIO]) -> Prefix:
+        """Load single-block blobs (block i of a prefix from ``sources[i]``) into fresh blocks
+        and hold them, like import_kv. A window layer reads only blocks inside its window.
+        Every cell read is checksummed; a bad block raises BadBlock naming its index (nothing
+        is held then)."""
+        bs = self.block_size
+        n_tokens = len(sources) * bs
+        blocks = self.pool.allocate(len(sources))
+        try:
+            for i, source in enumerate(sources):
+                f = kvformat.as_reader(source)
+                try:
+                    header, data_start = self._read_header(f)
+                    if header.n_blocks != 1 or header.n_tokens != bs:
+                        raise kvformat.KVFormatError("not a single full block")
+                    base = blocks[i] * bs
+                    for layer in range(self.config.n_layers):
+                        window = self.config.window(layer)
+                        if i < kvformat.first_needed_block(window, n_tokens, bs):
+                            continue
+                        k, v = kvformat.read_cell(f, header, data_start, layer, 0)
+                        self.cache.k[layer, base : base + bs] = k.to(self.dtype)
+                        self.cache.v[layer, base : base + bs] = v.to(self.dtype)
+                except kvformat.KVFormatError as err:
+                    raise kvformat.BadBlock(i, str(err)) from None
+        except Exception:
+            self.pool.free(blocks)
+            raise
+        return Prefix(tuple(blocks), n_tokens)
+
     def _read_header(self, f: BinaryIO) -> tuple[kvformat.KVHeader, int]:
         header, data_start = kvformat.read_header(f)
         expected = self._header_fields(header.n_blocks, header.n_tokens, header.dtype)

@@ -49,11 +49,23 @@ class KVHeader:
         return layer * self.n_blocks + block
 
     def first_needed_block(self, layer: int) -> int:
-        """The first block a next token can attend to at this layer (window layers skip some)."""
-        window = self.windows[layer]
-        if not window:
-            return 0
-        return max(0, self.n_tokens - window + 1) // self.block_size
+        return first_needed_block(self.windows[layer], self.n_tokens, self.block_size)
+
+
+def first_needed_block(window: int, n_tokens: int, block_size: int) -> int:
+    """The first block the token after ``n_tokens`` can attend to at a layer with this window
+    (0: full attention); a window layer skips the blocks before it."""
+    if not window:
+        return 0
+    return max(0, n_tokens - window + 1) // block_size
+
+
+class BadBlock(KVFormatError):
+    """Block ``index`` of several being loaded is not valid KV (damaged, or another model's)."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"block {index}: {reason}")
+        self.index = index
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:

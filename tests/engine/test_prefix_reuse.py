@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 
-from shared.engine.kvformat import KVFormatError
+from shared.engine.kvformat import BadBlock, KVFormatError
 from shared.engine.loader import LoadedModel
 from shared.engine.sampling import SamplingParams
 from tests.engine.conftest import make_engine
@@ -136,3 +136,34 @@ def test_kv_of_another_model_is_rejected(tiny_models) -> None:
     other = make_engine(tiny_models["tiny-moe"])
     with pytest.raises(KVFormatError, match="fingerprint"):
         other.import_kv(blob_engine.export_kv("a"))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-swa", "tiny-moe"])
+def test_prefix_from_single_block_blobs_equals_full_recompute(tiny_models, name: str) -> None:
+    """The storage tiers keep one blob per block: a prefix rebuilt from them is exact."""
+    model = tiny_models[name]
+    ids = prompt(70)
+    src, dst = make_engine(model), make_engine(model)
+    src.prefill("s", ids, SamplingParams(max_tokens=1))
+    blobs = src.export_blocks("s", 0, 6)  # 6 blocks of 8 tokens
+    prefix = dst.import_blocks(blobs)
+    assert prefix.n_tokens == 48
+    dst.prefill("d", ids, SamplingParams(max_tokens=1), prefix=prefix)
+    dst.release(prefix)
+    ref = make_engine(model)
+    ref.prefill("r", ids, SamplingParams(max_tokens=1))
+    diff = (dst.sequence("d").last_logits - ref.sequence("r").last_logits).abs().max()
+    assert diff <= 1e-4
+
+
+def test_a_damaged_block_is_named_and_nothing_is_held(tiny_models) -> None:
+    model = tiny_models["tiny"]
+    src, dst = make_engine(model), make_engine(model)
+    src.prefill("s", prompt(40), SamplingParams(max_tokens=1))
+    blobs = src.export_blocks("s", 0, 4)
+    damaged = bytearray(blobs[2])
+    damaged[-5] ^= 0xFF
+    with pytest.raises(BadBlock) as err:
+        dst.import_blocks([blobs[0], blobs[1], bytes(damaged), blobs[3]])
+    assert err.value.index == 2 and "checksum" in str(err.value)
+    assert dst.pool.used_blocks == 0
