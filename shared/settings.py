@@ -77,6 +77,16 @@ class CommonSettings(KvmeshSettings):
         default=30.0, gt=0, le=600, description="how long to wait for NATS at start"
     )
 
+    kv_store_dir: Path | None = Field(
+        default=None,
+        description="the KV storage tier: a directory, shared by every worker (a shared file "
+        "system mounted at the same path in a cluster); unset: <state_dir>/kvstore",
+    )
+
+    @property
+    def resolved_kv_store_dir(self) -> Path:
+        return self.kv_store_dir or self.state_dir / "kvstore"
+
     def resolved_service_id(self, role: str) -> str:
         return self.service_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
 

@@ -13,9 +13,15 @@ from typing import TypeVar
 from pydantic import Field, field_validator
 
 from shared.bus import Bus, subjects
-from shared.engine.engine import EngineOptions, TorchEngine
+from shared.engine.blocks import PoolExhausted
+from shared.engine.engine import EngineOptions, Prefix, TorchEngine
+from shared.engine.kvformat import DTYPES, BadBlock
 from shared.engine.loader import MODEL_NAMES, load_model
-from shared.messages.generate import Cancel, TokenEvent
+from shared.kvstore.backend import FileStore
+from shared.kvstore.hashing import block_hashes
+from shared.kvstore.tiers import CachedPrefix, KvTiers
+from shared.messages.generate import Cancel, GenerateTask, TokenEvent
+from shared.messages.heartbeat import Load
 from shared.runner import EngineRunner
 from shared.service import Service, ServiceSettings
 from shared.settings import CommonSettings
@@ -36,6 +42,24 @@ class WorkerSettings(ServiceSettings):
     threads: int = Field(default=0, ge=0, le=1024, description="torch threads; 0: all cores")
     prefill_chunk: int = Field(default=512, ge=1, description="tokens per prefill forward pass")
     max_running: int = Field(default=64, ge=1, description="sequences held at once")
+    memory_tier_bytes: int = Field(
+        default=1 << 30, ge=0, description="host-memory KV tier of this worker (LRU), bytes"
+    )
+    kv_store: bool = Field(default=True, description="read and write the shared storage tier")
+    write_queue_blocks: int = Field(
+        default=256, ge=0, description="blocks waiting to be stored; beyond it they are skipped"
+    )
+    store_dtype: str = Field(
+        default="",
+        description="dtype of stored blocks (float32, bfloat16, float16); empty: the engine's",
+    )
+
+    @field_validator("store_dtype")
+    @classmethod
+    def _known_dtype(cls, name: str) -> str:
+        if name and name not in DTYPES:
+            raise ValueError(f"empty or one of {', '.join(DTYPES)}")
+        return name
 
     @field_validator("model")
     @classmethod
@@ -62,6 +86,7 @@ class WorkerService(Service):
         self.worker_settings = settings
         self.bus: Bus | None = None
         self.runner: EngineRunner | None = None
+        self.tiers: KvTiers | None = None
 
     @property
     def engine(self) -> TorchEngine:
@@ -93,7 +118,64 @@ class WorkerService(Service):
             engine.pool.n_blocks,
             engine.block_size,
         )
+        store = FileStore(self.common.resolved_kv_store_dir) if s.kv_store else None
+        self.tiers = KvTiers(bus, self.service_id, s.memory_tier_bytes, store, s.write_queue_blocks)
+        await self.tiers.start(stack)
         await bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+
+    def worker_load(self, **figures: int) -> Load:
+        """Load with the engine's and the tiers' figures filled in."""
+        if self.runner is None or self.tiers is None:
+            return Load(**figures)
+        pool = self.engine.pool
+        return Load(
+            kv_blocks_used=pool.used_blocks,
+            kv_blocks_total=pool.n_blocks,
+            kv_block_size=self.engine.block_size,
+            kv_write_skips=self.tiers.skipped_blocks,
+            **figures,
+        )
+
+    async def load_prefix(self, task: GenerateTask) -> tuple[Prefix | None, CachedPrefix]:
+        """The longest cached prefix of the prompt, loaded into engine blocks (held: release
+        after prefill). A block failing its checksums is dropped from its tier and reported;
+        the prefix then ends before it."""
+        assert self.tiers is not None
+        limit = (len(task.token_ids) - 1) // self.engine.block_size  # leave a token to compute
+        cached = await self.tiers.read_prefix(task.block_hashes[:limit])
+        while cached.blobs:
+            try:
+                prefix = await self.runner.call(self.engine.import_blocks, cached.blobs)
+            except BadBlock as bad:
+                await self.tiers.discard(
+                    cached.hashes[bad.index], cached.tiers[bad.index], str(bad)
+                )
+                cached.truncate(bad.index)
+                continue
+            except PoolExhausted:
+                cached.truncate(0)  # no room to hold it: compute everything
+                break
+            await self.tiers.remember(cached, task.retention)
+            return prefix, cached
+        return None, cached
+
+    def store_blocks(
+        self, task: GenerateTask, first: int, blobs: list[bytes], token_ids: list[int]
+    ) -> None:
+        """Blocks ``first`` .. of ``token_ids`` computed here: to both tiers, behind the path."""
+        if not blobs or self.tiers is None:
+            return
+        if len(token_ids) == len(task.token_ids) and task.block_hashes:
+            hashes = task.block_hashes
+        else:
+            hashes = block_hashes(
+                token_ids, self.engine.block_size, self.engine.config.fingerprint, task.salt
+            )
+        self.tiers.write_behind(hashes[first : first + len(blobs)], blobs, task.retention)
+
+    @property
+    def store_dtype(self) -> str | None:
+        return self.worker_settings.store_dtype or None
 
     async def on_cancel(self, cancel: Cancel) -> None:
         """Drop the request if this worker holds it."""

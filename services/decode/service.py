@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import logging
 import time
 from contextlib import AsyncExitStack
@@ -15,6 +16,7 @@ import grpc
 from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
 from shared.engine.blocks import PoolExhausted
+from shared.engine.engine import Prefix
 from shared.engine.kvformat import KVFormatError
 from shared.engine.sequence import StepOutput
 from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck, TokenEvent
@@ -65,15 +67,7 @@ class DecodeService(WorkerService):
         return {**super().addresses(), "kv": self.kv_address}
 
     def load(self) -> Load:
-        if self.runner is None:
-            return Load()
-        pool = self.engine.pool
-        return Load(
-            inflight=len(self.active),
-            queued=self.pending,
-            kv_blocks_used=pool.used_blocks,
-            kv_blocks_total=pool.n_blocks,
-        )
+        return self.worker_load(inflight=len(self.active), queued=self.pending)
 
     async def drain(self) -> None:
         while self.active or self.pending:
@@ -112,41 +106,70 @@ class DecodeService(WorkerService):
     # -- the batch ---------------------------------------------------------------------------
 
     async def prefill_here(self, task: GenerateTask) -> None:
-        """A short prompt computed here, between two decode steps; its first token is
-        published here, the rest by the steps (index 1 on)."""
+        """A short uncached part of a prompt computed here, between two decode steps (its
+        cached prefix loaded from the tiers); its first token is published here, the rest by
+        the steps (index 1 on)."""
         rid = task.request_id
         self.active[rid] = active = Active(task, next_index=1)
+        prefix, cached = await self.load_prefix(task)
         try:
-            out, took = await self.runner.call(self._timed_prefill, task)
+            out, took = await self.runner.call(self._timed_prefill, task, prefix)
         except (PoolExhausted, ValueError) as err:
             self.active.pop(rid, None)
-            self.pending -= 1
             code = "busy" if isinstance(err, PoolExhausted) else "internal"
             await self.send(task.reply_subject, self._error(rid, str(err), code))
             return
-        self.pending -= 1
+        finally:
+            self.pending -= 1
+            if prefix is not None:  # the sequence holds its own share
+                self.runner.submit(self.engine.release, prefix)
         if active.cancelled:
             await self.runner.call(self.engine.abort, rid)
             return
+        bs = self.engine.block_size
         event = TokenEvent(
             request_id=rid,
             index=0,
             token_ids=[out.token_id],
             finish_reason=out.finish_reason,
             stop_string=out.stop_string,
-            cached_tokens=0,
+            cached_tokens=len(cached.blobs) * bs,
+            cached_by_tier=cached.tokens_by_tier(bs),
             prefill_s=took,
             worker_id=self.service_id,
         )
+        await self.send(task.reply_subject, event)
+        n_full = len(task.token_ids) // bs
+        new = await self.runner.call(
+            self.engine.export_blocks, rid, len(cached.blobs), n_full, self.store_dtype
+        )
+        self.store_blocks(task, len(cached.blobs), new, task.token_ids)
         if out.finish_reason:
             await self.drop(rid)
-        await self.send(task.reply_subject, event)
 
-    def _timed_prefill(self, task: GenerateTask) -> tuple[StepOutput, float]:
+    def _timed_prefill(self, task: GenerateTask, prefix: Prefix | None) -> tuple[StepOutput, float]:
         """On the engine thread: the prefill and its compute time."""
         started = time.perf_counter()
-        out = self.engine.prefill(task.request_id, task.token_ids, task.sampling.params())
+        params = task.sampling.params()
+        out = self.engine.prefill(task.request_id, task.token_ids, params, prefix=prefix)
         return out, time.perf_counter() - started
+
+    def _finish(self, rid: str) -> tuple[int, list[bytes], list[int]]:
+        """On the engine thread: the answer's full blocks (for the next turn), then free."""
+        seq = self.engine.sequence(rid)
+        bs = self.engine.block_size
+        first, n_full = len(seq.prompt_ids) // bs, seq.n_cached // bs
+        blobs = self.engine.export_blocks(rid, first, n_full, self.store_dtype)
+        tokens = seq.tokens[: n_full * bs]
+        self.engine.free(rid)
+        return first, blobs, tokens
+
+    def _store_answer(self, task: GenerateTask, done: asyncio.Future) -> None:
+        if done.cancelled() or done.exception() is not None:
+            log.warning("answer blocks of %s not stored: %s", task.request_id, done.exception())
+            return
+        first, blobs, tokens = done.result()
+        self.store_blocks(task, first, blobs, tokens)
 
     def publish(self, outputs: list[StepOutput], took: float) -> None:
         """A step's tokens as events, sent in order behind the previous step's."""
@@ -180,7 +203,11 @@ class DecodeService(WorkerService):
             active.kv_bytes = active.kv_transfer_s = None
             if finish:  # freed on the engine thread before its next step; nobody waits
                 del self.active[out.seq_id]
-                self.runner.submit(self.engine.abort, out.seq_id)
+                if finish == "abort":
+                    self.runner.submit(self.engine.abort, out.seq_id)
+                else:  # the answer's blocks are kept, so the next turn reuses them too
+                    done = self.runner.call(self._finish, out.seq_id)
+                    done.add_done_callback(functools.partial(self._store_answer, active.task))
         previous = self._publishing
         self._publishing = asyncio.create_task(self._send_all(previous, events))
 

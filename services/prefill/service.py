@@ -15,8 +15,9 @@ import grpc
 from services.prefill.settings import PrefillSettings
 from shared.bus import Bus, subjects
 from shared.engine.blocks import PoolExhausted
-from shared.engine.engine import Cancelled, PrefillRequest
+from shared.engine.engine import Cancelled, PrefillRequest, Prefix
 from shared.engine.sequence import StepOutput
+from shared.kvstore.tiers import CachedPrefix
 from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck, TokenEvent
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
@@ -57,14 +58,8 @@ class PrefillService(WorkerService):
             await channel.close()
 
     def load(self) -> Load:
-        if self.runner is None:
-            return Load()
-        pool = self.engine.pool
-        return Load(
-            inflight=len(self.current) + len(self.transfers),
-            queued=self.queue.qsize(),
-            kv_blocks_used=pool.used_blocks,
-            kv_blocks_total=pool.n_blocks,
+        return self.worker_load(
+            inflight=len(self.current) + len(self.transfers), queued=self.queue.qsize()
         )
 
     async def drain(self) -> None:
@@ -170,9 +165,13 @@ class PrefillService(WorkerService):
             calls[rid] = kv_pb2_grpc.KvHandoffStub(self._channel(task.decode_kv_address)).Handoff()
             reserved[rid] = asyncio.ensure_future(self._reserve(task, calls[rid], timeout))
         shipping: set[str] = set()
+        prefixes: dict[str, Prefix | None] = {}
         try:
+            cached: dict[str, CachedPrefix] = {}
+            for task in tasks:  # the reservations travel meanwhile
+                prefixes[task.request_id], cached[task.request_id] = await self.load_prefix(task)
             started = time.perf_counter()
-            results = await self._compute(tasks)
+            results = await self._compute(tasks, prefixes)
             took = time.perf_counter() - started
             ships = []
             for task, out in zip(tasks, results, strict=True):
@@ -184,20 +183,26 @@ class PrefillService(WorkerService):
                 if isinstance(out, Exception):
                     await self._report(task, out)
                     continue
+                hit = cached[rid]
                 first = TokenEvent(
                     request_id=rid,
                     index=0,
                     token_ids=[out.token_id],
                     finish_reason=out.finish_reason,
                     stop_string=out.stop_string,
-                    cached_tokens=0,
+                    cached_tokens=len(hit.blobs) * self.engine.block_size,
+                    cached_by_tier=hit.tokens_by_tier(self.engine.block_size),
                     prefill_s=took,
                     worker_id=self.service_id,
                 )
                 await self.send(task.reply_subject, first)
-                if out.finish_reason:
-                    continue  # a one-token answer: decode's reservation goes with the call
-                blob, state = await self.runner.call(self._export, rid)
+                handoff = not out.finish_reason  # else a one-token answer: nothing to ship
+                blob, state, new = await self.runner.call(
+                    self._export, rid, len(hit.blobs), handoff
+                )
+                self.store_blocks(task, len(hit.blobs), new, task.token_ids)
+                if not handoff:
+                    continue  # decode's reservation goes with the call
                 done = HandoffDone(first_token=out.token_id, generator_state=state)
                 ships.append((task, self._ship(task, calls[rid], blob, done)))
                 shipping.add(rid)
@@ -207,6 +212,9 @@ class PrefillService(WorkerService):
                 if rid not in shipping:
                     reserved[rid].cancel()
                     call.cancel()
+            for prefix in prefixes.values():
+                if prefix is not None:  # the sequences hold their own share
+                    self.runner.submit(self.engine.release, prefix)
 
     async def _reserve(
         self, task: GenerateTask, call: grpc.aio.StreamStreamCall, timeout: float
@@ -219,11 +227,19 @@ class PrefillService(WorkerService):
         if not status.ok:
             raise HandoffFailed(f"{task.decode_id}: {status.error}", status.code or "busy")
 
-    async def _compute(self, tasks: list[GenerateTask]) -> list[StepOutput | Exception]:
+    async def _compute(
+        self, tasks: list[GenerateTask], prefixes: dict[str, Prefix | None]
+    ) -> list[StepOutput | Exception]:
         """One prompt: chunked, cancellable between chunks. Several: one batched pass."""
         if len(tasks) > 1:
             requests = [
-                PrefillRequest(t.request_id, t.token_ids, t.sampling.params(), handoff=True)
+                PrefillRequest(
+                    t.request_id,
+                    t.token_ids,
+                    t.sampling.params(),
+                    prefix=prefixes[t.request_id],
+                    handoff=True,
+                )
                 for t in tasks
             ]
             return await self.runner.call(self.engine.prefill_batch, requests)
@@ -235,6 +251,7 @@ class PrefillService(WorkerService):
                 rid,
                 task.token_ids,
                 task.sampling.params(),
+                prefix=prefixes[rid],
                 handoff=True,
                 cancelled=lambda: rid in self.cancelled,
             )
@@ -274,12 +291,16 @@ class PrefillService(WorkerService):
             msg = f"decode did not answer within {timeout_s:g} s"
             raise HandoffFailed(msg, "unavailable") from None
 
-    def _export(self, rid: str) -> tuple[bytes, str]:
-        """On the engine thread: the prompt's KV and the sampler state; then free the blocks."""
-        blob = self.engine.export_kv(rid, partial=True)
-        state = base64.b64encode(self.engine.sequence(rid).generator_state).decode()
+    def _export(self, rid: str, first_new: int, handoff: bool) -> tuple[bytes, str, list[bytes]]:
+        """On the engine thread: the prompt's KV for decode (when it goes on there), the
+        sampler state, the new full blocks for the tiers; then the blocks are freed."""
+        seq = self.engine.sequence(rid)
+        n_full = seq.n_cached // self.engine.block_size
+        new = self.engine.export_blocks(rid, first_new, n_full, self.store_dtype)
+        blob = self.engine.export_kv(rid, partial=True) if handoff else b""
+        state = base64.b64encode(seq.generator_state).decode()
         self.engine.free(rid)
-        return blob, state
+        return blob, state, new
 
     def _error(self, rid: str, message: str, code: str) -> TokenEvent:
         return TokenEvent(

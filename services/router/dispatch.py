@@ -14,13 +14,15 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from services.router.openai_api import ApiError
 from services.router.policy import Outstanding, RouteRequest, RoutingPolicy
 from services.router.registry import WorkerRecord, WorkerRegistry
 from shared.bus import Bus, BusError, subjects
+from shared.kvstore.hashing import block_hashes
 from shared.messages.generate import Cancel, GenerateTask, Sampling, TaskAck, TokenEvent
+from shared.messages.kvevents import STORE, LookupReply, LookupRequest, memory_location
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,12 @@ class Job:
     prompt_ids: list[int]
     sampling: Sampling
     deadline: float  # unix time
-    cached_tokens: int = 0  # the router's estimate of reusable prompt KV (routing issue)
+    retention: str = "chat"
+    salt: str = ""  # the tenant's: part of every block hash
+    fingerprint: str = ""  # the model's: part of every block hash
+    block_size: int = 0
+    block_hashes: list[str] = field(default_factory=list)
+    cached_blocks: dict[str, int] = field(default_factory=dict)  # location → leading blocks
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class DispatchLimits:
     ack_timeout_s: float  # a worker must queue (or refuse) a task within this
     local_prefill_max_tokens: int  # uncached prompt at most this: the decode worker prefills it
     liveness_check_s: float = 0.25  # how often a waiting request checks its workers still live
+    lookup_timeout_s: float = 0.25  # cachemeta must answer a lookup within this
 
 
 class _Failed(Exception):
@@ -95,6 +103,7 @@ class Dispatcher:
 
         Leaving early (the client went away, a stop string) cancels the request on its workers.
         """
+        job = await self._with_cache_plan(job)
         excluded: set[str] = set()
         for attempt in (1, 2):
             # A retry has an id of its own: a worker that wakes up late with the first
@@ -125,6 +134,39 @@ class Dispatcher:
                     with contextlib.suppress(Exception):
                         await self.bus.publish(subjects.CANCEL, Cancel(request_id=wire.request_id))
 
+    def block_size(self, model: str) -> int:
+        """The KV block size of the workers serving the model (0 when none says)."""
+        for role in ("prefill", "decode"):
+            for w in self._candidates(role, model, set()):
+                if w.heartbeat.load.kv_block_size:
+                    return w.heartbeat.load.kv_block_size
+        return 0
+
+    async def lookup(self, hashes: list[str]) -> dict[str, int]:
+        """Per location, the leading blocks it holds (cachemeta); {} when it cannot say."""
+        if not hashes:
+            return {}
+        try:
+            reply = await self.bus.request(
+                subjects.CACHEMETA_LOOKUP,
+                LookupRequest(hashes=hashes),
+                LookupReply,
+                self.limits.lookup_timeout_s,
+            )
+        except BusError as err:
+            log.warning("cache lookup failed (routing as if nothing is cached): %s", err)
+            return {}
+        return reply.counts
+
+    async def _with_cache_plan(self, job: Job) -> Job:
+        """The prompt's block hashes, and which locations hold how many of them."""
+        bs = self.block_size(job.model)
+        if not bs:
+            return job
+        hashes = block_hashes(job.prompt_ids, bs, job.fingerprint, job.salt)
+        counts = await self.lookup(hashes)
+        return replace(job, block_size=bs, block_hashes=hashes, cached_blocks=counts)
+
     async def _send(self, job: Job, excluded: set[str]) -> tuple[str, ...]:
         """Queue the task on the best worker that takes it; returns the workers involved,
         counted in ``outstanding`` until the caller says they are done."""
@@ -135,7 +177,11 @@ class Dispatcher:
         if not decodes:
             self.check_servable(job.model)
             raise ApiError(503, "no decode worker has room for this request", code="unavailable")
-        local = len(job.prompt_ids) - job.cached_tokens <= self.limits.local_prefill_max_tokens
+        # What the decode worker could load itself: the storage tier, or its own memory.
+        near = (STORE, memory_location(decodes[0].service_id))
+        cached_blocks = max(job.cached_blocks.get(loc, 0) for loc in near)
+        uncached = len(job.prompt_ids) - cached_blocks * job.block_size
+        local = uncached <= self.limits.local_prefill_max_tokens
         if local:
             plan = [(d, d) for d in decodes]
         else:
@@ -157,6 +203,9 @@ class Dispatcher:
                 decode_id=decode.service_id,
                 decode_kv_address=decode.heartbeat.addresses.get("kv", ""),
                 deadline=job.deadline,
+                block_hashes=job.block_hashes,
+                salt=job.salt,
+                retention=job.retention,
             )
             role = worker.heartbeat.role
             involved = tuple(dict.fromkeys((worker.service_id, decode.service_id)))

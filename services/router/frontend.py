@@ -10,7 +10,7 @@ import contextlib
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,8 +29,35 @@ from services.router.openai_api import (
 from services.router.settings import RouterSettings
 from shared.engine.loader import MODEL_NAMES, TextModel, load_text_model
 from shared.messages.generate import Sampling
+from shared.messages.kvevents import RETENTIONS
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+RETENTION_HEADER = "x-kvmesh-retention"
+TENANT_HEADER = "x-kvmesh-tenant"
+
+
+@dataclass(frozen=True)
+class KvOptions:
+    """How a request's KV blocks are kept: retention class and tenant (salt of the hashes)."""
+
+    retention: str = "chat"
+    tenant: str = ""
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> KvOptions:
+        retention = headers.get(RETENTION_HEADER, "chat") or "chat"
+        if retention not in RETENTIONS:
+            raise ApiError(
+                400,
+                f"{RETENTION_HEADER}: one of {', '.join(RETENTIONS)} (got {retention!r})",
+                param=RETENTION_HEADER,
+            )
+        tenant = headers.get(TENANT_HEADER, "")
+        if len(tenant) > 256:
+            raise ApiError(400, f"{TENANT_HEADER}: at most 256 characters", param=TENANT_HEADER)
+        return cls(retention, tenant)
 
 
 def request_id(header: str | None) -> str:
@@ -88,7 +115,9 @@ class Frontend:
                     )
         return self._models[name]
 
-    async def prepare(self, body: bytes, chat: bool, rid: str) -> Prepared:
+    async def prepare(
+        self, body: bytes, chat: bool, rid: str, kv: KvOptions = KvOptions()
+    ) -> Prepared:
         req = parse(body, ChatRequest if chat else CompletionRequest)
         if req.model not in MODEL_NAMES:
             raise ApiError(
@@ -142,6 +171,9 @@ class Frontend:
             prompt_ids=ids,
             sampling=sampling,
             deadline=time.time() + self.settings.request_timeout_s,
+            retention=kv.retention,
+            salt=kv.tenant,
+            fingerprint=config.fingerprint,
         )
         prefix = "chatcmpl" if chat else "cmpl"
         return Prepared(

@@ -22,6 +22,7 @@ class Timing:
     kv_bytes: int = 0
     kv_transfer_ms: float = 0.0
     workers: list[str] = field(default_factory=list)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def engine_ms(self) -> float:
@@ -35,6 +36,7 @@ class Timing:
             "kv_bytes": self.kv_bytes,
             "kv_transfer_ms": round(self.kv_transfer_ms, 3),
             "workers": self.workers,
+            "cached_tokens_by_tier": self.cached_tokens_by_tier,
         }
 
 
@@ -58,6 +60,8 @@ async def stream_text(
     async for event in dispatcher.generate(job):
         if event.cached_tokens is not None:
             usage.cached_tokens = event.cached_tokens
+        if event.cached_by_tier is not None:
+            timing.cached_tokens_by_tier = event.cached_by_tier
         usage.completion_tokens += len(event.token_ids)
         timing.prefill_ms += (event.prefill_s or 0.0) * 1e3
         timing.decode_ms += (event.decode_s or 0.0) * 1e3

@@ -6,7 +6,7 @@ import json
 
 import grpc
 
-from services.router.frontend import Frontend, Prepared, request_id
+from services.router.frontend import Frontend, KvOptions, Prepared, request_id
 from services.router.openai_api import ApiError
 from shared.proto import api_pb2, api_pb2_grpc
 
@@ -50,9 +50,10 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
         self.frontend = frontend
 
     async def _prepare(self, req: api_pb2.GenerateRequest, context) -> Prepared:  # noqa: ANN001
-        rid = request_id(dict(context.invocation_metadata() or ()).get("x-request-id"))
+        metadata = dict(context.invocation_metadata() or ())
+        rid = request_id(metadata.get("x-request-id"))
         body, chat = _as_body(req)
-        return await self.frontend.prepare(body, chat, rid)
+        return await self.frontend.prepare(body, chat, rid, KvOptions.from_headers(metadata))
 
     async def Generate(self, request, context):  # noqa: ANN001, ANN201, N802
         try:

@@ -12,7 +12,7 @@ import time
 
 from aiohttp import web
 
-from services.router.frontend import Frontend, Prepared, request_id
+from services.router.frontend import Frontend, KvOptions, Prepared, request_id
 from services.router.openai_api import ApiError
 from shared.httperrors import error_response
 
@@ -51,7 +51,8 @@ class HttpApi:
         rid = request_id(request.headers.get("x-request-id"))
         try:
             with self.frontend.admitted():
-                p = await self.frontend.prepare(await request.read(), chat, rid)
+                kv = KvOptions.from_headers(request.headers)
+                p = await self.frontend.prepare(await request.read(), chat, rid, kv)
                 if p.stream:
                     return await self._stream(request, p)
                 return await self._whole(p)

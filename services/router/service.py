@@ -52,7 +52,9 @@ class RouterService(Service):
         sweeper = asyncio.create_task(self.sweep())
         stack.callback(sweeper.cancel)
         limits = DispatchLimits(
-            ack_timeout_s=s.ack_timeout_s, local_prefill_max_tokens=s.local_prefill_max_tokens
+            ack_timeout_s=s.ack_timeout_s,
+            local_prefill_max_tokens=s.local_prefill_max_tokens,
+            lookup_timeout_s=s.lookup_timeout_s,
         )
         policy = POLICIES[s.routing_policy]()
         dispatcher = Dispatcher(bus, self.service_id, self.registry, policy, limits)

@@ -35,6 +35,9 @@ class RouterSettings(ServiceSettings):
     ack_timeout_s: float = Field(
         default=2.0, gt=0, description="a worker must queue or refuse a task within this"
     )
+    lookup_timeout_s: float = Field(
+        default=0.25, gt=0, description="cachemeta must answer a lookup within this"
+    )
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="a request still unanswered after this fails (504)"
     )

@@ -1,9 +1,9 @@
 """Block identity: a chained hash over the full blocks of a token sequence.
 
 Block i's hash covers every token up to the end of block i (it chains block i-1's hash), the
-model's fingerprint (another model's KV never matches) and extra keys (a tenant salt; image
-content hashes later). blake2b, so the same prefix has the same hashes in every process and
-after restarts, unlike Python's ``hash()``.
+model's fingerprint (another model's KV never matches), the block size, and extra keys (a
+tenant salt; image content hashes later). blake2b, so the same prefix has the same hashes in
+every process and after restarts, unlike Python's ``hash()``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def block_hashes(
     """Hex hashes of the full blocks of ``token_ids`` (a trailing partial block has none)."""
     assert block_size > 0
     seed = hashlib.blake2b(digest_size=DIGEST_BYTES)
-    for key in (fingerprint, salt, *extra_keys):
+    # The block size is part of the identity: blocks of another size never match.
+    for key in (fingerprint, str(block_size), salt, *extra_keys):
         seed.update(key.encode())
         seed.update(b"\x00")
     prev = seed.digest()

@@ -12,6 +12,7 @@ from pydantic import Field
 
 from shared.engine.sampling import SamplingParams
 from shared.messages import Message
+from shared.messages.kvevents import Retention
 
 
 class Sampling(Message):
@@ -48,6 +49,11 @@ class GenerateTask(Message):
     decode_id: str
     decode_kv_address: str = Field(description="host:port of the decode worker's KV server")
     deadline: float = Field(description="unix time after which nobody waits for the answer")
+    block_hashes: list[str] = Field(
+        default_factory=list, description="hashes of the prompt's full blocks (shared/kvstore)"
+    )
+    salt: str = Field(default="", description="the tenant salt the hashes were made with")
+    retention: Retention = "chat"
 
 
 class TaskAck(Message):
@@ -69,6 +75,7 @@ class TokenEvent(Message):
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_string: str | None = None
     cached_tokens: int | None = None  # on the first event: prompt tokens whose KV was reused
+    cached_by_tier: dict[str, int] | None = None  # those tokens by tier: memory, storage
     error: str = ""
     error_code: ErrorCode = ""
     # Where the time went (seconds), on the events that know it: prefill on the first,

@@ -22,6 +22,10 @@ class Load(Message):
     queued: int = Field(default=0, ge=0, description="requests waiting to start")
     kv_blocks_used: int = Field(default=0, ge=0)
     kv_blocks_total: int = Field(default=0, ge=0)
+    kv_block_size: int = Field(default=0, ge=0, description="tokens per KV block (workers)")
+    kv_write_skips: int = Field(
+        default=0, ge=0, description="blocks not stored because the write-behind queue was full"
+    )
 
 
 class Heartbeat(Message):

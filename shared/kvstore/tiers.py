@@ -1,0 +1,187 @@
+"""A worker's KV tiers: its host-memory tier, the shared storage tier, the write-behind queue,
+and the KV events that tell cachemeta about every change.
+
+Reads are on the request's path: the longest prefix of a prompt's blocks, from memory first,
+then from the storage tier (blocks any worker wrote). Writes never are: new blocks go on a
+bounded queue written by a background task; when the queue is full the blocks are skipped (and
+counted), so a slow disk never stalls prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+from shared.bus import Bus, subjects
+from shared.kvstore.backend import FileStore, MemoryStore
+from shared.messages.kvevents import STORE, KvEvent, memory_location
+
+log = logging.getLogger(__name__)
+
+MEMORY, STORAGE = "memory", "storage"
+
+
+@dataclass
+class CachedPrefix:
+    """Blobs of a prompt's leading blocks, each with the tier it came from."""
+
+    hashes: list[str]
+    blobs: list[bytes]
+    tiers: list[str]
+
+    def truncate(self, n: int) -> None:
+        del self.hashes[n:], self.blobs[n:], self.tiers[n:]
+
+    def tokens_by_tier(self, block_size: int) -> dict[str, int]:
+        return {t: self.tiers.count(t) * block_size for t in (MEMORY, STORAGE)}
+
+
+@dataclass
+class _Write:
+    hashes: list[str]
+    blobs: list[bytes]
+    retention: str
+
+
+class KvTiers:
+    def __init__(
+        self,
+        bus: Bus,
+        service_id: str,
+        memory_bytes: int,
+        store: FileStore | None,
+        queue_blocks: int,
+    ) -> None:
+        self.bus = bus
+        self.location = memory_location(service_id)
+        self.memory = MemoryStore(memory_bytes)
+        self.store = store
+        self._queue: asyncio.Queue[_Write] = asyncio.Queue()
+        self.queue_blocks = queue_blocks
+        self.queued_blocks = 0
+        self.skipped_blocks = 0  # not stored: the write-behind queue was full
+        self.written_blocks = 0
+
+    async def start(self, stack: AsyncExitStack) -> None:
+        await self.bus.ensure_stream(subjects.KV_EVENTS_STREAM, [subjects.KV_EVENTS])
+        writer = asyncio.create_task(self._writer())
+        stack.callback(writer.cancel)
+
+    # -- reads (on the request's path) -----------------------------------------------------
+
+    async def read_prefix(self, hashes: list[str]) -> CachedPrefix:
+        """The longest run of ``hashes`` from the first that some tier holds."""
+        found = CachedPrefix([], [], [])
+        for h in hashes:
+            blob = self.memory.get(h)
+            if blob is None:
+                break
+            found.hashes.append(h)
+            found.blobs.append(blob)
+            found.tiers.append(MEMORY)
+        rest = hashes[len(found.hashes) :]
+        if rest and self.store is not None:
+            blobs = await asyncio.to_thread(self._read_files, rest)
+            found.hashes += rest[: len(blobs)]
+            found.blobs += blobs
+            found.tiers += [STORAGE] * len(blobs)
+        return found
+
+    def _read_files(self, hashes: list[str]) -> list[bytes]:
+        assert self.store is not None
+        blobs = []
+        for h in hashes:
+            blob = self.store.get(h)
+            if blob is None:
+                break
+            blobs.append(blob)
+        return blobs
+
+    async def discard(self, h: str, tier: str, reason: str) -> None:
+        """A block that failed its checksums on load: gone from its tier, and reported."""
+        if tier == MEMORY:
+            self.memory.delete(h)
+            await self._event("removed", self.location, [h])
+        elif self.store is not None:
+            self.store.discard(h, reason)
+            await self._event("removed", STORE, [h])
+
+    async def remember(self, prefix: CachedPrefix, retention: str) -> None:
+        """Blocks just read from the storage tier are kept in memory for next time."""
+        blocks = zip(prefix.hashes, prefix.blobs, prefix.tiers, strict=True)
+        pairs = [(h, b) for h, b, t in blocks if t == STORAGE]
+        if pairs:
+            await self._to_memory([h for h, _ in pairs], [b for _, b in pairs], retention)
+
+    # -- writes (behind the request's path) ------------------------------------------------
+
+    def write_behind(self, hashes: list[str], blobs: list[bytes], retention: str) -> int:
+        """Queue blocks for both tiers; returns how many were skipped (queue full)."""
+        room = max(0, self.queue_blocks - self.queued_blocks)
+        take = min(room, len(hashes))
+        if take:
+            self._queue.put_nowait(_Write(hashes[:take], blobs[:take], retention))
+            self.queued_blocks += take
+        skipped = len(hashes) - take
+        if skipped:
+            self.skipped_blocks += skipped
+            log.warning("write-behind queue full: %d blocks not stored", skipped)
+        return skipped
+
+    async def _writer(self) -> None:
+        while True:
+            item = await self._queue.get()
+            try:
+                await self._to_memory(item.hashes, item.blobs, item.retention)
+                if self.store is not None:
+                    await asyncio.to_thread(self._write_files, item.hashes, item.blobs)
+                    sizes = [len(b) for b in item.blobs]
+                    await self._event("stored", STORE, item.hashes, sizes, item.retention)
+                self.written_blocks += len(item.hashes)
+            except Exception:
+                log.exception("storing %d KV blocks failed", len(item.hashes))
+            finally:
+                self.queued_blocks -= len(item.hashes)
+
+    def _write_files(self, hashes: list[str], blobs: list[bytes]) -> None:
+        assert self.store is not None
+        for h, blob in zip(hashes, blobs, strict=True):
+            if h not in self.store:  # the same block from another worker: already there
+                self.store.put(h, blob)
+
+    async def _to_memory(self, hashes: list[str], blobs: list[bytes], retention: str) -> None:
+        evicted: list[str] = []
+        for h, blob in zip(hashes, blobs, strict=True):
+            evicted += self.memory.put(h, blob)
+        kept = [h for h in hashes if h in self.memory]
+        await self._event(
+            "stored", self.location, kept, [len(b) for b in blobs[: len(kept)]], retention
+        )
+        if evicted:
+            await self._event("removed", self.location, evicted)
+
+    async def _event(
+        self,
+        kind: str,
+        location: str,
+        hashes: list[str],
+        sizes: list[int] | None = None,
+        retention: str = "chat",
+    ) -> None:
+        if not hashes:
+            return
+        event = KvEvent(
+            kind=kind,  # type: ignore[arg-type]
+            location=location,
+            hashes=hashes,
+            sizes=sizes or [],
+            retention=retention,  # type: ignore[arg-type]
+            at=time.time(),
+        )
+        try:
+            await self.bus.publish_durable(subjects.KV_EVENTS, event)
+        except Exception as err:  # cachemeta learns of it later, or the block just ages out
+            log.warning("KV event not published: %s", err)
