@@ -262,8 +262,11 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                 if chunk.done:
                     done = HandoffDone.from_bytes(chunk.done)
                     break
-            if done is None or active.cancelled:
+            if done is None:
                 return  # prefill gave up (its first token finished the answer, or a cancel)
+            if active.cancelled:
+                yield kv_pb2.HandoffStatus(ok=False, code="cancelled", error="cancelled")
+                return
             took = time.perf_counter() - (started or time.perf_counter())
             state = base64.b64decode(done.generator_state)
             try:

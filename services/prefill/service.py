@@ -135,8 +135,8 @@ class PrefillService(WorkerService):
 
     async def _report(self, task: GenerateTask, err: Exception) -> None:
         rid = task.request_id
-        if isinstance(err, Cancelled):
-            log.info("prefill of %s cancelled", rid)
+        if isinstance(err, Cancelled) or getattr(err, "code", "") == "cancelled":
+            log.info("%s cancelled", rid)
             return
         if isinstance(err, HandoffFailed):
             log.warning("handoff of %s failed: %s", rid, err)
@@ -271,6 +271,8 @@ class PrefillService(WorkerService):
                 await self._step(call.write(chunk), timeout)
             await self._step(call.write(kv_pb2.KvChunk(done=done.to_bytes())), timeout)
             joined = await self._step(call.read(), timeout)
+            if joined is grpc.aio.EOF:
+                raise HandoffFailed(f"{task.decode_id} closed the handoff", "cancelled")
             if not joined.ok:
                 raise HandoffFailed(f"{task.decode_id}: {joined.error}", joined.code or "internal")
         except grpc.aio.AioRpcError as err:
