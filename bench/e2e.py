@@ -52,7 +52,7 @@ def free_port() -> int:
 class Stack:
     """`kvmesh up` in a subprocess, on free ports and a scratch state dir."""
 
-    def __init__(self, model: str, threads: int) -> None:
+    def __init__(self, model: str, threads: int, extra: dict[str, str] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
@@ -70,6 +70,7 @@ class Stack:
             KVMESH_DECODE_KV_CACHE_TOKENS="16384",
             KVMESH_LOG_LEVEL="warning",
         )
+        env.update(extra or {})
         self.log = open(self.dir / "up.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shared.cli.main", "up"],

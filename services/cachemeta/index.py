@@ -8,17 +8,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shared.messages.kvevents import STORE, KvEvent
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     size: int
     retention: str
     last_access: float
-    locations: set[str] = field(default_factory=set)
+    expires_at: float  # last_access + the retention class's TTL, kept at hand for lookups
+    locations: frozenset[str] = frozenset()  # interned: equal sets are the same object
 
 
 class BlockIndex:
@@ -27,6 +28,10 @@ class BlockIndex:
         self.entries: dict[str, Entry] = {}
         self.store_lru: OrderedDict[str, None] = OrderedDict()  # oldest use first
         self.store_bytes = 0
+        self._sets: dict[frozenset[str], frozenset[str]] = {}
+
+    def _interned(self, locations: frozenset[str]) -> frozenset[str]:
+        return self._sets.setdefault(locations, locations)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -45,25 +50,27 @@ class BlockIndex:
     def _add(self, h: str, location: str, size: int, retention: str, at: float) -> None:
         entry = self.entries.get(h)
         if entry is None:
-            entry = self.entries[h] = Entry(size, retention, at)
+            entry = self.entries[h] = Entry(size, retention, at, at + self.ttl_s[retention])
         else:
             entry.last_access = max(entry.last_access, at)
             # The longer-lived class wins: an agent's block is not cut short by a chat's.
             if self.ttl_s[retention] > self.ttl_s[entry.retention]:
                 entry.retention = retention
+            entry.expires_at = entry.last_access + self.ttl_s[entry.retention]
             entry.size = size or entry.size
         if location == STORE and STORE not in entry.locations:
             self.store_bytes += entry.size
             self.store_lru[h] = None
         if location == STORE:
             self.store_lru.move_to_end(h)
-        entry.locations.add(location)
+        if location not in entry.locations:
+            entry.locations = self._interned(entry.locations | {location})
 
     def _remove(self, h: str, location: str) -> None:
         entry = self.entries.get(h)
         if entry is None or location not in entry.locations:
             return
-        entry.locations.discard(location)
+        entry.locations = self._interned(entry.locations - {location})
         if location == STORE:
             self.store_bytes -= entry.size
             del self.store_lru[h]
@@ -80,35 +87,45 @@ class BlockIndex:
     # -- questions -------------------------------------------------------------------------
 
     def _alive(self, entry: Entry, now: float) -> bool:
-        return now <= entry.last_access + self.ttl_s[entry.retention]
+        return now <= entry.expires_at
 
-    def lookup(self, hashes: list[str], now: float) -> dict[str, int]:
+    def lookup(self, hashes: list[str], now: float, touch: bool = True) -> dict[str, int]:
         """Per location, how many of ``hashes`` from the first it holds. Blocks counted are
-        marked used now (they are about to be read)."""
+        marked used now (they are about to be read), unless the caller does that later with
+        ``touch`` (off the lookup's latency)."""
         counts: dict[str, int] = {}
-        alive: set[str] | None = None
-        n = 0
-        for h in hashes:
+        alive: frozenset[str] = frozenset()
+        found: list[tuple[str, Entry]] = []
+        for h, entry in zip(hashes, map(self.entries.get, hashes), strict=True):
+            if entry is None or now > entry.expires_at:
+                break
+            if not found:
+                alive = entry.locations
+            elif entry.locations is not alive and not entry.locations >= alive:
+                for gone in alive - entry.locations:  # a location's run ends here
+                    counts[gone] = len(found)
+                alive = alive & entry.locations
+                if not alive:
+                    break
+            found.append((h, entry))
+        for location in alive:
+            counts[location] = len(found)
+        if touch:
+            self.touch([h for h, _ in found], now)
+        return counts
+
+    def touch(self, hashes: list[str], now: float) -> None:
+        """Mark blocks used. Later blocks first, so a chain's head ends up the most recent:
+        eviction then trims chains from the tail, never cutting a prefix's head."""
+        for h in reversed(hashes):
             entry = self.entries.get(h)
-            if entry is None or not self._alive(entry, now):
-                break
-            here = entry.locations if alive is None else alive & entry.locations
-            if alive is not None:
-                for gone in alive - here:
-                    counts[gone] = n
-            if not here:
-                break
-            alive = here
-            n += 1
-        for location in alive or ():
-            counts[location] = n
-        longest = max(counts.values(), default=0)
-        for h in hashes[:longest]:
-            entry = self.entries[h]
-            entry.last_access = now
+            if entry is None:
+                continue
+            if now > entry.last_access:
+                entry.last_access = now
+                entry.expires_at = now + self.ttl_s[entry.retention]
             if STORE in entry.locations:
                 self.store_lru.move_to_end(h)
-        return counts
 
     def expired(self, now: float) -> list[tuple[str, Entry]]:
         return [(h, e) for h, e in self.entries.items() if not self._alive(e, now)]
@@ -135,6 +152,13 @@ class BlockIndex:
         return victims
 
     # -- persistence -----------------------------------------------------------------------
+
+    def copy_for_snapshot(self) -> BlockIndex:
+        """A shallow copy (fast: no entry is copied) whose rows can be built on a thread."""
+        copy = BlockIndex(self.ttl_s)
+        copy.entries = dict(self.entries)
+        copy.store_lru = OrderedDict(self.store_lru)
+        return copy
 
     def to_rows(self) -> list[list]:
         """The index as plain rows, storage-tier blocks in LRU order first."""

@@ -33,6 +33,7 @@ from shared.settings import CommonSettings
 log = logging.getLogger(__name__)
 
 CONSUMER = "cachemeta"
+TOUCH_SLICE = 200  # blocks marked used per turn of the event loop
 
 
 class CachemetaService(Service):
@@ -43,10 +44,12 @@ class CachemetaService(Service):
         self.settings: CachemetaSettings = settings
         self.index = BlockIndex(settings.ttls())
         self.applied_seq = 0  # the last stream message applied to the index
+        self.saved_seq = -1  # the position of the last snapshot written
         self.snapshot_path = Path(common.state_dir) / "cachemeta" / "index.json"
         self.store = FileStore(common.resolved_kv_store_dir)
         self.bus: Bus | None = None
         self.workers_seen: dict[str, float] = {}  # memory location → last heartbeat (monotonic)
+        self.touches: asyncio.Queue[tuple[list[str], float]] = asyncio.Queue()
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         self.bus = bus
@@ -61,7 +64,7 @@ class CachemetaService(Service):
             subjects.CACHEMETA_LOOKUP, LookupRequest, self.on_lookup, subjects.CACHEMETA_QUEUE
         )
         await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
-        for loop in (self._gc_loop(), self._snapshot_loop()):
+        for loop in (self._gc_loop(), self._snapshot_loop(), self._touch_loop()):
             task = asyncio.create_task(loop)
             stack.callback(task.cancel)
         stack.push_async_callback(self.save_snapshot)
@@ -119,9 +122,19 @@ class CachemetaService(Service):
         await raw.ack()
 
     async def save_snapshot(self) -> None:
-        rows, seq = self.index.to_rows(), self.applied_seq
-        text = json.dumps({"seq": seq, "rows": rows})
-        await asyncio.to_thread(write_atomically, self.snapshot_path, text)
+        """The index and the stream position it reflects, written atomically off the loop.
+        Entries may change while they are written: those changes come after ``seq`` and
+        are replayed on a restart (applying an event twice changes nothing)."""
+        if self.applied_seq == self.saved_seq:
+            return
+        seq = self.applied_seq
+        index = self.index.copy_for_snapshot()
+
+        def write() -> None:
+            write_atomically(self.snapshot_path, json.dumps({"seq": seq, "rows": index.to_rows()}))
+
+        await asyncio.to_thread(write)
+        self.saved_seq = seq
 
     async def _snapshot_loop(self) -> None:
         while True:
@@ -134,7 +147,13 @@ class CachemetaService(Service):
     # -- questions and housekeeping --------------------------------------------------------
 
     async def on_lookup(self, req: LookupRequest) -> LookupReply:
-        counts = self.index.lookup(req.hashes, time.time())
+        now = time.time()
+        counts = self.index.lookup(req.hashes, now, touch=False)
+        # The blocks about to be read are marked used, a slice at a time off the lookup's
+        # path (a touch comes a few ms late; TTLs are days).
+        longest = max(counts.values(), default=0)
+        if longest:
+            self.touches.put_nowait((req.hashes[:longest], now))
         gone = [loc for loc in counts if loc != STORE and not self._worker_alive(loc)]
         for loc in gone:
             del counts[loc]
@@ -155,6 +174,13 @@ class CachemetaService(Service):
             log.info("%s stopped: forgot %d blocks of its memory tier", hb.service_id, dropped)
         else:
             self.workers_seen[location] = time.monotonic()
+
+    async def _touch_loop(self) -> None:
+        while True:
+            hashes, now = await self.touches.get()
+            for start in range(len(hashes) - TOUCH_SLICE, -TOUCH_SLICE, -TOUCH_SLICE):
+                self.index.touch(hashes[max(0, start) : start + TOUCH_SLICE], now)
+                await asyncio.sleep(0)  # let lookups in between
 
     async def _gc_loop(self) -> None:
         while True:

@@ -102,7 +102,7 @@ def read_header(f: BinaryIO) -> tuple[KVHeader, int]:
         raise KVFormatError("not kvmesh KV data (bad magic)")
     (size,) = struct.unpack("<I", head[len(MAGIC) :])
     try:
-        header = KVHeader(**json.loads(f.read(size)))
+        header = KVHeader(**json.loads(bytes(f.read(size))))
     except (ValueError, TypeError) as err:
         raise KVFormatError(f"damaged KV header: {err}") from None
     if len(header.crc32) != header.n_layers * header.n_blocks or header.dtype not in DTYPES:
@@ -127,5 +127,27 @@ def read_cell(
     return _from_bytes(cell[:half], dtype, shape), _from_bytes(cell[half:], dtype, shape)
 
 
-def as_reader(source: bytes | BinaryIO) -> BinaryIO:
-    return io.BytesIO(source) if isinstance(source, bytes | bytearray | memoryview) else source
+class _ViewReader:
+    """read/seek over a buffer without copying it first (io.BytesIO copies a memoryview)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n < 0 else min(len(self.view), self.pos + n)
+        data = self.view[self.pos : end]
+        self.pos = end
+        return data  # type: ignore[return-value]  # a view: callers only slice and unpack
+
+    def seek(self, pos: int) -> int:
+        self.pos = pos
+        return pos
+
+
+def as_reader(source: bytes | bytearray | memoryview | BinaryIO) -> BinaryIO:
+    if isinstance(source, bytes):
+        return io.BytesIO(source)  # shares the bytes, no copy
+    if isinstance(source, bytearray | memoryview):
+        return _ViewReader(memoryview(source).cast("B"))  # type: ignore[return-value]
+    return source

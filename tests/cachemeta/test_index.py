@@ -62,6 +62,14 @@ def test_eviction_takes_least_recently_used_down_to_low_watermark() -> None:
     assert index.eviction_victims(capacity=100, high=0.9, low=0.5) == ["b", "c", "d"]
 
 
+def test_a_used_chain_is_evicted_from_its_tail() -> None:
+    index = BlockIndex(TTL)
+    index.apply(stored(STORE, ["a", "b", "c"], size=10))
+    index.apply(stored(STORE, ["x"], size=10))
+    index.lookup(["a", "b", "c"], now=1)
+    assert index.eviction_victims(capacity=40, high=0.5, low=0.5) == ["x", "c"]
+
+
 def test_rows_round_trip_keeps_order_and_locations() -> None:
     index = BlockIndex(TTL)
     index.apply(stored(STORE, ["a", "b"], at=5))
