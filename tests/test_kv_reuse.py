@@ -94,7 +94,7 @@ def lookup(stack: dict, hashes: list[str]) -> dict[str, int] | None:
         bus = await Bus.connect(stack["nats"], "test-lookup")
         try:
             reply = await bus.request(
-                subjects.CACHEMETA_LOOKUP, LookupRequest(hashes=hashes), LookupReply, 5.0
+                subjects.CACHEMETA_LOOKUP, LookupRequest.of(hashes), LookupReply, 5.0
             )
             return reply.counts
         except BusError:

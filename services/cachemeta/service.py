@@ -148,12 +148,13 @@ class CachemetaService(Service):
 
     async def on_lookup(self, req: LookupRequest) -> LookupReply:
         now = time.time()
-        counts = self.index.lookup(req.hashes, now, touch=False)
+        hashes = req.hashes
+        counts = self.index.lookup(hashes, now, touch=False)
         # The blocks about to be read are marked used, a slice at a time off the lookup's
         # path (a touch comes a few ms late; TTLs are days).
         longest = max(counts.values(), default=0)
         if longest:
-            self.touches.put_nowait((req.hashes[:longest], now))
+            self.touches.put_nowait((hashes[:longest], now))
         gone = [loc for loc in counts if loc != STORE and not self._worker_alive(loc)]
         for loc in gone:
             del counts[loc]

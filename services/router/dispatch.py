@@ -149,7 +149,7 @@ class Dispatcher:
         try:
             reply = await self.bus.request(
                 subjects.CACHEMETA_LOOKUP,
-                LookupRequest(hashes=hashes),
+                LookupRequest.of(hashes),
                 LookupReply,
                 self.limits.lookup_timeout_s,
             )
