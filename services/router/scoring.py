@@ -1,0 +1,175 @@
+"""Estimated time to first token per prefill worker, and the decode pick. Pure and synchronous:
+the live router and `kvmesh sim` call the same code.
+
+For a prefill candidate:
+
+    ttft ≈ queue wait + uncached tokens / compute rate + storage-tier hit tokens / load rate
+
+Blocks already in the worker's memory tier are free, and so are blocks that requests queued or
+running on it will bring there (look-ahead: the new request waits behind them anyway, and that
+wait is already in the queue term). Rates are moving averages of what each worker reports,
+starting from settings. Bounded load keeps any worker under ``c ×`` the mean in-flight work, so
+one shared system prompt cannot pile everything onto one worker. Every score keeps its terms,
+so each decision can be explained.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Ewma:
+    """An exponentially weighted moving average, starting from a prior."""
+
+    value: float
+    weight: float = 0.2  # of each new observation
+
+    def observe(self, x: float) -> None:
+        if x > 0:
+            self.value += self.weight * (x - self.value)
+
+
+@dataclass(frozen=True)
+class CostDefaults:
+    """Starting rates, until workers report their own (tokens per second)."""
+
+    prefill_tok_s: float = 400.0  # uncached tokens computed (a CPU worker; GPUs: ~60K)
+    load_tok_s: float = 20_000.0  # cached tokens loaded from the storage tier
+    transfer_tok_s: float = 20_000.0  # KV moved to decode
+    bounded_load_c: float = 1.5  # no worker above c × the mean in-flight work
+
+
+@dataclass
+class PrefillWorkerState:
+    """What the router believes of one prefill worker."""
+
+    service_id: str
+    prefill_tok_s: Ewma
+    load_tok_s: Ewma
+    queued_tokens: int = 0  # uncached tokens of requests sent to it, not yet first-tokened
+    inflight: int = 0
+    pending: Counter[str] = field(default_factory=Counter)  # block → requests bringing it
+
+    @classmethod
+    def fresh(cls, service_id: str, d: CostDefaults) -> PrefillWorkerState:
+        return cls(service_id, Ewma(d.prefill_tok_s), Ewma(d.load_tok_s))
+
+    def pending_prefix(self, hashes: list[str]) -> int:
+        """Leading blocks of ``hashes`` that requests queued or running here will bring."""
+        n = 0
+        for h in hashes:
+            if not self.pending[h]:
+                break
+            n += 1
+        return n
+
+    # -- the router's bookkeeping ----------------------------------------------------------
+
+    def dispatched(self, hashes: list[str], uncached_tokens: int) -> None:
+        self.inflight += 1
+        self.queued_tokens += uncached_tokens
+        self.pending.update(hashes)
+
+    def first_token(
+        self, uncached_tokens: int, loaded_tokens: int, prefill_s: float, load_s: float = 0.0
+    ) -> None:
+        """The request's prompt is computed: its tokens leave the queue; learn the rates."""
+        self.queued_tokens = max(0, self.queued_tokens - uncached_tokens)
+        if prefill_s > 0 and uncached_tokens:
+            self.prefill_tok_s.observe(uncached_tokens / prefill_s)
+        if load_s > 0 and loaded_tokens:
+            self.load_tok_s.observe(loaded_tokens / load_s)
+
+    def finished(self, hashes: list[str]) -> None:
+        """Its blocks are in the worker's memory tier now (cachemeta will say so)."""
+        self.inflight = max(0, self.inflight - 1)
+        self.pending.subtract(hashes)
+        self.pending = +self.pending  # drop counts at zero
+
+
+@dataclass(frozen=True)
+class PrefillScore:
+    service_id: str
+    memory_tokens: int  # free: in its memory tier, or brought there by requests ahead
+    storage_tokens: int  # loaded from the storage tier
+    uncached_tokens: int  # computed
+    queue_s: float
+    compute_s: float
+    load_s: float
+    over_bound: bool = False  # left out by bounded load
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.compute_s + self.load_s
+
+    def explain(self) -> dict:
+        return {**asdict(self), "ttft_s": self.ttft_s}
+
+
+def score_prefill(
+    worker: PrefillWorkerState,
+    n_prompt: int,
+    hashes: list[str],
+    block_size: int,
+    memory_blocks: int,
+    store_blocks: int,
+) -> PrefillScore:
+    """``memory_blocks``: leading blocks in this worker's memory tier (cachemeta);
+    ``store_blocks``: leading blocks in the storage tier."""
+    limit = max(0, (n_prompt - 1) // block_size)  # a prompt keeps one token to compute
+    free = min(limit, max(memory_blocks, worker.pending_prefix(hashes)))
+    stored = min(limit, max(free, store_blocks)) - free
+    uncached = n_prompt - (free + stored) * block_size
+    rate = worker.prefill_tok_s.value
+    return PrefillScore(
+        service_id=worker.service_id,
+        memory_tokens=free * block_size,
+        storage_tokens=stored * block_size,
+        uncached_tokens=uncached,
+        queue_s=worker.queued_tokens / rate,
+        compute_s=uncached / rate,
+        load_s=stored * block_size / worker.load_tok_s.value,
+    )
+
+
+def bounded(scores: list[PrefillScore], work: dict[str, float], c: float) -> list[PrefillScore]:
+    """Scores with ``over_bound`` set where taking the request would put a worker above
+    c × the mean in-flight work (``work``: service id → its in-flight work)."""
+    if not scores:
+        return scores
+    total = sum(work.get(s.service_id, 0.0) for s in scores)
+    out = []
+    for s in scores:
+        mean_after = (total + s.uncached_tokens) / len(scores)
+        mine_after = work.get(s.service_id, 0.0) + s.uncached_tokens
+        over = mean_after > 0 and mine_after > c * mean_after
+        out.append(PrefillScore(**{**asdict(s), "over_bound": over}))
+    return out
+
+
+def choose_prefill(scores: list[PrefillScore]) -> PrefillScore:
+    """The lowest estimated TTFT among workers within the bound (all, if none is)."""
+    within = [s for s in scores if not s.over_bound] or scores
+    return min(within, key=lambda s: (s.ttft_s, s.service_id))
+
+
+@dataclass(frozen=True)
+class DecodeScore:
+    service_id: str
+    headroom_blocks: int  # free KV blocks now
+    active: int  # sequences decoding
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_blocks > 0
+
+
+def choose_decode(scores: list[DecodeScore], needed_blocks: int) -> DecodeScore | None:
+    """Among workers with room for the whole answer, the fewest active sequences (then the
+    most headroom); None when none has room."""
+    room = [s for s in scores if s.headroom_blocks >= needed_blocks]
+    if not room:
+        return None
+    return min(room, key=lambda s: (s.active, -s.headroom_blocks, s.service_id))
