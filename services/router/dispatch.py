@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from services.router.openai_api import ApiError
-from services.router.policy import Outstanding, RouteRequest, RoutingPolicy
+from services.router.policies import RouteRequest, RoutingPolicy
 from services.router.registry import WorkerRecord, WorkerRegistry
+from services.router.scoring import DecodeScore, choose_decode
 from shared.bus import Bus, BusError, subjects
 from shared.kvstore.hashing import block_hashes
 from shared.messages.generate import Cancel, GenerateTask, Sampling, TaskAck, TokenEvent
@@ -48,6 +49,38 @@ class DispatchLimits:
     local_prefill_max_tokens: int  # uncached prompt at most this: the decode worker prefills it
     liveness_check_s: float = 0.25  # how often a waiting request checks its workers still live
     lookup_timeout_s: float = 0.25  # cachemeta must answer a lookup within this
+
+
+@dataclass
+class Outstanding:
+    """What this router has sent to each worker and not yet seen finish: fresher than the
+    worker's last heartbeat (which is up to an interval old)."""
+
+    requests: dict[str, int] = field(default_factory=dict)
+
+    def add(self, service_id: str) -> None:
+        self.requests[service_id] = self.requests.get(service_id, 0) + 1
+
+    def done(self, service_id: str) -> None:
+        left = self.requests.get(service_id, 0) - 1
+        if left > 0:
+            self.requests[service_id] = left
+        else:
+            self.requests.pop(service_id, None)
+
+    def __getitem__(self, service_id: str) -> int:
+        return self.requests.get(service_id, 0)
+
+
+@dataclass
+class Attempt:
+    """One try of a request: the workers it went to, and the routing decision."""
+
+    workers: tuple[str, ...] = ()
+    prefill: str = ""  # the prefill worker the policy chose ("" when decode prefills)
+    route: RouteRequest | None = None
+    decision: dict = field(default_factory=dict)  # what the router says about its choice
+    prefilled: bool = False
 
 
 class _Failed(Exception):
@@ -98,8 +131,9 @@ class Dispatcher:
             if model in w.heartbeat.models and w.service_id not in excluded
         ]
 
-    async def generate(self, job: Job) -> AsyncIterator[TokenEvent]:
+    async def generate(self, job: Job, decision: dict | None = None) -> AsyncIterator[TokenEvent]:
         """The request's token events in order, ending with the one that has finish_reason.
+        ``decision`` (when given) is filled with the routing decision and its terms.
 
         Leaving early (the client went away, a stop string) cancels the request on its workers.
         """
@@ -111,12 +145,17 @@ class Dispatcher:
             wire = job if attempt == 1 else replace(job, request_id=f"{job.request_id}-retry")
             queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
             self._queues[wire.request_id] = queue
-            workers: tuple[str, ...] = ()
+            attempt_ = Attempt()
             started = finished = False
             try:
-                workers = await self._send(wire, excluded)  # counted in outstanding
-                async for event in self._events(wire, queue, workers):
+                await self._send(wire, excluded, attempt_)  # counted in outstanding
+                if decision is not None:
+                    decision.clear()
+                    decision.update(attempt_.decision)
+                async for event in self._events(wire, queue, attempt_.workers):
                     started = True
+                    if not attempt_.prefilled and event.worker_id == attempt_.prefill:
+                        self._prefilled(attempt_, event, len(job.prompt_ids))
                     yield event
                     if event.finish_reason:
                         finished = True
@@ -127,12 +166,27 @@ class Dispatcher:
                 log.warning("%s: %s; retrying on other workers", job.request_id, failure)
                 excluded.update(failure.service_ids)
             finally:
-                for w in workers:
+                for w in attempt_.workers:
                     self.outstanding.done(w)
+                if attempt_.prefill and not attempt_.prefilled:  # failed or cancelled first
+                    self._prefilled(attempt_, None, len(job.prompt_ids))
                 self._queues.pop(wire.request_id, None)
                 if not finished:
                     with contextlib.suppress(Exception):
                         await self.bus.publish(subjects.CANCEL, Cancel(request_id=wire.request_id))
+
+    def _prefilled(self, attempt: Attempt, first: TokenEvent | None, n_prompt: int) -> None:
+        """The prefill worker is done with the request: the policy learns what it took."""
+        attempt.prefilled = True
+        assert attempt.route is not None
+        if first is None or first.cached_tokens is None:
+            self.policy.prefilled(attempt.prefill, attempt.route)
+            return
+        uncached = n_prompt - first.cached_tokens
+        loaded = (first.cached_by_tier or {}).get("storage", 0)
+        self.policy.prefilled(
+            attempt.prefill, attempt.route, uncached, loaded, first.prefill_s or 0.0
+        )
 
     def block_size(self, model: str) -> int:
         """The KV block size of the workers serving the model (0 when none says)."""
@@ -167,13 +221,31 @@ class Dispatcher:
         counts = await self.lookup(hashes)
         return replace(job, block_size=bs, block_hashes=hashes, cached_blocks=counts)
 
-    async def _send(self, job: Job, excluded: set[str]) -> tuple[str, ...]:
-        """Queue the task on the best worker that takes it; returns the workers involved,
-        counted in ``outstanding`` until the caller says they are done."""
-        route = RouteRequest(job.model, len(job.prompt_ids), job.sampling.max_tokens)
-        decodes = self.policy.rank_decode(
-            self._candidates("decode", job.model, excluded), route, self.outstanding
-        )
+    def _rank_decode(self, job: Job, excluded: set[str]) -> list[WorkerRecord]:
+        """Decode workers with room for the prompt and the whole answer, fewest active first."""
+        records = {w.service_id: w for w in self._candidates("decode", job.model, excluded)}
+        bs = max(1, job.block_size or 64)
+        needed = -(-(len(job.prompt_ids) + job.sampling.max_tokens) // bs)
+        scores = []
+        for w in records.values():
+            load = w.heartbeat.load
+            active = max(self.outstanding[w.service_id], load.inflight)
+            scores.append(
+                DecodeScore(w.service_id, load.kv_blocks_total - load.kv_blocks_used, active)
+            )
+        ranked = []
+        while scores:
+            best = choose_decode(scores, needed) or choose_decode(scores, 1)
+            if best is None:
+                break
+            ranked.append(records[best.service_id])
+            scores.remove(best)
+        return ranked
+
+    async def _send(self, job: Job, excluded: set[str], attempt: Attempt) -> None:
+        """Queue the task on the best worker that takes it; fills ``attempt`` (its workers are
+        counted in ``outstanding`` until the caller says they are done)."""
+        decodes = self._rank_decode(job, excluded)
         if not decodes:
             self.check_servable(job.model)
             raise ApiError(503, "no decode worker has room for this request", code="unavailable")
@@ -182,16 +254,23 @@ class Dispatcher:
         cached_blocks = max(job.cached_blocks.get(loc, 0) for loc in near)
         uncached = len(job.prompt_ids) - cached_blocks * job.block_size
         local = uncached <= self.limits.local_prefill_max_tokens
+        route = RouteRequest(
+            job.request_id, len(job.prompt_ids), job.block_size, job.block_hashes, job.cached_blocks
+        )
         if local:
             plan = [(d, d) for d in decodes]
+            attempt.decision = {"prefill": "on decode", "uncached_tokens": uncached}
         else:
-            prefills = self.policy.rank_prefill(
-                self._candidates("prefill", job.model, excluded), route, self.outstanding
-            )
-            if not prefills:
+            records = {w.service_id: w for w in self._candidates("prefill", job.model, excluded)}
+            if not records:
                 self.check_servable(job.model)
                 raise ApiError(503, "every prefill worker failed this request", code="unavailable")
-            plan = [(p, decodes[0]) for p in prefills]
+            ranked = self.policy.rank(route, sorted(records))
+            plan = [(records[r.service_id], decodes[0]) for r in ranked]
+            attempt.decision = {
+                "policy": self.policy.name,
+                "candidates": [{"worker": r.service_id, **r.terms} for r in ranked],
+            }
         busy = 0
         for worker, decode in plan:
             task = GenerateTask(
@@ -212,6 +291,8 @@ class Dispatcher:
             # Counted from now: requests routed meanwhile see this one (before its ack).
             for w in involved:
                 self.outstanding.add(w)
+            if role == "prefill":
+                self.policy.dispatched(worker.service_id, route)
             try:
                 ack = await self.bus.request(
                     subjects.tasks(role, worker.service_id),
@@ -222,13 +303,22 @@ class Dispatcher:
             except BusError as err:
                 for w in involved:
                     self.outstanding.done(w)
+                if role == "prefill":
+                    self.policy.prefilled(worker.service_id, route)
                 raise _Failed(
                     f"{role} {worker.service_id} did not answer: {err}", worker.service_id
                 ) from None
             if ack.accepted:
-                return involved
+                attempt.workers = involved
+                attempt.decision["chosen"] = worker.service_id
+                attempt.decision["decode"] = decode.service_id
+                if role == "prefill":
+                    attempt.prefill, attempt.route = worker.service_id, route
+                return
             for w in involved:
                 self.outstanding.done(w)
+            if role == "prefill":
+                self.policy.prefilled(worker.service_id, route)
             if ack.reason != "busy":
                 raise ApiError(503, f"{role} worker refused: {ack.reason}", code="unavailable")
             busy += 1

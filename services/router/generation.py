@@ -23,6 +23,7 @@ class Timing:
     kv_transfer_ms: float = 0.0
     workers: list[str] = field(default_factory=list)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    route: dict = field(default_factory=dict)  # the routing decision, with each candidate's terms
 
     @property
     def engine_ms(self) -> float:
@@ -37,6 +38,7 @@ class Timing:
             "kv_transfer_ms": round(self.kv_transfer_ms, 3),
             "workers": self.workers,
             "cached_tokens_by_tier": self.cached_tokens_by_tier,
+            "route": self.route,
         }
 
 
@@ -57,7 +59,7 @@ async def stream_text(
     """Text deltas of the answer; the last has finish_reason. ``usage`` and ``timing`` are
     filled in as events arrive (complete once the last delta is out)."""
     detok = Detokenizer(tokenizer, stop)
-    async for event in dispatcher.generate(job):
+    async for event in dispatcher.generate(job, timing.route):
         if event.cached_tokens is not None:
             usage.cached_tokens = event.cached_tokens
         if event.cached_by_tier is not None:

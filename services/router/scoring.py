@@ -39,6 +39,9 @@ class CostDefaults:
     load_tok_s: float = 20_000.0  # cached tokens loaded from the storage tier
     transfer_tok_s: float = 20_000.0  # KV moved to decode
     bounded_load_c: float = 1.5  # no worker above c × the mean in-flight work
+    # Weight of the work a choice adds for the requests that queue after it (bursts make them
+    # many); chosen with `kvmesh sim` on the Mooncake trace (bench/routing.py).
+    externality: float = 100.0
 
 
 @dataclass
@@ -48,7 +51,7 @@ class PrefillWorkerState:
     service_id: str
     prefill_tok_s: Ewma
     load_tok_s: Ewma
-    queued_tokens: int = 0  # uncached tokens of requests sent to it, not yet first-tokened
+    queued_s: float = 0.0  # estimated work of requests sent to it, not yet first-tokened
     inflight: int = 0
     pending: Counter[str] = field(default_factory=Counter)  # block → requests bringing it
 
@@ -67,26 +70,31 @@ class PrefillWorkerState:
 
     # -- the router's bookkeeping ----------------------------------------------------------
 
-    def dispatched(self, hashes: list[str], uncached_tokens: int) -> None:
+    def dispatched(self, hashes: list[str], work_s: float) -> None:
         self.inflight += 1
-        self.queued_tokens += uncached_tokens
+        self.queued_s += work_s
         self.pending.update(hashes)
 
-    def first_token(
-        self, uncached_tokens: int, loaded_tokens: int, prefill_s: float, load_s: float = 0.0
+    def prefilled(
+        self,
+        hashes: list[str],
+        estimate_s: float,
+        uncached_tokens: int = 0,
+        loaded_tokens: int = 0,
+        prefill_s: float = 0.0,
+        load_s: float = 0.0,
     ) -> None:
-        """The request's prompt is computed: its tokens leave the queue; learn the rates."""
-        self.queued_tokens = max(0, self.queued_tokens - uncached_tokens)
+        """A request's prompt is computed here: it leaves the queue (``estimate_s``: its work
+        as estimated at dispatch), its blocks are in the memory tier now (cachemeta
+        says so from here on), and the rates it showed are learned."""
+        self.inflight = max(0, self.inflight - 1)
+        self.queued_s = max(0.0, self.queued_s - estimate_s)
+        self.pending.subtract(hashes)
+        self.pending = +self.pending  # drop counts at zero
         if prefill_s > 0 and uncached_tokens:
             self.prefill_tok_s.observe(uncached_tokens / prefill_s)
         if load_s > 0 and loaded_tokens:
             self.load_tok_s.observe(loaded_tokens / load_s)
-
-    def finished(self, hashes: list[str]) -> None:
-        """Its blocks are in the worker's memory tier now (cachemeta will say so)."""
-        self.inflight = max(0, self.inflight - 1)
-        self.pending.subtract(hashes)
-        self.pending = +self.pending  # drop counts at zero
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,16 @@ class PrefillScore:
     @property
     def ttft_s(self) -> float:
         return self.queue_s + self.compute_s + self.load_s
+
+    @property
+    def work_s(self) -> float:
+        """What this request adds to the worker's queue."""
+        return self.compute_s + self.load_s
+
+    def cost_s(self, externality: float) -> float:
+        """Its own TTFT plus what its work costs the requests that will queue behind it: a
+        worker that must load (or compute) more for it delays them as well."""
+        return self.ttft_s + externality * self.work_s
 
     def explain(self) -> dict:
         return {**asdict(self), "ttft_s": self.ttft_s}
@@ -128,7 +146,7 @@ def score_prefill(
         memory_tokens=free * block_size,
         storage_tokens=stored * block_size,
         uncached_tokens=uncached,
-        queue_s=worker.queued_tokens / rate,
+        queue_s=worker.queued_s,
         compute_s=uncached / rate,
         load_s=stored * block_size / worker.load_tok_s.value,
     )
@@ -136,23 +154,23 @@ def score_prefill(
 
 def bounded(scores: list[PrefillScore], work: dict[str, float], c: float) -> list[PrefillScore]:
     """Scores with ``over_bound`` set where taking the request would put a worker above
-    c × the mean in-flight work (``work``: service id → its in-flight work)."""
+    c × the mean in-flight work (``work``: service id → its in-flight work, seconds)."""
     if not scores:
         return scores
     total = sum(work.get(s.service_id, 0.0) for s in scores)
     out = []
     for s in scores:
-        mean_after = (total + s.uncached_tokens) / len(scores)
-        mine_after = work.get(s.service_id, 0.0) + s.uncached_tokens
+        mean_after = (total + s.work_s) / len(scores)
+        mine_after = work.get(s.service_id, 0.0) + s.work_s
         over = mean_after > 0 and mine_after > c * mean_after
         out.append(PrefillScore(**{**asdict(s), "over_bound": over}))
     return out
 
 
-def choose_prefill(scores: list[PrefillScore]) -> PrefillScore:
-    """The lowest estimated TTFT among workers within the bound (all, if none is)."""
+def choose_prefill(scores: list[PrefillScore], externality: float = 0.0) -> PrefillScore:
+    """The lowest cost among workers within the bound (all, if none is)."""
     within = [s for s in scores if not s.over_bound] or scores
-    return min(within, key=lambda s: (s.ttft_s, s.service_id))
+    return min(within, key=lambda s: (s.cost_s(externality), s.service_id))
 
 
 @dataclass(frozen=True)

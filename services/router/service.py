@@ -15,8 +15,9 @@ from services.router.dispatch import Dispatcher, DispatchLimits
 from services.router.frontend import Frontend
 from services.router.grpc_api import GrpcApi
 from services.router.http_api import HttpApi
-from services.router.policy import POLICIES
+from services.router.policies import POLICIES
 from services.router.registry import WorkerRegistry
+from services.router.scoring import CostDefaults
 from services.router.settings import RouterSettings
 from shared.bus import Bus, subjects
 from shared.messages.heartbeat import (
@@ -56,7 +57,14 @@ class RouterService(Service):
             local_prefill_max_tokens=s.local_prefill_max_tokens,
             lookup_timeout_s=s.lookup_timeout_s,
         )
-        policy = POLICIES[s.routing_policy]()
+        policy = POLICIES[s.routing_policy](
+            CostDefaults(
+                prefill_tok_s=s.prefill_tok_s,
+                load_tok_s=s.load_tok_s,
+                bounded_load_c=s.bounded_load_c,
+                externality=s.externality,
+            )
+        )
         dispatcher = Dispatcher(bus, self.service_id, self.registry, policy, limits)
         await dispatcher.start()
         self.frontend = Frontend(s, dispatcher, Path(self.common.state_dir))

@@ -7,7 +7,7 @@ from typing import ClassVar
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.router.policy import POLICIES
+from services.router.policies import POLICIES
 from shared.service import ServiceSettings
 
 
@@ -20,7 +20,19 @@ class RouterSettings(ServiceSettings):
     missed_heartbeats: int = Field(
         default=3, ge=1, le=100, description="a service that misses this many beats is dropped"
     )
-    routing_policy: str = Field(default="least-loaded", description="how workers are picked")
+    routing_policy: str = Field(default="ttft", description="how prefill workers are picked")
+    prefill_tok_s: float = Field(
+        default=400.0, gt=0, description="a prefill worker's compute rate until it reports one"
+    )
+    load_tok_s: float = Field(
+        default=20_000.0, gt=0, description="storage-tier load rate until workers report one"
+    )
+    bounded_load_c: float = Field(
+        default=1.5, ge=1, description="no prefill worker above c × the mean in-flight work"
+    )
+    externality: float = Field(
+        default=100.0, ge=0, description="weight of the work a choice adds for later requests"
+    )
     max_inflight: int = Field(
         default=256, ge=1, description="requests in progress at most; more get 429"
     )

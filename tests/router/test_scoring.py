@@ -19,14 +19,14 @@ BS = 64
 HASHES = [f"h{i}" for i in range(10)]  # a 640-token prefix
 
 
-def worker(name: str = "p0", queued: int = 0) -> PrefillWorkerState:
+def worker(name: str = "p0", queued_s: float = 0.0) -> PrefillWorkerState:
     w = PrefillWorkerState.fresh(name, D)
-    w.queued_tokens = queued
+    w.queued_s = queued_s
     return w
 
 
 def test_terms_memory_free_storage_loaded_rest_computed() -> None:
-    s = score_prefill(worker(queued=500), 700, HASHES, BS, memory_blocks=4, store_blocks=8)
+    s = score_prefill(worker(queued_s=0.5), 700, HASHES, BS, memory_blocks=4, store_blocks=8)
     assert (s.memory_tokens, s.storage_tokens, s.uncached_tokens) == (256, 256, 188)
     assert s.queue_s == pytest.approx(0.5)  # 500 queued tokens at 1000 tok/s
     assert s.compute_s == pytest.approx(0.188)
@@ -49,7 +49,7 @@ def test_memory_hit_beats_storage_hit_beats_cold() -> None:
 
 
 def test_a_busy_worker_loses_its_cache_advantage() -> None:
-    busy_hot = score_prefill(worker("hot", queued=5000), 700, HASHES, BS, 10, 10)
+    busy_hot = score_prefill(worker("hot", queued_s=5.0), 700, HASHES, BS, 10, 10)
     idle_warm = score_prefill(worker("warm"), 700, HASHES, BS, 0, 10)
     assert choose_prefill([busy_hot, idle_warm]).service_id == "warm"
 
@@ -58,39 +58,40 @@ def test_look_ahead_counts_blocks_a_queued_request_will_bring() -> None:
     """Turn 2 arrives while turn 1 is still queued on p0: nothing is in any tier yet, but p0
     is about to hold the shared prefix."""
     p0, p1 = worker("p0"), worker("p1")
-    p0.dispatched(HASHES[:8], uncached_tokens=100)  # turn 1: its own uncached part queued
+    p0.dispatched(HASHES[:8], work_s=0.1)  # turn 1: its own work queued
     s0 = score_prefill(p0, 700, HASHES, BS, memory_blocks=0, store_blocks=0)
     s1 = score_prefill(p1, 700, HASHES, BS, memory_blocks=0, store_blocks=0)
     assert s0.memory_tokens == 8 * BS and s1.memory_tokens == 0
     assert choose_prefill([s0, s1]).service_id == "p0"
-    p0.finished(HASHES[:8])
-    assert p0.pending_prefix(HASHES) == 0 and not p0.pending
+    p0.prefilled(HASHES[:8], estimate_s=0.1)
+    assert p0.pending_prefix(HASHES) == 0 and not p0.pending and p0.queued_s == 0
 
 
 def test_bounded_load_keeps_a_hot_prefix_from_piling_on_one_worker() -> None:
     """Everyone shares a system prompt cached on p0; p0 already carries all the work."""
-    p0, p1 = worker("p0", queued=300), worker("p1", queued=0)
+    p0, p1 = worker("p0", queued_s=0.3), worker("p1")
     scores = [
         score_prefill(p0, 700, HASHES, BS, memory_blocks=10, store_blocks=0),
         score_prefill(p1, 700, HASHES, BS, memory_blocks=0, store_blocks=0),
     ]
     assert choose_prefill(scores).service_id == "p0"  # unbounded: its cache wins
-    limited = bounded(scores, {"p0": 300.0, "p1": 0.0}, c=1.5)
+    limited = bounded(scores, {"p0": 0.3, "p1": 0.0}, c=1.5)
     assert [s.over_bound for s in limited] == [True, False]
     assert choose_prefill(limited).service_id == "p1"
     # With the work spread, p0 is within the bound and its cache wins again.
-    assert choose_prefill(bounded(scores, {"p0": 300.0, "p1": 300.0}, c=1.5)).service_id == "p0"
+    assert choose_prefill(bounded(scores, {"p0": 0.3, "p1": 0.3}, c=1.5)).service_id == "p0"
 
 
 def test_rates_are_learned_from_what_workers_report() -> None:
     w = worker()
     for _ in range(30):
-        w.first_token(uncached_tokens=2000, loaded_tokens=6400, prefill_s=1.0, load_s=0.1)
+        w.dispatched(HASHES, 2000)
+        w.prefilled(
+            HASHES, 2000, uncached_tokens=2000, loaded_tokens=6400, prefill_s=1.0, load_s=0.1
+        )
     assert w.prefill_tok_s.value == pytest.approx(2000, rel=0.01)
     assert w.load_tok_s.value == pytest.approx(64_000, rel=0.01)
-    w.dispatched(HASHES, 300)
-    w.first_token(300, 0, 0.15)
-    assert w.queued_tokens == 0
+    assert w.queued_s == 0 and w.inflight == 0 and not w.pending
 
 
 def test_decode_pick_needs_room_then_prefers_fewer_active() -> None:

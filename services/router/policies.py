@@ -1,0 +1,265 @@
+"""Routing policies: which prefill worker computes a request. Picked by name (setting
+KVMESH_ROUTER_ROUTING_POLICY); the live router and `kvmesh sim` drive the same classes.
+
+A policy sees the request (its block hashes and, per location, the leading blocks cachemeta
+says it holds) and the candidate workers; it keeps whatever per-worker state it needs through
+``dispatched`` / ``first_token`` / ``finished``. ``rank`` returns every candidate best first,
+each with the terms that placed it there, so a decision can always be explained.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from services.router.scoring import (
+    CostDefaults,
+    PrefillWorkerState,
+    bounded,
+    score_prefill,
+)
+from shared.messages.kvevents import STORE, memory_location
+
+DEFAULTS = CostDefaults()
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str
+    n_prompt: int
+    block_size: int
+    hashes: list[str] = field(default_factory=list)  # the prompt's full blocks
+    counts: dict[str, int] = field(default_factory=dict)  # location → leading blocks held
+
+    def memory_blocks(self, service_id: str) -> int:
+        return self.counts.get(memory_location(service_id), 0)
+
+    @property
+    def store_blocks(self) -> int:
+        return self.counts.get(STORE, 0)
+
+
+@dataclass(frozen=True)
+class Ranked:
+    service_id: str
+    terms: dict  # why it ranks where it does
+
+
+class RoutingPolicy(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
+        self.defaults = defaults
+        self.workers: dict[str, PrefillWorkerState] = {}
+        self._estimates: dict[tuple[str, str], float] = {}  # work counted at dispatch
+
+    def state(self, service_id: str) -> PrefillWorkerState:
+        if service_id not in self.workers:
+            self.workers[service_id] = PrefillWorkerState.fresh(service_id, self.defaults)
+        return self.workers[service_id]
+
+    @abstractmethod
+    def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
+        """All candidates, best first."""
+
+    def work_estimate(self, req: RouteRequest, service_id: str) -> float:
+        """Seconds of prefill work the request brings to the worker (the TTFT model's terms)."""
+        s = score_prefill(
+            self.state(service_id),
+            req.n_prompt,
+            req.hashes,
+            req.block_size,
+            req.memory_blocks(service_id),
+            req.store_blocks,
+        )
+        return s.work_s
+
+    # -- what happened to a routed request (every policy tracks in-flight work) --------------
+
+    def dispatched(self, service_id: str, req: RouteRequest) -> None:
+        work = self.work_estimate(req, service_id)
+        self._estimates[(service_id, req.request_id)] = work
+        self.state(service_id).dispatched(req.hashes, work)
+
+    def prefilled(
+        self,
+        service_id: str,
+        req: RouteRequest,
+        uncached_tokens: int = 0,
+        loaded_tokens: int = 0,
+        prefill_s: float = 0.0,
+        load_s: float = 0.0,
+    ) -> None:
+        """Its first token came (or it failed): the prefill worker is done with it."""
+        estimate = self._estimates.pop((service_id, req.request_id), 0.0)
+        self.state(service_id).prefilled(
+            req.hashes, estimate, uncached_tokens, loaded_tokens, prefill_s, load_s
+        )
+
+    def forget(self, service_id: str) -> None:
+        self.workers.pop(service_id, None)
+
+
+class RoundRobin(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
+        super().__init__(defaults)
+        self._turn = itertools.count()
+
+    def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
+        ordered = sorted(candidates)
+        start = next(self._turn) % len(ordered) if ordered else 0
+        return [Ranked(s, {"turn": i}) for i, s in enumerate(ordered[start:] + ordered[:start])]
+
+
+class LeastLoaded(RoutingPolicy):
+    name = "least_loaded"
+
+    def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
+        def load(s: str) -> tuple[int, int, str]:
+            w = self.state(s)
+            return w.inflight, w.queued_s, s
+
+        return [
+            Ranked(
+                s,
+                {"inflight": self.state(s).inflight, "queued_s": self.state(s).queued_s},
+            )
+            for s in sorted(candidates, key=load)
+        ]
+
+
+class Ttft(RoutingPolicy):
+    """Ours: the lowest estimated time to first token within bounded load (scoring.py)."""
+
+    name = "ttft"
+
+    def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
+        scores = [
+            score_prefill(
+                self.state(s),
+                req.n_prompt,
+                req.hashes,
+                req.block_size,
+                req.memory_blocks(s),
+                req.store_blocks,
+            )
+            for s in candidates
+        ]
+        work = {s: self.state(s).queued_s for s in candidates}
+        scores = bounded(scores, work, self.defaults.bounded_load_c)
+        lam = self.defaults.externality
+        scores.sort(key=lambda x: (x.over_bound, x.cost_s(lam), x.service_id))
+        return [Ranked(x.service_id, {**x.explain(), "cost_s": x.cost_s(lam)}) for x in scores]
+
+
+class SglangCacheAware(RoutingPolicy):
+    """SGLang's router, `cache_aware` policy (sgl-router; defaults from its documentation:
+    cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5). It keeps an
+    approximate prefix tree per worker of what it routed there, not what the worker holds;
+    here over block hashes instead of characters, bounded like its `max_tree_size`.
+    Imbalanced (both thresholds exceeded) → the least loaded worker; else, if the best prefix
+    match covers more than cache_threshold of the prompt → that worker; else → the worker
+    with the smallest tree (the most free cache). Load = requests in flight."""
+
+    name = "sglang"
+    cache_threshold = 0.3
+    balance_abs_threshold = 64
+    balance_rel_threshold = 1.5
+    max_tree_blocks = 1 << 20
+
+    def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
+        super().__init__(defaults)
+        self.trees: dict[str, OrderedDict[str, None]] = {}
+
+    def _tree(self, s: str) -> OrderedDict[str, None]:
+        return self.trees.setdefault(s, OrderedDict())
+
+    def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
+        loads = {s: self.state(s).inflight for s in candidates}
+        hi, lo = max(loads.values()), min(loads.values())
+        imbalanced = hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
+        match = {s: self._match(s, req.hashes) for s in candidates}
+        n = max(1, len(req.hashes))
+        if imbalanced:
+            key = lambda s: (loads[s], s)  # noqa: E731
+            why = "imbalanced: least load"
+        elif max(match.values()) / n > self.cache_threshold:
+            key = lambda s: (-match[s], loads[s], s)  # noqa: E731
+            why = "prefix match"
+        else:
+            key = lambda s: (len(self._tree(s)), s)  # noqa: E731
+            why = "low match: smallest tree"
+        return [
+            Ranked(s, {"rule": why, "match_blocks": match[s], "load": loads[s]})
+            for s in sorted(candidates, key=key)
+        ]
+
+    def _match(self, s: str, hashes: list[str]) -> int:
+        tree = self._tree(s)
+        n = 0
+        for h in hashes:
+            if h not in tree:
+                break
+            n += 1
+        return n
+
+    def dispatched(self, service_id: str, req: RouteRequest) -> None:
+        super().dispatched(service_id, req)
+        tree = self._tree(service_id)
+        for h in req.hashes:
+            tree[h] = None
+            tree.move_to_end(h)
+        while len(tree) > self.max_tree_blocks:
+            tree.popitem(last=False)
+
+
+class DynamoKv(RoutingPolicy):
+    """NVIDIA Dynamo's KV router cost (its router design docs): for each worker,
+    cost = kv_overlap_score_weight × potential prefill blocks + potential active blocks,
+    prefill blocks = prompt blocks not overlapping what the worker's KV events say it holds,
+    active blocks = blocks of requests in flight there plus this request's; the lowest cost
+    wins (router temperature 0). Default weight 1.0. Overlap comes from the worker's own
+    cache only (its memory tier): Dynamo has no shared tier in the cost."""
+
+    name = "dynamo"
+    kv_overlap_score_weight = 1.0
+
+    def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
+        super().__init__(defaults)
+        self.active_blocks: dict[str, int] = {}
+
+    def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
+        bs = max(1, req.block_size)
+        blocks = -(-req.n_prompt // bs)
+        costs = {}
+        for s in candidates:
+            prefill = blocks - min(blocks, req.memory_blocks(s))
+            active = self.active_blocks.get(s, 0) + blocks
+            costs[s] = (self.kv_overlap_score_weight * prefill + active, prefill, active)
+        return [
+            Ranked(
+                s,
+                {"cost": costs[s][0], "prefill_blocks": costs[s][1], "active_blocks": costs[s][2]},
+            )
+            for s in sorted(candidates, key=lambda s: (costs[s][0], s))
+        ]
+
+    def dispatched(self, service_id: str, req: RouteRequest) -> None:
+        super().dispatched(service_id, req)
+        blocks = -(-req.n_prompt // max(1, req.block_size))
+        self.active_blocks[service_id] = self.active_blocks.get(service_id, 0) + blocks
+
+    def prefilled(self, service_id: str, req: RouteRequest, *args: float) -> None:
+        super().prefilled(service_id, req, *args)  # type: ignore[arg-type]
+        blocks = -(-req.n_prompt // max(1, req.block_size))
+        self.active_blocks[service_id] = max(0, self.active_blocks.get(service_id, 0) - blocks)
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    p.name: p for p in (RoundRobin, LeastLoaded, Ttft, SglangCacheAware, DynamoKv)
+}

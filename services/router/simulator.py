@@ -1,0 +1,272 @@
+"""`kvmesh sim`: replay a trace through the real routing policies and block index, against
+simulated workers.
+
+Cost model, per card (defaults from DeepInfer's published figures): prefill computes uncached
+tokens at 60K tok/s and loads cached tokens from the storage tier at 1.5M tok/s (hits in the
+worker's own memory tier are free); a decode card makes 14K tok/s shared by its sequences,
+each at most 1/min_tpot. Each prefill worker serves one request at a time, in arrival order.
+Every prefill worker has a memory tier (LRU, in blocks); the storage tier has a capacity (LRU)
+and a retention (TTL after last use, by class). Stores and evictions become KV events applied
+to cachemeta's BlockIndex, which answers the router's lookups, as in the live mesh.
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+import sys
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.cachemeta.index import BlockIndex
+from services.router.policies import POLICIES, RouteRequest
+from services.router.scoring import CostDefaults
+from services.router.traces import TraceRequest
+from shared.messages.kvevents import STORE, KvEvent, memory_location
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    prefill: int = 8
+    decode: int = 8
+    prefill_tok_s: float = 60_000.0
+    load_tok_s: float = 1_500_000.0
+    decode_tok_s: float = 14_000.0
+    min_tpot_s: float = 0.02
+    memory_blocks: int = 2_000  # per prefill worker, in trace blocks
+    store_blocks: int = 10**12  # the storage tier's capacity, in trace blocks
+    ttl_s: tuple[tuple[str, float], ...] = (("chat", 7 * 86400.0), ("agent", 3 * 86400.0))
+    speed: float = 1.0  # arrival times are divided by this
+    bounded_load_c: float = CostDefaults.bounded_load_c  # the ttft policy's knobs
+    externality: float = CostDefaults.externality
+
+
+@dataclass
+class SimResult:
+    policy: str
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    input_tokens: int = 0
+    memory_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    busy_s: dict[str, float] = field(default_factory=dict)  # per prefill worker
+    first_arrival: float = 0.0
+    last_done: float = 0.0
+    output_tokens: int = 0
+
+    def summary(self, n_prefill: int) -> dict:
+        ttft = sorted(self.ttft_s)
+        busy = list(self.busy_s.values()) or [0.0]
+        span = max(1e-9, self.last_done - self.first_arrival)
+        mean_busy = statistics.fmean(busy)
+        return {
+            "hit_ratio": (self.memory_hit_tokens + self.storage_hit_tokens)
+            / max(1, self.input_tokens),
+            "memory_hit_ratio": self.memory_hit_tokens / max(1, self.input_tokens),
+            "storage_hit_ratio": self.storage_hit_tokens / max(1, self.input_tokens),
+            "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0,
+            "ttft_p50_s": _pct(ttft, 50),
+            "ttft_p99_s": _pct(ttft, 99),
+            "tpot_mean_s": statistics.fmean(self.tpot_s) if self.tpot_s else 0.0,
+            "load_max_over_mean": max(busy) / mean_busy if mean_busy else 0.0,
+            "utilization": sum(busy) / (n_prefill * span),
+            "throughput_tok_s": (self.input_tokens + self.output_tokens) / span,
+            "requests": len(ttft),
+        }
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, int(p / 100 * len(values)))]
+
+
+class _Lru:
+    """Block hashes kept within a capacity, least recently used out first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[str, float] = OrderedDict()  # hash → last use
+
+    def leading(self, hashes: list[str], now: float, ttl: float = float("inf")) -> int:
+        n = 0
+        for h in hashes:
+            used = self.blocks.get(h)
+            if used is None or now - used > ttl:
+                break
+            n += 1
+        return n
+
+    def put(self, hashes: list[str], now: float) -> list[str]:
+        for h in reversed(hashes):  # a prefix's head ends up the most recent
+            self.blocks[h] = now
+            self.blocks.move_to_end(h)
+        evicted = []
+        while len(self.blocks) > self.capacity:
+            evicted.append(self.blocks.popitem(last=False)[0])
+        return evicted
+
+
+def infinite_cache_hit_ratio(requests: list[TraceRequest], block_size: int) -> float:
+    """Prompt tokens whose leading blocks appeared in an earlier request: the best any
+    router and cache could do."""
+    seen: set[str] = set()
+    hit = total = 0
+    for r in requests:
+        n = 0
+        for h in r.hashes:
+            if h not in seen:
+                break
+            n += 1
+        hit += min(r.n_in, n * block_size)
+        total += r.n_in
+        seen.update(r.hashes)
+    return hit / max(1, total)
+
+
+def prefill_work_s(requests: list[TraceRequest], block_size: int, cfg: SimConfig) -> float:
+    """Prefill time of the whole trace with an infinite cache (each block computed once)."""
+    seen: set[str] = set()
+    work = 0.0
+    for r in requests:
+        n = 0
+        for h in r.hashes:
+            if h not in seen:
+                break
+            n += 1
+        cached = min(r.n_in, n * block_size)
+        work += (r.n_in - cached) / cfg.prefill_tok_s + cached / cfg.load_tok_s
+        seen.update(r.hashes)
+    return work
+
+
+def speed_for_utilization(
+    requests: list[TraceRequest], block_size: int, cfg: SimConfig, target: float
+) -> float:
+    """The speed at which the prefill pool would be ``target`` busy: prefill work of the
+    trace with an infinite cache ÷ (pool size × the trace's span ÷ speed) = target."""
+    span = max(1e-9, requests[-1].t - requests[0].t)
+    return target * cfg.prefill * span / max(1e-9, prefill_work_s(requests, block_size, cfg))
+
+
+def simulate(
+    requests: list[TraceRequest],
+    block_size: int,
+    cfg: SimConfig,
+    policy_name: str,
+    progress: Callable[[int, int], None] | None = None,
+) -> SimResult:
+    ttl = dict(cfg.ttl_s)
+    costs = CostDefaults(
+        prefill_tok_s=cfg.prefill_tok_s,
+        load_tok_s=cfg.load_tok_s,
+        bounded_load_c=cfg.bounded_load_c,
+        externality=cfg.externality,
+    )
+    policy = POLICIES[policy_name](costs)
+    index = BlockIndex(ttl)
+    prefills = [f"p{i}" for i in range(cfg.prefill)]
+    memory = {p: _Lru(cfg.memory_blocks) for p in prefills}
+    store = _Lru(cfg.store_blocks)
+    queues: dict[str, deque] = {p: deque() for p in prefills}
+    busy_until = dict.fromkeys(prefills, 0.0)
+    decode_active = [0] * cfg.decode
+    result = SimResult(policy_name, busy_s=dict.fromkeys(prefills, 0.0))
+    result.first_arrival = requests[0].t / cfg.speed if requests else 0.0
+
+    events: list[tuple[float, int, str, object]] = []
+    seq = 0
+
+    def push(t: float, kind: str, data: object) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, data))
+        seq += 1
+
+    for i, r in enumerate(requests):
+        push(r.t / cfg.speed, "arrive", i)
+
+    def emit(kind: str, location: str, hashes: list[str], now: float, retention: str) -> None:
+        if hashes:
+            index.apply(
+                KvEvent(kind=kind, location=location, hashes=hashes, at=now, retention=retention)
+            )  # type: ignore[arg-type]
+
+    def start(p: str, now: float) -> None:
+        i, route, arrived = queues[p].popleft()
+        r = requests[i]
+        mem = memory[p].leading(r.hashes, now)
+        stored = store.leading(r.hashes[mem:], now, ttl[r.retention])
+        hit_tokens = min(r.n_in, (mem + stored) * block_size)
+        mem_tokens = min(hit_tokens, mem * block_size)
+        loaded = hit_tokens - mem_tokens
+        uncached = r.n_in - hit_tokens
+        service = uncached / cfg.prefill_tok_s + loaded / cfg.load_tok_s
+        busy_until[p] = now + service
+        result.busy_s[p] += service
+        push(
+            now + service,
+            "prefilled",
+            (p, i, route, arrived, mem_tokens, loaded, uncached, service),
+        )
+
+    done = 0
+    while events:
+        now, _, kind, data = heapq.heappop(events)
+        if kind == "arrive":
+            i = data  # type: ignore[assignment]
+            r = requests[i]
+            counts = index.lookup(r.hashes, now, touch=False)
+            route = RouteRequest(str(i), r.n_in, block_size, r.hashes, counts)
+            chosen = policy.rank(route, prefills)[0].service_id
+            policy.dispatched(chosen, route)
+            queues[chosen].append((i, route, now))
+            if busy_until[chosen] <= now and len(queues[chosen]) == 1:
+                start(chosen, now)
+        elif kind == "prefilled":
+            p, i, route, arrived, mem_tokens, loaded, uncached, service = data  # type: ignore[misc]
+            r = requests[i]
+            result.ttft_s.append(now - arrived)
+            result.input_tokens += r.n_in
+            result.memory_hit_tokens += mem_tokens
+            result.storage_hit_tokens += loaded
+            # The prompt's blocks are now in this worker's memory tier and in the storage tier.
+            emit("removed", memory_location(p), memory[p].put(r.hashes, now), now, r.retention)
+            emit("stored", memory_location(p), r.hashes, now, r.retention)
+            emit("removed", STORE, store.put(r.hashes, now), now, r.retention)
+            emit("stored", STORE, r.hashes, now, r.retention)
+            policy.prefilled(
+                p, route, uncached, loaded, uncached / cfg.prefill_tok_s, loaded / cfg.load_tok_s
+            )
+            d = min(range(cfg.decode), key=lambda k: decode_active[k])
+            decode_active[d] += 1
+            tpot = max(cfg.min_tpot_s, decode_active[d] / cfg.decode_tok_s)
+            result.tpot_s.append(tpot)
+            result.output_tokens += r.n_out
+            push(now + r.n_out * tpot, "decoded", d)
+            if queues[p]:
+                start(p, now)
+            result.last_done = max(result.last_done, now)
+            done += 1
+            if progress and done % 200 == 0:
+                progress(done, len(requests))
+        else:
+            decode_active[data] -= 1  # type: ignore[index]
+    if progress:
+        progress(len(requests), len(requests))
+    return result
+
+
+def progress_bar(label: str) -> Callable[[int, int], None]:
+    def show(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(1, total)
+        end = "\n" if done >= total else ""
+        print(
+            f"\r{label:<14} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return show
