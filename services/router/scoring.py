@@ -16,7 +16,7 @@ so each decision can be explained.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -123,7 +123,16 @@ class PrefillScore:
         return self.ttft_s + externality * self.work_s
 
     def explain(self) -> dict:
-        return {**asdict(self), "ttft_s": self.ttft_s}
+        return {
+            "memory_tokens": self.memory_tokens,
+            "storage_tokens": self.storage_tokens,
+            "uncached_tokens": self.uncached_tokens,
+            "queue_s": round(self.queue_s, 6),
+            "compute_s": round(self.compute_s, 6),
+            "load_s": round(self.load_s, 6),
+            "ttft_s": round(self.ttft_s, 6),
+            "over_bound": self.over_bound,
+        }
 
 
 def score_prefill(
@@ -163,7 +172,7 @@ def bounded(scores: list[PrefillScore], work: dict[str, float], c: float) -> lis
         mean_after = (total + s.work_s) / len(scores)
         mine_after = work.get(s.service_id, 0.0) + s.work_s
         over = mean_after > 0 and mine_after > c * mean_after
-        out.append(PrefillScore(**{**asdict(s), "over_bound": over}))
+        out.append(replace(s, over_bound=over) if over else s)
     return out
 
 

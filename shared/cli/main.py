@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.cli import status, up
+from shared.cli import sim, status, up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     up.add_parser(commands)
     status.add_parser(commands)
+    sim.add_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -9,7 +9,7 @@ every process and after restarts, unlike Python's ``hash()``.
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections.abc import Sequence
 
 DIGEST_BYTES = 16
@@ -30,10 +30,14 @@ def block_hashes(
         seed.update(key.encode())
         seed.update(b"\x00")
     prev = seed.digest()
+    n_full = len(token_ids) // block_size
+    data = memoryview(struct.pack(f"<{n_full * block_size}i", *token_ids[: n_full * block_size]))
+    step = block_size * 4  # bytes of one block's int32 token ids
     hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES)
-        h.update(array("i", token_ids[start : start + block_size]).tobytes())
+    blake2b = hashlib.blake2b
+    for start in range(0, n_full * step, step):
+        h = blake2b(prev, digest_size=DIGEST_BYTES)
+        h.update(data[start : start + step])
         prev = h.digest()
         hashes.append(prev.hex())
     return hashes
