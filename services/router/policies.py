@@ -151,7 +151,8 @@ class Ttft(RoutingPolicy):
             for s in candidates
         ]
         work = {s: self.state(s).queued_s for s in candidates}
-        scores = bounded(scores, work, self.defaults.bounded_load_c)
+        d = self.defaults
+        scores = bounded(scores, work, d.bounded_load_c, d.bounded_load_slack_s)
         lam = self.defaults.externality
         scores.sort(key=lambda x: (x.over_bound, x.cost_s(lam), x.service_id))
         return [Ranked(x.service_id, {**x.explain(), "cost_s": x.cost_s(lam)}) for x in scores]

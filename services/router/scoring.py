@@ -38,7 +38,8 @@ class CostDefaults:
     prefill_tok_s: float = 400.0  # uncached tokens computed (a CPU worker; GPUs: ~60K)
     load_tok_s: float = 20_000.0  # cached tokens loaded from the storage tier
     transfer_tok_s: float = 20_000.0  # KV moved to decode
-    bounded_load_c: float = 1.5  # no worker above c × the mean in-flight work
+    bounded_load_c: float = 1.5  # no worker above c × the mean in-flight work ...
+    bounded_load_slack_s: float = 1.0  # ... and this far above it
     # Weight of the work a choice adds for the requests that queue after it (bursts make them
     # many); chosen with `kvmesh sim` on the Mooncake trace (bench/routing.py).
     externality: float = 100.0
@@ -161,9 +162,13 @@ def score_prefill(
     )
 
 
-def bounded(scores: list[PrefillScore], work: dict[str, float], c: float) -> list[PrefillScore]:
+def bounded(
+    scores: list[PrefillScore], work: dict[str, float], c: float, slack_s: float = 0.0
+) -> list[PrefillScore]:
     """Scores with ``over_bound`` set where taking the request would put a worker above
-    c × the mean in-flight work (``work``: service id → its in-flight work, seconds)."""
+    c × the mean in-flight work and more than ``slack_s`` above the mean (``work``: service
+    id → its in-flight work, seconds). The slack lets a few turns of one conversation queue
+    together on the worker that will hold their prefix."""
     if not scores:
         return scores
     total = sum(work.get(s.service_id, 0.0) for s in scores)
@@ -171,7 +176,7 @@ def bounded(scores: list[PrefillScore], work: dict[str, float], c: float) -> lis
     for s in scores:
         mean_after = (total + s.work_s) / len(scores)
         mine_after = work.get(s.service_id, 0.0) + s.work_s
-        over = mean_after > 0 and mine_after > c * mean_after
+        over = mine_after > c * mean_after and mine_after - mean_after > slack_s
         out.append(replace(s, over_bound=over) if over else s)
     return out
 
