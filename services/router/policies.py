@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from services.router.scoring import (
     CostDefaults,
+    PrefillScore,
     PrefillWorkerState,
     bounded,
     score_prefill,
@@ -57,9 +58,25 @@ class RoutingPolicy(ABC):
         self._estimates: dict[tuple[str, str], float] = {}  # work counted at dispatch
 
     def state(self, service_id: str) -> PrefillWorkerState:
-        if service_id not in self.workers:
-            self.workers[service_id] = PrefillWorkerState.fresh(service_id, self.defaults)
-        return self.workers[service_id]
+        w = self.workers.get(service_id)
+        if w is None:
+            w = self.workers[service_id] = PrefillWorkerState.fresh(service_id, self.defaults)
+        if not w.prefill_tok_s.observed or not w.load_tok_s.observed:
+            self._pool_prior(w)
+        return w
+
+    def _pool_prior(self, w: PrefillWorkerState) -> None:
+        """A worker not yet measured is assumed as fast as the pool's measured ones (a
+        pessimistic default would keep it from ever being tried)."""
+        for attr in ("prefill_tok_s", "load_tok_s"):
+            mine = getattr(w, attr)
+            if mine.observed:
+                continue
+            seen = [
+                getattr(o, attr).value for o in self.workers.values() if getattr(o, attr).observed
+            ]
+            if seen:
+                mine.value = sum(seen) / len(seen)
 
     @abstractmethod
     def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
@@ -153,9 +170,20 @@ class Ttft(RoutingPolicy):
         work = {s: self.state(s).queued_s for s in candidates}
         d = self.defaults
         scores = bounded(scores, work, d.bounded_load_c, d.bounded_load_slack_s)
-        lam = self.defaults.externality
-        scores.sort(key=lambda x: (x.over_bound, x.cost_s(lam), x.service_id))
-        return [Ranked(x.service_id, {**x.explain(), "cost_s": x.cost_s(lam)}) for x in scores]
+        # The work a choice adds for later requests is valued at the pool's rates: it should
+        # tell cached from uncached, not a worker measured a little faster from a slower one
+        # (that difference is in the TTFT term already; weighted it would starve the other).
+        states = [self.state(s) for s in candidates]
+        pool_prefill = sum(w.prefill_tok_s.value for w in states) / len(states)
+        pool_load = sum(w.load_tok_s.value for w in states) / len(states)
+        lam = d.externality
+
+        def cost(x: PrefillScore) -> float:
+            work = x.uncached_tokens / pool_prefill + x.storage_tokens / pool_load
+            return x.ttft_s + lam * work
+
+        scores.sort(key=lambda x: (x.over_bound, cost(x), x.service_id))
+        return [Ranked(x.service_id, {**x.explain(), "cost_s": round(cost(x), 6)}) for x in scores]
 
 
 class SglangCacheAware(RoutingPolicy):

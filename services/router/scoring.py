@@ -25,10 +25,12 @@ class Ewma:
 
     value: float
     weight: float = 0.2  # of each new observation
+    observed: int = 0
 
     def observe(self, x: float) -> None:
         if x > 0:
             self.value += self.weight * (x - self.value)
+            self.observed += 1
 
 
 @dataclass(frozen=True)
@@ -118,11 +120,6 @@ class PrefillScore:
         """What this request adds to the worker's queue."""
         return self.compute_s + self.load_s
 
-    def cost_s(self, externality: float) -> float:
-        """Its own TTFT plus what its work costs the requests that will queue behind it: a
-        worker that must load (or compute) more for it delays them as well."""
-        return self.ttft_s + externality * self.work_s
-
     def explain(self) -> dict:
         return {
             "memory_tokens": self.memory_tokens,
@@ -181,10 +178,10 @@ def bounded(
     return out
 
 
-def choose_prefill(scores: list[PrefillScore], externality: float = 0.0) -> PrefillScore:
-    """The lowest cost among workers within the bound (all, if none is)."""
+def choose_prefill(scores: list[PrefillScore]) -> PrefillScore:
+    """The lowest estimated TTFT among workers within the bound (all, if none is)."""
     within = [s for s in scores if not s.over_bound] or scores
-    return min(within, key=lambda s: (s.cost_s(externality), s.service_id))
+    return min(within, key=lambda s: (s.ttft_s, s.service_id))
 
 
 @dataclass(frozen=True)
