@@ -83,7 +83,8 @@ class KvTiers:
             found.blobs.append(blob)
             found.tiers.append(MEMORY)
         rest = hashes[len(found.hashes) :]
-        if rest and self.store is not None:
+        # A cold prompt's first block is not there: one stat, no trip to a thread.
+        if rest and self.store is not None and rest[0] in self.store:
             blobs = await asyncio.to_thread(self._read_files, rest)
             found.hashes += rest[: len(blobs)]
             found.blobs += blobs
@@ -132,19 +133,27 @@ class KvTiers:
         return skipped
 
     async def _writer(self) -> None:
+        """Everything queued at once: one pass over the files, one event per location and
+        retention class (the events are what costs, not the bytes)."""
         while True:
-            item = await self._queue.get()
-            try:
-                await self._to_memory(item.hashes, item.blobs, item.retention)
-                if self.store is not None:
-                    await asyncio.to_thread(self._write_files, item.hashes, item.blobs)
-                    sizes = [len(b) for b in item.blobs]
-                    await self._event("stored", STORE, item.hashes, sizes, item.retention)
-                self.written_blocks += len(item.hashes)
-            except Exception:
-                log.exception("storing %d KV blocks failed", len(item.hashes))
-            finally:
-                self.queued_blocks -= len(item.hashes)
+            items = [await self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            for retention in {i.retention for i in items}:
+                batch = [i for i in items if i.retention == retention]
+                hashes = [h for i in batch for h in i.hashes]
+                blobs = [b for i in batch for b in i.blobs]
+                try:
+                    await self._to_memory(hashes, blobs, retention)
+                    if self.store is not None:
+                        await asyncio.to_thread(self._write_files, hashes, blobs)
+                        sizes = [len(b) for b in blobs]
+                        await self._event("stored", STORE, hashes, sizes, retention)
+                    self.written_blocks += len(hashes)
+                except Exception:
+                    log.exception("storing %d KV blocks failed", len(hashes))
+                finally:
+                    self.queued_blocks -= len(hashes)
 
     def _write_files(self, hashes: list[str], blobs: list[bytes]) -> None:
         assert self.store is not None
