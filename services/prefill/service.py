@@ -59,7 +59,21 @@ class PrefillService(WorkerService):
 
     def load(self) -> Load:
         return self.worker_load(
-            inflight=len(self.current) + len(self.transfers), queued=self.queue.qsize()
+            inflight=len(self.current) + len(self.transfers),
+            queued=self.queue.qsize(),
+            queued_tokens=self.queued_tokens(),
+        )
+
+    def queued_tokens(self) -> int:
+        """Work waiting here, for routers that did not send it (there may be several): each
+        queued prompt less the leading blocks its memory tier holds."""
+        if self.runner is None or self.tiers is None:
+            return 0
+        bs = self.engine.block_size
+        memory = self.tiers.memory
+        return sum(
+            max(0, len(t.token_ids) - memory.leading(t.block_hashes) * bs)
+            for t in list(self.queue._queue)  # type: ignore[attr-defined]
         )
 
     async def drain(self) -> None:

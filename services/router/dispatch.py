@@ -262,6 +262,8 @@ class Dispatcher:
             attempt.decision = {"prefill": "on decode", "uncached_tokens": uncached}
         else:
             records = {w.service_id: w for w in self._candidates("prefill", job.model, excluded)}
+            for sid, w in records.items():
+                self.policy.reported(sid, w.heartbeat.load.queued_tokens)
             if not records:
                 self.check_servable(job.model)
                 raise ApiError(503, "every prefill worker failed this request", code="unavailable")

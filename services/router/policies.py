@@ -116,6 +116,10 @@ class RoutingPolicy(ABC):
             req.hashes, estimate, uncached_tokens, loaded_tokens, prefill_s, load_s
         )
 
+    def reported(self, service_id: str, queued_tokens: int) -> None:
+        """The worker's own count of what waits there (heartbeats)."""
+        self.state(service_id).reported_tokens = queued_tokens
+
     def forget(self, service_id: str) -> None:
         self.workers.pop(service_id, None)
 
@@ -167,7 +171,7 @@ class Ttft(RoutingPolicy):
             )
             for s in candidates
         ]
-        work = {s: self.state(s).queued_s for s in candidates}
+        work = {s: self.state(s).queue_wait_s for s in candidates}
         d = self.defaults
         scores = bounded(scores, work, d.bounded_load_c, d.bounded_load_slack_s)
         # The work a choice adds for later requests is valued at the pool's rates: it should

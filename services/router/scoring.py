@@ -55,12 +55,19 @@ class PrefillWorkerState:
     prefill_tok_s: Ewma
     load_tok_s: Ewma
     queued_s: float = 0.0  # estimated work of requests sent to it, not yet first-tokened
+    reported_tokens: int = 0  # uncached tokens queued there, from its last heartbeat
     inflight: int = 0
     pending: Counter[str] = field(default_factory=Counter)  # block → requests bringing it
 
     @classmethod
     def fresh(cls, service_id: str, d: CostDefaults) -> PrefillWorkerState:
         return cls(service_id, Ewma(d.prefill_tok_s), Ewma(d.load_tok_s))
+
+    @property
+    def queue_wait_s(self) -> float:
+        """Work ahead of a new request: what this router sent, or what the worker says it has
+        queued when that is more (other routers send it work too)."""
+        return max(self.queued_s, self.reported_tokens / self.prefill_tok_s.value)
 
     def pending_prefix(self, hashes: list[str]) -> int:
         """Leading blocks of ``hashes`` that requests queued or running here will bring."""
@@ -153,7 +160,7 @@ def score_prefill(
         memory_tokens=free * block_size,
         storage_tokens=stored * block_size,
         uncached_tokens=uncached,
-        queue_s=worker.queued_s,
+        queue_s=worker.queue_wait_s,
         compute_s=uncached / rate,
         load_s=stored * block_size / worker.load_tok_s.value,
     )

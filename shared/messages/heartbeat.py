@@ -23,6 +23,9 @@ class Load(Message):
     kv_blocks_used: int = Field(default=0, ge=0)
     kv_blocks_total: int = Field(default=0, ge=0)
     kv_block_size: int = Field(default=0, ge=0, description="tokens per KV block (workers)")
+    queued_tokens: int = Field(
+        default=0, ge=0, description="prefill: prompt tokens waiting, less its memory-tier hits"
+    )
     kv_write_skips: int = Field(
         default=0, ge=0, description="blocks not stored because the write-behind queue was full"
     )

@@ -99,3 +99,15 @@ def test_decode_pick_needs_room_then_prefers_fewer_active() -> None:
     assert choose_decode(scores, needed_blocks=10).service_id == "d1"
     assert choose_decode(scores, needed_blocks=2).service_id == "d2"
     assert choose_decode(scores, needed_blocks=500) is None
+
+
+def test_work_other_routers_sent_counts_through_heartbeats() -> None:
+    """This router sent p0 nothing, but p0 says 3000 uncached tokens wait there."""
+    p0, p1 = worker("p0"), worker("p1")
+    p0.reported_tokens = 3000
+    s0 = score_prefill(p0, 700, HASHES, BS, memory_blocks=0, store_blocks=0)
+    s1 = score_prefill(p1, 700, HASHES, BS, memory_blocks=0, store_blocks=0)
+    assert s0.queue_s == pytest.approx(3.0) and s1.queue_s == 0
+    assert choose_prefill([s0, s1]).service_id == "p1"
+    p0.queued_s = 5.0  # its own view, when larger, wins
+    assert score_prefill(p0, 700, HASHES, BS, 0, 0).queue_s == pytest.approx(5.0)
