@@ -27,10 +27,12 @@ from services.router.openai_api import (
     parse,
 )
 from services.router.settings import RouterSettings
+from services.router.tokens import PromptTokenizer
 from shared.engine.loader import MODEL_NAMES, TextModel, load_text_model
 from shared.messages.generate import Sampling
 from shared.messages.kvevents import RETENTIONS
 
+LONG_TEXT_CHARS = 8192  # above this, tokenizing takes milliseconds: off the event loop
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -87,6 +89,7 @@ class Frontend:
         self.state_dir = state_dir
         self.inflight = 0
         self._models: dict[str, TextModel] = {}
+        self._tokenizers: dict[str, PromptTokenizer] = {}
         self._model_lock = asyncio.Lock()
 
     @contextlib.contextmanager
@@ -110,10 +113,19 @@ class Frontend:
             async with self._model_lock:
                 if name not in self._models:
                     loop = asyncio.get_running_loop()
-                    self._models[name] = await loop.run_in_executor(
-                        None, load_text_model, name, self.state_dir
+                    model = await loop.run_in_executor(None, load_text_model, name, self.state_dir)
+                    self._tokenizers[name] = PromptTokenizer(
+                        model.tokenizer, self.settings.token_cache_tokens
                     )
+                    self._models[name] = model
         return self._models[name]
+
+    async def _encode(self, model: str, text: str) -> list[int]:
+        """Token ids; a long text is tokenized on a thread, so other requests keep moving."""
+        tokenizer = self._tokenizers[model]
+        if len(text) < LONG_TEXT_CHARS:
+            return tokenizer.encode(text)
+        return await asyncio.get_running_loop().run_in_executor(None, tokenizer.encode, text)
 
     async def prepare(
         self, body: bytes, chat: bool, rid: str, kv: KvOptions = KvOptions()
@@ -128,14 +140,14 @@ class Frontend:
         config = text.config
         if isinstance(req, ChatRequest):
             rendered = text.chat_template.render(chat_messages(req))
-            ids = text.tokenizer.encode(rendered, add_special_tokens=False).ids
+            ids = await self._encode(req.model, rendered)
             prompt_field = "messages"
             max_tokens = req.max_completion_tokens or req.max_tokens
             max_field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         else:
             prompt = completion_prompt(req)
             if isinstance(prompt, str):
-                ids = text.tokenizer.encode(prompt, add_special_tokens=False).ids
+                ids = await self._encode(req.model, prompt)
             else:
                 bad = next((t for t in prompt if not 0 <= t < config.vocab_size), None)
                 if bad is not None:

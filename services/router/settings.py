@@ -47,6 +47,11 @@ class RouterSettings(ServiceSettings):
     ack_timeout_s: float = Field(
         default=2.0, gt=0, description="a worker must queue or refuse a task within this"
     )
+    token_cache_tokens: int = Field(
+        default=4_000_000,
+        ge=0,
+        description="tokens of prompt segments (messages) kept tokenized for the next turn",
+    )
     lookup_timeout_s: float = Field(
         default=0.25, gt=0, description="cachemeta must answer a lookup within this"
     )

@@ -1,0 +1,58 @@
+"""The segment-cached prompt tokenizer gives exactly the tokenizer's ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.router.tokens import PromptTokenizer
+from shared.engine.loader import load_text_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    return load_text_model("smollm2-135m-instruct", Path(tmp_path_factory.mktemp("state")))
+
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "Be brief.  Use   spaces\n\nand lines."},
+        {"role": "user", "content": "héllo <|im_end|> wörld 日本語 🎉"},
+        {"role": "assistant", "content": " leading space and trailing "},
+        {"role": "user", "content": "def f(x):\n    return x * 2  # code"},
+    ],
+    [{"role": "user", "content": ""}, {"role": "assistant", "content": "<|endoftext|>"}],
+]
+
+
+@pytest.mark.parametrize("chat", CHATS)
+def test_same_ids_as_the_tokenizer(model, chat) -> None:
+    text = model.chat_template.render(chat)
+    fast = PromptTokenizer(model.tokenizer)
+    expected = model.tokenizer.encode(text, add_special_tokens=False).ids
+    assert fast.encode(text) == expected
+    assert fast.encode(text) == expected  # and again, from the cache
+
+
+def test_a_next_turn_tokenizes_only_what_is_new(model) -> None:
+    fast = PromptTokenizer(model.tokenizer)
+    turn1 = [{"role": "user", "content": "a long question " * 200}]
+    fast.encode(model.chat_template.render(turn1))
+    misses = fast.misses
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": "an answer"},
+        {"role": "user", "content": "more"},
+    ]
+    text = model.chat_template.render(turn2)
+    assert fast.encode(text) == model.tokenizer.encode(text, add_special_tokens=False).ids
+    assert fast.misses - misses <= 3  # the new messages' segments, not the long one
+
+
+def test_the_cache_stays_within_its_token_budget(model) -> None:
+    fast = PromptTokenizer(model.tokenizer, cache_tokens=50)
+    for i in range(20):
+        fast.encode(f"<|im_start|>user\nmessage number {i} with some words<|im_end|>")
+    assert fast._cached_tokens <= 50
