@@ -20,6 +20,7 @@ from services.router.openai_api import ApiError
 from services.router.policies import RouteRequest, RoutingPolicy
 from services.router.registry import WorkerRecord, WorkerRegistry
 from services.router.scoring import DecodeScore, choose_decode
+from services.router.tokens import PrefixHashes, Segments
 from shared.bus import Bus, BusError, subjects
 from shared.kvstore.hashing import block_hashes
 from shared.messages.generate import Cancel, GenerateTask, Sampling, TaskAck, TokenEvent
@@ -41,6 +42,7 @@ class Job:
     block_size: int = 0
     block_hashes: list[str] = field(default_factory=list)
     cached_blocks: dict[str, int] = field(default_factory=dict)  # location → leading blocks
+    segments: Segments = ()  # what the prompt was tokenized from (reuses earlier hashes)
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class Dispatcher:
         self.policy = policy
         self.limits = limits
         self.outstanding = Outstanding()
+        self.hash_cache = PrefixHashes()
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
 
     async def start(self) -> None:
@@ -217,7 +220,12 @@ class Dispatcher:
         bs = self.block_size(job.model)
         if not bs:
             return job
-        hashes = block_hashes(job.prompt_ids, bs, job.fingerprint, job.salt)
+        if job.segments:
+            hashes = self.hash_cache.hashes(
+                job.prompt_ids, job.segments, bs, job.fingerprint, job.salt
+            )
+        else:
+            hashes = block_hashes(job.prompt_ids, bs, job.fingerprint, job.salt)
         counts = await self.lookup(hashes)
         return replace(job, block_size=bs, block_hashes=hashes, cached_blocks=counts)
 

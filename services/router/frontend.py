@@ -27,7 +27,7 @@ from services.router.openai_api import (
     parse,
 )
 from services.router.settings import RouterSettings
-from services.router.tokens import PromptTokenizer
+from services.router.tokens import PromptTokenizer, Segments
 from shared.engine.loader import MODEL_NAMES, TextModel, load_text_model
 from shared.messages.generate import Sampling
 from shared.messages.kvevents import RETENTIONS
@@ -120,12 +120,14 @@ class Frontend:
                     self._models[name] = model
         return self._models[name]
 
-    async def _encode(self, model: str, text: str) -> list[int]:
-        """Token ids; a long text is tokenized on a thread, so other requests keep moving."""
+    async def _encode(self, model: str, text: str) -> tuple[list[int], Segments]:
+        """Token ids and their segments; a long text is tokenized on a thread, so other
+        requests keep moving."""
         tokenizer = self._tokenizers[model]
         if len(text) < LONG_TEXT_CHARS:
-            return tokenizer.encode(text)
-        return await asyncio.get_running_loop().run_in_executor(None, tokenizer.encode, text)
+            return tokenizer.encode_segments(text)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, tokenizer.encode_segments, text)
 
     async def prepare(
         self, body: bytes, chat: bool, rid: str, kv: KvOptions = KvOptions()
@@ -140,21 +142,21 @@ class Frontend:
         config = text.config
         if isinstance(req, ChatRequest):
             rendered = text.chat_template.render(chat_messages(req))
-            ids = await self._encode(req.model, rendered)
+            ids, segments = await self._encode(req.model, rendered)
             prompt_field = "messages"
             max_tokens = req.max_completion_tokens or req.max_tokens
             max_field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         else:
             prompt = completion_prompt(req)
             if isinstance(prompt, str):
-                ids = await self._encode(req.model, prompt)
+                ids, segments = await self._encode(req.model, prompt)
             else:
                 bad = next((t for t in prompt if not 0 <= t < config.vocab_size), None)
                 if bad is not None:
                     raise ApiError(
                         400, f"prompt: token id {bad} is outside the vocabulary", param="prompt"
                     )
-                ids = list(prompt)
+                ids, segments = list(prompt), ()
             prompt_field, max_tokens, max_field = "prompt", req.max_tokens, "max_tokens"
         if not ids:
             raise ApiError(400, f"{prompt_field}: the prompt is empty", param=prompt_field)
@@ -186,6 +188,7 @@ class Frontend:
             retention=kv.retention,
             salt=kv.tenant,
             fingerprint=config.fingerprint,
+            segments=segments,
         )
         prefix = "chatcmpl" if chat else "cmpl"
         return Prepared(

@@ -15,6 +15,10 @@ from collections import OrderedDict
 
 from tokenizers import Tokenizer
 
+from shared.kvstore.hashing import block_hashes
+
+Segments = tuple[tuple[str, int], ...]
+
 
 class PromptTokenizer:
     def __init__(self, tokenizer: Tokenizer, cache_tokens: int = 4_000_000) -> None:
@@ -38,15 +42,24 @@ class PromptTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """The same ids as ``tokenizer.encode(text, add_special_tokens=False).ids``."""
+        return self.encode_segments(text)[0]
+
+    def encode_segments(self, text: str) -> tuple[list[int], Segments]:
+        """The ids, and the segments they came from: (text, number of ids) in order."""
         if self._split is None:
-            return self._segment(text)
+            ids = self._segment(text)
+            return list(ids), ((text, len(ids)),)
         ids: list[int] = []
+        segments = []
         for i, part in enumerate(self._split.split(text)):
             if i % 2:
                 ids.append(self.special_ids[part])
+                segments.append((part, 1))
             elif part:
-                ids.extend(self._segment(part))
-        return ids
+                seg = self._segment(part)
+                ids.extend(seg)
+                segments.append((part, len(seg)))
+        return ids, tuple(segments)
 
     def _segment(self, text: str) -> list[int]:
         with self._lock:
@@ -65,3 +78,40 @@ class PromptTokenizer:
                     _, gone = self._cache.popitem(last=False)
                     self._cached_tokens -= len(gone)
         return ids
+
+
+KEY_SEGMENTS = 6
+
+
+class PrefixHashes:
+    """Block hashes of recent prompts, remembered with their segments: a prompt that starts
+    with the same segments as an earlier one (the next turn of a conversation) has the same
+    tokens there, so the hashes of the full blocks inside them are reused and only the new
+    blocks are hashed."""
+
+    def __init__(self, max_prompts: int = 4096) -> None:
+        self.max_prompts = max_prompts
+        self._recent: OrderedDict[tuple, tuple[Segments, list[str]]] = OrderedDict()
+
+    def hashes(
+        self, ids: list[int], segments: Segments, block_size: int, fingerprint: str, salt: str
+    ) -> list[str]:
+        # A conversation is known by its opening: through its first user message in a chat
+        # (system prompt, then the user's first words), the whole text otherwise.
+        key = (fingerprint, block_size, salt, segments[:KEY_SEGMENTS])
+        known: list[str] = []
+        entry = self._recent.get(key)
+        if entry is not None:
+            old_segments, old_hashes = entry
+            shared = 0
+            for new, old in zip(segments, old_segments, strict=False):
+                if new != old:  # text compared by content
+                    break
+                shared += new[1]
+            known = old_hashes[: min(len(old_hashes), shared // block_size)]
+        hashes = block_hashes(ids, block_size, fingerprint, salt, known=known)
+        self._recent[key] = (segments, hashes)
+        self._recent.move_to_end(key)
+        while len(self._recent) > self.max_prompts:
+            self._recent.popitem(last=False)
+        return hashes

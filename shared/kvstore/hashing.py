@@ -21,21 +21,29 @@ def block_hashes(
     fingerprint: str,
     salt: str = "",
     extra_keys: Sequence[str] = (),
+    known: Sequence[str] = (),
 ) -> list[str]:
-    """Hex hashes of the full blocks of ``token_ids`` (a trailing partial block has none)."""
+    """Hex hashes of the full blocks of ``token_ids`` (a trailing partial block has none).
+
+    ``known``: hashes already computed for a leading run of these blocks (the same tokens);
+    the chain goes on from the last of them."""
     assert block_size > 0
-    seed = hashlib.blake2b(digest_size=DIGEST_BYTES)
-    # The block size is part of the identity: blocks of another size never match.
-    for key in (fingerprint, str(block_size), salt, *extra_keys):
-        seed.update(key.encode())
-        seed.update(b"\x00")
-    prev = seed.digest()
-    n_full = len(token_ids) // block_size
-    data = memoryview(struct.pack(f"<{n_full * block_size}i", *token_ids[: n_full * block_size]))
+    if known:
+        prev = bytes.fromhex(known[-1])
+    else:
+        seed = hashlib.blake2b(digest_size=DIGEST_BYTES)
+        # The block size is part of the identity: blocks of another size never match.
+        for key in (fingerprint, str(block_size), salt, *extra_keys):
+            seed.update(key.encode())
+            seed.update(b"\x00")
+        prev = seed.digest()
+    first, n_full = len(known), len(token_ids) // block_size
+    todo = token_ids[first * block_size : n_full * block_size]
+    data = memoryview(struct.pack(f"<{len(todo)}i", *todo))
     step = block_size * 4  # bytes of one block's int32 token ids
-    hashes = []
+    hashes = list(known)
     blake2b = hashlib.blake2b
-    for start in range(0, n_full * step, step):
+    for start in range(0, len(data), step):
         h = blake2b(prev, digest_size=DIGEST_BYTES)
         h.update(data[start : start + step])
         prev = h.digest()

@@ -56,3 +56,24 @@ def test_the_cache_stays_within_its_token_budget(model) -> None:
     for i in range(20):
         fast.encode(f"<|im_start|>user\nmessage number {i} with some words<|im_end|>")
     assert fast._cached_tokens <= 50
+
+
+def test_a_next_turn_reuses_the_hashes_of_its_shared_blocks(model) -> None:
+    from services.router.tokens import PrefixHashes
+    from shared.kvstore.hashing import block_hashes
+
+    fast, cache = PromptTokenizer(model.tokenizer), PrefixHashes()
+    turn1 = [{"role": "user", "content": "a long question " * 300}]
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": "an answer"},
+        {"role": "user", "content": "?"},
+    ]
+    for chat, salt in ((turn1, ""), (turn2, ""), (turn2, "other tenant")):
+        ids, segments = fast.encode_segments(model.chat_template.render(chat))
+        got = cache.hashes(ids, segments, 64, "fp", salt)
+        assert got == block_hashes(ids, 64, "fp", salt)  # reused or not, always exact
+    # A different first message shares nothing, and still hashes right.
+    other = [{"role": "user", "content": "another question " * 300}]
+    ids, segments = fast.encode_segments(model.chat_template.render(other))
+    assert cache.hashes(ids, segments, 64, "fp", "") == block_hashes(ids, 64, "fp", "")
