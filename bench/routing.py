@@ -161,7 +161,8 @@ def main() -> None:
     decision = decision_latency()
 
     print(
-        f"Mooncake synthetic trace: {len(requests)} requests; infinite-cache hit ratio {infinite:.4f}"
+        f"Mooncake synthetic trace: {len(requests)} requests; "
+        f"infinite-cache hit ratio {infinite:.4f}"
     )
     for n, summaries in sizes.items():
         print(f"\n{n} prefill + {n} decode workers, 80% utilisation")
