@@ -61,22 +61,19 @@ class RoutingPolicy(ABC):
         w = self.workers.get(service_id)
         if w is None:
             w = self.workers[service_id] = PrefillWorkerState.fresh(service_id, self.defaults)
-        if not w.prefill_tok_s.observed or not w.load_tok_s.observed:
-            self._pool_prior(w)
         return w
 
-    def _pool_prior(self, w: PrefillWorkerState) -> None:
-        """A worker not yet measured is assumed as fast as the pool's measured ones (a
-        pessimistic default would keep it from ever being tried)."""
+    def pool_prior(self, states: list[PrefillWorkerState]) -> None:
+        """Workers not yet measured are assumed as fast as the measured ones (a pessimistic
+        default would keep them from ever being tried)."""
         for attr in ("prefill_tok_s", "load_tok_s"):
-            mine = getattr(w, attr)
-            if mine.observed:
-                continue
-            seen = [
-                getattr(o, attr).value for o in self.workers.values() if getattr(o, attr).observed
-            ]
-            if seen:
-                mine.value = sum(seen) / len(seen)
+            rates = [getattr(w, attr) for w in states]
+            seen = [r.value for r in rates if r.observed]
+            if seen and len(seen) < len(rates):
+                mean = sum(seen) / len(seen)
+                for r in rates:
+                    if not r.observed:
+                        r.value = mean
 
     @abstractmethod
     def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
@@ -160,6 +157,7 @@ class Ttft(RoutingPolicy):
     name = "ttft"
 
     def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
+        self.pool_prior([self.state(s) for s in candidates])
         scores = [
             score_prefill(
                 self.state(s),
