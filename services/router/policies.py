@@ -184,7 +184,12 @@ class Ttft(RoutingPolicy):
             work = x.uncached_tokens / pool_prefill + x.storage_tokens / pool_load
             return x.ttft_s + lam * work
 
-        scores.sort(key=lambda x: (x.over_bound, cost(x), x.service_id))
+        # Ties (nothing cached anywhere, all idle: a new conversation) go to the worker whose
+        # memory tier has been given the least, so conversations spread over the tiers.
+        routed = {s: self.state(s).blocks_routed for s in candidates}
+        scores.sort(
+            key=lambda x: (x.over_bound, round(cost(x), 9), routed[x.service_id], x.service_id)
+        )
         return [Ranked(x.service_id, {**x.explain(), "cost_s": round(cost(x), 6)}) for x in scores]
 
 

@@ -56,6 +56,7 @@ class PrefillWorkerState:
     load_tok_s: Ewma
     queued_s: float = 0.0  # estimated work of requests sent to it, not yet first-tokened
     reported_tokens: int = 0  # uncached tokens queued there, from its last heartbeat
+    blocks_routed: int = 0  # blocks of all requests sent to it (how full its cache runs)
     inflight: int = 0
     pending: Counter[str] = field(default_factory=Counter)  # block → requests bringing it
 
@@ -84,6 +85,7 @@ class PrefillWorkerState:
         self.inflight += 1
         self.queued_s += work_s
         self.pending.update(hashes)
+        self.blocks_routed += len(hashes)
 
     def prefilled(
         self,
