@@ -38,6 +38,7 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 RETENTION_HEADER = "x-kvmesh-retention"
 TENANT_HEADER = "x-kvmesh-tenant"
+EXPLAIN_HEADER = "x-kvmesh-explain"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class KvOptions:
 
     retention: str = "chat"
     tenant: str = ""
+    explain: bool = False  # every candidate's routing terms in the response, not the best few
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str]) -> KvOptions:
@@ -59,7 +61,7 @@ class KvOptions:
         tenant = headers.get(TENANT_HEADER, "")
         if len(tenant) > 256:
             raise ApiError(400, f"{TENANT_HEADER}: at most 256 characters", param=TENANT_HEADER)
-        return cls(retention, tenant)
+        return cls(retention, tenant, headers.get(EXPLAIN_HEADER, "") == "all")
 
 
 def request_id(header: str | None) -> str:
@@ -199,6 +201,7 @@ class Frontend:
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             usage=Usage(prompt_tokens=len(ids)),
+            timing=Timing(explain_all=kv.explain),
         )
 
     def deltas(self, p: Prepared) -> AsyncIterator[Delta]:

@@ -12,6 +12,8 @@ from services.router.detokenizer import Detokenizer
 from services.router.dispatch import Dispatcher, Job
 from services.router.openai_api import ApiError, Usage
 
+EXPLAINED = 4  # candidates listed in a response (all with the header x-kvmesh-explain: all)
+
 
 @dataclass
 class Timing:
@@ -24,6 +26,7 @@ class Timing:
     workers: list[str] = field(default_factory=list)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     route: dict = field(default_factory=dict)  # the routing decision, with each candidate's terms
+    explain_all: bool = False  # else only the best EXPLAINED candidates are listed
 
     @property
     def engine_ms(self) -> float:
@@ -38,7 +41,17 @@ class Timing:
             "kv_transfer_ms": round(self.kv_transfer_ms, 3),
             "workers": self.workers,
             "cached_tokens_by_tier": self.cached_tokens_by_tier,
-            "route": self.route,
+            "route": self._route(),
+        }
+
+    def _route(self) -> dict:
+        candidates = self.route.get("candidates", [])
+        if self.explain_all or len(candidates) <= EXPLAINED:
+            return self.route
+        return {
+            **self.route,
+            "candidates": candidates[:EXPLAINED],
+            "others": len(candidates) - EXPLAINED,
         }
 
 

@@ -68,3 +68,13 @@ def test_a_repeated_conversation_goes_where_its_prefix_is(stack: dict) -> None:
     assert by_worker[home]["memory_tokens"] >= 512 and by_worker[other]["memory_tokens"] == 0
     assert by_worker[home]["ttft_s"] <= by_worker[other]["ttft_s"]
     assert resp.usage.prompt_tokens_details.cached_tokens >= 512
+
+
+def test_every_candidate_is_explained_on_request(stack: dict) -> None:
+    client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0)
+    r = client.completions.create(
+        model="tiny", prompt=[5] * 100, max_tokens=1, extra_headers={"x-kvmesh-explain": "all"}
+    )
+    route = r.model_extra["kvmesh"]["route"]
+    assert {c["worker"] for c in route["candidates"]} == {"prefill-l0", "prefill-l1"}
+    assert "others" not in route
