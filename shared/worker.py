@@ -17,6 +17,7 @@ from shared.engine.blocks import PoolExhausted
 from shared.engine.engine import EngineOptions, Prefix, TorchEngine
 from shared.engine.kvformat import DTYPES, BadBlock
 from shared.engine.loader import MODEL_NAMES, load_model
+from shared.engine.sequence import StepOutput
 from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
 from shared.kvstore.tiers import CachedPrefix, KvTiers
@@ -179,6 +180,30 @@ class WorkerService(Service):
 
     async def on_cancel(self, cancel: Cancel) -> None:
         """Drop the request if this worker holds it."""
+
+    def first_token_event(
+        self, rid: str, out: StepOutput, cached: CachedPrefix, prefill_s: float
+    ) -> TokenEvent:
+        """The event of a prompt's first token, with the reuse and compute figures."""
+        bs = self.engine.block_size
+        return TokenEvent(
+            request_id=rid,
+            index=0,
+            token_ids=[out.token_id],
+            finish_reason=out.finish_reason,
+            stop_string=out.stop_string,
+            cached_tokens=len(cached.blobs) * bs,
+            cached_by_tier=cached.tokens_by_tier(bs),
+            prefill_s=prefill_s,
+            worker_id=self.service_id,
+        )
+
+    def error_event(self, rid: str, message: str, code: str) -> TokenEvent:
+        """A request failed here before its first token (``code`` tells the router whether
+        another worker may try)."""
+        return TokenEvent(
+            request_id=rid, index=0, error=message, error_code=code, worker_id=self.service_id
+        )
 
     async def send(self, subject: str, event: TokenEvent) -> None:
         assert self.bus is not None

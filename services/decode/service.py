@@ -117,7 +117,7 @@ class DecodeService(WorkerService):
         except (PoolExhausted, ValueError) as err:
             self.active.pop(rid, None)
             code = "busy" if isinstance(err, PoolExhausted) else "internal"
-            await self.send(task.reply_subject, self._error(rid, str(err), code))
+            await self.send(task.reply_subject, self.error_event(rid, str(err), code))
             return
         finally:
             self.pending -= 1
@@ -126,20 +126,8 @@ class DecodeService(WorkerService):
         if active.cancelled:
             await self.runner.call(self.engine.abort, rid)
             return
-        bs = self.engine.block_size
-        event = TokenEvent(
-            request_id=rid,
-            index=0,
-            token_ids=[out.token_id],
-            finish_reason=out.finish_reason,
-            stop_string=out.stop_string,
-            cached_tokens=len(cached.blobs) * bs,
-            cached_by_tier=cached.tokens_by_tier(bs),
-            prefill_s=took,
-            worker_id=self.service_id,
-        )
-        await self.send(task.reply_subject, event)
-        n_full = len(task.token_ids) // bs
+        await self.send(task.reply_subject, self.first_token_event(rid, out, cached, took))
+        n_full = len(task.token_ids) // self.engine.block_size
         new = await self.runner.call(
             self.engine.export_blocks, rid, len(cached.blobs), n_full, self.store_dtype
         )
@@ -218,11 +206,6 @@ class DecodeService(WorkerService):
             await previous  # a request's events stay in order
         for subject, event in events:
             await self.send(subject, event)
-
-    def _error(self, rid: str, message: str, code: str) -> TokenEvent:
-        return TokenEvent(
-            request_id=rid, index=0, error=message, error_code=code, worker_id=self.service_id
-        )
 
 
 class KvReceiver(kv_pb2_grpc.KvHandoffServicer):

@@ -18,7 +18,7 @@ from shared.engine.blocks import PoolExhausted
 from shared.engine.engine import Cancelled, PrefillRequest, Prefix
 from shared.engine.sequence import StepOutput
 from shared.kvstore.tiers import CachedPrefix
-from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck, TokenEvent
+from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.settings import CommonSettings
@@ -160,7 +160,7 @@ class PrefillService(WorkerService):
         else:
             log.error("prefill of %s failed", rid, exc_info=err)
             code = "internal"
-        await self.send(task.reply_subject, self._error(rid, str(err), code))
+        await self.send(task.reply_subject, self.error_event(rid, str(err), code))
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self.channels:
@@ -198,18 +198,7 @@ class PrefillService(WorkerService):
                     await self._report(task, out)
                     continue
                 hit = cached[rid]
-                first = TokenEvent(
-                    request_id=rid,
-                    index=0,
-                    token_ids=[out.token_id],
-                    finish_reason=out.finish_reason,
-                    stop_string=out.stop_string,
-                    cached_tokens=len(hit.blobs) * self.engine.block_size,
-                    cached_by_tier=hit.tokens_by_tier(self.engine.block_size),
-                    prefill_s=took,
-                    worker_id=self.service_id,
-                )
-                await self.send(task.reply_subject, first)
+                await self.send(task.reply_subject, self.first_token_event(rid, out, hit, took))
                 handoff = not out.finish_reason  # else a one-token answer: nothing to ship
                 blob, state, new = await self.runner.call(
                     self._export, rid, len(hit.blobs), handoff
@@ -317,8 +306,3 @@ class PrefillService(WorkerService):
         state = base64.b64encode(seq.generator_state).decode()
         self.engine.free(rid)
         return blob, state, new
-
-    def _error(self, rid: str, message: str, code: str) -> TokenEvent:
-        return TokenEvent(
-            request_id=rid, index=0, error=message, error_code=code, worker_id=self.service_id
-        )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from services.router.openai_api import ApiError
 from services.router.policies import RouteRequest, RoutingPolicy
 from services.router.registry import WorkerRecord, WorkerRegistry
-from services.router.scoring import DecodeScore, choose_decode
+from services.router.scoring import DecodeScore, rank_decode
 from services.router.tokens import PrefixHashes, Segments
 from shared.bus import Bus, BusError, subjects
 from shared.kvstore.hashing import block_hashes
@@ -230,7 +230,7 @@ class Dispatcher:
         return replace(job, block_size=bs, block_hashes=hashes, cached_blocks=counts)
 
     def _rank_decode(self, job: Job, excluded: set[str]) -> list[WorkerRecord]:
-        """Decode workers with room for the prompt and the whole answer, fewest active first."""
+        """Decode workers with KV room, those with room for the whole answer first."""
         records = {w.service_id: w for w in self._candidates("decode", job.model, excluded)}
         bs = max(1, job.block_size or 64)
         needed = -(-(len(job.prompt_ids) + job.sampling.max_tokens) // bs)
@@ -241,14 +241,7 @@ class Dispatcher:
             scores.append(
                 DecodeScore(w.service_id, load.kv_blocks_total - load.kv_blocks_used, active)
             )
-        ranked = []
-        while scores:
-            best = choose_decode(scores, needed) or choose_decode(scores, 1)
-            if best is None:
-                break
-            ranked.append(records[best.service_id])
-            scores.remove(best)
-        return ranked
+        return [records[s.service_id] for s in rank_decode(scores, needed)]
 
     async def _send(self, job: Job, excluded: set[str], attempt: Attempt) -> None:
         """Queue the task on the best worker that takes it; fills ``attempt`` (its workers are

@@ -204,10 +204,22 @@ class DecodeScore:
         return self.headroom_blocks > 0
 
 
+def rank_decode(scores: list[DecodeScore], needed_blocks: int) -> list[DecodeScore]:
+    """Workers with any KV room: those with room for the whole answer first; within each
+    group the fewest active sequences, then the most headroom."""
+    room = [s for s in scores if s.headroom_blocks > 0]
+    return sorted(
+        room,
+        key=lambda s: (
+            s.headroom_blocks < needed_blocks,
+            s.active,
+            -s.headroom_blocks,
+            s.service_id,
+        ),
+    )
+
+
 def choose_decode(scores: list[DecodeScore], needed_blocks: int) -> DecodeScore | None:
-    """Among workers with room for the whole answer, the fewest active sequences (then the
-    most headroom); None when none has room."""
-    room = [s for s in scores if s.headroom_blocks >= needed_blocks]
-    if not room:
-        return None
-    return min(room, key=lambda s: (s.active, -s.headroom_blocks, s.service_id))
+    """The best worker with room for the whole answer; None when none has room."""
+    ranked = rank_decode(scores, needed_blocks)
+    return ranked[0] if ranked and ranked[0].headroom_blocks >= needed_blocks else None
