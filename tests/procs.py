@@ -85,6 +85,14 @@ def start_service(role: str, env: dict[str, str], log_dir: Path, name: str = "")
     return Proc([sys.executable, "-m", f"services.{role}"], env, log_dir / f"{name}.log")
 
 
+def start_services(ids: tuple[str, ...], env: dict[str, str], log_dir: Path) -> dict[str, Proc]:
+    """One process per service id ("<role>-<name>"), each with that id and its own log."""
+    return {
+        sid: start_service(sid.split("-")[0], {**env, "KVMESH_SERVICE_ID": sid}, log_dir, sid)
+        for sid in ids
+    }
+
+
 def get_json(url: str, timeout_s: float = 5) -> tuple[int, dict]:
     """GET a URL; returns (status, JSON body) for 2xx and error statuses alike."""
     try:

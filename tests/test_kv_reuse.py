@@ -19,7 +19,7 @@ from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
 from shared.messages.kvevents import STORE, LookupReply, LookupRequest
 from shared.natsserver import NatsServer
-from tests.procs import Proc, free_port, service_env, start_service, wait_until
+from tests.procs import Proc, free_port, service_env, start_service, start_services, wait_until
 from tests.test_request_path import workers_ready
 
 BLOCK = 64
@@ -39,10 +39,7 @@ def start_stack(nats_url: str, tmp: Path, **extra: str) -> tuple[str, dict[str, 
         KVMESH_DECODE_MEMORY_TIER_BYTES="0",
         **extra,
     )
-    procs = {
-        sid: start_service(sid.split("-")[0], {**env, "KVMESH_SERVICE_ID": sid}, tmp, sid)
-        for sid in ("cachemeta-0", "router-0", "prefill-0", "decode-0")
-    }
+    procs = start_services(("cachemeta-0", "router-0", "prefill-0", "decode-0"), env, tmp)
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: workers_ready(url) == 2, 60, what="workers ready")
     return url, procs, env

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from shared.natsserver import NatsServer
-from tests.procs import Proc, free_port, service_env, start_service, wait_until
+from tests.procs import free_port, service_env, start_services, wait_until
 from tests.test_request_path import workers_ready
 
 REAL = "smollm2-135m-instruct"
@@ -33,10 +33,8 @@ def real_stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
         KVMESH_DECODE_MODEL=REAL,
         KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",  # the KV moves, as for any real prompt
     )
-    procs: dict[str, Proc] = {
-        sid: start_service(sid.split("-")[0], {**env, "KVMESH_SERVICE_ID": sid}, tmp, sid)
-        for sid in ("cachemeta-r", "router-r", "prefill-r0", "prefill-r1", "decode-r")
-    }
+    ids = ("cachemeta-r", "router-r", "prefill-r0", "prefill-r1", "decode-r")
+    procs = start_services(ids, env, tmp)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: workers_ready(url) == 3, 120, what="real-model workers ready")

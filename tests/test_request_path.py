@@ -21,7 +21,14 @@ from shared.engine.loader import load_model
 from shared.engine.sampling import SamplingParams
 from shared.natsserver import NatsServer
 from shared.proto import api_pb2, api_pb2_grpc
-from tests.procs import Proc, free_port, get_json, service_env, start_service, wait_until
+from tests.procs import (
+    free_port,
+    get_json,
+    service_env,
+    start_service,
+    start_services,
+    wait_until,
+)
 
 LOCAL_MAX = 16  # prompts of at most this many tokens are prefilled on decode
 
@@ -37,9 +44,7 @@ def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> 
         KVMESH_ROUTER_GRPC_PORT=str(grpc_port),
         KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS=str(LOCAL_MAX),
     )
-    procs: dict[str, Proc] = {}
-    for sid in ("router-0", "prefill-0", "prefill-1", "decode-0", "decode-1"):
-        procs[sid] = start_service(sid.split("-")[0], {**env, "KVMESH_SERVICE_ID": sid}, tmp, sid)
+    procs = start_services(("router-0", "prefill-0", "prefill-1", "decode-0", "decode-1"), env, tmp)
     url = f"http://127.0.0.1:{port}"
 
     wait_until(lambda: workers_ready(url) == 4, 60, what="2 prefill and 2 decode workers ready")

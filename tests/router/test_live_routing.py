@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from shared.natsserver import NatsServer
-from tests.procs import Proc, free_port, service_env, start_service, wait_until
+from tests.procs import free_port, service_env, start_services, wait_until
 from tests.test_kv_reuse import hashes_of, lookup
 from tests.test_request_path import workers_ready
 
@@ -24,16 +24,14 @@ def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> 
         KVMESH_ROUTER_HTTP_PORT=str(port),
         KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",
     )
-    procs: list[Proc] = [
-        start_service(sid.split("-")[0], {**env, "KVMESH_SERVICE_ID": sid}, tmp, sid)
-        for sid in ("cachemeta-l", "router-l", "prefill-l0", "prefill-l1", "decode-l")
-    ]
+    ids = ("cachemeta-l", "router-l", "prefill-l0", "prefill-l1", "decode-l")
+    procs = start_services(ids, env, tmp)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: workers_ready(url) == 3, 60, what="workers ready")
         yield {"url": url, "nats": nats_server.url, "dir": tmp}
     finally:
-        for proc in procs:
+        for proc in procs.values():
             proc.stop()
 
 
