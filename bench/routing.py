@@ -35,7 +35,7 @@ from services.router.simulator import (  # noqa: E402
 )
 from services.router.tokens import PrefixHashes  # noqa: E402
 from services.router.traces import TraceRequest, read_trace  # noqa: E402
-from shared.kvstore.hashing import block_hashes  # noqa: E402
+from shared.kvstore.hashing import block_hashes, pack_tokens, packed_block_hashes  # noqa: E402
 from shared.messages.kvevents import STORE, KvEvent, memory_location  # noqa: E402
 
 TRACE = (
@@ -102,10 +102,12 @@ def decision_latency(n_workers: int = 64, n_blocks: int = 1_000_000, rounds: int
     gc.collect()
     gc.freeze()
     times, parts = [], {"hash": [], "lookup": [], "rank": []}
+    # Tokenizing packs each segment's ids as hashing reads them (services/router/tokens.py).
+    packed = [pack_tokens(toks) for toks in tokens]
     for r in range(rounds):
         toks = tokens[(r * 37) % len(tokens)]
         t0 = time.perf_counter()
-        hashes = block_hashes(toks, 64, "fingerprint")
+        hashes = packed_block_hashes(packed[(r * 37) % len(tokens)], 64, "fingerprint")
         t1 = time.perf_counter()
         counts = index.lookup(hashes, 1.0, touch=False)
         t2 = time.perf_counter()
@@ -126,11 +128,15 @@ def decision_latency(n_workers: int = 64, n_blocks: int = 1_000_000, rounds: int
         c = (r * 37) % len(tokens)
         old = tokens[c][: per * 64 - 64]
         # As a chat's: special tokens and the opening messages first, then the long history.
-        segments = (*((f"c{c} opening {j}", 1) for j in range(5)), (f"c{c} body", len(old) - 5))
-        cache.hashes(old, segments, 64, "fingerprint", "")
-        toks = old + [(r * 31 + i) % 40000 for i in range(64)]
+        segments = (
+            *((f"c{c} opening {j}", pack_tokens(old[j : j + 1])) for j in range(5)),
+            (f"c{c} body", pack_tokens(old[5:])),
+        )
+        cache.hashes(segments, 64, "fingerprint", "")
+        turn = [(r * 31 + i) % 40000 for i in range(64)]
+        toks = old + turn
         t0 = time.perf_counter()
-        hashes = cache.hashes(toks, (*segments, (f"turn {r}", 64)), 64, "fingerprint", "")
+        hashes = cache.hashes((*segments, (f"turn {r}", pack_tokens(turn))), 64, "fingerprint", "")
         counts = index.lookup(hashes, 1.0, touch=False)
         route = RouteRequest(f"w{r}", len(toks), 64, hashes, counts)
         best = policy.rank(route, workers)[0].service_id

@@ -94,24 +94,26 @@ class BlockIndex:
         marked used now (they are about to be read), unless the caller does that later with
         ``touch`` (off the lookup's latency)."""
         counts: dict[str, int] = {}
-        alive: frozenset[str] = frozenset()
-        found: list[tuple[str, Entry]] = []
-        for h, entry in zip(hashes, map(self.entries.get, hashes), strict=True):
+        alive: frozenset[str] | None = None  # locations holding every block so far
+        n = 0
+        for entry in map(self.entries.get, hashes):
             if entry is None or now > entry.expires_at:
                 break
-            if not found:
-                alive = entry.locations
-            elif entry.locations is not alive and not entry.locations >= alive:
-                for gone in alive - entry.locations:  # a location's run ends here
-                    counts[gone] = len(found)
-                alive = alive & entry.locations
-                if not alive:
-                    break
-            found.append((h, entry))
-        for location in alive:
-            counts[location] = len(found)
+            held = entry.locations
+            if held is not alive:  # interned: the same set is the same object
+                if alive is None:
+                    alive = held
+                elif not held >= alive:
+                    for gone in alive - held:  # a location's run ends here
+                        counts[gone] = n
+                    alive = alive & held
+                    if not alive:
+                        break
+            n += 1
+        for location in alive or ():
+            counts[location] = n
         if touch:
-            self.touch([h for h, _ in found], now)
+            self.touch(hashes[:n], now)
         return counts
 
     def touch(self, hashes: list[str], now: float) -> None:

@@ -221,9 +221,7 @@ class Dispatcher:
         if not bs:
             return job
         if job.segments:
-            hashes = self.hash_cache.hashes(
-                job.prompt_ids, job.segments, bs, job.fingerprint, job.salt
-            )
+            hashes = self.hash_cache.hashes(job.segments, bs, job.fingerprint, job.salt)
         else:
             hashes = block_hashes(job.prompt_ids, bs, job.fingerprint, job.salt)
         counts = await self.lookup(hashes)
@@ -272,7 +270,7 @@ class Dispatcher:
             plan = [(records[r.service_id], decodes[0]) for r in ranked]
             attempt.decision = {
                 "policy": self.policy.name,
-                "candidates": [{"worker": r.service_id, **r.terms} for r in ranked],
+                "candidates": ranked,  # terms are built when the decision is shown
             }
         busy = 0
         for worker, decode in plan:

@@ -45,14 +45,15 @@ class Timing:
         }
 
     def _route(self) -> dict:
-        candidates = self.route.get("candidates", [])
-        if self.explain_all or len(candidates) <= EXPLAINED:
+        """The decision with its candidates' terms (built here: only those shown)."""
+        ranked = self.route.get("candidates")
+        if ranked is None:
             return self.route
-        return {
-            **self.route,
-            "candidates": candidates[:EXPLAINED],
-            "others": len(candidates) - EXPLAINED,
-        }
+        shown = ranked if self.explain_all else ranked[:EXPLAINED]
+        out = {**self.route, "candidates": [{"worker": r.service_id, **r.terms} for r in shown]}
+        if len(shown) < len(ranked):
+            out["others"] = len(ranked) - len(shown)
+        return out
 
 
 @dataclass

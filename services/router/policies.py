@@ -12,14 +12,14 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from services.router.scoring import (
     CostDefaults,
-    PrefillScore,
     PrefillWorkerState,
-    bounded,
+    rank_prefill,
     score_prefill,
 )
 from shared.messages.kvevents import STORE, memory_location
@@ -43,10 +43,24 @@ class RouteRequest:
         return self.counts.get(STORE, 0)
 
 
-@dataclass(frozen=True)
 class Ranked:
-    service_id: str
-    terms: dict  # why it ranks where it does
+    """A candidate's place, with the terms that put it there: a dict, or a function that
+    makes one (most decisions are never shown, so most terms are never built)."""
+
+    __slots__ = ("service_id", "_terms")
+
+    def __init__(self, service_id: str, terms: dict | Callable[[], dict]) -> None:
+        self.service_id = service_id
+        self._terms = terms
+
+    @property
+    def terms(self) -> dict:
+        if callable(self._terms):
+            self._terms = self._terms()
+        return self._terms
+
+    def __repr__(self) -> str:
+        return f"Ranked({self.service_id!r})"
 
 
 class RoutingPolicy(ABC):
@@ -157,40 +171,17 @@ class Ttft(RoutingPolicy):
     name = "ttft"
 
     def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
-        self.pool_prior([self.state(s) for s in candidates])
+        states = {s: self.state(s) for s in candidates}
+        self.pool_prior(list(states.values()))
         scores = [
             score_prefill(
-                self.state(s),
-                req.n_prompt,
-                req.hashes,
-                req.block_size,
-                req.memory_blocks(s),
-                req.store_blocks,
+                w, req.n_prompt, req.hashes, req.block_size, req.memory_blocks(s), req.store_blocks
             )
-            for s in candidates
+            for s, w in states.items()
         ]
-        work = {s: self.state(s).queue_wait_s for s in candidates}
-        d = self.defaults
-        scores = bounded(scores, work, d.bounded_load_c, d.bounded_load_slack_s)
-        # The work a choice adds for later requests is valued at the pool's rates: it should
-        # tell cached from uncached, not a worker measured a little faster from a slower one
-        # (that difference is in the TTFT term already; weighted it would starve the other).
-        states = [self.state(s) for s in candidates]
-        pool_prefill = sum(w.prefill_tok_s.value for w in states) / len(states)
-        pool_load = sum(w.load_tok_s.value for w in states) / len(states)
-        lam = d.externality
-
-        def cost(x: PrefillScore) -> float:
-            work = x.uncached_tokens / pool_prefill + x.storage_tokens / pool_load
-            return x.ttft_s + lam * work
-
-        # Ties (nothing cached anywhere, all idle: a new conversation) go to the worker whose
-        # memory tier has been given the least, so conversations spread over the tiers.
-        routed = {s: self.state(s).blocks_routed for s in candidates}
-        scores.sort(
-            key=lambda x: (x.over_bound, round(cost(x), 9), routed[x.service_id], x.service_id)
-        )
-        return [Ranked(x.service_id, {**x.explain(), "cost_s": round(cost(x), 6)}) for x in scores]
+        return [
+            Ranked(x.service_id, x.explain) for x in rank_prefill(scores, states, self.defaults)
+        ]
 
 
 class SglangCacheAware(RoutingPolicy):

@@ -16,7 +16,7 @@ so each decision can be explained.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -72,11 +72,12 @@ class PrefillWorkerState:
 
     def pending_prefix(self, hashes: list[str]) -> int:
         """Leading blocks of ``hashes`` that requests queued or running here will bring."""
-        n = 0
-        for h in hashes:
-            if not self.pending[h]:
-                break
-            n += 1
+        n, pending = 0, self.pending
+        if pending:
+            for h in hashes:
+                if not pending.get(h):
+                    break
+                n += 1
         return n
 
     # -- the router's bookkeeping ----------------------------------------------------------
@@ -109,7 +110,7 @@ class PrefillWorkerState:
             self.load_tok_s.observe(loaded_tokens / load_s)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PrefillScore:
     service_id: str
     memory_tokens: int  # free: in its memory tier, or brought there by requests ahead
@@ -118,7 +119,8 @@ class PrefillScore:
     queue_s: float
     compute_s: float
     load_s: float
-    over_bound: bool = False  # left out by bounded load
+    over_bound: bool = False  # left out by bounded load (set by ``bounded``)
+    cost_s: float = 0.0  # what the choice costs everyone (set by ``rank_prefill``)
 
     @property
     def ttft_s(self) -> float:
@@ -138,6 +140,7 @@ class PrefillScore:
             "compute_s": round(self.compute_s, 6),
             "load_s": round(self.load_s, 6),
             "ttft_s": round(self.ttft_s, 6),
+            "cost_s": round(self.cost_s, 6),
             "over_bound": self.over_bound,
         }
 
@@ -171,26 +174,53 @@ def score_prefill(
 def bounded(
     scores: list[PrefillScore], work: dict[str, float], c: float, slack_s: float = 0.0
 ) -> list[PrefillScore]:
-    """Scores with ``over_bound`` set where taking the request would put a worker above
+    """Marks ``over_bound`` on the scores where taking the request would put a worker above
     c × the mean in-flight work and more than ``slack_s`` above the mean (``work``: service
-    id → its in-flight work, seconds). The slack lets a few turns of one conversation queue
-    together on the worker that will hold their prefix."""
+    id → its in-flight work, seconds), and returns them. The slack lets a few turns of one
+    conversation queue together on the worker that will hold their prefix."""
     if not scores:
         return scores
     total = sum(work.get(s.service_id, 0.0) for s in scores)
-    out = []
     for s in scores:
         mean_after = (total + s.work_s) / len(scores)
         mine_after = work.get(s.service_id, 0.0) + s.work_s
-        over = mine_after > c * mean_after and mine_after - mean_after > slack_s
-        out.append(replace(s, over_bound=over) if over else s)
-    return out
+        s.over_bound = mine_after > c * mean_after and mine_after - mean_after > slack_s
+    return scores
 
 
-def choose_prefill(scores: list[PrefillScore]) -> PrefillScore:
-    """The lowest estimated TTFT among workers within the bound (all, if none is)."""
-    within = [s for s in scores if not s.over_bound] or scores
-    return min(within, key=lambda s: (s.ttft_s, s.service_id))
+def rank_prefill(
+    scores: list[PrefillScore], workers: dict[str, PrefillWorkerState], d: CostDefaults
+) -> list[PrefillScore]:
+    """The scores best first. Workers over the bound go last; the rest by cost: estimated
+    TTFT plus ``d.externality`` × the work the choice adds for the requests that queue after
+    it, valued at the pool's mean rates (it should tell cached from uncached, not a worker
+    measured a little faster from a slower one: that difference is in the TTFT term already,
+    and weighted it would starve the other). Ties (nothing cached anywhere, all idle: a new
+    conversation) go to the worker whose memory tier has been given the least, so
+    conversations spread over the tiers. Sets ``over_bound`` and ``cost_s``."""
+    if not scores:
+        return scores
+    states = [workers[s.service_id] for s in scores]
+    bounded(
+        scores,
+        {w.service_id: w.queue_wait_s for w in states},
+        d.bounded_load_c,
+        d.bounded_load_slack_s,
+    )
+    pool_prefill = sum(w.prefill_tok_s.value for w in states) / len(states)
+    pool_load = sum(w.load_tok_s.value for w in states) / len(states)
+    for s in scores:
+        added = s.uncached_tokens / pool_prefill + s.storage_tokens / pool_load
+        s.cost_s = s.ttft_s + d.externality * added
+    return sorted(
+        scores,
+        key=lambda s: (
+            s.over_bound,
+            round(s.cost_s, 9),
+            workers[s.service_id].blocks_routed,
+            s.service_id,
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ A tokenizer splits its input at special tokens before anything else, so a prompt
 the ids of each text segment between special tokens, joined by the special tokens' own ids.
 A chat prompt's segments are its messages: the next turn of a conversation repeats all but
 the newest, and only those get tokenized again. (Tokenizing a 77K-token conversation takes
-over 100 ms here; a cached turn takes about a millisecond.)
+over 100 ms here; a cached turn takes about a millisecond.) Each segment also keeps its ids
+packed as block hashing reads them, so hashing a long prompt does not pack it again.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from collections import OrderedDict
 
 from tokenizers import Tokenizer
 
-from shared.kvstore.hashing import block_hashes
+from shared.kvstore.hashing import pack_tokens, packed_block_hashes
 
-Segments = tuple[tuple[str, int], ...]
+# (text, its ids packed by pack_tokens) in prompt order
+Segments = tuple[tuple[str, bytes], ...]
 
 
 class PromptTokenizer:
@@ -27,6 +29,7 @@ class PromptTokenizer:
             t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
         }
         self.special_ids = specials
+        self._special_packed = {t: pack_tokens([i]) for t, i in specials.items()}
         self._split = (
             re.compile(
                 "(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")"
@@ -35,7 +38,7 @@ class PromptTokenizer:
             else None
         )
         self.cache_tokens = cache_tokens
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
         self._cached_tokens = 0
         self.hits = self.misses = 0
         self._lock = threading.Lock()  # encode may run on several threads
@@ -45,39 +48,40 @@ class PromptTokenizer:
         return self.encode_segments(text)[0]
 
     def encode_segments(self, text: str) -> tuple[list[int], Segments]:
-        """The ids, and the segments they came from: (text, number of ids) in order."""
+        """The ids, and the segments they came from: (text, its ids packed) in order."""
         if self._split is None:
-            ids = self._segment(text)
-            return list(ids), ((text, len(ids)),)
+            ids, packed = self._segment(text)
+            return list(ids), ((text, packed),)
         ids: list[int] = []
         segments = []
         for i, part in enumerate(self._split.split(text)):
             if i % 2:
                 ids.append(self.special_ids[part])
-                segments.append((part, 1))
+                segments.append((part, self._special_packed[part]))
             elif part:
-                seg = self._segment(part)
+                seg, packed = self._segment(part)
                 ids.extend(seg)
-                segments.append((part, len(seg)))
+                segments.append((part, packed))
         return ids, tuple(segments)
 
-    def _segment(self, text: str) -> list[int]:
+    def _segment(self, text: str) -> tuple[list[int], bytes]:
         with self._lock:
-            ids = self._cache.get(text)
-            if ids is not None:
+            entry = self._cache.get(text)
+            if entry is not None:
                 self._cache.move_to_end(text)
                 self.hits += 1
-                return ids
+                return entry
             self.misses += 1
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids  # the GIL is let go
+        entry = (ids, pack_tokens(ids))
         with self._lock:
             if len(ids) <= self.cache_tokens and text not in self._cache:
-                self._cache[text] = ids
+                self._cache[text] = entry
                 self._cached_tokens += len(ids)
                 while self._cached_tokens > self.cache_tokens:
-                    _, gone = self._cache.popitem(last=False)
+                    _, (gone, _) = self._cache.popitem(last=False)
                     self._cached_tokens -= len(gone)
-        return ids
+        return entry
 
 
 KEY_SEGMENTS = 6
@@ -93,9 +97,8 @@ class PrefixHashes:
         self.max_prompts = max_prompts
         self._recent: OrderedDict[tuple, tuple[Segments, list[str]]] = OrderedDict()
 
-    def hashes(
-        self, ids: list[int], segments: Segments, block_size: int, fingerprint: str, salt: str
-    ) -> list[str]:
+    def hashes(self, segments: Segments, block_size: int, fingerprint: str, salt: str) -> list[str]:
+        """The block hashes of the prompt made of ``segments``."""
         # A conversation is known by its opening: through its first user message in a chat
         # (system prompt, then the user's first words), the whole text otherwise.
         key = (fingerprint, block_size, salt, segments[:KEY_SEGMENTS])
@@ -107,9 +110,10 @@ class PrefixHashes:
             for new, old in zip(segments, old_segments, strict=False):
                 if new != old:  # text compared by content
                     break
-                shared += new[1]
-            known = old_hashes[: min(len(old_hashes), shared // block_size)]
-        hashes = block_hashes(ids, block_size, fingerprint, salt, known=known)
+                shared += len(new[1])
+            known = old_hashes[: min(len(old_hashes), shared // (4 * block_size))]
+        packed = b"".join(p for _, p in segments)
+        hashes = packed_block_hashes(packed, block_size, fingerprint, salt, known=known)
         self._recent[key] = (segments, hashes)
         self._recent.move_to_end(key)
         while len(self._recent) > self.max_prompts:

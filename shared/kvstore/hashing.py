@@ -2,17 +2,27 @@
 
 Block i's hash covers every token up to the end of block i (it chains block i-1's hash), the
 model's fingerprint (another model's KV never matches), the block size, and extra keys (a
-tenant salt; image content hashes later). blake2b, so the same prefix has the same hashes in
-every process and after restarts, unlike Python's ``hash()``.
+tenant salt; image content hashes later). The same prefix has the same hashes in every
+process and after restarts, unlike Python's ``hash()``.
+
+XXH3-128 (as NVIDIA Dynamo's KV router uses XXH3): the router hashes every prompt before it
+routes, and a 77K-token prompt's 1,200 blocks take 0.3 ms with it against 1 ms with blake2b,
+whose cost here is per call, not per byte. It is not built to resist crafted collisions; to
+aim one at another request's block an attacker would need that block's chain value, which
+covers the whole prefix before it (and the tenant's salt, which isolates tenants anyway).
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Sequence
 
-DIGEST_BYTES = 16
+import xxhash
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the bytes their blocks are hashed over (int32, little-endian)."""
+    return struct.pack(f"<{len(token_ids)}i", *token_ids)
 
 
 def block_hashes(
@@ -27,25 +37,39 @@ def block_hashes(
 
     ``known``: hashes already computed for a leading run of these blocks (the same tokens);
     the chain goes on from the last of them."""
+    first, n_full = len(known), len(token_ids) // block_size
+    todo = token_ids[first * block_size : n_full * block_size]
+    return packed_block_hashes(
+        pack_tokens(todo), block_size, fingerprint, salt, extra_keys, known, offset=0
+    )
+
+
+def packed_block_hashes(
+    packed: bytes,
+    block_size: int,
+    fingerprint: str,
+    salt: str = "",
+    extra_keys: Sequence[str] = (),
+    known: Sequence[str] = (),
+    offset: int | None = None,
+) -> list[str]:
+    """``block_hashes`` over tokens already packed (``pack_tokens``): the router keeps each
+    prompt segment packed, so a long prompt is not packed again for every request.
+    ``offset``: the byte where hashing starts (after the ``known`` blocks by default)."""
     assert block_size > 0
     if known:
         prev = bytes.fromhex(known[-1])
     else:
-        seed = hashlib.blake2b(digest_size=DIGEST_BYTES)
         # The block size is part of the identity: blocks of another size never match.
-        for key in (fingerprint, str(block_size), salt, *extra_keys):
-            seed.update(key.encode())
-            seed.update(b"\x00")
-        prev = seed.digest()
-    first, n_full = len(known), len(token_ids) // block_size
-    todo = token_ids[first * block_size : n_full * block_size]
-    data = memoryview(struct.pack(f"<{len(todo)}i", *todo))
+        keys = (fingerprint, str(block_size), salt, *extra_keys)
+        prev = xxhash.xxh3_128_digest(b"".join(k.encode() + b"\x00" for k in keys))
     step = block_size * 4  # bytes of one block's int32 token ids
+    start = len(known) * step if offset is None else offset
+    data = memoryview(packed)
+    end = start + (len(data) - start) // step * step
     hashes = list(known)
-    blake2b = hashlib.blake2b
-    for start in range(0, len(data), step):
-        h = blake2b(prev, digest_size=DIGEST_BYTES)
-        h.update(data[start : start + step])
-        prev = h.digest()
+    digest = xxhash.xxh3_128_digest
+    for at in range(start, end, step):
+        prev = digest(prev + data[at : at + step])  # 16 bytes of chain, then the block
         hashes.append(prev.hex())
     return hashes

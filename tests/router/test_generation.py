@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from services.router.generation import EXPLAINED, Timing
+from services.router.policies import Ranked
 
 
 def route(n: int) -> dict:
-    return {"policy": "ttft", "chosen": "p0", "candidates": [{"worker": f"p{i}"} for i in range(n)]}
+    ranked = [Ranked(f"p{i}", lambda i=i: {"cost_s": float(i)}) for i in range(n)]
+    return {"policy": "ttft", "chosen": "p0", "candidates": ranked}
 
 
 def test_a_response_lists_the_best_candidates_and_counts_the_rest() -> None:
     t = Timing(route=route(64))
     out = t.to_dict()["route"]
     assert [c["worker"] for c in out["candidates"]] == [f"p{i}" for i in range(EXPLAINED)]
+    assert [c["cost_s"] for c in out["candidates"]] == [float(i) for i in range(EXPLAINED)]
     assert out["others"] == 64 - EXPLAINED and out["chosen"] == "p0"
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.router.scoring import (
     CostDefaults,
     DecodeScore,
+    PrefillScore,
     PrefillWorkerState,
     bounded,
     choose_decode,
-    choose_prefill,
+    rank_prefill,
     score_prefill,
 )
 
@@ -23,6 +26,11 @@ def worker(name: str = "p0", queued_s: float = 0.0) -> PrefillWorkerState:
     w = PrefillWorkerState.fresh(name, D)
     w.queued_s = queued_s
     return w
+
+
+def choice(scores: list[PrefillScore], *workers: PrefillWorkerState, d: CostDefaults = D) -> str:
+    """Where the ttft policy sends the request (the same ranking it uses)."""
+    return rank_prefill(scores, {w.service_id: w for w in workers}, d)[0].service_id
 
 
 def test_terms_memory_free_storage_loaded_rest_computed() -> None:
@@ -45,13 +53,15 @@ def test_memory_hit_beats_storage_hit_beats_cold() -> None:
     warm = score_prefill(worker("warm"), 700, HASHES, BS, memory_blocks=0, store_blocks=10)
     cold = score_prefill(worker("cold"), 700, HASHES, BS, memory_blocks=0, store_blocks=0)
     assert hot.ttft_s < warm.ttft_s < cold.ttft_s
-    assert choose_prefill([cold, warm, hot]).service_id == "hot"
+    assert choice([cold, warm, hot], *(worker(n) for n in ("hot", "warm", "cold"))) == "hot"
 
 
 def test_a_busy_worker_loses_its_cache_advantage() -> None:
-    busy_hot = score_prefill(worker("hot", queued_s=5.0), 700, HASHES, BS, 10, 10)
-    idle_warm = score_prefill(worker("warm"), 700, HASHES, BS, 0, 10)
-    assert choose_prefill([busy_hot, idle_warm]).service_id == "warm"
+    hot, warm = worker("hot", queued_s=5.0), worker("warm")
+    busy_hot = score_prefill(hot, 700, HASHES, BS, 10, 10)
+    idle_warm = score_prefill(warm, 700, HASHES, BS, 0, 10)
+    assert busy_hot.ttft_s > idle_warm.ttft_s
+    assert choice([busy_hot, idle_warm], hot, warm) == "warm"
 
 
 def test_look_ahead_counts_blocks_a_queued_request_will_bring() -> None:
@@ -62,7 +72,7 @@ def test_look_ahead_counts_blocks_a_queued_request_will_bring() -> None:
     s0 = score_prefill(p0, 700, HASHES, BS, memory_blocks=0, store_blocks=0)
     s1 = score_prefill(p1, 700, HASHES, BS, memory_blocks=0, store_blocks=0)
     assert s0.memory_tokens == 8 * BS and s1.memory_tokens == 0
-    assert choose_prefill([s0, s1]).service_id == "p0"
+    assert choice([s0, s1], p0, p1) == "p0"
     p0.prefilled(HASHES[:8], estimate_s=0.1)
     assert p0.pending_prefix(HASHES) == 0 and not p0.pending and p0.queued_s == 0
 
@@ -74,12 +84,15 @@ def test_bounded_load_keeps_a_hot_prefix_from_piling_on_one_worker() -> None:
         score_prefill(p0, 700, HASHES, BS, memory_blocks=10, store_blocks=0),
         score_prefill(p1, 700, HASHES, BS, memory_blocks=0, store_blocks=0),
     ]
-    assert choose_prefill(scores).service_id == "p0"  # unbounded: its cache wins
+    unbounded = replace(D, bounded_load_c=1e9)
+    assert choice(scores, p0, p1, d=unbounded) == "p0"  # its cache wins
     limited = bounded(scores, {"p0": 0.3, "p1": 0.0}, c=1.5)
     assert [s.over_bound for s in limited] == [True, False]
-    assert choose_prefill(limited).service_id == "p1"
+    no_slack = replace(D, bounded_load_slack_s=0.0)
+    assert choice(scores, p0, p1, d=no_slack) == "p1"
     # With the work spread, p0 is within the bound and its cache wins again.
-    assert choose_prefill(bounded(scores, {"p0": 0.3, "p1": 0.3}, c=1.5)).service_id == "p0"
+    p1.queued_s = 0.3
+    assert choice(scores, p0, p1, d=no_slack) == "p0"
 
 
 def test_rates_are_learned_from_what_workers_report() -> None:
@@ -108,6 +121,6 @@ def test_work_other_routers_sent_counts_through_heartbeats() -> None:
     s0 = score_prefill(p0, 700, HASHES, BS, memory_blocks=0, store_blocks=0)
     s1 = score_prefill(p1, 700, HASHES, BS, memory_blocks=0, store_blocks=0)
     assert s0.queue_s == pytest.approx(3.0) and s1.queue_s == 0
-    assert choose_prefill([s0, s1]).service_id == "p1"
+    assert choice([s0, s1], p0, p1) == "p1"
     p0.queued_s = 5.0  # its own view, when larger, wins
     assert score_prefill(p0, 700, HASHES, BS, 0, 0).queue_s == pytest.approx(5.0)

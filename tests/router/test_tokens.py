@@ -71,9 +71,9 @@ def test_a_next_turn_reuses_the_hashes_of_its_shared_blocks(model) -> None:
     ]
     for chat, salt in ((turn1, ""), (turn2, ""), (turn2, "other tenant")):
         ids, segments = fast.encode_segments(model.chat_template.render(chat))
-        got = cache.hashes(ids, segments, 64, "fp", salt)
+        got = cache.hashes(segments, 64, "fp", salt)
         assert got == block_hashes(ids, 64, "fp", salt)  # reused or not, always exact
     # A different first message shares nothing, and still hashes right.
     other = [{"role": "user", "content": "another question " * 300}]
     ids, segments = fast.encode_segments(model.chat_template.render(other))
-    assert cache.hashes(ids, segments, 64, "fp", "") == block_hashes(ids, 64, "fp", "")
+    assert cache.hashes(segments, 64, "fp", "") == block_hashes(ids, 64, "fp", "")
