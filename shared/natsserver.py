@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+CONFIG = Path(__file__).with_name("nats.conf")  # also docker-compose's
+
 
 def die_with_parent() -> None:
     """Run in a child before exec: it gets SIGKILL when its parent dies, so none is orphaned."""
@@ -75,7 +77,7 @@ class NatsServer:
                 "stop what holds it, or set KVMESH_NATS_URL to a running NATS server"
             )
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [str(nats_server_binary()), "-a", self.host, "-p", str(self.port)]
+        cmd = [str(nats_server_binary()), "-c", str(CONFIG), "-a", self.host, "-p", str(self.port)]
         cmd += ["-js", "-sd", str(self.store_dir)]
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(

@@ -23,6 +23,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from shared.vision.grid import VisionGrid
+
 SETTINGS_FILE_VAR = "KVMESH_SETTINGS_FILE"
 
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -82,6 +84,32 @@ class CommonSettings(KvmeshSettings):
         description="the KV storage tier: a directory, shared by every worker (a shared file "
         "system mounted at the same path in a cluster); unset: <state_dir>/kvstore",
     )
+
+    # How an image becomes placeholder tokens: the router counts them, the encoder makes
+    # that many embeddings; both must read the same values.
+    image_patch_size: int = Field(default=14, ge=2, le=64, description="ViT patch side, pixels")
+    image_merge: int = Field(
+        default=2, ge=1, le=4, description="patches merged per side into one token (2: 2×2 → 1)"
+    )
+    image_max_tokens: int = Field(
+        default=256, ge=1, le=16384, description="tokens per image at most (larger is scaled down)"
+    )
+    image_min_tokens: int = Field(
+        default=4, ge=1, le=16384, description="tokens per image at least (smaller is scaled up)"
+    )
+
+    image_max_pixels: int = Field(
+        default=25_000_000,
+        ge=1,
+        description="pixels an image may declare (width × height): refused above, before any "
+        "pixel is decoded (decompression bombs)",
+    )
+
+    @property
+    def vision_grid(self) -> VisionGrid:
+        return VisionGrid(
+            self.image_patch_size, self.image_merge, self.image_min_tokens, self.image_max_tokens
+        )
 
     @property
     def resolved_kv_store_dir(self) -> Path:

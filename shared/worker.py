@@ -10,18 +10,20 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TypeVar
 
+import torch
 from pydantic import Field, field_validator
 
 from shared.bus import Bus, subjects
 from shared.engine.blocks import PoolExhausted
-from shared.engine.engine import EngineOptions, Prefix, TorchEngine
+from shared.engine.engine import EngineOptions, ImageEmbeds, Prefix, TorchEngine
 from shared.engine.kvformat import DTYPES, BadBlock
 from shared.engine.loader import MODEL_NAMES, load_model
 from shared.engine.sequence import StepOutput
 from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
 from shared.kvstore.tiers import CachedPrefix, KvTiers
-from shared.messages.generate import Cancel, GenerateTask, TokenEvent
+from shared.messages.encode import EMBEDS_SHAPE_HEADER
+from shared.messages.generate import Cancel, GenerateTask, ImageRef, TokenEvent
 from shared.messages.heartbeat import Load
 from shared.runner import EngineRunner
 from shared.service import Service, ServiceSettings
@@ -30,6 +32,10 @@ from shared.settings import CommonSettings
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class ImagesMissing(Exception):
+    """A prompt's image embeddings did not come (no encoder made them in time)."""
 
 
 class WorkerSettings(ServiceSettings):
@@ -53,6 +59,9 @@ class WorkerSettings(ServiceSettings):
     store_dtype: str = Field(
         default="",
         description="dtype of stored blocks (float32, bfloat16, float16); empty: the engine's",
+    )
+    embeds_wait_s: float = Field(
+        default=30.0, gt=0, description="how long a prompt waits for its images' embeddings"
     )
 
     @field_validator("store_dtype")
@@ -137,6 +146,33 @@ class WorkerService(Service):
             **figures,
         )
 
+    async def fetch_images(self, task: GenerateTask) -> tuple[ImageEmbeds, ...]:
+        """The embeddings of the task's images, from the embeddings stream (the encoder puts
+        them there; they may still be on their way). Raises ImagesMissing."""
+        assert self.bus is not None
+        wait = min(self.worker_settings.embeds_wait_s, max(0.0, task.deadline - time.time()))
+        dim = self.engine.config.dim
+
+        async def one(i: int, ref: ImageRef) -> ImageEmbeds:
+            subject = subjects.embeds(task.model, ref.image_hash)
+            try:
+                data, headers = await self.bus.wait_last(subjects.EMBEDS_STREAM, subject, wait)
+            except Exception as err:  # BusError, or no stream at all: no encoder ever ran
+                raise ImagesMissing(
+                    f"image {i}'s embeddings did not come within {wait:g} s "
+                    f"(is an encoder running?): {err}"
+                ) from None
+            tokens, hidden = (int(v) for v in headers[EMBEDS_SHAPE_HEADER].split(","))
+            if (tokens, hidden) != (ref.tokens, dim):
+                raise ImagesMissing(
+                    f"image {i}'s embeddings are {tokens}×{hidden}, the prompt needs "
+                    f"{ref.tokens}×{dim}"
+                )
+            rows = torch.frombuffer(bytearray(data), dtype=torch.float32).view(tokens, hidden)
+            return ref.start, rows
+
+        return tuple(await asyncio.gather(*(one(i, r) for i, r in enumerate(task.images))))
+
     async def load_prefix(self, task: GenerateTask) -> tuple[Prefix | None, CachedPrefix]:
         """The longest cached prefix of the prompt, loaded into engine blocks (held: release
         after prefill). A block failing its checksums is dropped from its tier and reported;
@@ -170,7 +206,11 @@ class WorkerService(Service):
             hashes = task.block_hashes
         else:
             hashes = block_hashes(
-                token_ids, self.engine.block_size, self.engine.config.fingerprint, task.salt
+                token_ids,
+                self.engine.block_size,
+                self.engine.config.fingerprint,
+                task.salt,
+                images=task.images,
             )
         self.tiers.write_behind(hashes[first : first + len(blobs)], blobs, task.retention)
 

@@ -16,14 +16,14 @@ import grpc
 from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
 from shared.engine.blocks import PoolExhausted
-from shared.engine.engine import Prefix
+from shared.engine.engine import ImageEmbeds, Prefix
 from shared.engine.kvformat import KVFormatError
 from shared.engine.sequence import StepOutput
 from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck, TokenEvent
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.settings import CommonSettings
-from shared.worker import WorkerService
+from shared.worker import ImagesMissing, WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,16 @@ class DecodeService(WorkerService):
         the steps (index 1 on)."""
         rid = task.request_id
         self.active[rid] = active = Active(task, next_index=1)
+        try:
+            images = await self.fetch_images(task) if task.images else ()
+        except ImagesMissing as err:
+            self.pending -= 1
+            self.active.pop(rid, None)
+            await self.send(task.reply_subject, self.error_event(rid, str(err), "unavailable"))
+            return
         prefix, cached = await self.load_prefix(task)
         try:
-            out, took = await self.runner.call(self._timed_prefill, task, prefix)
+            out, took = await self.runner.call(self._timed_prefill, task, prefix, images)
         except (PoolExhausted, ValueError) as err:
             self.active.pop(rid, None)
             code = "busy" if isinstance(err, PoolExhausted) else "internal"
@@ -135,11 +142,15 @@ class DecodeService(WorkerService):
         if out.finish_reason:
             await self.drop(rid)
 
-    def _timed_prefill(self, task: GenerateTask, prefix: Prefix | None) -> tuple[StepOutput, float]:
+    def _timed_prefill(
+        self, task: GenerateTask, prefix: Prefix | None, images: tuple[ImageEmbeds, ...]
+    ) -> tuple[StepOutput, float]:
         """On the engine thread: the prefill and its compute time."""
         started = time.perf_counter()
         params = task.sampling.params()
-        out = self.engine.prefill(task.request_id, task.token_ids, params, prefix=prefix)
+        out = self.engine.prefill(
+            task.request_id, task.token_ids, params, prefix=prefix, images=images
+        )
         return out, time.perf_counter() - started
 
     def _finish(self, rid: str) -> tuple[int, list[bytes], list[int]]:

@@ -1,15 +1,213 @@
-"""The encoder process. It joins the mesh and heartbeats; its work comes in a later issue."""
+"""The encoder: images to embeddings, ahead of prefill.
+
+Routers send each image here as soon as a request arrives (a queue group: any encoder takes
+it). The image is decoded, resized to its grid and run through the vision tower, batched with
+whatever else is waiting; the embeddings go to the embeddings stream, where the prefill worker
+computing the request picks them up. Embeddings are kept by content hash (LRU by bytes), so an
+image sent again is not encoded again, and one sent twice at once is encoded once.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from shared.bus import Bus
+import torch
+
+from services.encoder.settings import EncoderSettings
+from shared.bus import Bus, subjects
+from shared.engine.loader import load_text_model
+from shared.kvstore.backend import MemoryStore
+from shared.messages.encode import EMBEDS_SHAPE_HEADER, EncodeReply, EncodeRequest
+from shared.messages.heartbeat import Load
 from shared.service import Service
+from shared.settings import CommonSettings
+from shared.vision.images import BadImage, content_hash, pixels
+from shared.vision.tower import TowerConfig, VisionTower
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    model: str
+    data: bytes
+    tokens: int
+    done: asyncio.Future[tuple[bytes, float]] = field(repr=False)  # embeddings, seconds
 
 
 class EncoderService(Service):
     role = "encoder"
 
+    def __init__(self, common: CommonSettings, settings: EncoderSettings) -> None:
+        super().__init__(common, settings)
+        self.settings: EncoderSettings = settings
+        self.towers: dict[str, VisionTower] = {}
+        self.cache = MemoryStore(settings.cache_bytes)  # "model:hash" → float32 rows
+        self.inflight: dict[str, asyncio.Future[tuple[bytes, float]]] = {}
+        self.queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="tower")
+        self.bus: Bus | None = None
+        self.encoded = self.cache_hits = 0
+
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
-        pass
+        self.bus = bus
+        s = self.settings
+        if s.threads:
+            torch.set_num_threads(s.threads)
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self.towers = await loop.run_in_executor(self.executor, self._build_towers)
+        stack.callback(self.executor.shutdown, wait=False, cancel_futures=True)
+        log.info(
+            "vision towers ready in %.1f s for %s", time.monotonic() - started, ", ".join(s.models)
+        )
+        await bus.ensure_stream(
+            subjects.EMBEDS_STREAM,
+            [subjects.EMBEDS_ALL],
+            max_age_s=s.embeds_ttl_s,
+            max_bytes=s.embeds_stream_bytes,
+            memory=True,
+            last_per_subject=True,
+        )
+        batcher = asyncio.create_task(self._batcher())
+        stack.callback(batcher.cancel)
+        await bus.serve(
+            subjects.ENCODE,
+            EncodeRequest,
+            self.on_encode,
+            queue=subjects.ENCODER_QUEUE,
+            framed=True,
+            concurrent=True,
+        )
+
+    def _build_towers(self) -> dict[str, VisionTower]:
+        s = self.settings
+        towers = {}
+        for model in s.models:
+            hidden = load_text_model(model, Path(self.common.state_dir)).config.dim
+            config = TowerConfig(
+                hidden=hidden,
+                grid=self.common.vision_grid,
+                dim=s.dim,
+                layers=s.layers,
+                heads=s.heads,
+                seed=s.seed,
+            )
+            tower = VisionTower(config)
+            weights = s.weights_dir / f"{model}.safetensors" if s.weights_dir else None
+            if weights is not None and weights.is_file():
+                tower.load(weights)
+                log.info("%s: vision weights from %s", model, weights)
+            else:
+                log.warning("%s: vision tower has random weights (seed %d)", model, s.seed)
+            towers[model] = tower
+        return towers
+
+    def models(self) -> list[str]:
+        return list(self.towers)
+
+    def load(self) -> Load:
+        return Load(inflight=len(self.inflight), queued=self.queue.qsize())
+
+    async def drain(self) -> None:
+        while self.inflight:
+            await asyncio.sleep(0.05)
+
+    async def on_encode(self, req: EncodeRequest, blob: memoryview) -> EncodeReply:
+        def failed(error: str, code: str) -> EncodeReply:
+            return EncodeReply(
+                image_hash=req.image_hash, encoder_id=self.service_id, error=error, error_code=code
+            )
+
+        if req.model not in self.towers:
+            return failed(f"{self.service_id} does not serve {req.model}", "internal")
+        data = bytes(blob)
+        if content_hash(data) != req.image_hash:
+            return failed("the image's bytes do not match its image_hash", "bad_image")
+        key = f"{req.model}:{req.image_hash}"
+        embeds, took, cached = self.cache.get(key), 0.0, True
+        if embeds is None:
+            job = self.inflight.get(key)
+            cached = job is not None  # another request is encoding it: share that
+            if job is None:
+                job = self.inflight[key] = asyncio.get_running_loop().create_future()
+                job.add_done_callback(lambda _: self.inflight.pop(key, None))
+                self.queue.put_nowait(_Job(req.model, data, req.tokens, job))
+            try:
+                embeds, took = await asyncio.shield(job)
+            except BadImage as err:
+                return failed(str(err), "bad_image")
+            except Exception as err:
+                log.error("encoding %s failed", req.image_hash, exc_info=err)
+                return failed(f"encoding failed: {err}", "internal")
+            if not cached:
+                self.cache.put(key, embeds)
+        self.cache_hits += cached
+        hidden = self.towers[req.model].config.hidden
+        tokens = len(embeds) // (4 * hidden)
+        assert self.bus is not None
+        # Put on the stream every time: after its max age it is gone there, not here.
+        await self.bus.put_last(
+            subjects.embeds(req.model, req.image_hash),
+            embeds,
+            headers={EMBEDS_SHAPE_HEADER: f"{tokens},{hidden}"},
+        )
+        return EncodeReply(
+            image_hash=req.image_hash,
+            tokens=tokens,
+            encoder_id=self.service_id,
+            cached=cached,
+            encode_s=took,
+        )
+
+    async def _batcher(self) -> None:
+        """Encode what waits, up to max_batch images per pass of the tower."""
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self.queue.get()]
+            for _ in range(3):  # requests that arrived together are on the socket already
+                await asyncio.sleep(0)
+            while len(batch) < self.settings.max_batch and not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            started = time.perf_counter()
+            results = await loop.run_in_executor(self.executor, self._encode, batch)
+            took = time.perf_counter() - started
+            for job, result in zip(batch, results, strict=True):
+                if job.done.done():
+                    continue
+                if isinstance(result, Exception):
+                    job.done.set_exception(result)
+                else:
+                    job.done.set_result((result, took))
+            self.encoded += sum(not isinstance(r, Exception) for r in results)
+
+    def _encode(self, batch: list[_Job]) -> list[bytes | Exception]:
+        """On the tower thread: decode each image, then one tower pass per model."""
+        grid, max_pixels = self.common.vision_grid, self.common.image_max_pixels
+        results: list[bytes | Exception] = []
+        images: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for i, job in enumerate(batch):
+            try:
+                x = pixels(job.data, grid, max_pixels)
+            except BadImage as err:
+                results.append(err)
+                continue
+            results.append(b"")
+            images.setdefault(job.model, []).append((i, x))
+        for model, items in images.items():
+            out = self.towers[model].encode([x for _, x in items])
+            for (i, _), rows in zip(items, out, strict=True):
+                if len(rows) != batch[i].tokens:  # router and encoder disagree on the grid
+                    results[i] = RuntimeError(
+                        f"the image gave {len(rows)} embeddings, the router counted "
+                        f"{batch[i].tokens}: KVMESH_IMAGE_* settings differ between them"
+                    )
+                else:
+                    results[i] = rows.contiguous().numpy().tobytes()
+        return results

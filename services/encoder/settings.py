@@ -2,13 +2,49 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from shared.engine.loader import MODEL_NAMES
 from shared.service import ServiceSettings
 
 
 class EncoderSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="KVMESH_ENCODER_")
     file_table: ClassVar[str] = "encoder"
+
+    models: list[str] = Field(
+        default_factory=lambda: list(MODEL_NAMES),
+        description="language models to make embeddings for (each has its own projector)",
+    )
+    dim: int = Field(default=256, ge=16, le=4096, description="vision tower width")
+    layers: int = Field(default=4, ge=1, le=64, description="vision tower depth")
+    heads: int = Field(default=4, ge=1, le=64)
+    seed: int = Field(default=0, description="seed of the random tower weights")
+    weights_dir: Path | None = Field(
+        default=None,
+        description="real tower weights: <dir>/<model>.safetensors where present (names and "
+        "shapes as VisionTower.state_dict()); else random weights from the seed",
+    )
+    threads: int = Field(default=0, ge=0, le=1024, description="torch threads; 0: all cores")
+    max_batch: int = Field(default=8, ge=1, le=256, description="images encoded in one pass")
+    cache_bytes: int = Field(
+        default=256 << 20, ge=0, description="embeddings kept by image hash (LRU), bytes"
+    )
+    embeds_ttl_s: float = Field(
+        default=600.0, gt=0, description="how long embeddings stay on the stream for prefill"
+    )
+    embeds_stream_bytes: int = Field(
+        default=512 << 20, ge=1 << 20, description="the embeddings stream's size in memory"
+    )
+
+    @field_validator("models")
+    @classmethod
+    def _known_models(cls, names: list[str]) -> list[str]:
+        unknown = [n for n in names if n not in MODEL_NAMES]
+        if unknown or not names:
+            raise ValueError(f"one or more of {', '.join(MODEL_NAMES)} (unknown: {unknown})")
+        return names

@@ -15,14 +15,14 @@ import grpc
 from services.prefill.settings import PrefillSettings
 from shared.bus import Bus, subjects
 from shared.engine.blocks import PoolExhausted
-from shared.engine.engine import Cancelled, PrefillRequest, Prefix
+from shared.engine.engine import Cancelled, ImageEmbeds, PrefillRequest, Prefix
 from shared.engine.sequence import StepOutput
 from shared.kvstore.tiers import CachedPrefix
 from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.settings import CommonSettings
-from shared.worker import WorkerService
+from shared.worker import ImagesMissing, WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,10 @@ class PrefillService(WorkerService):
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.shipping = asyncio.Semaphore(settings.max_transfers)
         self.transfers: set[asyncio.Task] = set()
+        # Tasks whose images' embeddings are on their way: they join the queue once here, so
+        # a slow encoder holds up only its own requests.
+        self.waiting: dict[str, asyncio.Task] = {}
+        self.images: dict[str, tuple[ImageEmbeds, ...]] = {}
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await self.start_engine(stack, bus)
@@ -60,7 +64,7 @@ class PrefillService(WorkerService):
     def load(self) -> Load:
         return self.worker_load(
             inflight=len(self.current) + len(self.transfers),
-            queued=self.queue.qsize(),
+            queued=self.queue.qsize() + len(self.waiting),
             queued_tokens=self.queued_tokens(),
         )
 
@@ -77,19 +81,40 @@ class PrefillService(WorkerService):
         )
 
     async def drain(self) -> None:
-        while self.current or not self.queue.empty() or self.transfers:
+        while self.current or not self.queue.empty() or self.transfers or self.waiting:
             await asyncio.sleep(0.05)
 
     async def on_task(self, task: GenerateTask) -> TaskAck:
-        if self.status != "ready" or self.queue.qsize() >= self.settings.max_queued:
-            return TaskAck(accepted=False, reason="busy", queued=self.queue.qsize())
+        queued = self.queue.qsize() + len(self.waiting)
+        if self.status != "ready" or queued >= self.settings.max_queued:
+            return TaskAck(accepted=False, reason="busy", queued=queued)
         if task.model != self.settings.model:
             return TaskAck(accepted=False, reason=f"this worker serves {self.settings.model}")
+        if task.images:
+            waiter = asyncio.create_task(self._queue_with_images(task))
+            self.waiting[task.request_id] = waiter
+            waiter.add_done_callback(lambda _: self.waiting.pop(task.request_id, None))
+        else:
+            self.queue.put_nowait(task)
+        return TaskAck(accepted=True, queued=queued)
+
+    async def _queue_with_images(self, task: GenerateTask) -> None:
+        try:
+            self.images[task.request_id] = await self.fetch_images(task)
+        except ImagesMissing as err:
+            log.warning("%s: %s", task.request_id, err)
+            await self.send(
+                task.reply_subject, self.error_event(task.request_id, str(err), "unavailable")
+            )
+            return
         self.queue.put_nowait(task)
-        return TaskAck(accepted=True, queued=self.queue.qsize() - 1)
 
     async def on_cancel(self, cancel: Cancel) -> None:
         rid = cancel.request_id
+        waiter = self.waiting.pop(rid, None)
+        if waiter is not None:
+            waiter.cancel()
+            return
         if rid in self.current or any(t.request_id == rid for t in self.queue._queue):  # type: ignore[attr-defined]
             self.cancelled.add(rid)
 
@@ -108,6 +133,7 @@ class PrefillService(WorkerService):
                 self.current = set()
                 for task in batch:
                     self.cancelled.discard(task.request_id)
+                    self.images.pop(task.request_id, None)
                     if task.request_id in self.engine.seqs:
                         await self.runner.call(self.engine.free, task.request_id)
             for task, ship in ships:
@@ -127,6 +153,7 @@ class PrefillService(WorkerService):
             task = await self.queue.get()
             if task.request_id in self.cancelled or time.time() > task.deadline:
                 self.cancelled.discard(task.request_id)
+                self.images.pop(task.request_id, None)
                 continue
             batch.append(task)
             budget -= len(task.token_ids)
@@ -242,6 +269,7 @@ class PrefillService(WorkerService):
                     t.sampling.params(),
                     prefix=prefixes[t.request_id],
                     handoff=True,
+                    images=self.images.get(t.request_id, ()),
                 )
                 for t in tasks
             ]
@@ -255,6 +283,7 @@ class PrefillService(WorkerService):
                 task.token_ids,
                 task.sampling.params(),
                 prefix=prefixes[rid],
+                images=self.images.get(rid, ()),
                 handoff=True,
                 cancelled=lambda: rid in self.cancelled,
             )

@@ -23,7 +23,7 @@ from services.router.scoring import DecodeScore, rank_decode
 from services.router.tokens import PrefixHashes, Segments
 from shared.bus import Bus, BusError, subjects
 from shared.kvstore.hashing import block_hashes
-from shared.messages.generate import Cancel, GenerateTask, Sampling, TaskAck, TokenEvent
+from shared.messages.generate import Cancel, GenerateTask, ImageRef, Sampling, TaskAck, TokenEvent
 from shared.messages.kvevents import STORE, LookupReply, LookupRequest, memory_location
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class Job:
     block_hashes: list[str] = field(default_factory=list)
     cached_blocks: dict[str, int] = field(default_factory=dict)  # location → leading blocks
     segments: Segments = ()  # what the prompt was tokenized from (reuses earlier hashes)
+    images: tuple[ImageRef, ...] = ()  # images in the prompt (their placeholders' positions)
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ class Dispatcher:
         if job.segments:
             hashes = self.hash_cache.hashes(job.segments, bs, job.fingerprint, job.salt)
         else:
-            hashes = block_hashes(job.prompt_ids, bs, job.fingerprint, job.salt)
+            hashes = block_hashes(job.prompt_ids, bs, job.fingerprint, job.salt, images=job.images)
         counts = await self.lookup(hashes)
         return replace(job, block_size=bs, block_hashes=hashes, cached_blocks=counts)
 
@@ -286,6 +287,7 @@ class Dispatcher:
                 block_hashes=job.block_hashes,
                 salt=job.salt,
                 retention=job.retention,
+                images=list(job.images),
             )
             role = worker.heartbeat.role
             involved = tuple(dict.fromkeys((worker.service_id, decode.service_id)))

@@ -16,6 +16,14 @@ from pathlib import Path
 
 from services.router.dispatch import Dispatcher, Job
 from services.router.generation import Delta, Timing, stream_text
+from services.router.images import (
+    Encodes,
+    ImageInput,
+    ImageLimits,
+    check_encoders,
+    join_prompt,
+    read_image,
+)
 from services.router.openai_api import (
     ApiError,
     ChatRequest,
@@ -29,7 +37,7 @@ from services.router.openai_api import (
 from services.router.settings import RouterSettings
 from services.router.tokens import PromptTokenizer, Segments
 from shared.engine.loader import MODEL_NAMES, TextModel, load_text_model
-from shared.messages.generate import Sampling
+from shared.messages.generate import ImageRef, Sampling
 from shared.messages.kvevents import RETENTIONS
 
 LONG_TEXT_CHARS = 8192  # above this, tokenizing takes milliseconds: off the event loop
@@ -82,13 +90,21 @@ class Prepared:
     usage: Usage
     timing: Timing = field(default_factory=Timing)
     received_at: float = field(default_factory=time.perf_counter)
+    encodes: Encodes | None = None  # the images' encode requests, in flight
 
 
 class Frontend:
-    def __init__(self, settings: RouterSettings, dispatcher: Dispatcher, state_dir: Path) -> None:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        dispatcher: Dispatcher,
+        state_dir: Path,
+        image_limits: ImageLimits,
+    ) -> None:
         self.settings = settings
         self.dispatcher = dispatcher
         self.state_dir = state_dir
+        self.image_limits = image_limits
         self.inflight = 0
         self._models: dict[str, TextModel] = {}
         self._tokenizers: dict[str, PromptTokenizer] = {}
@@ -140,11 +156,41 @@ class Frontend:
                 404, f"model {req.model!r} does not exist", param="model", code="model_not_found"
             )
         self.dispatcher.check_servable(req.model)
+        images = await self._read_images(req) if isinstance(req, ChatRequest) else []
+        encodes: Encodes | None = None
+        if images:
+            check_encoders(self.dispatcher.registry, req.model)
+            encodes = Encodes(images)
+            if self.settings.encode_ahead:  # encoding overlaps everything that follows
+                encodes.start(self.dispatcher.bus, req.model, self.image_limits.encode_timeout_s)
+        try:
+            return await self._prepare(req, chat, rid, kv, encodes)
+        except BaseException:
+            if encodes is not None:
+                encodes.cancel()
+            raise
+
+    async def _prepare(
+        self,
+        req: ChatRequest | CompletionRequest,
+        chat: bool,
+        rid: str,
+        kv: KvOptions,
+        encodes: Encodes | None,
+    ) -> Prepared:
         text = await self.text_model(req.model)
         config = text.config
+        refs: tuple[ImageRef, ...] = ()
         if isinstance(req, ChatRequest):
-            rendered = text.chat_template.render(chat_messages(req))
-            ids, segments = await self._encode(req.model, rendered)
+            images = encodes.images if encodes else []
+            nonce = uuid.uuid4().hex  # a client cannot forge a marker it cannot guess
+            marker = f"\x00kvmesh-image-{nonce}-"
+            rendered = text.chat_template.render(chat_messages(req, lambda k: f"{marker}{k}\x00"))
+            ids, segments, refs = await self._encode_with_images(
+                req.model, rendered, marker, images
+            )
+            if encodes is not None:
+                encodes.starts = [r.start for r in refs]
             prompt_field = "messages"
             max_tokens = req.max_completion_tokens or req.max_tokens
             max_field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -173,6 +219,10 @@ class Frontend:
                 param=max_field if room >= 1 else prompt_field,
                 code="context_length_exceeded",
             )
+        if encodes is not None and not self.settings.encode_ahead:
+            # Head start off (for comparison): encode now, and only then route.
+            encodes.start(self.dispatcher.bus, req.model, self.image_limits.encode_timeout_s)
+            await encodes.wait()
         stop = req.stop_list()
         sampling = Sampling(
             max_tokens=max_tokens,
@@ -191,6 +241,7 @@ class Frontend:
             salt=kv.tenant,
             fingerprint=config.fingerprint,
             segments=segments,
+            images=refs,
         )
         prefix = "chatcmpl" if chat else "cmpl"
         return Prepared(
@@ -202,7 +253,51 @@ class Frontend:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             usage=Usage(prompt_tokens=len(ids)),
             timing=Timing(explain_all=kv.explain),
+            encodes=encodes,
         )
 
+    async def _read_images(self, req: ChatRequest) -> list[ImageInput]:
+        """The request's images, each checked (400 naming its part), in order."""
+        parts = [(i, j, part) for i, m in enumerate(req.messages) for j, part in m.image_parts()]
+        limits = self.image_limits
+        if len(parts) > limits.per_request:
+            raise ApiError(
+                400,
+                f"messages: at most {limits.per_request} images per request (got {len(parts)})",
+                param="messages",
+            )
+        images = []
+        for i, j, part in parts:
+            param = f"messages[{i}].content[{j}].image_url"
+            if req.messages[i].role != "user":
+                raise ApiError(
+                    400, f"{param}: images are accepted in user messages only", param=param
+                )
+            max_payload = self.dispatcher.bus.nc.max_payload
+            images.append(await read_image(part.image_url.url, param, limits, max_payload))
+        return images
+
+    async def _encode_with_images(
+        self, model: str, rendered: str, marker: str, images: list[ImageInput]
+    ) -> tuple[list[int], Segments, tuple[ImageRef, ...]]:
+        """Token ids of a rendered chat whose images are markers: the text between them
+        tokenized, each image as its placeholder tokens (hashed by its content)."""
+        if not images:
+            ids, segments = await self._encode(model, rendered)
+            return ids, segments, ()
+        pieces = re.split(re.escape(marker) + r"(\d+)\x00", rendered)
+        order = [int(k) for k in pieces[1::2]]
+        if order != list(range(len(images))):
+            raise ApiError(500, "the chat template lost or reordered images", code="internal")
+        parts: list = []
+        for n, piece in enumerate(pieces):
+            if n % 2:
+                parts.append(images[int(piece)])
+            elif piece:
+                parts.append(await self._encode(model, piece))
+        return join_prompt(parts)
+
     def deltas(self, p: Prepared) -> AsyncIterator[Delta]:
-        return stream_text(self.dispatcher, p.job, p.text.tokenizer, p.stop, p.usage, p.timing)
+        return stream_text(
+            self.dispatcher, p.job, p.text.tokenizer, p.stop, p.usage, p.timing, p.encodes
+        )

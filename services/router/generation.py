@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 
 from services.router.detokenizer import Detokenizer
 from services.router.dispatch import Dispatcher, Job
+from services.router.images import Encodes
 from services.router.openai_api import ApiError, Usage
 
 EXPLAINED = 4  # candidates listed in a response (all with the header x-kvmesh-explain: all)
@@ -26,6 +27,7 @@ class Timing:
     workers: list[str] = field(default_factory=list)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     route: dict = field(default_factory=dict)  # the routing decision, with each candidate's terms
+    images: list[dict] = field(default_factory=list)  # per image: tokens, cached, encode_ms
     explain_all: bool = False  # else only the best EXPLAINED candidates are listed
 
     @property
@@ -42,6 +44,7 @@ class Timing:
             "workers": self.workers,
             "cached_tokens_by_tier": self.cached_tokens_by_tier,
             "route": self._route(),
+            **({"images": self.images} if self.images else {}),
         }
 
     def _route(self) -> dict:
@@ -69,11 +72,18 @@ async def stream_text(
     stop: list[str],
     usage: Usage,
     timing: Timing,
+    encodes: Encodes | None = None,
 ) -> AsyncIterator[Delta]:
     """Text deltas of the answer; the last has finish_reason. ``usage`` and ``timing`` are
-    filled in as events arrive (complete once the last delta is out)."""
+    filled in as events arrive (complete once the last delta is out). With ``encodes``, the
+    answer starts only once every image is encoded, and a failed encode ends it."""
     detok = Detokenizer(tokenizer, stop)
-    async for event in dispatcher.generate(job, timing.route):
+    events = dispatcher.generate(job, timing.route)
+    if encodes is not None:
+        events = encodes.guard(events)
+    async for event in events:
+        if encodes is not None and not timing.images:
+            timing.images = encodes.report()
         if event.cached_tokens is not None:
             usage.cached_tokens = event.cached_tokens
         if event.cached_by_tier is not None:

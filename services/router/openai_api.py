@@ -7,8 +7,9 @@ OpenAI-shaped dicts out. The HTTP handlers in service.py only move bytes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -39,14 +40,38 @@ class TextPart(_Body):
     text: str
 
 
+class ImageUrl(_Body):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
 
-    def text(self) -> str:
+    def text(self, image_marker: Callable[[int], str] | None = None, first: int = 0) -> str:
+        """The content as text; image ``first + k`` (the k-th here) as ``image_marker(...)``."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        out, k = [], first
+        for part in self.content:
+            if isinstance(part, TextPart):
+                out.append(part.text)
+            else:
+                assert image_marker is not None, "images are read before the text"
+                out.append(image_marker(k))
+                k += 1
+        return "".join(out)
+
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        if isinstance(self.content, str):
+            return []
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
 
 
 class StreamOptions(_Body):
@@ -105,8 +130,15 @@ def parse(body: bytes, kind: type[_Sampling]) -> _Sampling:
         raise ApiError(400, f"{loc or 'body'}: {msg}", param=loc or None) from None
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.text()} for m in req.messages]
+def chat_messages(
+    req: ChatRequest, image_marker: Callable[[int], str] | None = None
+) -> list[dict[str, str]]:
+    """The messages for the chat template; images (numbered in order) as their markers."""
+    out, k = [], 0
+    for m in req.messages:
+        out.append({"role": m.role, "content": m.text(image_marker, k)})
+        k += len(m.image_parts())
+    return out
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:

@@ -15,6 +15,7 @@ from services.router.dispatch import Dispatcher, DispatchLimits
 from services.router.frontend import Frontend
 from services.router.grpc_api import GrpcApi
 from services.router.http_api import HttpApi
+from services.router.images import ImageLimits
 from services.router.policies import POLICIES
 from services.router.registry import WorkerRegistry
 from services.router.scoring import CostDefaults
@@ -67,7 +68,16 @@ class RouterService(Service):
         )
         dispatcher = Dispatcher(bus, self.service_id, self.registry, policy, limits)
         await dispatcher.start()
-        self.frontend = Frontend(s, dispatcher, Path(self.common.state_dir))
+        image_limits = ImageLimits(
+            max_bytes=s.image_max_bytes,
+            max_pixels=self.common.image_max_pixels,
+            per_request=s.images_per_request,
+            allow_remote=s.allow_remote_images,
+            remote_timeout_s=s.remote_image_timeout_s,
+            encode_timeout_s=s.encode_timeout_s,
+            grid=self.common.vision_grid,
+        )
+        self.frontend = Frontend(s, dispatcher, Path(self.common.state_dir), image_limits)
         server = grpc.aio.server()
         api_pb2_grpc.add_GenerationServicer_to_server(GrpcApi(self.frontend), server)
         port = server.add_insecure_port(f"{s.http_host}:{s.grpc_port}")

@@ -58,6 +58,22 @@ class RouterSettings(ServiceSettings):
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="a request still unanswered after this fails (504)"
     )
+    image_max_bytes: int = Field(
+        default=5 << 20, ge=1, description="bytes per image at most (also NATS's max_payload)"
+    )
+    images_per_request: int = Field(default=8, ge=0, le=256, description="images at most")
+    allow_remote_images: bool = Field(
+        default=False, description="fetch http(s) image URLs (off: data: URLs only, no egress)"
+    )
+    remote_image_timeout_s: float = Field(default=10.0, gt=0, description="to fetch one image")
+    encode_timeout_s: float = Field(
+        default=30.0, gt=0, description="an image not encoded within this fails its request (503)"
+    )
+    encode_ahead: bool = Field(
+        default=True,
+        description="send images to the encoder as soon as a request is checked (off: only "
+        "after tokenizing, and route once they are encoded; for comparison)",
+    )
 
     @field_validator("routing_policy")
     @classmethod

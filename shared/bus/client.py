@@ -16,10 +16,11 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import StorageType, StreamConfig
+from nats.js.api import DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 from shared.messages import Message
+from shared.messages.encode import frame, unframe
 
 log = logging.getLogger(__name__)
 
@@ -136,29 +137,55 @@ class Bus:
         self,
         subject: str,
         req_type: type[M],
-        handler: Callable[[M], Awaitable[Message]],
+        handler: Callable[..., Awaitable[Message]],
         queue: str = "",
+        framed: bool = False,
+        concurrent: bool = False,
     ) -> Subscription:
-        """Answer requests on ``subject``; an exception becomes an error reply, not a crash."""
+        """Answer requests on ``subject``; an exception becomes an error reply, not a crash.
+        ``framed``: requests carry binary data after the message, and the handler is called
+        as ``handler(msg, blob)``. ``concurrent``: each request is handled in a task of its
+        own (nats-py calls a subscription's handler for one message at a time)."""
+        tasks: set[asyncio.Task] = set()
 
-        async def on_msg(raw: Msg) -> None:
-            if not raw.reply:
-                return
+        async def answer(raw: Msg) -> None:
             try:
-                reply = await handler(req_type.from_bytes(raw.data))
+                if framed:
+                    head, blob = unframe(raw.data)
+                    reply = await handler(req_type.from_bytes(head), blob)
+                else:
+                    reply = await handler(req_type.from_bytes(raw.data))
             except Exception as err:  # any failure is the requester's to see
                 log.warning("request on %s failed: %s", subject, err)
                 await self.nc.publish(raw.reply, b"", headers={ERROR_HEADER: str(err) or "error"})
                 return
             await self.nc.publish(raw.reply, reply.to_bytes())
 
+        async def on_msg(raw: Msg) -> None:
+            if not raw.reply:
+                return
+            if not concurrent:
+                await answer(raw)
+                return
+            task = asyncio.create_task(answer(raw))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
         return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
 
     async def request(
-        self, subject: str, msg: Message, reply_type: type[R], timeout_s: float = 2.0
+        self,
+        subject: str,
+        msg: Message,
+        reply_type: type[R],
+        timeout_s: float = 2.0,
+        blob: bytes | None = None,
     ) -> R:
+        """Ask and wait for the typed reply. ``blob``: binary data sent after the message
+        (``frame``), for a handler served with ``serve(..., framed=True)``."""
+        payload = msg.to_bytes() if blob is None else frame(msg, blob)
         try:
-            raw = await self.nc.request(subject, msg.to_bytes(), timeout=timeout_s)
+            raw = await self.nc.request(subject, payload, timeout=timeout_s)
         except nats.errors.NoRespondersError as err:
             raise BusError(f"nobody serves {subject}") from err
         except nats.errors.TimeoutError as err:
@@ -170,15 +197,24 @@ class Bus:
     # -- JetStream ---------------------------------------------------------------------------
 
     async def ensure_stream(
-        self, name: str, subjects: list[str], max_age_s: float = 0, max_bytes: int = -1
+        self,
+        name: str,
+        subjects: list[str],
+        max_age_s: float = 0,
+        max_bytes: int = -1,
+        memory: bool = False,
+        last_per_subject: bool = False,
     ) -> None:
-        """Create the file-backed stream, or update it to this config if it exists."""
+        """Create the stream (file-backed unless ``memory``), or update it to this config if it
+        exists. ``last_per_subject``: keep one message per subject, readable directly."""
         config = StreamConfig(
             name=name,
             subjects=subjects,
-            storage=StorageType.FILE,
+            storage=StorageType.MEMORY if memory else StorageType.FILE,
             max_age=max_age_s,
             max_bytes=max_bytes,
+            max_msgs_per_subject=1 if last_per_subject else -1,
+            allow_direct=last_per_subject,
         )
         try:
             await self.js.stream_info(name)
@@ -191,6 +227,37 @@ class Bus:
         """Publish to a JetStream stream and wait for the store; returns the sequence number."""
         ack = await self.js.publish(subject, msg.to_bytes())
         return ack.seq
+
+    async def put_last(
+        self, subject: str, data: bytes, headers: dict[str, str] | None = None
+    ) -> None:
+        """Store ``data`` as the message of ``subject`` on a last-per-subject stream (it
+        replaces the one before)."""
+        await self.js.publish(subject, data, headers=headers)
+
+    async def wait_last(
+        self, stream: str, subject: str, timeout_s: float
+    ) -> tuple[bytes, dict[str, str]]:
+        """The message of ``subject`` on a last-per-subject stream: at once when it is
+        stored, else the one stored within ``timeout_s`` (BusError after that)."""
+        try:
+            raw = await self.js.get_last_msg(stream, subject, direct=True)
+            return raw.data or b"", dict(raw.headers or {})
+        except NotFoundError:
+            pass
+        # Not there yet: a consumer starting at the subject's last message gets one stored
+        # in between too, then the next one.
+        sub = await self.js.subscribe(
+            subject, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
+        )
+        try:
+            msg = await sub.next_msg(timeout=timeout_s)
+        except nats.errors.TimeoutError:
+            raise BusError(f"nothing on {subject} within {timeout_s:g} s") from None
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return msg.data, dict(msg.headers or {})
 
     async def consume_durable(
         self,

@@ -54,3 +54,16 @@ KV_EVENTS = f"{PREFIX}.kv.events"
 # Request/reply: how many leading blocks of a prompt each location holds (cachemeta answers).
 CACHEMETA_LOOKUP = f"{PREFIX}.cachemeta.lookup"
 CACHEMETA_QUEUE = "cachemeta"
+
+
+# Images: the router sends each image to the encoder pool (request/reply, a queue group);
+# the encoder puts its embeddings on the embeddings stream (in memory, a short max age), one
+# subject per model and image, where the prefill worker that computes the request reads them.
+ENCODE = f"{PREFIX}.encoder.encode"
+ENCODER_QUEUE = "encoder"
+EMBEDS_STREAM = "KVMESH_EMBEDS"
+EMBEDS_ALL = f"{PREFIX}.embeds.>"
+
+
+def embeds(model: str, image_hash: str) -> str:
+    return f"{PREFIX}.embeds.{_token(model)}.{_token(image_hash)}"

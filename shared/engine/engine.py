@@ -51,6 +51,11 @@ class EngineOptions:
     max_running: int = 64  # sequences decoding together
 
 
+# An image in a prompt: the position of its first placeholder token, and its embeddings
+# [tokens, dim], which take the place of those placeholders' token embeddings.
+ImageEmbeds = tuple[int, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class PrefillRequest:
     seq_id: str
@@ -58,6 +63,7 @@ class PrefillRequest:
     params: SamplingParams
     prefix: Prefix | None = None
     handoff: bool = False
+    images: tuple[ImageEmbeds, ...] = ()
 
 
 class Engine(ABC):
@@ -81,12 +87,15 @@ class Engine(ABC):
         token_ids: list[int],
         params: SamplingParams,
         prefix: Prefix | None = None,
-        embeds: torch.Tensor | None = None,
+        images: tuple[ImageEmbeds, ...] = (),
         handoff: bool = False,
         cancelled: Callable[[], bool] | None = None,
     ) -> StepOutput:
         """Compute the prompt past ``prefix``, sample the first token; the sequence then joins
         the decode batch unless that token finished it. Raises PoolExhausted when full.
+
+        ``images``: embeddings spliced in place of their placeholder tokens (only those past
+        the prefix are needed; the prefix's KV already holds the rest).
 
         ``handoff``: the sequence will decode elsewhere: blocks are reserved for the prompt
         only, it never joins the batch; export it with ``export_kv(partial=True)``, then free.
@@ -198,11 +207,11 @@ class TorchEngine(KvIO, Engine):
         token_ids: list[int],
         params: SamplingParams,
         prefix: Prefix | None = None,
-        embeds: torch.Tensor | None = None,
+        images: tuple[ImageEmbeds, ...] = (),
         handoff: bool = False,
         cancelled: Callable[[], bool] | None = None,
     ) -> StepOutput:
-        seq = self._admit(PrefillRequest(seq_id, token_ids, params, prefix, handoff))
+        seq = self._admit(PrefillRequest(seq_id, token_ids, params, prefix, handoff, images))
         n, n_cached = len(token_ids), seq.n_cached
         hidden = None
         chunk = self.options.prefill_chunk
@@ -212,13 +221,13 @@ class TorchEngine(KvIO, Engine):
                 raise Cancelled(f"prefill of {seq_id} cancelled at token {start} of {n}")
             end = min(n, start + chunk)
             seg = Segment(0, end - start, seq.slots(self.block_size, end))
-            rows = embeds[start:end] if embeds is not None else None
+            tokens = torch.tensor(token_ids[start:end])
             hidden = self.model.forward(
-                torch.tensor(token_ids[start:end]),
+                tokens,
                 torch.arange(start, end),
                 [seg],
                 self.cache,
-                rows,
+                self._embeds(tokens, start, images),
             )
         seq.n_cached = n
         assert hidden is not None
@@ -240,14 +249,26 @@ class TorchEngine(KvIO, Engine):
         if not admitted:
             return results
         segments, tokens, positions, row = [], [], [], 0
+        rows: list[torch.Tensor | None] = []
         for _, seq, req in admitted:
             n, start = len(req.token_ids), seq.n_cached
             segments.append(Segment(row, n - start, seq.slots(self.block_size, n)))
-            tokens += req.token_ids[start:]
+            mine = torch.tensor(req.token_ids[start:])
+            tokens.append(mine)
+            rows.append(self._embeds(mine, start, req.images))
             positions += range(start, n)
             row += n - start
+        all_tokens = torch.cat(tokens)
+        embeds = None
+        if any(r is not None for r in rows):  # some prompt has images: every row spelled out
+            embeds = torch.cat(
+                [
+                    r if r is not None else self.model.embed(t)
+                    for r, t in zip(rows, tokens, strict=True)
+                ]
+            )
         hidden = self.model.forward(
-            torch.tensor(tokens), torch.tensor(positions), segments, self.cache
+            all_tokens, torch.tensor(positions), segments, self.cache, embeds
         )
         last_rows = torch.tensor([seg.q_start + seg.q_len - 1 for seg in segments])
         logits = self.model.logits(hidden[last_rows])
@@ -255,6 +276,21 @@ class TorchEngine(KvIO, Engine):
             seq.n_cached = len(req.token_ids)
             results[i] = self._first_token(seq, logits[j], req.handoff)
         return results
+
+    def _embeds(
+        self, tokens: torch.Tensor, start: int, images: tuple[ImageEmbeds, ...]
+    ) -> torch.Tensor | None:
+        """Input rows for ``tokens`` (prompt positions start, start+1, ...): their token
+        embeddings with any image overlapping them spliced in; None when none does."""
+        end = start + len(tokens)
+        overlapping = [(at, e) for at, e in images if at < end and at + len(e) > start]
+        if not overlapping:
+            return None
+        x = self.model.embed(tokens).clone()
+        for at, e in overlapping:
+            lo, hi = max(at, start), min(at + len(e), end)
+            x[lo - start : hi - start] = e[lo - at : hi - at].to(x.dtype)
+        return x
 
     def _admit(self, req: PrefillRequest) -> Sequence:
         """Check a prompt fits, take its blocks (sharing the prefix's), create its sequence."""

@@ -105,6 +105,10 @@ class Transformer:
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)
         return weight * x32.to(x.dtype)
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [N, D]."""
+        return self.w["tok_emb"][tokens]
+
     @torch.inference_mode()
     def forward(
         self,

@@ -36,6 +36,14 @@ class Sampling(Message):
         )
 
 
+class ImageRef(Message):
+    """An image in a prompt: its placeholder tokens, whose embeddings the encoder makes."""
+
+    image_hash: str
+    start: int = Field(ge=0, description="position of its first placeholder token")
+    tokens: int = Field(ge=1)
+
+
 class GenerateTask(Message):
     """Compute a prompt and stream its answer. Sent to a prefill worker, which hands the KV to
     ``decode_id`` at ``decode_kv_address``; or, for a short uncached prompt, straight to the
@@ -54,6 +62,11 @@ class GenerateTask(Message):
     )
     salt: str = Field(default="", description="the tenant salt the hashes were made with")
     retention: Retention = "chat"
+    images: list[ImageRef] = Field(
+        default_factory=list,
+        description="images in the prompt, in order (their embeddings "
+        "come from the embeddings stream)",
+    )
 
 
 class TaskAck(Message):

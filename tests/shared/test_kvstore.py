@@ -43,3 +43,19 @@ def test_memory_store_is_lru_within_capacity() -> None:
     assert mem.leading(["a", "c", "b"]) == 2
     assert mem.put("huge", b"x" * 31) == [] and "huge" not in mem
     mem.check_integrity()
+
+
+def test_an_image_is_hashed_by_its_content_not_its_placeholders() -> None:
+    from shared.messages.generate import ImageRef
+
+    ids = [7] * 10 + [0] * 16 + [9] * 6  # an image's 16 placeholders at 10..25, 8-token blocks
+    a = [ImageRef(image_hash="aa" * 16, start=10, tokens=16)]
+    b = [ImageRef(image_hash="bb" * 16, start=10, tokens=16)]
+    plain, with_a = block_hashes(ids, 8, "m"), block_hashes(ids, 8, "m", images=a)
+    with_b = block_hashes(ids, 8, "m", images=b)
+    assert with_a[0] == plain[0] == with_b[0]  # the block before the image
+    assert len({with_a[1], with_b[1], plain[1]}) == 3  # from the image on, all differ
+    assert with_a[3] != with_b[3]
+    assert block_hashes(ids, 8, "m", images=a) == with_a  # the same image, the same blocks
+    # An answer continuing the prompt (decode stores it) keeps the prompt's hashes.
+    assert block_hashes([*ids, 1, 2, 3, 4, 5, 6, 7, 8], 8, "m", images=a)[:4] == with_a

@@ -1,0 +1,185 @@
+"""Images through real processes (tiny model, seeded random vision tower): encoded once, KV
+reused past a repeated image and never for another one, every bad input refused, and an
+encoder that is slow or gone fails image requests fast while text goes on."""
+
+from __future__ import annotations
+
+import base64
+import io
+import signal
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+from PIL import Image
+
+from shared.natsserver import NatsServer
+from tests.procs import free_port, get_json, service_env, start_services, wait_until
+
+TAIL = "Now say what you see, in detail, " * 25  # text after the image: blocks past it
+
+
+def png(seed: int, size: tuple[int, int] = (300, 200), mode: str = "RGB") -> bytes:
+    img = Image.effect_noise(size, 60 + seed).convert(mode)
+    img.putpixel((seed % size[0], 0), (seed * 37) % 256 if mode == "L" else (seed, 0, 0))
+    out = io.BytesIO()
+    img.save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def ask(*parts: dict | str, role: str = "user") -> list[dict]:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+    return [{"role": role, "content": content}]
+
+
+def image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def ready(url: str) -> bool:
+    _, body = get_json(f"{url}/health")
+    roles = body["roles"]
+    return all(
+        any(w["status"] == "ready" for w in roles[r]) for r in ("prefill", "decode", "encoder")
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp("vision")
+    port = free_port()
+    env = service_env(
+        nats_server.url,
+        tmp,
+        KVMESH_ROUTER_HTTP_PORT=str(port),
+        KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",  # every prompt through the prefill pool
+        KVMESH_ROUTER_IMAGE_MAX_BYTES="200000",
+        KVMESH_ROUTER_ENCODE_TIMEOUT_S="2",
+        KVMESH_ENCODER_MODELS='["tiny"]',
+        KVMESH_ENCODER_THREADS="1",
+        KVMESH_ENCODER_LAYERS="2",
+    )
+    ids = ("cachemeta-0", "router-0", "prefill-0", "decode-0", "encoder-0")
+    procs = start_services(ids, env, tmp)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: ready(url), 90, what="workers and encoder ready")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    yield {"url": url, "procs": procs, "client": client, "dir": tmp}
+    for proc in procs.values():
+        proc.stop()
+
+
+def chat(stack: dict, messages: list[dict], max_tokens: int = 12):
+    return stack["client"].chat.completions.create(
+        model="tiny", messages=messages, max_tokens=max_tokens, temperature=0
+    )
+
+
+def test_the_same_image_twice_is_encoded_once_and_its_kv_reused(stack: dict) -> None:
+    messages = ask("What is in this picture?", image(data_url(png(1))), TAIL)
+    first, second = chat(stack, messages), chat(stack, messages)
+    img1, img2 = first.model_extra["kvmesh"]["images"][0], second.model_extra["kvmesh"]["images"][0]
+    assert img1["tokens"] == 7 * 11  # 300×200 → 7 × 11 tokens of 28 × 28 pixels
+    assert (img1["cached"], img2["cached"]) == (False, True)  # encoded once
+    assert img2["encode_ms"] == 0
+    image_end = img1["start"] + img1["tokens"]
+    assert second.usage.prompt_tokens_details.cached_tokens >= image_end
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens > image_end
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+
+def test_another_image_changes_the_answer_and_hits_nothing_past_it(stack: dict) -> None:
+    a = ask("What is in this picture?", image(data_url(png(2))), TAIL)
+    b = ask("What is in this picture?", image(data_url(png(3))), TAIL)
+    first = chat(stack, a, max_tokens=24)
+    other = chat(stack, b, max_tokens=24)
+    start = other.model_extra["kvmesh"]["images"][0]["start"]
+    assert other.model_extra["kvmesh"]["images"][0]["cached"] is False
+    assert other.usage.prompt_tokens_details.cached_tokens <= start  # only the text before it
+    assert other.choices[0].message.content != first.choices[0].message.content
+
+
+def test_the_next_turn_reuses_the_blocks_past_the_image_in_its_history(stack: dict) -> None:
+    turn1 = ask("Look:", image(data_url(png(4))), TAIL)
+    first = chat(stack, turn1)
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": "A picture of noise."},
+        {"role": "user", "content": "And what else?"},
+    ]
+    second = chat(stack, turn2)
+    assert second.model_extra["kvmesh"]["images"][0]["cached"] is True
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 64 * 64
+
+
+def test_images_in_one_request_are_encoded_together(stack: dict) -> None:
+    urls = [data_url(png(10 + i, (120, 90))) for i in range(3)]
+    resp = chat(stack, ask("Compare", *(image(u) for u in urls)))
+    images = resp.model_extra["kvmesh"]["images"]
+    assert [i["tokens"] for i in images] == [12, 12, 12]  # 120×90 → 3 × 4
+    assert images[1]["start"] == images[0]["start"] + 12
+
+
+TOO_BIG = png(5, (400, 300))  # noise: over 200 KB as PNG
+BOMB = io.BytesIO()
+Image.new("1", (20000, 20000)).save(BOMB, "PNG")  # 48 KB that declare 400 M pixels
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("https://example.com/cat.png", "only data: URLs are accepted"),
+        ("data:image/gif;base64,R0lGODlhAQABAAAAACw=", "media type 'image/gif'"),
+        ("data:image/png;base64,@@not base64@@", "base64 is not valid"),
+        ("data:image/png,rawbytes", "must be base64"),
+        (data_url(b"hello, I am text"), "not a PNG, JPEG or WebP image"),
+        (data_url(TOO_BIG), "larger than 200,000 bytes"),
+        (data_url(BOMB.getvalue()), "more than 25,000,000 pixels"),
+        ("data:image/png;base64," + base64.b64encode(png(6)[:300]).decode(), "damaged"),
+    ],
+)
+def test_a_bad_image_is_refused_naming_its_part(stack: dict, url: str, message: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(stack, ask("see", image(url)))
+    body = err.value.body
+    assert body["param"] == "messages[0].content[1].image_url"
+    assert message in body["message"] and "messages[0].content[1].image_url" in body["message"]
+
+
+def test_too_many_images_and_images_outside_user_messages_are_refused(stack: dict) -> None:
+    url = data_url(png(7, (60, 60)))
+    with pytest.raises(openai.BadRequestError, match="at most 8 images per request"):
+        chat(stack, ask(*(image(url) for _ in range(9))))
+    with pytest.raises(openai.BadRequestError, match="user messages only") as err:
+        chat(stack, ask("you see", image(url), role="assistant") + ask("hi"))
+    assert err.value.body["param"] == "messages[0].content[1].image_url"
+    assert chat(stack, ask("still", image(url))).choices[0].finish_reason  # still serving
+
+
+def test_a_slow_encoder_fails_image_requests_fast_and_text_goes_on(stack: dict) -> None:
+    encoder = stack["procs"]["encoder-0"]
+    encoder.signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as err:
+            chat(stack, ask("see", image(data_url(png(8)))))
+        assert err.value.status_code == 503 and "image encoder" in err.value.message
+        assert time.monotonic() - started < 5  # the 2 s encode timeout, not a hang
+        assert chat(stack, ask("just text")).choices[0].finish_reason
+    finally:
+        encoder.signal(signal.SIGCONT)
+
+
+def test_without_an_encoder_image_requests_get_503_and_text_is_unaffected(stack: dict) -> None:
+    stack["procs"]["encoder-0"].signal(signal.SIGKILL)
+    for _ in range(2):  # at once (nobody answers), and once the router has forgotten it
+        with pytest.raises(openai.APIStatusError) as err:
+            chat(stack, ask("see", image(data_url(png(9)))))
+        assert err.value.status_code == 503 and "encoder" in err.value.message
+        assert chat(stack, ask("just text")).choices[0].finish_reason
+        time.sleep(4)  # three missed heartbeats
