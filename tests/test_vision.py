@@ -10,12 +10,21 @@ import signal
 import time
 from collections.abc import Iterator
 
+import grpc
 import openai
 import pytest
 from PIL import Image
 
 from shared.natsserver import NatsServer
-from tests.procs import free_port, get_json, service_env, start_services, wait_until
+from shared.proto import api_pb2, api_pb2_grpc
+from tests.procs import (
+    free_port,
+    get_json,
+    service_env,
+    start_service,
+    start_services,
+    wait_until,
+)
 
 TAIL = "Now say what you see, in detail, " * 25  # text after the image: blocks past it
 
@@ -52,24 +61,33 @@ def ready(url: str) -> bool:
 @pytest.fixture(scope="module")
 def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("vision")
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     env = service_env(
         nats_server.url,
         tmp,
         KVMESH_ROUTER_HTTP_PORT=str(port),
+        KVMESH_ROUTER_GRPC_PORT=str(grpc_port),
         KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",  # every prompt through the prefill pool
         KVMESH_ROUTER_IMAGE_MAX_BYTES="200000",
         KVMESH_ROUTER_ENCODE_TIMEOUT_S="2",
         KVMESH_ENCODER_MODELS='["tiny"]',
         KVMESH_ENCODER_THREADS="1",
         KVMESH_ENCODER_LAYERS="2",
+        KVMESH_ENCODER_STORE_EMBEDS="true",
     )
     ids = ("cachemeta-0", "router-0", "prefill-0", "decode-0", "encoder-0")
     procs = start_services(ids, env, tmp)
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: ready(url), 90, what="workers and encoder ready")
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    yield {"url": url, "procs": procs, "client": client, "dir": tmp}
+    yield {
+        "url": url,
+        "grpc": f"127.0.0.1:{grpc_port}",
+        "procs": procs,
+        "client": client,
+        "env": env,
+        "dir": tmp,
+    }
     for proc in procs.values():
         proc.stop()
 
@@ -125,6 +143,33 @@ def test_images_in_one_request_are_encoded_together(stack: dict) -> None:
     assert images[1]["start"] == images[0]["start"] + 12
 
 
+def test_grpc_takes_images_as_bytes(stack: dict) -> None:
+    data = png(11)
+    url_answer = chat(stack, ask("What is in this picture?", image(data_url(data)), TAIL))
+    parts = [
+        api_pb2.ContentPart(text="What is in this picture?"),
+        api_pb2.ContentPart(image=api_pb2.Image(data=data, media_type="image/png")),
+        api_pb2.ContentPart(text=TAIL),
+    ]
+    req = api_pb2.GenerateRequest(
+        model="tiny",
+        messages=[api_pb2.ChatMessage(role="user", parts=parts)],
+        max_tokens=12,
+        temperature=0,
+    )
+    with grpc.insecure_channel(stack["grpc"]) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        resp = stub.Generate(req, timeout=30)
+        assert resp.text == url_answer.choices[0].message.content
+        assert resp.usage.cached_tokens >= url_answer.usage.prompt_tokens // 64 * 64
+        bad = api_pb2.ContentPart(image=api_pb2.Image(data=b"nope", media_type="image/png"))
+        req.messages[0].parts.append(bad)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(req, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "messages[0].content[3].image_url" in err.value.details()
+
+
 TOO_BIG = png(5, (400, 300))  # noise: over 200 KB as PNG
 BOMB = io.BytesIO()
 Image.new("1", (20000, 20000)).save(BOMB, "PNG")  # 48 KB that declare 400 M pixels
@@ -159,6 +204,19 @@ def test_too_many_images_and_images_outside_user_messages_are_refused(stack: dic
         chat(stack, ask("you see", image(url), role="assistant") + ask("hi"))
     assert err.value.body["param"] == "messages[0].content[1].image_url"
     assert chat(stack, ask("still", image(url))).choices[0].finish_reason  # still serving
+
+
+def test_embeddings_in_the_storage_tier_outlive_the_encoder(stack: dict) -> None:
+    messages = ask("What is in this picture?", image(data_url(png(12))))
+    first = chat(stack, messages).model_extra["kvmesh"]["images"][0]
+    assert (first["cached"], first["source"]) == (False, "encoded")
+    stack["procs"]["encoder-0"].stop()
+    env = {**stack["env"], "KVMESH_SERVICE_ID": "encoder-0"}
+    stack["procs"]["encoder-0"] = start_service("encoder", env, stack["dir"], "encoder-0b")
+    time.sleep(1.5)  # the old one's "stopped" heartbeat first
+    wait_until(lambda: ready(stack["url"]), 60, what="the encoder back")
+    again = chat(stack, messages).model_extra["kvmesh"]["images"][0]
+    assert (again["cached"], again["source"]) == (True, "storage")
 
 
 def test_a_slow_encoder_fails_image_requests_fast_and_text_goes_on(stack: dict) -> None:

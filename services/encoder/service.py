@@ -22,7 +22,7 @@ import torch
 from services.encoder.settings import EncoderSettings
 from shared.bus import Bus, subjects
 from shared.engine.loader import load_text_model
-from shared.kvstore.backend import MemoryStore
+from shared.kvstore.backend import FileStore, MemoryStore
 from shared.messages.encode import EMBEDS_SHAPE_HEADER, EncodeReply, EncodeRequest
 from shared.messages.heartbeat import Load
 from shared.service import Service
@@ -49,6 +49,9 @@ class EncoderService(Service):
         self.settings: EncoderSettings = settings
         self.towers: dict[str, VisionTower] = {}
         self.cache = MemoryStore(settings.cache_bytes)  # "model:hash" → float32 rows
+        self.files = (
+            FileStore(common.resolved_kv_store_dir / "embeds") if settings.store_embeds else None
+        )
         self.inflight: dict[str, asyncio.Future[tuple[bytes, float]]] = {}
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="tower")
@@ -131,10 +134,13 @@ class EncoderService(Service):
         if content_hash(data) != req.image_hash:
             return failed("the image's bytes do not match its image_hash", "bad_image")
         key = f"{req.model}:{req.image_hash}"
-        embeds, took, cached = self.cache.get(key), 0.0, True
+        embeds, took, source = self.cache.get(key), 0.0, "memory"
+        if embeds is None:
+            embeds = await self._from_files(key)
+            source = "storage"
         if embeds is None:
             job = self.inflight.get(key)
-            cached = job is not None  # another request is encoding it: share that
+            source = "shared" if job else "encoded"  # another request is encoding it: share
             if job is None:
                 job = self.inflight[key] = asyncio.get_running_loop().create_future()
                 job.add_done_callback(lambda _: self.inflight.pop(key, None))
@@ -146,8 +152,11 @@ class EncoderService(Service):
             except Exception as err:
                 log.error("encoding %s failed", req.image_hash, exc_info=err)
                 return failed(f"encoding failed: {err}", "internal")
-            if not cached:
-                self.cache.put(key, embeds)
+            if source == "encoded":
+                self._keep(key, embeds)
+        elif source == "storage":
+            self.cache.put(key, embeds)
+        cached = source != "encoded"
         self.cache_hits += cached
         hidden = self.towers[req.model].config.hidden
         tokens = len(embeds) // (4 * hidden)
@@ -163,8 +172,27 @@ class EncoderService(Service):
             tokens=tokens,
             encoder_id=self.service_id,
             cached=cached,
+            source=source,
             encode_s=took,
         )
+
+    @staticmethod
+    def _file_key(key: str) -> str:
+        return content_hash(key.encode())  # hex, for the store's fan-out directories
+
+    async def _from_files(self, key: str) -> bytes | None:
+        if self.files is None:
+            return None
+        loop = asyncio.get_running_loop()
+        blob = await loop.run_in_executor(None, self.files.get, self._file_key(key))
+        return bytes(blob) if blob is not None else None
+
+    def _keep(self, key: str, embeds: bytes) -> None:
+        """In memory now; in the storage tier behind the reply."""
+        self.cache.put(key, embeds)
+        if self.files is not None:
+            loop = asyncio.get_running_loop()
+            loop.run_in_executor(None, self.files.put, self._file_key(key), embeds)
 
     async def _batcher(self) -> None:
         """Encode what waits, up to max_batch images per pass of the tower."""

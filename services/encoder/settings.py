@@ -34,6 +34,11 @@ class EncoderSettings(ServiceSettings):
     cache_bytes: int = Field(
         default=256 << 20, ge=0, description="embeddings kept by image hash (LRU), bytes"
     )
+    store_embeds: bool = Field(
+        default=False,
+        description="also keep embeddings in the storage tier (<kv_store_dir>/embeds), so "
+        "they outlive this process and are shared by every encoder",
+    )
     embeds_ttl_s: float = Field(
         default=600.0, gt=0, description="how long embeddings stay on the stream for prefill"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import grpc
@@ -19,6 +20,18 @@ _CODES = {
 }
 
 
+def _parts(parts) -> list[dict]:  # noqa: ANN001 (repeated ContentPart)
+    """Content parts as OpenAI's: an image as a data: URL (checked like any other)."""
+    out = []
+    for p in parts:
+        if p.WhichOneof("part") == "image":
+            url = f"data:{p.image.media_type};base64,{base64.b64encode(p.image.data).decode()}"
+            out.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            out.append({"type": "text", "text": p.text})
+    return out
+
+
 def _as_body(req: api_pb2.GenerateRequest) -> tuple[bytes, bool]:
     """The request as an OpenAI JSON body (so both APIs share one set of checks)."""
     body: dict = {"model": req.model, "stop": list(req.stop)}
@@ -31,7 +44,10 @@ def _as_body(req: api_pb2.GenerateRequest) -> tuple[bytes, bool]:
     if chat == req.HasField("prompt"):
         raise ApiError(400, "messages or prompt: give exactly one of them", param="messages")
     if chat:
-        body["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
+        body["messages"] = [
+            {"role": m.role, "content": _parts(m.parts) if m.parts else m.content}
+            for m in req.messages
+        ]
     else:
         body["prompt"] = req.prompt
     return json.dumps(body).encode(), chat

@@ -135,6 +135,7 @@ class Encodes:
                     "start": self.starts[len(out)] if len(self.starts) > len(out) else None,
                     "tokens": img.tokens,
                     "cached": reply.cached if reply else None,
+                    "source": reply.source if reply else None,
                     "encode_ms": round(reply.encode_s * 1e3, 3) if reply else None,
                     "encoder": reply.encoder_id if reply else None,
                 }

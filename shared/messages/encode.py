@@ -27,6 +27,8 @@ class EncodeReply(Message):
     tokens: int = 0
     encoder_id: str = ""
     cached: bool = False  # its embeddings were made before: nothing was encoded now
+    source: Literal["", "encoded", "memory", "storage", "shared"] = ""  # shared: another
+    # request's encode of the same image, in flight
     encode_s: float = 0.0  # decoding, resizing and the tower (0 when cached)
     error: str = ""
     error_code: ImageErrorCode = ""

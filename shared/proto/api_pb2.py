@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16shared/proto/api.proto\x12\rkvmesh.api.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xac\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.kvmesh.api.v1.ChatMessage\x12\x13\n\x06prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x0e\n\x01n\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04user\x18\n \x01(\tB\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_n\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"w\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.kvmesh.api.v1.Usage\"e\n\rGenerateChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.kvmesh.api.v1.Usage2\xab\x01\n\nGeneration\x12K\n\x08Generate\x12\x1e.kvmesh.api.v1.GenerateRequest\x1a\x1f.kvmesh.api.v1.GenerateResponse\x12P\n\x0eGenerateStream\x12\x1e.kvmesh.api.v1.GenerateRequest\x1a\x1c.kvmesh.api.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16shared/proto/api.proto\x12\rkvmesh.api.v1\"W\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\x05parts\x18\x03 \x03(\x0b\x32\x1a.kvmesh.api.v1.ContentPart\"L\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x05image\x18\x02 \x01(\x0b\x32\x14.kvmesh.api.v1.ImageH\x00\x42\x06\n\x04part\")\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x12\n\nmedia_type\x18\x02 \x01(\t\"\xac\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.kvmesh.api.v1.ChatMessage\x12\x13\n\x06prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x0e\n\x01n\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04user\x18\n \x01(\tB\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_n\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"w\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.kvmesh.api.v1.Usage\"e\n\rGenerateChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.kvmesh.api.v1.Usage2\xab\x01\n\nGeneration\x12K\n\x08Generate\x12\x1e.kvmesh.api.v1.GenerateRequest\x1a\x1f.kvmesh.api.v1.GenerateResponse\x12P\n\x0eGenerateStream\x12\x1e.kvmesh.api.v1.GenerateRequest\x1a\x1c.kvmesh.api.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shared.proto.api_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=41
-  _globals['_CHATMESSAGE']._serialized_end=85
-  _globals['_GENERATEREQUEST']._serialized_start=88
-  _globals['_GENERATEREQUEST']._serialized_end=388
-  _globals['_USAGE']._serialized_start=390
-  _globals['_USAGE']._serialized_end=470
-  _globals['_GENERATERESPONSE']._serialized_start=472
-  _globals['_GENERATERESPONSE']._serialized_end=591
-  _globals['_GENERATECHUNK']._serialized_start=593
-  _globals['_GENERATECHUNK']._serialized_end=694
-  _globals['_GENERATION']._serialized_start=697
-  _globals['_GENERATION']._serialized_end=868
+  _globals['_CHATMESSAGE']._serialized_end=128
+  _globals['_CONTENTPART']._serialized_start=130
+  _globals['_CONTENTPART']._serialized_end=206
+  _globals['_IMAGE']._serialized_start=208
+  _globals['_IMAGE']._serialized_end=249
+  _globals['_GENERATEREQUEST']._serialized_start=252
+  _globals['_GENERATEREQUEST']._serialized_end=552
+  _globals['_USAGE']._serialized_start=554
+  _globals['_USAGE']._serialized_end=634
+  _globals['_GENERATERESPONSE']._serialized_start=636
+  _globals['_GENERATERESPONSE']._serialized_end=755
+  _globals['_GENERATECHUNK']._serialized_start=757
+  _globals['_GENERATECHUNK']._serialized_end=858
+  _globals['_GENERATION']._serialized_start=861
+  _globals['_GENERATION']._serialized_end=1032
 # @@protoc_insertion_point(module_scope)
