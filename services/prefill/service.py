@@ -12,6 +12,7 @@ from contextlib import AsyncExitStack
 
 import grpc
 
+from services.prefill.queue import ArrivalQueue
 from services.prefill.settings import PrefillSettings
 from shared.bus import Bus, subjects
 from shared.engine.blocks import PoolExhausted
@@ -39,14 +40,14 @@ class PrefillService(WorkerService):
     def __init__(self, common: CommonSettings, settings: PrefillSettings) -> None:
         super().__init__(common, settings)
         self.settings: PrefillSettings = settings
-        self.queue: asyncio.Queue[GenerateTask] = asyncio.Queue()
+        self.queue = ArrivalQueue()
         self.cancelled: set[str] = set()  # of requests queued or running here
         self.current: set[str] = set()  # requests being computed
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.shipping = asyncio.Semaphore(settings.max_transfers)
         self.transfers: set[asyncio.Task] = set()
-        # Tasks whose images' embeddings are on their way: they join the queue once here, so
-        # a slow encoder holds up only its own requests.
+        # Tasks whose images' embeddings are on their way: they join the queue, at the place
+        # they arrived at, once the embeddings are here.
         self.waiting: dict[str, asyncio.Task] = {}
         self.images: dict[str, tuple[ImageEmbeds, ...]] = {}
 
@@ -76,8 +77,7 @@ class PrefillService(WorkerService):
         bs = self.engine.block_size
         memory = self.tiers.memory
         return sum(
-            max(0, len(t.token_ids) - memory.leading(t.block_hashes) * bs)
-            for t in list(self.queue._queue)  # type: ignore[attr-defined]
+            max(0, len(t.token_ids) - memory.leading(t.block_hashes) * bs) for t in self.queue
         )
 
     async def drain(self) -> None:
@@ -91,14 +91,14 @@ class PrefillService(WorkerService):
         if task.model != self.settings.model:
             return TaskAck(accepted=False, reason=f"this worker serves {self.settings.model}")
         if task.images:
-            waiter = asyncio.create_task(self._queue_with_images(task))
+            waiter = asyncio.create_task(self._queue_with_images(task, self.queue.ticket()))
             self.waiting[task.request_id] = waiter
             waiter.add_done_callback(lambda _: self.waiting.pop(task.request_id, None))
         else:
-            self.queue.put_nowait(task)
+            self.queue.put(task)
         return TaskAck(accepted=True, queued=queued)
 
-    async def _queue_with_images(self, task: GenerateTask) -> None:
+    async def _queue_with_images(self, task: GenerateTask, ticket: int) -> None:
         try:
             self.images[task.request_id] = await self.fetch_images(task)
         except ImagesMissing as err:
@@ -107,7 +107,7 @@ class PrefillService(WorkerService):
                 task.reply_subject, self.error_event(task.request_id, str(err), "unavailable")
             )
             return
-        self.queue.put_nowait(task)
+        self.queue.put(task, ticket)
 
     async def on_cancel(self, cancel: Cancel) -> None:
         rid = cancel.request_id
@@ -115,7 +115,7 @@ class PrefillService(WorkerService):
         if waiter is not None:
             waiter.cancel()
             return
-        if rid in self.current or any(t.request_id == rid for t in self.queue._queue):  # type: ignore[attr-defined]
+        if rid in self.current or any(t.request_id == rid for t in self.queue):
             self.cancelled.add(rid)
 
     async def work(self) -> None:
@@ -148,7 +148,8 @@ class PrefillService(WorkerService):
         batch: list[GenerateTask] = []
         budget = self.settings.prefill_chunk
         while not batch or not self.queue.empty():
-            if batch and len(self.queue._queue[0].token_ids) > budget:  # type: ignore[attr-defined]
+            head = self.queue.peek()
+            if batch and head is not None and len(head.token_ids) > budget:
                 break
             task = await self.queue.get()
             if task.request_id in self.cancelled or time.time() > task.deadline:

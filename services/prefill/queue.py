@@ -1,0 +1,43 @@
+"""The prefill queue: tasks in the order they arrived, including those that join late.
+
+A task with images joins once its embeddings are here, but keeps the place it had when it
+arrived: encoding overlaps its wait in the queue instead of adding to it, and a slow encode
+holds up nobody else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+
+from shared.messages.generate import GenerateTask
+
+
+class ArrivalQueue:
+    def __init__(self) -> None:
+        self._queue: asyncio.PriorityQueue[tuple[int, GenerateTask]] = asyncio.PriorityQueue()
+        self._arrivals = itertools.count()
+
+    def ticket(self) -> int:
+        """A task's place, taken when it arrives."""
+        return next(self._arrivals)
+
+    def put(self, task: GenerateTask, ticket: int | None = None) -> None:
+        self._queue.put_nowait((self.ticket() if ticket is None else ticket, task))
+
+    async def get(self) -> GenerateTask:
+        return (await self._queue.get())[1]
+
+    def peek(self) -> GenerateTask | None:
+        heap = self._queue._queue  # type: ignore[attr-defined]  # a heap: [0] comes next
+        return heap[0][1] if heap else None
+
+    def __iter__(self) -> Iterator[GenerateTask]:
+        return iter([task for _, task in self._queue._queue])  # type: ignore[attr-defined]
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
+
+    def empty(self) -> bool:
+        return self._queue.empty()
