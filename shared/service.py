@@ -31,6 +31,8 @@ from shared.httperrors import openai_errors
 from shared.logs import setup_logging
 from shared.messages.heartbeat import Heartbeat, Load, Role, Status
 from shared.settings import CommonSettings, KvmeshSettings, SettingsError, load_settings
+from shared.telemetry.metrics import LoadCollector, metrics_handler, register_load
+from shared.telemetry.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,11 @@ class Service(ABC):
 
     def addresses(self) -> dict[str, str]:
         return {"http": self.http_url}
+
+    def heartbeat_ages(self) -> list[tuple[str, str, float]] | None:
+        """(role, service id, seconds since its last heartbeat) of each service known here;
+        None where the service keeps no registry (all but the router)."""
+        return None
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(
@@ -168,7 +175,14 @@ async def _run(service: Service) -> None:
         stack.push_async_callback(bus.close)
         await service.start(stack, bus)
         app = web.Application(middlewares=[openai_errors])
-        app.add_routes([web.get("/health", service.health), *service.routes()])
+        register_load(LoadCollector(service.role, service.load, service.heartbeat_ages))
+        app.add_routes(
+            [
+                web.get("/health", service.health),
+                web.get("/metrics", metrics_handler),
+                *service.routes(),
+            ]
+        )
         service.http_url = await serve_http(stack, app, service.settings)
         beats = asyncio.create_task(_publish_heartbeats(service, bus))
         log.info("%s ready: %s (http %s)", service.role, service.service_id, service.http_url)
@@ -199,9 +213,20 @@ def run_service(service_cls: type[Service], settings_cls: type[ServiceSettings])
         print(f"kvmesh {service_cls.role}: {err}", file=sys.stderr)
         return 2
     setup_logging(common.log_level)
+    service = service_cls(common, settings)
+    provider = setup_tracing(
+        service.role,
+        service.service_id,
+        common.trace_exporter,
+        common.trace_endpoint,
+        common.trace_sample_ratio,
+        common.state_dir,
+    )
     try:
-        uvloop.run(_run(service_cls(common, settings)))
+        uvloop.run(_run(service))
     except (SettingsError, BusError) as err:
         log.error("%s", err)
         return 1
+    finally:
+        provider.shutdown()  # the last spans out
     return 0

@@ -85,6 +85,18 @@ class CommonSettings(KvmeshSettings):
         "system mounted at the same path in a cluster); unset: <state_dir>/kvstore",
     )
 
+    trace_exporter: Literal["file", "otlp-grpc", "otlp-http", "console", "none"] = Field(
+        default="file",
+        description="where spans go: JSON lines under <state_dir>/traces (read by `kvmesh "
+        "trace`), OTLP over gRPC or HTTP (Jaeger, Tempo), the console, or nowhere",
+    )
+    trace_endpoint: str = Field(
+        default="", description="OTLP endpoint; empty: OTEL_EXPORTER_OTLP_ENDPOINT or localhost"
+    )
+    trace_sample_ratio: float = Field(
+        default=1.0, ge=0, le=1, description="share of new traces recorded (a parent's choice wins)"
+    )
+
     # How an image becomes placeholder tokens: the router counts them, the encoder makes
     # that many embeddings; both must read the same values.
     image_patch_size: int = Field(default=14, ge=2, le=64, description="ViT patch side, pixels")

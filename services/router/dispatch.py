@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, StatusCode
+
 from services.router.openai_api import ApiError
-from services.router.policies import RouteRequest, RoutingPolicy
+from services.router.policies import Ranked, RouteRequest, RoutingPolicy
 from services.router.registry import WorkerRecord, WorkerRegistry
 from services.router.scoring import DecodeScore, rank_decode
 from services.router.tokens import PrefixHashes, Segments
@@ -25,8 +29,22 @@ from shared.bus import Bus, BusError, subjects
 from shared.kvstore.hashing import block_hashes
 from shared.messages.generate import Cancel, GenerateTask, ImageRef, Sampling, TaskAck, TokenEvent
 from shared.messages.kvevents import STORE, LookupReply, LookupRequest, memory_location
+from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
+
+EXPLAINED_IN_SPANS = 4  # candidates whose terms a route span carries (the best ones)
+
+
+def route_attributes(policy: str, ranked: list[Ranked]) -> dict:
+    """A routing decision as span attributes: the choice and the best candidates' terms."""
+    best = [{"worker": r.service_id, **r.terms} for r in ranked[:EXPLAINED_IN_SPANS]]
+    return {
+        "policy": policy,
+        "chosen": ranked[0].service_id if ranked else "",
+        "candidates": len(ranked),
+        "best_candidates": json.dumps(best, separators=(",", ":")),
+    }
 
 
 @dataclass(frozen=True)
@@ -151,8 +169,20 @@ class Dispatcher:
             self._queues[wire.request_id] = queue
             attempt_ = Attempt()
             started = finished = False
+            # Not the current span across the yields below (the consumer may step this
+            # generator from other tasks): current only while the task is sent.
+            span = tracer.start_span(
+                "generate", kind=SpanKind.CLIENT, attributes={"attempt": attempt}
+            )
             try:
-                await self._send(wire, excluded, attempt_)  # counted in outstanding
+                with trace.use_span(span, end_on_exit=False):
+                    await self._send(wire, excluded, attempt_)  # counted in outstanding
+                span.set_attributes(
+                    {
+                        "workers": list(attempt_.workers),
+                        "chosen": str(attempt_.decision.get("chosen", "")),
+                    }
+                )
                 if decision is not None:
                     decision.clear()
                     decision.update(attempt_.decision)
@@ -165,11 +195,13 @@ class Dispatcher:
                         finished = True
                         return
             except _Failed as failure:
+                span.set_status(StatusCode.ERROR, str(failure))
                 if started or attempt == 2:
                     raise ApiError(503, f"request failed: {failure}", code="unavailable") from None
                 log.warning("%s: %s; retrying on other workers", job.request_id, failure)
                 excluded.update(failure.service_ids)
             finally:
+                span.end()
                 for w in attempt_.workers:
                     self.outstanding.done(w)
                 if attempt_.prefill and not attempt_.prefilled:  # failed or cancelled first
@@ -204,16 +236,21 @@ class Dispatcher:
         """Per location, the leading blocks it holds (cachemeta); {} when it cannot say."""
         if not hashes:
             return {}
-        try:
-            reply = await self.bus.request(
-                subjects.CACHEMETA_LOOKUP,
-                LookupRequest.of(hashes),
-                LookupReply,
-                self.limits.lookup_timeout_s,
-            )
-        except BusError as err:
-            log.warning("cache lookup failed (routing as if nothing is cached): %s", err)
-            return {}
+        with tracer.start_as_current_span(
+            "cachemeta.lookup", kind=SpanKind.CLIENT, attributes={"blocks": len(hashes)}
+        ) as span:
+            try:
+                reply = await self.bus.request(
+                    subjects.CACHEMETA_LOOKUP,
+                    LookupRequest.of(hashes),
+                    LookupReply,
+                    self.limits.lookup_timeout_s,
+                )
+            except BusError as err:
+                log.warning("cache lookup failed (routing as if nothing is cached): %s", err)
+                span.set_status(StatusCode.ERROR, str(err))
+                return {}
+            span.set_attribute("held", json.dumps(reply.counts, sort_keys=True))
         return reply.counts
 
     async def _with_cache_plan(self, job: Job) -> Job:
@@ -257,22 +294,30 @@ class Dispatcher:
         route = RouteRequest(
             job.request_id, len(job.prompt_ids), job.block_size, job.block_hashes, job.cached_blocks
         )
-        if local:
-            plan = [(d, d) for d in decodes]
-            attempt.decision = {"prefill": "on decode", "uncached_tokens": uncached}
-        else:
-            records = {w.service_id: w for w in self._candidates("prefill", job.model, excluded)}
-            for sid, w in records.items():
-                self.policy.reported(sid, w.heartbeat.load.queued_tokens)
-            if not records:
-                self.check_servable(job.model)
-                raise ApiError(503, "every prefill worker failed this request", code="unavailable")
-            ranked = self.policy.rank(route, sorted(records))
-            plan = [(records[r.service_id], decodes[0]) for r in ranked]
-            attempt.decision = {
-                "policy": self.policy.name,
-                "candidates": ranked,  # terms are built when the decision is shown
-            }
+        with tracer.start_as_current_span("route") as span:
+            if local:
+                plan = [(d, d) for d in decodes]
+                attempt.decision = {"prefill": "on decode", "uncached_tokens": uncached}
+                span.set_attributes({"prefill": "on decode", "uncached_tokens": uncached})
+            else:
+                records = {
+                    w.service_id: w for w in self._candidates("prefill", job.model, excluded)
+                }
+                for sid, w in records.items():
+                    self.policy.reported(sid, w.heartbeat.load.queued_tokens)
+                if not records:
+                    self.check_servable(job.model)
+                    raise ApiError(
+                        503, "every prefill worker failed this request", code="unavailable"
+                    )
+                ranked = self.policy.rank(route, sorted(records))
+                plan = [(records[r.service_id], decodes[0]) for r in ranked]
+                attempt.decision = {
+                    "policy": self.policy.name,
+                    "candidates": ranked,  # terms are built when the decision is shown
+                }
+                span.set_attributes(route_attributes(self.policy.name, ranked))
+            span.set_attribute("decode", decodes[0].service_id)
         busy = 0
         for worker, decode in plan:
             task = GenerateTask(

@@ -14,6 +14,9 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
 from services.router.dispatch import Dispatcher, Job
 from services.router.generation import Delta, Timing, stream_text
 from services.router.images import (
@@ -35,10 +38,14 @@ from services.router.openai_api import (
     parse,
 )
 from services.router.settings import RouterSettings
+from services.router.stats import RollingStats
 from services.router.tokens import PromptTokenizer, Segments
 from shared.engine.loader import MODEL_NAMES, TextModel, load_text_model
+from shared.logs import request_scope
 from shared.messages.generate import ImageRef, Sampling
 from shared.messages.kvevents import RETENTIONS
+from shared.telemetry.metrics import INPUT_TOKENS, OUTPUT_TOKENS, REQUESTS, TPOT, TTFT
+from shared.telemetry.tracing import REQUEST_ID, extract, tracer
 
 LONG_TEXT_CHARS = 8192  # above this, tokenizing takes milliseconds: off the event loop
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -93,6 +100,14 @@ class Prepared:
     encodes: Encodes | None = None  # the images' encode requests, in flight
 
 
+@dataclass
+class Handled:
+    """What became of a request, filled in by the API layer as it goes."""
+
+    prepared: Prepared | None = None
+    status: int = 200
+
+
 class Frontend:
     def __init__(
         self,
@@ -100,11 +115,13 @@ class Frontend:
         dispatcher: Dispatcher,
         state_dir: Path,
         image_limits: ImageLimits,
+        stats: RollingStats,
     ) -> None:
         self.settings = settings
         self.dispatcher = dispatcher
         self.state_dir = state_dir
         self.image_limits = image_limits
+        self.stats = stats
         self.inflight = 0
         self._models: dict[str, TextModel] = {}
         self._tokenizers: dict[str, PromptTokenizer] = {}
@@ -126,6 +143,72 @@ class Frontend:
         finally:
             self.inflight -= 1
 
+    @contextlib.contextmanager
+    def handling(self, rid: str, endpoint: str, headers: Mapping[str, str]) -> Iterator[Handled]:
+        """One request's span (its parent: the client's traceparent, if any), its request id
+        on every log line, and, when it is over, its metrics and statistics."""
+        handled = Handled()
+        with (
+            tracer.start_as_current_span(
+                endpoint,
+                context=extract(headers),
+                kind=SpanKind.SERVER,
+                attributes={REQUEST_ID: rid, "http.route": endpoint},
+            ) as span,
+            request_scope(rid),
+        ):
+            try:
+                yield handled
+            except asyncio.CancelledError:
+                handled.status = 499  # the client went away
+                raise
+            except Exception:
+                if handled.status == 200:  # else the API layer has said (gRPC's abort raises)
+                    handled.status = 500
+                raise
+            finally:
+                self._finished(handled, endpoint, span)
+
+    def _finished(self, handled: Handled, endpoint: str, span: trace.Span) -> None:
+        REQUESTS.labels(endpoint, str(handled.status)).inc()
+        span.set_attribute("http.response.status_code", handled.status)
+        p = handled.prepared
+        if p is None:
+            return
+        t, u = p.timing, p.usage
+        cached = u.cached_tokens
+        span.set_attributes(
+            {
+                "model": p.job.model,
+                "traffic_class": p.job.retention,
+                "prompt_tokens": u.prompt_tokens,
+                "cached_tokens": cached,
+                "completion_tokens": u.completion_tokens,
+            }
+        )
+        if handled.status != 200 or not t.first_token_at:
+            return
+        ttft = t.first_token_at - p.received_at
+        generation_s = t.last_token_at - t.first_token_at
+        span.set_attribute("ttft_ms", round(ttft * 1e3, 3))
+        TTFT.observe(ttft)
+        if u.completion_tokens > 1:
+            TPOT.observe(generation_s / (u.completion_tokens - 1))
+        memory = min(cached, t.cached_tokens_by_tier.get("memory", 0))
+        INPUT_TOKENS.labels("computed").inc(max(0, u.prompt_tokens - cached))
+        INPUT_TOKENS.labels("memory").inc(memory)
+        INPUT_TOKENS.labels("storage").inc(cached - memory)
+        OUTPUT_TOKENS.inc(u.completion_tokens)
+        self.stats.record(
+            time.time(),
+            p.job.retention,
+            u.prompt_tokens,
+            cached,
+            u.completion_tokens,
+            ttft,
+            generation_s,
+        )
+
     async def text_model(self, name: str) -> TextModel:
         if name not in self._models:
             async with self._model_lock:
@@ -141,6 +224,12 @@ class Frontend:
     async def _encode(self, model: str, text: str) -> tuple[list[int], Segments]:
         """Token ids and their segments; a long text is tokenized on a thread, so other
         requests keep moving."""
+        with tracer.start_as_current_span("tokenize") as span:
+            ids, segments = await self._encode_text(model, text)
+            span.set_attributes({"chars": len(text), "tokens": len(ids)})
+        return ids, segments
+
+    async def _encode_text(self, model: str, text: str) -> tuple[list[int], Segments]:
         tokenizer = self._tokenizers[model]
         if len(text) < LONG_TEXT_CHARS:
             return tokenizer.encode_segments(text)

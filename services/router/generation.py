@@ -3,6 +3,7 @@ cut, usage and timing counted. Shared by the HTTP and the gRPC API."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ class Timing:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     route: dict = field(default_factory=dict)  # the routing decision, with each candidate's terms
     images: list[dict] = field(default_factory=list)  # per image: tokens, cached, encode_ms
+    first_token_at: float = 0.0  # perf_counter when the first token came, and the last
+    last_token_at: float = 0.0
     explain_all: bool = False  # else only the best EXPLAINED candidates are listed
 
     @property
@@ -89,6 +92,9 @@ async def stream_text(
         if event.cached_by_tier is not None:
             timing.cached_tokens_by_tier = event.cached_by_tier
         usage.completion_tokens += len(event.token_ids)
+        if event.token_ids:
+            timing.last_token_at = time.perf_counter()
+            timing.first_token_at = timing.first_token_at or timing.last_token_at
         timing.prefill_ms += (event.prefill_s or 0.0) * 1e3
         timing.decode_ms += (event.decode_s or 0.0) * 1e3
         timing.kv_bytes += event.kv_bytes or 0

@@ -65,26 +65,34 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
-    async def _prepare(self, req: api_pb2.GenerateRequest, context) -> Prepared:  # noqa: ANN001
-        metadata = dict(context.invocation_metadata() or ())
-        rid = request_id(metadata.get("x-request-id"))
+    async def _prepare(
+        self, req: api_pb2.GenerateRequest, metadata: dict[str, str], rid: str
+    ) -> Prepared:
         body, chat = _as_body(req)
         return await self.frontend.prepare(body, chat, rid, KvOptions.from_headers(metadata))
 
+    @staticmethod
+    def _metadata(context) -> tuple[dict[str, str], str]:  # noqa: ANN001
+        metadata = dict(context.invocation_metadata() or ())
+        return metadata, request_id(metadata.get("x-request-id"))
+
     async def Generate(self, request, context):  # noqa: ANN001, ANN201, N802
-        try:
-            with self.frontend.admitted():
-                p = await self._prepare(request, context)
-                parts, finish = [], "stop"
-                deltas = self.frontend.deltas(p)
-                try:
-                    async for delta in deltas:
-                        parts.append(delta.text)
-                        finish = delta.finish_reason or finish
-                finally:
-                    await deltas.aclose()
-        except ApiError as err:
-            await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+        metadata, rid = self._metadata(context)
+        with self.frontend.handling(rid, "/kvmesh.api.v1.Generation/Generate", metadata) as h:
+            try:
+                with self.frontend.admitted():
+                    p = h.prepared = await self._prepare(request, metadata, rid)
+                    parts, finish = [], "stop"
+                    deltas = self.frontend.deltas(p)
+                    try:
+                        async for delta in deltas:
+                            parts.append(delta.text)
+                            finish = delta.finish_reason or finish
+                    finally:
+                        await deltas.aclose()
+            except ApiError as err:
+                h.status = err.status
+                await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
         return api_pb2.GenerateResponse(
             id=p.shape.response_id,
             model=p.job.model,
@@ -94,20 +102,24 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
         )
 
     async def GenerateStream(self, request, context):  # noqa: ANN001, ANN201, N802
-        try:
-            with self.frontend.admitted():
-                p = await self._prepare(request, context)
-                deltas = self.frontend.deltas(p)
-                try:
-                    async for delta in deltas:
-                        last = delta.finish_reason is not None
-                        yield api_pb2.GenerateChunk(
-                            id=p.shape.response_id,
-                            text=delta.text,
-                            finish_reason=delta.finish_reason or "",
-                            usage=_usage(p) if last else None,
-                        )
-                finally:
-                    await deltas.aclose()
-        except ApiError as err:
-            await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+        metadata, rid = self._metadata(context)
+        endpoint = "/kvmesh.api.v1.Generation/GenerateStream"
+        with self.frontend.handling(rid, endpoint, metadata) as h:
+            try:
+                with self.frontend.admitted():
+                    p = h.prepared = await self._prepare(request, metadata, rid)
+                    deltas = self.frontend.deltas(p)
+                    try:
+                        async for delta in deltas:
+                            last = delta.finish_reason is not None
+                            yield api_pb2.GenerateChunk(
+                                id=p.shape.response_id,
+                                text=delta.text,
+                                finish_reason=delta.finish_reason or "",
+                                usage=_usage(p) if last else None,
+                            )
+                    finally:
+                        await deltas.aclose()
+            except ApiError as err:
+                h.status = err.status
+                await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)

@@ -49,15 +49,18 @@ class HttpApi:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         rid = request_id(request.headers.get("x-request-id"))
-        try:
-            with self.frontend.admitted():
-                kv = KvOptions.from_headers(request.headers)
-                p = await self.frontend.prepare(await request.read(), chat, rid, kv)
-                if p.stream:
-                    return await self._stream(request, p)
-                return await self._whole(p)
-        except ApiError as err:
-            return _api_error(err, rid)
+        with self.frontend.handling(rid, request.path, request.headers) as handled:
+            try:
+                with self.frontend.admitted():
+                    kv = KvOptions.from_headers(request.headers)
+                    p = await self.frontend.prepare(await request.read(), chat, rid, kv)
+                    handled.prepared = p
+                    resp = await (self._stream(request, p) if p.stream else self._whole(p))
+                    handled.status = resp.status
+                    return resp
+            except ApiError as err:
+                handled.status = err.status
+                return _api_error(err, rid)
 
     async def _whole(self, p: Prepared) -> web.Response:
         deltas = self.frontend.deltas(p)

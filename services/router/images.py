@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
+from opentelemetry.trace import SpanKind, StatusCode
 
 from services.router.openai_api import ApiError
 from services.router.registry import WorkerRegistry
@@ -24,6 +25,8 @@ from shared.bus import Bus, BusError, subjects
 from shared.kvstore.hashing import image_stream
 from shared.messages.encode import EncodeReply, EncodeRequest
 from shared.messages.generate import ImageRef, TokenEvent
+from shared.telemetry.metrics import BYTES
+from shared.telemetry.tracing import tracer
 from shared.vision.grid import VisionGrid
 from shared.vision.images import BadImage, content_hash, decode_data_url, probe
 
@@ -196,10 +199,20 @@ def join_prompt(
 
 async def _encode(bus: Bus, model: str, img: ImageInput, timeout_s: float) -> EncodeReply:
     req = EncodeRequest(model=model, image_hash=img.image_hash, tokens=img.tokens)
-    try:
-        return await bus.request(subjects.ENCODE, req, EncodeReply, timeout_s, blob=img.data)
-    except BusError as err:
-        raise ApiError(503, f"image encoder: {err}", code="encoder_unavailable") from None
+    attributes = {"image_hash": img.image_hash, "tokens": img.tokens, "bytes": len(img.data)}
+    with tracer.start_as_current_span(
+        "encode", kind=SpanKind.CLIENT, attributes=attributes
+    ) as span:
+        BYTES.labels("image", "out").inc(len(img.data))
+        try:
+            reply = await bus.request(subjects.ENCODE, req, EncodeReply, timeout_s, blob=img.data)
+        except BusError as err:
+            span.set_status(StatusCode.ERROR, str(err))
+            raise ApiError(503, f"image encoder: {err}", code="encoder_unavailable") from None
+        span.set_attributes(
+            {"encoder": reply.encoder_id, "source": reply.source, "error": reply.error}
+        )
+        return reply
 
 
 def check_encoders(registry: WorkerRegistry, model: str) -> None:

@@ -20,6 +20,7 @@ from services.router.policies import POLICIES
 from services.router.registry import WorkerRegistry
 from services.router.scoring import CostDefaults
 from services.router.settings import RouterSettings
+from services.router.stats import RollingStats
 from shared.bus import Bus, subjects
 from shared.messages.heartbeat import (
     ROLES,
@@ -42,6 +43,7 @@ class RouterService(Service):
         super().__init__(common, settings)
         self.settings: RouterSettings = settings
         self.registry = WorkerRegistry(missed_beats=settings.missed_heartbeats)
+        self.stats = RollingStats(time.time())
         self.frontend: Frontend | None = None
         self.grpc_address = ""
 
@@ -77,7 +79,9 @@ class RouterService(Service):
             encode_timeout_s=s.encode_timeout_s,
             grid=self.common.vision_grid,
         )
-        self.frontend = Frontend(s, dispatcher, Path(self.common.state_dir), image_limits)
+        self.frontend = Frontend(
+            s, dispatcher, Path(self.common.state_dir), image_limits, self.stats
+        )
         server = grpc.aio.server()
         api_pb2_grpc.add_GenerationServicer_to_server(GrpcApi(self.frontend), server)
         port = server.add_insecure_port(f"{s.http_host}:{s.grpc_port}")
@@ -93,6 +97,10 @@ class RouterService(Service):
     def load(self) -> Load:
         return Load(inflight=self.frontend.inflight if self.frontend else 0)
 
+    def heartbeat_ages(self) -> list[tuple[str, str, float]]:
+        now = time.monotonic()
+        return [(r.heartbeat.role, r.service_id, r.age(now)) for r in self.registry.workers()]
+
     async def drain(self) -> None:
         while self.frontend and self.frontend.inflight:
             await asyncio.sleep(0.05)
@@ -107,6 +115,8 @@ class RouterService(Service):
         """Drop services that missed their heartbeats, a few times per beat interval."""
         while True:
             await asyncio.sleep(min(0.25, self.common.heartbeat_interval_s / 4))
+            workers = sum(len(self.registry.ready(r)) for r in ("prefill", "decode"))
+            self.stats.tick(time.time(), workers)
             for record in self.registry.expire(time.monotonic()):
                 log.warning(
                     "dropped %s %s: no heartbeat for %.1f s",
@@ -124,7 +134,15 @@ class RouterService(Service):
 
     def routes(self) -> list[web.RouteDef]:
         assert self.frontend is not None
-        return [web.get("/v1/models", self.list_models), *HttpApi(self.frontend).routes()]
+        return [
+            web.get("/v1/models", self.list_models),
+            web.get("/v1/stats", self.operator_stats),
+            *HttpApi(self.frontend).routes(),
+        ]
+
+    async def operator_stats(self, request: web.Request) -> web.Response:
+        """The operator's summary (services/router/stats.py), overall and per traffic class."""
+        return web.json_response(self.stats.report(time.time()))
 
     async def health(self, request: web.Request) -> web.Response:
         """Each role with its services; 200 when every role has a ready one, else 503."""

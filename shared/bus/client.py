@@ -2,6 +2,7 @@
 
 A ``Bus`` owns one nats-py connection that reconnects forever when the server goes away;
 subscriptions are restored by nats-py on reconnect. Payloads are ``Message`` models as JSON.
+Requests carry the current trace context in their headers; handlers run inside it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from nats.js.errors import NotFoundError
 
 from shared.messages import Message
 from shared.messages.encode import frame, unframe
+from shared.telemetry.tracing import attached, extract, inject
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +151,10 @@ class Bus:
         tasks: set[asyncio.Task] = set()
 
         async def answer(raw: Msg) -> None:
+            with attached(extract(raw.headers)):  # the requester's span is the parent
+                await respond(raw)
+
+        async def respond(raw: Msg) -> None:
             try:
                 if framed:
                     head, blob = unframe(raw.data)
@@ -185,7 +191,7 @@ class Bus:
         (``frame``), for a handler served with ``serve(..., framed=True)``."""
         payload = msg.to_bytes() if blob is None else frame(msg, blob)
         try:
-            raw = await self.nc.request(subject, payload, timeout=timeout_s)
+            raw = await self.nc.request(subject, payload, timeout=timeout_s, headers=inject())
         except nats.errors.NoRespondersError as err:
             raise BusError(f"nobody serves {subject}") from err
         except nats.errors.TimeoutError as err:

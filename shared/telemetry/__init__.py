@@ -1,0 +1,1 @@
+"""Traces (OpenTelemetry) and metrics (Prometheus) of every service."""

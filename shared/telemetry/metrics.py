@@ -1,0 +1,102 @@
+"""Prometheus metrics: every service serves them at GET /metrics.
+
+The metric objects live in prometheus_client's process-wide registry (its design: one process,
+one registry); each service updates the ones that concern it. What a service already keeps as
+its load (requests in flight and queued, KV pool, queued tokens) is read at scrape time, not
+copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from shared.messages.heartbeat import Load
+
+# The router's view of requests.
+REQUESTS = Counter(
+    "kvmesh_requests", "requests answered, by endpoint and HTTP status", ["endpoint", "status"]
+)
+TTFT = Histogram(
+    "kvmesh_ttft_seconds",
+    "time to first token, as the router saw it",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+TPOT = Histogram(
+    "kvmesh_tpot_seconds",
+    "time per output token after the first, per request",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+INPUT_TOKENS = Counter(
+    "kvmesh_input_tokens", "prompt tokens by where their KV came from", ["source"]
+)  # computed, memory, storage
+OUTPUT_TOKENS = Counter("kvmesh_output_tokens", "tokens generated")
+
+# Bytes over each link: handoff (prefill → decode KV), store_write / store_read (storage
+# tier), image (router → encoder), embeds (encoder → stream → prefill).
+BYTES = Counter("kvmesh_bytes", "bytes moved, by link and direction", ["link", "direction"])
+
+# Workers and the encoder.
+PREFILL_TOKENS = Counter(
+    "kvmesh_prefill_tokens", "prompt tokens a worker prefilled, computed or reused", ["kind"]
+)
+IMAGES = Counter(
+    "kvmesh_images", "images answered by the encoder, by where embeddings came from", ["source"]
+)
+
+
+class LoadCollector(Collector):
+    """The service's Load (and, on the router, each known service's heartbeat age) at scrape
+    time."""
+
+    def __init__(
+        self,
+        role: str,
+        load: Callable[[], Load],
+        heartbeat_ages: Callable[[], list[tuple[str, str, float]] | None],
+    ) -> None:
+        self.role = role
+        self.load = load
+        self.heartbeat_ages = heartbeat_ages
+
+    def collect(self):  # noqa: ANN201
+        load = self.load()
+        for name, help_, value in (
+            ("kvmesh_inflight_requests", "requests being worked on", load.inflight),
+            ("kvmesh_queued_requests", "requests waiting to start", load.queued),
+            ("kvmesh_queued_tokens", "prefill: uncached prompt tokens waiting", load.queued_tokens),
+            ("kvmesh_kv_blocks_used", "KV pool blocks in use", load.kv_blocks_used),
+            ("kvmesh_kv_blocks_total", "KV pool blocks", load.kv_blocks_total),
+            (
+                "kvmesh_kv_write_skips",
+                "blocks not stored (write-behind queue full)",
+                load.kv_write_skips,
+            ),
+        ):
+            g = GaugeMetricFamily(name, help_, labels=["role"])
+            g.add_metric([self.role], value)
+            yield g
+        ages = self.heartbeat_ages()
+        if ages is not None:
+            g = GaugeMetricFamily(
+                "kvmesh_heartbeat_age_seconds",
+                "seconds since each known service's last heartbeat",
+                labels=["role", "service_id"],
+            )
+            for role, sid, age in ages:
+                g.add_metric([role, sid], age)
+            yield g
+
+
+def register_load(collector: LoadCollector) -> None:
+    REGISTRY.register(collector)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    return web.Response(
+        body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )

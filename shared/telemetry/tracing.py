@@ -1,0 +1,158 @@
+"""One trace per request, across every service it touches.
+
+Each process sets up a TracerProvider at start (``setup_tracing``) with the exporter the
+``KVMESH_TRACE_EXPORTER`` setting names: ``file`` (JSON lines under the state dir, one file per
+service: what `kvmesh trace` reads; the default), ``otlp-grpc`` / ``otlp-http`` (Jaeger, Tempo;
+endpoint from ``KVMESH_TRACE_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``), ``console`` or
+``none``. Spans are exported in batches on the SDK's own thread, off the request path.
+
+Context crosses processes as W3C trace context: in NATS message headers (``Bus`` injects it
+into every request and extracts it around every handler) and in gRPC metadata (the KV handoff).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+log = logging.getLogger(__name__)
+
+EXPORTERS = ("file", "otlp-grpc", "otlp-http", "console", "none")
+REQUEST_ID = "kvmesh.request_id"  # the attribute `kvmesh trace` finds a request by
+
+tracer = trace.get_tracer("kvmesh")
+
+
+def trace_files(state_dir: Path) -> Path:
+    return Path(state_dir) / "traces"
+
+
+class JsonLinesExporter(SpanExporter):
+    """Each finished span as one JSON line in ``path``; past ``max_bytes`` the file moves to
+    ``<path>.1`` (the one before is dropped), so a long-running service keeps two files."""
+
+    def __init__(self, path: Path, max_bytes: int = 100 << 20) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = "".join(json.dumps(span_record(s), separators=(",", ":")) + "\n" for s in spans)
+        with self._lock:
+            try:
+                if self.path.exists() and self.path.stat().st_size > self.max_bytes:
+                    os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(lines)
+            except OSError as err:
+                log.warning("cannot write spans to %s: %s", self.path, err)
+                return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def span_record(span: ReadableSpan) -> dict:
+    ctx = span.get_span_context()
+    parent = span.parent
+    resource = span.resource.attributes if span.resource else {}
+    return {
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_id": f"{parent.span_id:016x}" if parent else None,
+        "name": span.name,
+        "kind": span.kind.name.lower(),
+        "service": resource.get("service.name", ""),
+        "service_id": resource.get("service.instance.id", ""),
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name.lower(),
+        "attributes": dict(span.attributes or {}),
+    }
+
+
+def _exporter(kind: str, endpoint: str, path: Path) -> SpanExporter | None:
+    if kind == "file":
+        return JsonLinesExporter(path)
+    if kind == "console":
+        return ConsoleSpanExporter()
+    if kind == "otlp-grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=endpoint or None, insecure=True)
+    if kind == "otlp-http":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HttpExporter,
+        )
+
+        url = f"{endpoint.rstrip('/')}/v1/traces" if endpoint else None
+        return HttpExporter(endpoint=url)
+    return None
+
+
+def setup_tracing(
+    role: str, service_id: str, exporter: str, endpoint: str, sample_ratio: float, state_dir: Path
+) -> TracerProvider:
+    """The process's tracer provider, exporting as ``exporter`` says (see the module doc)."""
+    resource = Resource.create(
+        {"service.name": f"kvmesh-{role}", "service.instance.id": service_id}
+    )
+    provider = TracerProvider(
+        resource=resource, sampler=ParentBased(TraceIdRatioBased(sample_ratio))
+    )
+    out = _exporter(exporter, endpoint, trace_files(state_dir) / f"{service_id}.jsonl")
+    if out is not None:
+        provider.add_span_processor(BatchSpanProcessor(out))
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+# -- context across processes ------------------------------------------------------------------
+
+
+def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
+    """``headers`` with the current trace context added (traceparent, tracestate)."""
+    headers = dict(headers or {})
+    propagate.inject(headers)
+    return headers
+
+
+def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
+    return propagate.extract(dict(headers or {}))
+
+
+@contextmanager
+def attached(ctx: otel_context.Context) -> Iterator[None]:
+    """Run the block with ``ctx`` as the current trace context."""
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+def current_ids() -> tuple[str, str]:
+    """(trace id, span id) of the current span, hex; empty when there is none."""
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return "", ""
+    return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
