@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, StatusCode
 from pydantic import Field, field_validator
 
 from shared.bus import Bus, subjects
@@ -21,13 +24,15 @@ from shared.engine.loader import MODEL_NAMES, load_model
 from shared.engine.sequence import StepOutput
 from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
-from shared.kvstore.tiers import CachedPrefix, KvTiers
+from shared.kvstore.tiers import MEMORY, STORAGE, CachedPrefix, KvTiers
 from shared.messages.encode import EMBEDS_SHAPE_HEADER
 from shared.messages.generate import Cancel, GenerateTask, ImageRef, TokenEvent
 from shared.messages.heartbeat import Load
 from shared.runner import EngineRunner
 from shared.service import Service, ServiceSettings
 from shared.settings import CommonSettings
+from shared.telemetry.metrics import BYTES
+from shared.telemetry.tracing import REQUEST_ID, tracer
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +102,27 @@ class WorkerService(Service):
         self.bus: Bus | None = None
         self.runner: EngineRunner | None = None
         self.tiers: KvTiers | None = None
+        self.spans: dict[str, Span] = {}  # each request's span here, open until it leaves
+
+    # -- a request's span here (its steps are its children) ---------------------------------
+
+    def open_span(self, rid: str, name: str, **attributes: object) -> None:
+        """The request's span in this worker, a child of the sender's (the current context)."""
+        attrs = {REQUEST_ID: rid, "worker": self.service_id, **attributes}
+        self.spans[rid] = tracer.start_span(name, kind=SpanKind.SERVER, attributes=attrs)
+
+    def span_context(self, rid: str) -> otel_context.Context:
+        span = self.spans.get(rid)
+        return trace.set_span_in_context(span) if span else otel_context.get_current()
+
+    def close_span(self, rid: str, error: str = "", **attributes: object) -> None:
+        span = self.spans.pop(rid, None)
+        if span is None:
+            return
+        span.set_attributes(attributes)  # type: ignore[arg-type]
+        if error:
+            span.set_status(StatusCode.ERROR, error)
+        span.end()
 
     @property
     def engine(self) -> TorchEngine:
@@ -151,6 +177,17 @@ class WorkerService(Service):
         them there; they may still be on their way). Raises ImagesMissing."""
         assert self.bus is not None
         wait = min(self.worker_settings.embeds_wait_s, max(0.0, task.deadline - time.time()))
+        with tracer.start_as_current_span(
+            "embeds.wait",
+            context=self.span_context(task.request_id),
+            attributes={"images": len(task.images)},
+        ) as span:
+            images = await self._fetch_images(task, wait)
+            span.set_attribute("bytes", sum(e.numel() * 4 for _, e in images))
+        return images
+
+    async def _fetch_images(self, task: GenerateTask, wait: float) -> tuple[ImageEmbeds, ...]:
+        assert self.bus is not None
         dim = self.engine.config.dim
 
         async def one(i: int, ref: ImageRef) -> ImageEmbeds:
@@ -169,6 +206,7 @@ class WorkerService(Service):
                     f"{ref.tokens}×{dim}"
                 )
             rows = torch.frombuffer(bytearray(data), dtype=torch.float32).view(tokens, hidden)
+            BYTES.labels("embeds", "in").inc(len(data))
             return ref.start, rows
 
         return tuple(await asyncio.gather(*(one(i, r) for i, r in enumerate(task.images))))
@@ -177,6 +215,22 @@ class WorkerService(Service):
         """The longest cached prefix of the prompt, loaded into engine blocks (held: release
         after prefill). A block failing its checksums is dropped from its tier and reported;
         the prefix then ends before it."""
+        with tracer.start_as_current_span(
+            "kv.load", context=self.span_context(task.request_id)
+        ) as span:
+            prefix, cached = await self._load_prefix(task)
+            blocks = cached.tokens_by_tier(1)  # tier → blocks
+            span.set_attributes(
+                {
+                    "memory_blocks": blocks[MEMORY],
+                    "storage_blocks": blocks[STORAGE],
+                    "bytes": sum(len(b) for b in cached.blobs),
+                    "block_size": self.engine.block_size,
+                }
+            )
+        return prefix, cached
+
+    async def _load_prefix(self, task: GenerateTask) -> tuple[Prefix | None, CachedPrefix]:
         assert self.tiers is not None
         limit = (len(task.token_ids) - 1) // self.engine.block_size  # leave a token to compute
         cached = await self.tiers.read_prefix(task.block_hashes[:limit])
@@ -197,9 +251,15 @@ class WorkerService(Service):
         return None, cached
 
     def store_blocks(
-        self, task: GenerateTask, first: int, blobs: list[bytes], token_ids: list[int]
+        self,
+        task: GenerateTask,
+        first: int,
+        blobs: list[bytes],
+        token_ids: list[int],
+        context: otel_context.Context | None = None,
     ) -> None:
-        """Blocks ``first`` .. of ``token_ids`` computed here: to both tiers, behind the path."""
+        """Blocks ``first`` .. of ``token_ids`` computed here: to both tiers, behind the path
+        (their span goes under the request's)."""
         if not blobs or self.tiers is None:
             return
         if len(token_ids) == len(task.token_ids) and task.block_hashes:
@@ -212,7 +272,12 @@ class WorkerService(Service):
                 task.salt,
                 images=task.images,
             )
-        self.tiers.write_behind(hashes[first : first + len(blobs)], blobs, task.retention)
+        self.tiers.write_behind(
+            hashes[first : first + len(blobs)],
+            blobs,
+            task.retention,
+            context or self.span_context(task.request_id),
+        )
 
     @property
     def store_dtype(self) -> str | None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
+from opentelemetry.trace import SpanKind
 
 from services.cachemeta.index import BlockIndex
 from services.cachemeta.settings import CachemetaSettings
@@ -29,6 +30,7 @@ from shared.messages.heartbeat import Heartbeat, Load
 from shared.messages.kvevents import STORE, KvEvent, LookupReply, LookupRequest, memory_location
 from shared.service import Service
 from shared.settings import CommonSettings
+from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,18 @@ class CachemetaService(Service):
     # -- questions and housekeeping --------------------------------------------------------
 
     async def on_lookup(self, req: LookupRequest) -> LookupReply:
+        with tracer.start_as_current_span("cachemeta.lookup", kind=SpanKind.SERVER) as span:
+            reply = self._lookup(req)
+            span.set_attributes(
+                {
+                    "blocks": len(req.hashes),
+                    "indexed_blocks": len(self.index),
+                    "held": json.dumps(reply.counts, sort_keys=True),
+                }
+            )
+        return reply
+
+    def _lookup(self, req: LookupRequest) -> LookupReply:
         now = time.time()
         hashes = req.hashes
         counts = self.index.lookup(hashes, now, touch=False)

@@ -12,6 +12,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import context as otel_context
 
 from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
@@ -23,6 +24,8 @@ from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck,
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.settings import CommonSettings
+from shared.telemetry.metrics import BYTES, PREFILL_TOKENS
+from shared.telemetry.tracing import attached, extract, tracer
 from shared.worker import ImagesMissing, WorkerService
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class Active:
     kv_bytes: int | None = None  # reported once, on the first event after the handoff
     kv_transfer_s: float | None = None
     cancelled: bool = False
+    joined_at: float = 0.0  # perf_counter when it joined the batch (for its time per token)
 
 
 class DecodeService(WorkerService):
@@ -85,6 +89,7 @@ class DecodeService(WorkerService):
         if not self.engine.can_admit(len(task.token_ids), params, None):
             return TaskAck(accepted=False, reason="busy", queued=self.pending)
         self.pending += 1
+        self.open_span(task.request_id, "decode", prompt_tokens=len(task.token_ids), local=True)
         prefill = asyncio.create_task(self.prefill_here(task))
         self.prefills.add(prefill)
         prefill.add_done_callback(self.prefills.discard)
@@ -100,6 +105,7 @@ class DecodeService(WorkerService):
     async def drop(self, rid: str) -> None:
         """Forget a request and give its KV blocks back."""
         if self.active.pop(rid, None) is not None:
+            self.close_span(rid, error="dropped (cancelled, or the handoff did not complete)")
             await self.runner.call(self.engine.abort, rid)
             log.info("dropped %s", rid)
 
@@ -116,13 +122,16 @@ class DecodeService(WorkerService):
         except ImagesMissing as err:
             self.pending -= 1
             self.active.pop(rid, None)
+            self.close_span(rid, error=str(err))
             await self.send(task.reply_subject, self.error_event(rid, str(err), "unavailable"))
             return
         prefix, cached = await self.load_prefix(task)
+        started_ns = time.time_ns()
         try:
             out, took = await self.runner.call(self._timed_prefill, task, prefix, images)
         except (PoolExhausted, ValueError) as err:
             self.active.pop(rid, None)
+            self.close_span(rid, error=str(err))
             code = "busy" if isinstance(err, PoolExhausted) else "internal"
             await self.send(task.reply_subject, self.error_event(rid, str(err), code))
             return
@@ -130,9 +139,26 @@ class DecodeService(WorkerService):
             self.pending -= 1
             if prefix is not None:  # the sequence holds its own share
                 self.runner.submit(self.engine.release, prefix)
+        reused = len(cached.blobs) * self.engine.block_size
+        PREFILL_TOKENS.labels("computed").inc(len(task.token_ids) - reused)
+        PREFILL_TOKENS.labels("reused").inc(reused)
+        span = tracer.start_span(
+            "prefill.compute",
+            context=self.span_context(rid),
+            start_time=started_ns,
+            attributes={
+                "tokens_computed": len(task.token_ids) - reused,
+                "tokens_reused": reused,
+                "batch": 1,
+                "images": len(task.images),
+            },
+        )
+        span.end()
         if active.cancelled:
+            self.close_span(rid, error="cancelled")
             await self.runner.call(self.engine.abort, rid)
             return
+        active.joined_at = time.perf_counter()
         await self.send(task.reply_subject, self.first_token_event(rid, out, cached, took))
         n_full = len(task.token_ids) // self.engine.block_size
         new = await self.runner.call(
@@ -163,12 +189,14 @@ class DecodeService(WorkerService):
         self.engine.free(rid)
         return first, blobs, tokens
 
-    def _store_answer(self, task: GenerateTask, done: asyncio.Future) -> None:
+    def _store_answer(
+        self, task: GenerateTask, context: otel_context.Context, done: asyncio.Future
+    ) -> None:
         if done.cancelled() or done.exception() is not None:
             log.warning("answer blocks of %s not stored: %s", task.request_id, done.exception())
             return
         first, blobs, tokens = done.result()
-        self.store_blocks(task, first, blobs, tokens)
+        self.store_blocks(task, first, blobs, tokens, context)
 
     def publish(self, outputs: list[StepOutput], took: float) -> None:
         """A step's tokens as events, sent in order behind the previous step's."""
@@ -202,11 +230,22 @@ class DecodeService(WorkerService):
             active.kv_bytes = active.kv_transfer_s = None
             if finish:  # freed on the engine thread before its next step; nobody waits
                 del self.active[out.seq_id]
+                context = self.span_context(out.seq_id)  # for the answer's "kv.store"
+                tokens = active.next_index
+                per_token = (time.perf_counter() - active.joined_at) / max(1, tokens - 1)
+                self.close_span(
+                    out.seq_id,
+                    error="aborted: past its deadline" if finish == "abort" else "",
+                    tokens=tokens,
+                    tpot_ms=round(per_token * 1e3, 3),
+                    finish_reason=finish,
+                )
                 if finish == "abort":
                     self.runner.submit(self.engine.abort, out.seq_id)
                 else:  # the answer's blocks are kept, so the next turn reuses them too
                     done = self.runner.call(self._finish, out.seq_id)
-                    done.add_done_callback(functools.partial(self._store_answer, active.task))
+                    store = functools.partial(self._store_answer, active.task, context)
+                    done.add_done_callback(store)
         previous = self._publishing
         self._publishing = asyncio.create_task(self._send_all(previous, events))
 
@@ -243,15 +282,19 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
             yield kv_pb2.HandoffStatus(ok=False, code=code, error=str(err))
             return
         svc.active[rid] = active = Active(task, next_index=1)
+        with attached(extract(dict(context.invocation_metadata() or ()))):
+            svc.open_span(rid, "decode", prompt_tokens=len(task.token_ids))
         joined = False
         try:
             yield kv_pb2.HandoffStatus(ok=True)
             data = bytearray()
             started: float | None = None
+            started_ns = time.time_ns()
             done: HandoffDone | None = None
             async for chunk in request_iterator:
                 if chunk.data:
-                    started = started or time.perf_counter()
+                    if started is None:
+                        started, started_ns = time.perf_counter(), time.time_ns()
                     data += chunk.data
                 if chunk.done:
                     done = HandoffDone.from_bytes(chunk.done)
@@ -269,6 +312,16 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                 yield kv_pb2.HandoffStatus(ok=False, code="internal", error=str(err))
                 return
             active.kv_bytes, active.kv_transfer_s = len(data), took
+            active.joined_at = time.perf_counter()
+            BYTES.labels("handoff", "in").inc(len(data))
+            mb_s = round(len(data) / max(took, 1e-9) / 1e6, 1)
+            span = tracer.start_span(
+                "kv.receive",
+                context=svc.span_context(rid),
+                start_time=started_ns,
+                attributes={"bytes": len(data), "mb_s": mb_s},
+            )
+            span.end(end_time=started_ns + int(took * 1e9))
             joined = True
             log.debug("%s joined: %d KV bytes in %.1f ms", rid, len(data), took * 1e3)
             yield kv_pb2.HandoffStatus(ok=True)

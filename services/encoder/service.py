@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from opentelemetry.trace import SpanKind, StatusCode
 
 from services.encoder.settings import EncoderSettings
 from shared.bus import Bus, subjects
@@ -27,6 +28,8 @@ from shared.messages.encode import EMBEDS_SHAPE_HEADER, EncodeReply, EncodeReque
 from shared.messages.heartbeat import Load
 from shared.service import Service
 from shared.settings import CommonSettings
+from shared.telemetry.metrics import BYTES, IMAGES
+from shared.telemetry.tracing import tracer
 from shared.vision.images import BadImage, content_hash, pixels
 from shared.vision.tower import TowerConfig, VisionTower
 
@@ -123,6 +126,21 @@ class EncoderService(Service):
             await asyncio.sleep(0.05)
 
     async def on_encode(self, req: EncodeRequest, blob: memoryview) -> EncodeReply:
+        attributes = {"image_hash": req.image_hash, "tokens": req.tokens, "bytes": len(blob)}
+        with tracer.start_as_current_span(
+            "encode", kind=SpanKind.SERVER, attributes=attributes
+        ) as span:
+            reply = await self._answer(req, blob)
+            span.set_attributes(
+                {"source": reply.source, "encode_ms": round(reply.encode_s * 1e3, 3)}
+            )
+            if reply.error:
+                span.set_status(StatusCode.ERROR, reply.error)
+            else:
+                IMAGES.labels(reply.source).inc()
+        return reply
+
+    async def _answer(self, req: EncodeRequest, blob: memoryview) -> EncodeReply:
         def failed(error: str, code: str) -> EncodeReply:
             return EncodeReply(
                 image_hash=req.image_hash, encoder_id=self.service_id, error=error, error_code=code
@@ -167,6 +185,7 @@ class EncoderService(Service):
             embeds,
             headers={EMBEDS_SHAPE_HEADER: f"{tokens},{hidden}"},
         )
+        BYTES.labels("embeds", "out").inc(len(embeds))
         return EncodeReply(
             image_hash=req.image_hash,
             tokens=tokens,

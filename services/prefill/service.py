@@ -11,6 +11,7 @@ from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 
 import grpc
+from opentelemetry.trace import SpanKind, StatusCode
 
 from services.prefill.queue import ArrivalQueue
 from services.prefill.settings import PrefillSettings
@@ -23,6 +24,8 @@ from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.settings import CommonSettings
+from shared.telemetry.metrics import BYTES, PREFILL_TOKENS
+from shared.telemetry.tracing import inject, tracer
 from shared.worker import ImagesMissing, WorkerService
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,9 @@ class PrefillService(WorkerService):
             return TaskAck(accepted=False, reason="busy", queued=queued)
         if task.model != self.settings.model:
             return TaskAck(accepted=False, reason=f"this worker serves {self.settings.model}")
+        self.open_span(
+            task.request_id, "prefill", prompt_tokens=len(task.token_ids), images=len(task.images)
+        )
         if task.images:
             waiter = asyncio.create_task(self._queue_with_images(task, self.queue.ticket()))
             self.waiting[task.request_id] = waiter
@@ -103,6 +109,7 @@ class PrefillService(WorkerService):
             self.images[task.request_id] = await self.fetch_images(task)
         except ImagesMissing as err:
             log.warning("%s: %s", task.request_id, err)
+            self.close_span(task.request_id, error=str(err))
             await self.send(
                 task.reply_subject, self.error_event(task.request_id, str(err), "unavailable")
             )
@@ -114,6 +121,7 @@ class PrefillService(WorkerService):
         waiter = self.waiting.pop(rid, None)
         if waiter is not None:
             waiter.cancel()
+            self.close_span(rid, error="cancelled")
             return
         if rid in self.current or any(t.request_id == rid for t in self.queue):
             self.cancelled.add(rid)
@@ -155,6 +163,7 @@ class PrefillService(WorkerService):
             if task.request_id in self.cancelled or time.time() > task.deadline:
                 self.cancelled.discard(task.request_id)
                 self.images.pop(task.request_id, None)
+                self.close_span(task.request_id, error="cancelled or past its deadline")
                 continue
             batch.append(task)
             budget -= len(task.token_ids)
@@ -174,9 +183,11 @@ class PrefillService(WorkerService):
             await self._report(task, err)
         finally:
             self.shipping.release()
+            self.close_span(task.request_id)
 
     async def _report(self, task: GenerateTask, err: Exception) -> None:
         rid = task.request_id
+        self.close_span(rid, error=str(err) or type(err).__name__)
         if isinstance(err, Cancelled) or getattr(err, "code", "") == "cancelled":
             log.info("%s cancelled", rid)
             return
@@ -204,7 +215,10 @@ class PrefillService(WorkerService):
         calls, reserved = {}, {}
         for task in tasks:
             rid = task.request_id
-            calls[rid] = kv_pb2_grpc.KvHandoffStub(self._channel(task.decode_kv_address)).Handoff()
+            stub = kv_pb2_grpc.KvHandoffStub(self._channel(task.decode_kv_address))
+            # Decode's span for the request is a child of this worker's.
+            metadata = tuple(inject(context=self.span_context(rid)).items())
+            calls[rid] = stub.Handoff(metadata=metadata)
             reserved[rid] = asyncio.ensure_future(self._reserve(task, calls[rid], timeout))
         shipping: set[str] = set()
         prefixes: dict[str, Prefix | None] = {}
@@ -212,9 +226,10 @@ class PrefillService(WorkerService):
             cached: dict[str, CachedPrefix] = {}
             for task in tasks:  # the reservations travel meanwhile
                 prefixes[task.request_id], cached[task.request_id] = await self.load_prefix(task)
-            started = time.perf_counter()
+            started, started_ns = time.perf_counter(), time.time_ns()
             results = await self._compute(tasks, prefixes)
             took = time.perf_counter() - started
+            self._compute_spans(tasks, cached, started_ns, time.time_ns())
             ships = []
             for task, out in zip(tasks, results, strict=True):
                 rid = task.request_id
@@ -228,6 +243,8 @@ class PrefillService(WorkerService):
                 hit = cached[rid]
                 await self.send(task.reply_subject, self.first_token_event(rid, out, hit, took))
                 handoff = not out.finish_reason  # else a one-token answer: nothing to ship
+                if not handoff:
+                    self.close_span(rid)
                 blob, state, new = await self.runner.call(
                     self._export, rid, len(hit.blobs), handoff
                 )
@@ -246,6 +263,29 @@ class PrefillService(WorkerService):
             for prefix in prefixes.values():
                 if prefix is not None:  # the sequences hold their own share
                     self.runner.submit(self.engine.release, prefix)
+
+    def _compute_spans(
+        self, tasks: list[GenerateTask], cached: dict[str, CachedPrefix], start: int, end: int
+    ) -> None:
+        """One "prefill.compute" span per request of a batch (they share the pass)."""
+        bs = self.engine.block_size
+        for task in tasks:
+            reused = len(cached[task.request_id].blobs) * bs
+            computed = len(task.token_ids) - reused
+            PREFILL_TOKENS.labels("computed").inc(computed)
+            PREFILL_TOKENS.labels("reused").inc(reused)
+            span = tracer.start_span(
+                "prefill.compute",
+                context=self.span_context(task.request_id),
+                start_time=start,
+                attributes={
+                    "tokens_computed": computed,
+                    "tokens_reused": reused,
+                    "batch": len(tasks),
+                    "images": len(task.images),
+                },
+            )
+            span.end(end_time=end)
 
     async def _reserve(
         self, task: GenerateTask, call: grpc.aio.StreamStreamCall, timeout: float
@@ -298,19 +338,31 @@ class PrefillService(WorkerService):
         """Stream the KV in chunks (HTTP/2 flow control paces them), then the first token."""
         timeout = self.settings.handoff_timeout_s
         size = self.settings.kv_chunk_bytes
+        span = tracer.start_span(
+            "kv.transfer",
+            context=self.span_context(task.request_id),
+            kind=SpanKind.CLIENT,
+            attributes={"bytes": len(blob), "to": task.decode_id},
+        )
+        started = time.perf_counter()
         try:
             for offset in range(0, len(blob), size):
                 chunk = kv_pb2.KvChunk(data=blob[offset : offset + size])
                 await self._step(call.write(chunk), timeout)
             await self._step(call.write(kv_pb2.KvChunk(done=done.to_bytes())), timeout)
             joined = await self._step(call.read(), timeout)
+            took = time.perf_counter() - started
+            BYTES.labels("handoff", "out").inc(len(blob))
+            span.set_attribute("mb_s", round(len(blob) / max(took, 1e-9) / 1e6, 1))
             if joined is grpc.aio.EOF:
                 raise HandoffFailed(f"{task.decode_id} closed the handoff", "cancelled")
             if not joined.ok:
                 raise HandoffFailed(f"{task.decode_id}: {joined.error}", joined.code or "internal")
         except grpc.aio.AioRpcError as err:
+            span.set_status(StatusCode.ERROR, err.details() or "")
             raise self._rpc_failed(task, err) from None
         finally:
+            span.end()
             call.cancel()
 
     @staticmethod

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 import uuid
@@ -46,6 +47,8 @@ from shared.messages.generate import ImageRef, Sampling
 from shared.messages.kvevents import RETENTIONS
 from shared.telemetry.metrics import INPUT_TOKENS, OUTPUT_TOKENS, REQUESTS, TPOT, TTFT
 from shared.telemetry.tracing import REQUEST_ID, extract, tracer
+
+log = logging.getLogger(__name__)
 
 LONG_TEXT_CHARS = 8192  # above this, tokenizing takes milliseconds: off the event loop
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -174,7 +177,17 @@ class Frontend:
         span.set_attribute("http.response.status_code", handled.status)
         p = handled.prepared
         if p is None:
+            log.info("%s %d", endpoint, handled.status)
             return
+        log.info(
+            "%s %d: %d prompt tokens (%d cached), %d generated, %.1f ms",
+            endpoint,
+            handled.status,
+            p.usage.prompt_tokens,
+            p.usage.cached_tokens,
+            p.usage.completion_tokens,
+            (time.perf_counter() - p.received_at) * 1e3,
+        )
         t, u = p.timing, p.usage
         cached = u.cached_tokens
         span.set_attributes(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.cli import sim, status, up
+from shared.cli import sim, status, trace, up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_parser(commands)
     status.add_parser(commands)
     sim.add_parser(commands)
+    trace.add_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

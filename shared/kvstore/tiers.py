@@ -15,9 +15,13 @@ import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+from opentelemetry import context as otel_context
+
 from shared.bus import Bus, subjects
 from shared.kvstore.backend import FileStore, MemoryStore
 from shared.messages.kvevents import STORE, KvEvent, memory_location
+from shared.telemetry.metrics import BYTES
+from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ class _Write:
     hashes: list[str]
     blobs: list[bytes]
     retention: str
+    context: otel_context.Context  # the request's: its "kv.store" span goes there
+    queued_ns: int  # the span starts when the blocks were queued
 
 
 class KvTiers:
@@ -86,6 +92,7 @@ class KvTiers:
         # A cold prompt's first block is not there: one stat, no trip to a thread.
         if rest and self.store is not None and rest[0] in self.store:
             blobs = await asyncio.to_thread(self._read_files, rest)
+            BYTES.labels("store", "read").inc(sum(len(b) for b in blobs))
             found.hashes += rest[: len(blobs)]
             found.blobs += blobs
             found.tiers += [STORAGE] * len(blobs)
@@ -119,12 +126,21 @@ class KvTiers:
 
     # -- writes (behind the request's path) ------------------------------------------------
 
-    def write_behind(self, hashes: list[str], blobs: list[bytes], retention: str) -> int:
-        """Queue blocks for both tiers; returns how many were skipped (queue full)."""
+    def write_behind(
+        self,
+        hashes: list[str],
+        blobs: list[bytes],
+        retention: str,
+        context: otel_context.Context | None = None,
+    ) -> int:
+        """Queue blocks for both tiers; returns how many were skipped (queue full). Their
+        "kv.store" span goes to ``context`` (the current one by default)."""
         room = max(0, self.queue_blocks - self.queued_blocks)
         take = min(room, len(hashes))
         if take:
-            self._queue.put_nowait(_Write(hashes[:take], blobs[:take], retention))
+            ctx = context or otel_context.get_current()
+            write = _Write(hashes[:take], blobs[:take], retention, ctx, time.time_ns())
+            self._queue.put_nowait(write)
             self.queued_blocks += take
         skipped = len(hashes) - take
         if skipped:
@@ -148,12 +164,26 @@ class KvTiers:
                     if self.store is not None:
                         await asyncio.to_thread(self._write_files, hashes, blobs)
                         sizes = [len(b) for b in blobs]
+                        BYTES.labels("store", "write").inc(sum(sizes))
                         await self._event("stored", STORE, hashes, sizes, retention)
                     self.written_blocks += len(hashes)
                 except Exception:
                     log.exception("storing %d KV blocks failed", len(hashes))
                 finally:
                     self.queued_blocks -= len(hashes)
+                for item in batch:  # one span per request: queued → stored
+                    span = tracer.start_span(
+                        "kv.store",
+                        context=item.context,
+                        start_time=item.queued_ns,
+                        attributes={
+                            "blocks": len(item.hashes),
+                            "bytes": sum(len(b) for b in item.blobs),
+                            "storage_tier": self.store is not None,
+                            "written_with_blocks": len(hashes),
+                        },
+                    )
+                    span.end()
 
     def _write_files(self, hashes: list[str], blobs: list[bytes]) -> None:
         assert self.store is not None

@@ -129,10 +129,13 @@ def setup_tracing(
 # -- context across processes ------------------------------------------------------------------
 
 
-def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
-    """``headers`` with the current trace context added (traceparent, tracestate)."""
+def inject(
+    headers: dict[str, str] | None = None, context: otel_context.Context | None = None
+) -> dict[str, str]:
+    """``headers`` with the trace context (the current one by default) added: traceparent,
+    tracestate."""
     headers = dict(headers or {})
-    propagate.inject(headers)
+    propagate.inject(headers, context=context)
     return headers
 
 
