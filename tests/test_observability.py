@@ -1,0 +1,243 @@
+"""Traces, metrics and the operator's statistics through a real multi-process stack (tiny
+model): one trace per request across every service, read back from the span files; a client's
+traceparent as its parent; /metrics parsed by prometheus-client and moving with traffic;
+/v1/stats matching a known workload."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.cli.trace import read_spans, request_trace
+from shared.natsserver import NatsServer
+from tests.procs import REPO, free_port, get_json, service_env, start_services, wait_until
+
+ROLES = ("router", "encoder", "cachemeta", "prefill", "decode")
+
+
+def all_ready(url: str) -> bool:
+    status, body = get_json(f"{url}/health")
+    return status == 200 and all(
+        any(w["status"] == "ready" for w in body["roles"][r]) for r in ROLES if r != "router"
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp("observability")
+    port = free_port()
+    env = service_env(
+        nats_server.url,
+        tmp,
+        KVMESH_ROUTER_HTTP_PORT=str(port),
+        KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",
+        KVMESH_ENCODER_MODELS='["tiny"]',
+        KVMESH_ENCODER_THREADS="1",
+        KVMESH_ENCODER_LAYERS="1",
+        KVMESH_TRACE_EXPORTER="file",
+        OTEL_BSP_SCHEDULE_DELAY="100",  # spans on disk within a tenth of a second
+    )
+    ids = ("cachemeta-0", "router-0", "prefill-0", "decode-0", "encoder-0")
+    procs = start_services(ids, env, tmp)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: all_ready(url), 90, what="every service ready")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    yield {"url": url, "client": client, "dir": tmp, "procs": procs, "env": env}
+    for proc in procs.values():
+        proc.stop()
+
+
+def png() -> str:
+    out = io.BytesIO()
+    Image.effect_noise((120, 90), 30).convert("RGB").save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def trace_of(stack: dict, rid: str, names: set[str]) -> list[dict]:
+    """The request's spans, once every span named in ``names`` is on disk."""
+
+    def found() -> list[dict] | None:
+        spans = request_trace(read_spans(stack["dir"] / "traces"), rid)
+        return spans if names <= {s["name"] for s in spans} else None
+
+    return wait_until(found, 15, what=f"spans {sorted(names)} of {rid}")
+
+
+def test_one_request_gives_one_trace_across_every_service(stack: dict) -> None:
+    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    resp = stack["client"].chat.completions.with_raw_response.create(
+        model="tiny",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Describe this. " * 40},
+                    {"type": "image_url", "image_url": {"url": png()}},
+                ],
+            }
+        ],
+        max_tokens=70,  # the answer fills a block: decode stores it
+        temperature=0,
+        extra_headers={"traceparent": f"00-{client_trace}-{client_span}-01"},
+    )
+    rid = resp.headers["x-request-id"]
+    names = {
+        "/v1/chat/completions",
+        "tokenize",
+        "encode",
+        "cachemeta.lookup",
+        "route",
+        "generate",
+        "prefill",
+        "kv.load",
+        "embeds.wait",
+        "prefill.compute",
+        "kv.transfer",
+        "decode",
+        "kv.receive",
+        "kv.store",
+    }
+    spans = trace_of(stack, rid, names)
+    assert {s["trace_id"] for s in spans} == {client_trace}  # one trace: the client's
+    assert {s["service"].removeprefix("kvmesh-") for s in spans} == set(ROLES)
+    by_id = {s["span_id"]: s for s in spans}
+    root = next(s for s in spans if s["name"] == "/v1/chat/completions")
+    assert root["parent_id"] == client_span  # the client's span is the parent
+    assert all(s["parent_id"] in by_id for s in spans if s is not root)  # no orphan
+
+    def parent(name: str, service: str) -> dict:
+        span = next(s for s in spans if s["name"] == name and s["service"] == f"kvmesh-{service}")
+        return by_id[span["parent_id"]]
+
+    assert parent("encode", "encoder")["name"] == "encode"  # the router's client span
+    assert parent("cachemeta.lookup", "cachemeta")["service"] == "kvmesh-router"
+    assert parent("prefill", "prefill")["name"] == "generate"
+    assert parent("decode", "decode")["name"] == "prefill"  # over the gRPC handoff
+    for step in ("kv.load", "prefill.compute", "kv.transfer", "embeds.wait"):
+        assert parent(step, "prefill")["name"] == "prefill"
+    assert {parent("kv.store", s)["name"] for s in ("prefill", "decode")} == {"prefill", "decode"}
+    route = next(s for s in spans if s["name"] == "route")["attributes"]
+    assert route["chosen"] == "prefill-0" and "ttft_s" in route["best_candidates"]
+    compute = next(s for s in spans if s["name"] == "prefill.compute")["attributes"]
+    assert compute["tokens_computed"] + compute["tokens_reused"] == resp.parse().usage.prompt_tokens
+    decode = next(s for s in spans if s["name"] == "decode")["attributes"]
+    assert decode["tokens"] == resp.parse().usage.completion_tokens and decode["tpot_ms"] > 0
+    transfer = next(s for s in spans if s["name"] == "kv.transfer")["attributes"]
+    assert transfer["bytes"] > 0 and transfer["mb_s"] > 0
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shared.cli.main",
+            "trace",
+            rid,
+            "--dir",
+            str(stack["dir"] / "traces"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"trace {client_trace}" in out.stdout
+    for line_start in ("router", "encoder", "cachemeta", "prefill", "decode"):
+        assert f" {line_start} " in out.stdout
+    assert "prefill.compute" in out.stdout and "tokens_computed=" in out.stdout
+
+    log = (stack["dir"] / "router-0.log").read_text()
+    assert f"request={rid} trace={client_trace}" in log  # its log line names both
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    with __import__("urllib.request").request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def service_url(stack: dict, role: str) -> str:
+    _, body = get_json(f"{stack['url']}/health")
+    return next(w["address"] for w in body["roles"][role] if w["status"] == "ready")
+
+
+def test_metrics_parse_on_every_service_and_move_with_traffic(stack: dict) -> None:
+    urls = {role: service_url(stack, role) for role in ROLES if role != "router"}
+    urls["router"] = stack["url"]
+    before = {role: metrics(url) for role, url in urls.items()}
+    resp = stack["client"].chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "count " * 200}], max_tokens=9
+    )
+    time.sleep(0.3)  # the write-behind
+    after = {role: metrics(url) for role, url in urls.items()}
+
+    def moved(role: str, name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[role].get(key, 0.0) - before[role].get(key, 0.0)
+
+    ok = {"endpoint": "/v1/chat/completions", "status": "200"}
+    assert moved("router", "kvmesh_requests_total", **ok) == 1
+    assert moved("router", "kvmesh_output_tokens_total") == resp.usage.completion_tokens
+    computed = moved("router", "kvmesh_input_tokens_total", source="computed")
+    cached = sum(
+        moved("router", "kvmesh_input_tokens_total", source=s) for s in ("memory", "storage")
+    )
+    assert computed + cached == resp.usage.prompt_tokens
+    assert moved("router", "kvmesh_ttft_seconds_count") == 1
+    assert moved("prefill", "kvmesh_bytes_total", link="handoff", direction="out") > 0
+    assert moved("decode", "kvmesh_bytes_total", link="handoff", direction="in") > 0
+    assert moved("prefill", "kvmesh_bytes_total", link="store", direction="write") > 0
+    assert after["decode"][("kvmesh_kv_blocks_total", (("role", "decode"),))] > 0
+    assert (
+        after["router"][
+            ("kvmesh_heartbeat_age_seconds", (("role", "prefill"), ("service_id", "prefill-0")))
+        ]
+        < 5
+    )
+    assert ("kvmesh_queued_requests", (("role", "encoder"),)) in after["encoder"]
+
+
+def test_stats_match_a_known_workload(stack: dict) -> None:
+    """Two agent-class requests of 300 prompt tokens; the second reuses 4 blocks."""
+    prompt = [(i * 7919) % 40000 + 100 for i in range(300)]
+    outs = [
+        stack["client"].completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=6,
+            temperature=0,
+            extra_headers={"x-kvmesh-retention": "agent"},
+        )
+        for _ in range(2)
+    ]
+    assert [o.usage.prompt_tokens_details.cached_tokens for o in outs] == [0, 256]
+    _, stats = get_json(f"{stack['url']}/v1/stats")
+    agent = stats["by_class"]["agent"]
+    output = sum(o.usage.completion_tokens for o in outs)
+    assert agent["requests"] == 2 and agent["input_tokens"] == 600
+    assert agent["output_tokens"] == output
+    assert agent["input_tokens_per_request"] == 300
+    assert agent["input_cache_hit_ratio"] == pytest.approx(256 / 600, abs=1e-6)
+    assert 0 < agent["ttft_mean_s"] < 10
+    assert stats["extrapolated"] and 0 < stats["window_s"] < 600
+    per_day = (600 + output) / stats["window_s"] * 86400
+    assert agent["tokens_per_day"] == pytest.approx(per_day, rel=0.01)
+    assert stats["worker_hours"] > 0  # 2 workers since the router started
+    assert agent["requests_per_worker_hour"] == pytest.approx(2 / stats["worker_hours"], rel=0.01)
+    overall = stats["overall"]
+    assert overall["requests"] >= 2 + stats["by_class"].get("chat", {}).get("requests", 0)
+    assert json.dumps(stats)  # plain JSON all the way down
