@@ -112,7 +112,11 @@ def _exporter(kind: str, endpoint: str, path: Path) -> SpanExporter | None:
 def setup_tracing(
     role: str, service_id: str, exporter: str, endpoint: str, sample_ratio: float, state_dir: Path
 ) -> TracerProvider:
-    """The process's tracer provider, exporting as ``exporter`` says (see the module doc)."""
+    """The process's tracer provider, exporting as ``exporter`` says (see the module doc).
+    With ``none``, spans are not even recorded (the API's no-op tracer; context still flows
+    through, so the services downstream see the caller's trace)."""
+    if exporter == "none":
+        return TracerProvider()  # never installed: only its shutdown is called
     resource = Resource.create(
         {"service.name": f"kvmesh-{role}", "service.instance.id": service_id}
     )
