@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind
 
 from services.router.dispatch import Dispatcher, Job
 from services.router.generation import Delta, Timing, stream_text
@@ -38,17 +34,14 @@ from services.router.openai_api import (
     completion_prompt,
     parse,
 )
+from services.router.recorder import RequestRecorder
 from services.router.settings import RouterSettings
 from services.router.stats import RollingStats
 from services.router.tokens import PromptTokenizer, Segments
 from shared.engine.loader import MODEL_NAMES, TextModel, load_text_model
-from shared.logs import request_scope
 from shared.messages.generate import ImageRef, Sampling
 from shared.messages.kvevents import RETENTIONS
-from shared.telemetry.metrics import INPUT_TOKENS, OUTPUT_TOKENS, REQUESTS, TPOT, TTFT
-from shared.telemetry.tracing import REQUEST_ID, extract, tracer
-
-log = logging.getLogger(__name__)
+from shared.telemetry.tracing import tracer
 
 LONG_TEXT_CHARS = 8192  # above this, tokenizing takes milliseconds: off the event loop
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -103,14 +96,6 @@ class Prepared:
     encodes: Encodes | None = None  # the images' encode requests, in flight
 
 
-@dataclass
-class Handled:
-    """What became of a request, filled in by the API layer as it goes."""
-
-    prepared: Prepared | None = None
-    status: int = 200
-
-
 class Frontend:
     def __init__(
         self,
@@ -124,7 +109,7 @@ class Frontend:
         self.dispatcher = dispatcher
         self.state_dir = state_dir
         self.image_limits = image_limits
-        self.stats = stats
+        self.recorder = RequestRecorder(stats)
         self.inflight = 0
         self._models: dict[str, TextModel] = {}
         self._tokenizers: dict[str, PromptTokenizer] = {}
@@ -145,82 +130,6 @@ class Frontend:
             yield
         finally:
             self.inflight -= 1
-
-    @contextlib.contextmanager
-    def handling(self, rid: str, endpoint: str, headers: Mapping[str, str]) -> Iterator[Handled]:
-        """One request's span (its parent: the client's traceparent, if any), its request id
-        on every log line, and, when it is over, its metrics and statistics."""
-        handled = Handled()
-        with (
-            tracer.start_as_current_span(
-                endpoint,
-                context=extract(headers),
-                kind=SpanKind.SERVER,
-                attributes={REQUEST_ID: rid, "http.route": endpoint},
-            ) as span,
-            request_scope(rid),
-        ):
-            try:
-                yield handled
-            except asyncio.CancelledError:
-                handled.status = 499  # the client went away
-                raise
-            except Exception:
-                if handled.status == 200:  # else the API layer has said (gRPC's abort raises)
-                    handled.status = 500
-                raise
-            finally:
-                self._finished(handled, endpoint, span)
-
-    def _finished(self, handled: Handled, endpoint: str, span: trace.Span) -> None:
-        REQUESTS.labels(endpoint, str(handled.status)).inc()
-        span.set_attribute("http.response.status_code", handled.status)
-        p = handled.prepared
-        if p is None:
-            log.info("%s %d", endpoint, handled.status)
-            return
-        log.info(
-            "%s %d: %d prompt tokens (%d cached), %d generated, %.1f ms",
-            endpoint,
-            handled.status,
-            p.usage.prompt_tokens,
-            p.usage.cached_tokens,
-            p.usage.completion_tokens,
-            (time.perf_counter() - p.received_at) * 1e3,
-        )
-        t, u = p.timing, p.usage
-        cached = u.cached_tokens
-        span.set_attributes(
-            {
-                "model": p.job.model,
-                "traffic_class": p.job.retention,
-                "prompt_tokens": u.prompt_tokens,
-                "cached_tokens": cached,
-                "completion_tokens": u.completion_tokens,
-            }
-        )
-        if handled.status != 200 or not t.first_token_at:
-            return
-        ttft = t.first_token_at - p.received_at
-        generation_s = t.last_token_at - t.first_token_at
-        span.set_attribute("ttft_ms", round(ttft * 1e3, 3))
-        TTFT.observe(ttft)
-        if u.completion_tokens > 1:
-            TPOT.observe(generation_s / (u.completion_tokens - 1))
-        memory = min(cached, t.cached_tokens_by_tier.get("memory", 0))
-        INPUT_TOKENS.labels("computed").inc(max(0, u.prompt_tokens - cached))
-        INPUT_TOKENS.labels("memory").inc(memory)
-        INPUT_TOKENS.labels("storage").inc(cached - memory)
-        OUTPUT_TOKENS.inc(u.completion_tokens)
-        self.stats.record(
-            time.time(),
-            p.job.retention,
-            u.prompt_tokens,
-            cached,
-            u.completion_tokens,
-            ttft,
-            generation_s,
-        )
 
     async def text_model(self, name: str) -> TextModel:
         if name not in self._models:

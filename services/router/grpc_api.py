@@ -78,7 +78,9 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):  # noqa: ANN001, ANN201, N802
         metadata, rid = self._metadata(context)
-        with self.frontend.handling(rid, "/kvmesh.api.v1.Generation/Generate", metadata) as h:
+        with self.frontend.recorder.handling(
+            rid, "/kvmesh.api.v1.Generation/Generate", metadata
+        ) as h:
             try:
                 with self.frontend.admitted():
                     p = h.prepared = await self._prepare(request, metadata, rid)
@@ -104,7 +106,7 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request, context):  # noqa: ANN001, ANN201, N802
         metadata, rid = self._metadata(context)
         endpoint = "/kvmesh.api.v1.Generation/GenerateStream"
-        with self.frontend.handling(rid, endpoint, metadata) as h:
+        with self.frontend.recorder.handling(rid, endpoint, metadata) as h:
             try:
                 with self.frontend.admitted():
                     p = h.prepared = await self._prepare(request, metadata, rid)

@@ -49,7 +49,7 @@ class HttpApi:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         rid = request_id(request.headers.get("x-request-id"))
-        with self.frontend.handling(rid, request.path, request.headers) as handled:
+        with self.frontend.recorder.handling(rid, request.path, request.headers) as handled:
             try:
                 with self.frontend.admitted():
                     kv = KvOptions.from_headers(request.headers)
