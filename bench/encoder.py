@@ -6,10 +6,11 @@
    requests, each with a new image (nothing cached) after a short text, TTFT measured by the
    client; once with the router sending images to the encoder at once (the default) and once
    with that head start off (KVMESH_ROUTER_ENCODE_AHEAD=false: encode after tokenizing, then
-   route). Idle, then with a second client keeping the prefill worker busy with text prompts.
+   route). Idle; with a second client keeping the prefill worker busy with text prompts; and
+   after a 3,200-token history whose KV is read from the storage tier's files.
 
 Last line, JSON: encode_images_s_b1, encode_images_s_b8, ttft_ahead_ms, ttft_inline_ms (idle,
-medians), and the same two under load.
+medians), and the same two under load and after the history.
 
     .venv/bin/python bench/encoder.py [--requests 6]
 """
@@ -44,6 +45,12 @@ from shared.vision.tower import TowerConfig, VisionTower  # noqa: E402
 MODEL = "smollm2-135m-instruct"
 SIZE = (640, 480)
 LOAD_PROMPT = "Write a long, careful essay about caching in distributed systems. " * 12
+# A conversation's earlier turns (about 3,200 tokens), cached in the storage tier: the new
+# image comes after them, so prefill loads them while (ahead) or after (inline) encoding.
+HISTORY = [
+    {"role": "user", "content": "Here are my notes on the design, read them. " * 320},
+    {"role": "assistant", "content": "I have read your notes."},
+]
 
 
 def jpeg(seed: int) -> bytes:
@@ -84,18 +91,21 @@ def encoder_ready(url: str) -> bool:
     return any(w["status"] == "ready" for w in roles.get("encoder", []))
 
 
-async def image_request(session: aiohttp.ClientSession, url: str, seed: int) -> float:
+async def image_request(
+    session: aiohttp.ClientSession, url: str, seed: int, history: list[dict] | None = None
+) -> float:
     data_url = "data:image/jpeg;base64," + base64.b64encode(jpeg(seed)).decode()
     body = {
         "model": MODEL,
         "messages": [
+            *(history or []),
             {
                 "role": "user",
                 "content": [
                     {"type": "text", "text": f"({seed}) What is in this picture?"},
                     {"type": "image_url", "image_url": {"url": data_url}},
                 ],
-            }
+            },
         ],
         "max_tokens": 2,
         "temperature": 0,
@@ -124,17 +134,19 @@ async def text_load(session: aiohttp.ClientSession, url: str, stop: asyncio.Even
         i += 1
 
 
-async def ttfts(url: str, requests: int, seed0: int, loaded: bool) -> list[float]:
+async def ttfts(
+    url: str, requests: int, seed0: int, loaded: bool, history: list[dict] | None = None
+) -> list[float]:
     async with aiohttp.ClientSession() as session:
-        await image_request(session, url, seed0 - 1)  # warm-up: both paths, compiled
+        await image_request(session, url, seed0 - 1, history)  # warm-up; stores the history
         stop = asyncio.Event()
         load = asyncio.create_task(text_load(session, url, stop)) if loaded else None
         if load:
             await asyncio.sleep(2.0)
         out = []
         for r in range(requests):
-            out.append(await image_request(session, url, seed0 + r))
-            state = "loaded" if loaded else "idle"
+            out.append(await image_request(session, url, seed0 + r, history))
+            state = "loaded" if loaded else "history" if history else "idle"
             say(f"  {state} request {r + 1}/{requests}: {out[-1] * 1e3:.0f} ms")
             await asyncio.sleep(0.3)
         stop.set()
@@ -155,7 +167,13 @@ def main() -> None:
         stack = Stack(
             MODEL,
             2,
-            {"KVMESH_ROUTER_ENCODE_AHEAD": str(ahead).lower(), "KVMESH_ENCODER_THREADS": "2"},
+            {
+                "KVMESH_ROUTER_ENCODE_AHEAD": str(ahead).lower(),
+                "KVMESH_ENCODER_THREADS": "2",
+                # Cached blocks come from the storage tier's files (the history case).
+                "KVMESH_PREFILL_MEMORY_TIER_BYTES": "0",
+                "KVMESH_DECODE_MEMORY_TIER_BYTES": "0",
+            },
         )
         try:
             stack.wait_ready(300)
@@ -167,15 +185,22 @@ def main() -> None:
             seed0 = 1000 if ahead else 2000
             idle = asyncio.run(ttfts(stack.url, args.requests, seed0, loaded=False))
             busy = asyncio.run(ttfts(stack.url, args.requests, seed0 + 500, loaded=True))
+            long = asyncio.run(
+                ttfts(stack.url, args.requests, seed0 + 700, loaded=False, history=HISTORY)
+            )
         finally:
             stack.stop()
         results[mode] = {
             "idle": statistics.median(idle) * 1e3,
             "loaded": statistics.median(busy) * 1e3,
+            "history": statistics.median(long) * 1e3,
         }
-    print(f"{'':24}{'idle TTFT p50':>16}{'loaded TTFT p50':>18}")
+    print(f"{'':24}{'idle TTFT p50':>16}{'loaded TTFT p50':>18}{'after history':>16}")
     for mode, r in results.items():
-        print(f"{'encoding ' + mode:24}{r['idle']:>13.0f} ms{r['loaded']:>15.0f} ms")
+        print(
+            f"{'encoding ' + mode:24}{r['idle']:>13.0f} ms{r['loaded']:>15.0f} ms"
+            f"{r['history']:>13.0f} ms"
+        )
     b1, b8 = rates["b1"], rates["b8"]
     print(f"tower ({rates['tokens']} tokens/image): b1 {b1:.2f}, b8 {b8:.2f} images/s")
     print(
@@ -187,6 +212,8 @@ def main() -> None:
                 "ttft_inline_ms": round(results["inline"]["idle"], 1),
                 "ttft_ahead_loaded_ms": round(results["ahead"]["loaded"], 1),
                 "ttft_inline_loaded_ms": round(results["inline"]["loaded"], 1),
+                "ttft_ahead_history_ms": round(results["ahead"]["history"], 1),
+                "ttft_inline_history_ms": round(results["inline"]["history"], 1),
             }
         )
     )

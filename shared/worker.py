@@ -211,14 +211,24 @@ class WorkerService(Service):
 
         return tuple(await asyncio.gather(*(one(i, r) for i, r in enumerate(task.images))))
 
-    async def load_prefix(self, task: GenerateTask) -> tuple[Prefix | None, CachedPrefix]:
+    async def read_prefix(self, task: GenerateTask) -> CachedPrefix:
+        """The blobs of the prompt's longest cached prefix (memory tier, then files); nothing
+        is held in the engine yet."""
+        assert self.tiers is not None
+        limit = (len(task.token_ids) - 1) // self.engine.block_size  # leave a token to compute
+        return await self.tiers.read_prefix(task.block_hashes[:limit])
+
+    async def load_prefix(
+        self, task: GenerateTask, read: CachedPrefix | None = None
+    ) -> tuple[Prefix | None, CachedPrefix]:
         """The longest cached prefix of the prompt, loaded into engine blocks (held: release
         after prefill). A block failing its checksums is dropped from its tier and reported;
-        the prefix then ends before it."""
+        the prefix then ends before it. ``read``: its blobs, when ``read_prefix`` already
+        fetched them (while the prompt waited for its images)."""
         with tracer.start_as_current_span(
             "kv.load", context=self.span_context(task.request_id)
         ) as span:
-            prefix, cached = await self._load_prefix(task)
+            prefix, cached = await self._load_prefix(task, read)
             blocks = cached.tokens_by_tier(1)  # tier → blocks
             span.set_attributes(
                 {
@@ -230,10 +240,11 @@ class WorkerService(Service):
             )
         return prefix, cached
 
-    async def _load_prefix(self, task: GenerateTask) -> tuple[Prefix | None, CachedPrefix]:
+    async def _load_prefix(
+        self, task: GenerateTask, read: CachedPrefix | None
+    ) -> tuple[Prefix | None, CachedPrefix]:
         assert self.tiers is not None
-        limit = (len(task.token_ids) - 1) // self.engine.block_size  # leave a token to compute
-        cached = await self.tiers.read_prefix(task.block_hashes[:limit])
+        cached = read if read is not None else await self.read_prefix(task)
         while cached.blobs:
             try:
                 prefix = await self.runner.call(self.engine.import_blocks, cached.blobs)

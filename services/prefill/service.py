@@ -53,6 +53,7 @@ class PrefillService(WorkerService):
         # they arrived at, once the embeddings are here.
         self.waiting: dict[str, asyncio.Task] = {}
         self.images: dict[str, tuple[ImageEmbeds, ...]] = {}
+        self.prefetched: dict[str, CachedPrefix] = {}  # prefixes read while images came
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await self.start_engine(stack, bus)
@@ -106,7 +107,11 @@ class PrefillService(WorkerService):
 
     async def _queue_with_images(self, task: GenerateTask, ticket: int) -> None:
         try:
-            self.images[task.request_id] = await self.fetch_images(task)
+            # The cached prefix is read meanwhile (files can take a while), not loaded: the
+            # engine's blocks are taken only when the prompt's turn comes.
+            self.images[task.request_id], self.prefetched[task.request_id] = await asyncio.gather(
+                self.fetch_images(task), self.read_prefix(task)
+            )
         except ImagesMissing as err:
             log.warning("%s: %s", task.request_id, err)
             self.close_span(task.request_id, error=str(err))
@@ -142,6 +147,7 @@ class PrefillService(WorkerService):
                 for task in batch:
                     self.cancelled.discard(task.request_id)
                     self.images.pop(task.request_id, None)
+                    self.prefetched.pop(task.request_id, None)
                     if task.request_id in self.engine.seqs:
                         await self.runner.call(self.engine.free, task.request_id)
             for task, ship in ships:
@@ -163,6 +169,7 @@ class PrefillService(WorkerService):
             if task.request_id in self.cancelled or time.time() > task.deadline:
                 self.cancelled.discard(task.request_id)
                 self.images.pop(task.request_id, None)
+                self.prefetched.pop(task.request_id, None)
                 self.close_span(task.request_id, error="cancelled or past its deadline")
                 continue
             batch.append(task)
@@ -225,7 +232,10 @@ class PrefillService(WorkerService):
         try:
             cached: dict[str, CachedPrefix] = {}
             for task in tasks:  # the reservations travel meanwhile
-                prefixes[task.request_id], cached[task.request_id] = await self.load_prefix(task)
+                read = self.prefetched.pop(task.request_id, None)
+                prefixes[task.request_id], cached[task.request_id] = await self.load_prefix(
+                    task, read
+                )
             started, started_ns = time.perf_counter(), time.time_ns()
             results = await self._compute(tasks, prefixes)
             took = time.perf_counter() - started

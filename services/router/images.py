@@ -132,7 +132,8 @@ class Encodes:
         """Per image, for the response's kvmesh object (those encoded so far)."""
         out = []
         for img, task in zip(self.images, self.tasks, strict=True):
-            reply = task.result() if task.done() and not task.exception() else None
+            ok = task.done() and not task.cancelled() and task.exception() is None
+            reply = task.result() if ok else None
             out.append(
                 {
                     "start": self.starts[len(out)] if len(self.starts) > len(out) else None,
