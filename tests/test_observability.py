@@ -127,7 +127,9 @@ def test_one_request_gives_one_trace_across_every_service(stack: dict) -> None:
         assert parent(step, "prefill")["name"] == "prefill"
     assert {parent("kv.store", s)["name"] for s in ("prefill", "decode")} == {"prefill", "decode"}
     route = next(s for s in spans if s["name"] == "route")["attributes"]
-    assert route["chosen"] == "prefill-0" and "ttft_s" in route["best_candidates"]
+    assert route["chosen"] == "prefill-0" and route["candidate_count"] == 1
+    (candidate,) = json.loads(route["candidates"])
+    assert candidate["worker"] == "prefill-0" and candidate["ttft_s"] > 0
     compute = next(s for s in spans if s["name"] == "prefill.compute")["attributes"]
     assert compute["tokens_computed"] + compute["tokens_reused"] == resp.parse().usage.prompt_tokens
     decode = next(s for s in spans if s["name"] == "decode")["attributes"]

@@ -33,17 +33,16 @@ from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
 
-EXPLAINED_IN_SPANS = 4  # candidates whose terms a route span carries (the best ones)
-
 
 def route_attributes(policy: str, ranked: list[Ranked]) -> dict:
-    """A routing decision as span attributes: the choice and the best candidates' terms."""
-    best = [{"worker": r.service_id, **r.terms} for r in ranked[:EXPLAINED_IN_SPANS]]
+    """A routing decision as span attributes: the choice, and every candidate's score terms
+    in rank order (JSON)."""
+    terms = [{"worker": r.service_id, **r.terms} for r in ranked]
     return {
         "policy": policy,
         "chosen": ranked[0].service_id if ranked else "",
-        "candidates": len(ranked),
-        "best_candidates": json.dumps(best, separators=(",", ":")),
+        "candidate_count": len(ranked),
+        "candidates": json.dumps(terms, separators=(",", ":")),
     }
 
 
@@ -316,7 +315,8 @@ class Dispatcher:
                     "policy": self.policy.name,
                     "candidates": ranked,  # terms are built when the decision is shown
                 }
-                span.set_attributes(route_attributes(self.policy.name, ranked))
+                if span.is_recording():  # the terms are built only for a recorded trace
+                    span.set_attributes(route_attributes(self.policy.name, ranked))
             span.set_attribute("decode", decodes[0].service_id)
         busy = 0
         for worker, decode in plan:
