@@ -42,3 +42,39 @@ def test_joined_prompts_hash_as_the_workers_do(tokenizer: PromptTokenizer) -> No
     hb = block_hashes(first_b[0], 64, "fp", images=first_b[2])
     same = start // 64
     assert ha[:same] == hb[:same] and ha[same] != hb[same]
+
+
+async def test_remote_images_only_when_allowed(tmp_path: Path) -> None:
+    import io
+
+    from aiohttp import web
+    from PIL import Image
+
+    from services.router.images import ImageLimits, read_image
+    from services.router.openai_api import ApiError
+    from shared.vision.grid import VisionGrid
+
+    out = io.BytesIO()
+    Image.new("RGB", (56, 84), (9, 9, 9)).save(out, "PNG")
+    async def cat(_: web.Request) -> web.Response:
+        return web.Response(body=out.getvalue())
+
+    app = web.Application()
+    app.add_routes([web.get("/cat.png", cat)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    limits = ImageLimits(10**6, 10**7, 8, True, 5.0, 5.0, VisionGrid())
+    try:
+        img = await read_image(f"http://127.0.0.1:{port}/cat.png", "p", limits, 8 << 20)
+        assert img.tokens == 2 * 3 and img.data == out.getvalue()
+        with pytest.raises(ApiError, match="HTTP 404") as err:
+            await read_image(f"http://127.0.0.1:{port}/dog.png", "p", limits, 8 << 20)
+        assert err.value.status == 400 and err.value.param == "p"
+        off = ImageLimits(10**6, 10**7, 8, False, 5.0, 5.0, VisionGrid())
+        with pytest.raises(ApiError, match="only data: URLs"):
+            await read_image(f"http://127.0.0.1:{port}/cat.png", "p", off, 8 << 20)
+    finally:
+        await runner.cleanup()
