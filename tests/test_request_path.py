@@ -366,10 +366,19 @@ def test_full_router_answers_429_with_retry_after(stack, nats_server) -> None:
 
 
 def test_a_silent_worker_costs_one_retry_then_503(stack, client) -> None:
-    """SIGSTOP freezes a prefill worker: still in the registry, answering nothing."""
+    """SIGSTOP freezes a prefill worker: still in the registry, answering nothing. The one
+    frozen is the one the router picks now (the faster it has measured), so it is tried first."""
     url, procs = stack["url"], stack["procs"]
-    frozen = [procs["prefill-0"]]
-    os.kill(procs["prefill-0"].pid, signal.SIGSTOP)
+    probe = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Probe: " + "word " * 30}], max_tokens=1
+    )
+    first, other = (
+        ("prefill-0", "prefill-1")
+        if probe.model_extra["kvmesh"]["route"]["chosen"] == "prefill-0"
+        else ("prefill-1", "prefill-0")
+    )
+    frozen = [procs[first]]
+    os.kill(procs[first].pid, signal.SIGSTOP)
     try:
 
         def ask(i: int) -> str:
@@ -386,12 +395,12 @@ def test_a_silent_worker_costs_one_retry_then_503(stack, client) -> None:
             )
 
         started = time.monotonic()
-        with ThreadPoolExecutor(2) as pool:  # one of the two is routed to the frozen worker
+        with ThreadPoolExecutor(2) as pool:  # the first is routed to the frozen worker
             assert list(pool.map(ask, range(2))) == ["length", "length"]
         assert time.monotonic() - started >= 2.0  # it waited the ack timeout, then went on
 
-        frozen.append(procs["prefill-1"])
-        os.kill(procs["prefill-1"].pid, signal.SIGSTOP)
+        frozen.append(procs[other])
+        os.kill(procs[other].pid, signal.SIGSTOP)
         code, _, resp = post(
             url + "/v1/chat/completions",
             {"model": "tiny", "messages": [{"role": "user", "content": "x " * 40}]},

@@ -56,6 +56,7 @@ async def test_remote_images_only_when_allowed(tmp_path: Path) -> None:
 
     out = io.BytesIO()
     Image.new("RGB", (56, 84), (9, 9, 9)).save(out, "PNG")
+
     async def cat(_: web.Request) -> web.Response:
         return web.Response(body=out.getvalue())
 
