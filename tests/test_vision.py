@@ -67,7 +67,8 @@ def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> 
         tmp,
         KVMESH_ROUTER_HTTP_PORT=str(port),
         KVMESH_ROUTER_GRPC_PORT=str(grpc_port),
-        KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",  # every prompt through the prefill pool
+        # Prompts with at most 40 uncached tokens are prefilled on decode (a small image).
+        KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="40",
         KVMESH_ROUTER_IMAGE_MAX_BYTES="200000",
         KVMESH_ROUTER_ENCODE_TIMEOUT_S="2",
         KVMESH_ENCODER_MODELS='["tiny"]',
@@ -168,6 +169,18 @@ def test_grpc_takes_images_as_bytes(stack: dict) -> None:
             stub.Generate(req, timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "messages[0].content[3].image_url" in err.value.details()
+
+
+def test_a_short_image_prompt_is_prefilled_on_decode_with_its_image(stack: dict) -> None:
+    small = [data_url(png(20 + i, (56, 56))) for i in range(2)]  # 2 × 2 tokens each
+    first = chat(stack, ask("Say", image(small[0])), max_tokens=24)
+    again = chat(stack, ask("Say", image(small[0])), max_tokens=24)
+    other = chat(stack, ask("Say", image(small[1])), max_tokens=24)
+    assert first.model_extra["kvmesh"]["route"]["prefill"] == "on decode"
+    assert first.model_extra["kvmesh"]["workers"] == ["decode-0"]
+    assert first.model_extra["kvmesh"]["images"][0]["tokens"] == 4
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert other.choices[0].message.content != first.choices[0].message.content
 
 
 TOO_BIG = png(5, (400, 300))  # noise: over 200 KB as PNG
