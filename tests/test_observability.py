@@ -91,6 +91,7 @@ def test_one_request_gives_one_trace_across_every_service(stack: dict) -> None:
         extra_headers={"traceparent": f"00-{client_trace}-{client_span}-01"},
     )
     rid = resp.headers["x-request-id"]
+    assert resp.headers["x-kvmesh-trace-id"] == client_trace
     names = {
         "/v1/chat/completions",
         "tokenize",

@@ -191,7 +191,11 @@ def test_grpc_unary_and_streaming_generate(stack, client) -> None:
     req = api_pb2.GenerateRequest(model="tiny", messages=msgs, max_tokens=10, temperature=0)
     with grpc.insecure_channel(stack["grpc"]) as channel:
         stub = api_pb2_grpc.GenerationStub(channel)
-        whole = stub.Generate(req, timeout=30)
+        whole, call = stub.Generate.with_call(
+            req, timeout=30, metadata=(("x-request-id", "grpc-req-1"),)
+        )
+        meta = dict(call.initial_metadata())
+        assert meta["x-request-id"] == "grpc-req-1" and len(meta["x-kvmesh-trace-id"]) == 32
         chunks = list(stub.GenerateStream(req, timeout=30))
         with pytest.raises(grpc.RpcError) as err:
             stub.Generate(api_pb2.GenerateRequest(model="tiny", messages=msgs, max_tokens=0))

@@ -10,6 +10,7 @@ import grpc
 from services.router.frontend import Frontend, KvOptions, Prepared, request_id
 from services.router.openai_api import ApiError
 from shared.proto import api_pb2, api_pb2_grpc
+from shared.telemetry.tracing import current_ids
 
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -53,6 +54,12 @@ def _as_body(req: api_pb2.GenerateRequest) -> tuple[bytes, bool]:
     return json.dumps(body).encode(), chat
 
 
+def _ids(rid: str) -> tuple[tuple[str, str], ...]:
+    """Metadata that names the request and its trace (sent before any answer)."""
+    trace_id, _ = current_ids()
+    return (("x-request-id", rid), *((("x-kvmesh-trace-id", trace_id),) if trace_id else ()))
+
+
 def _usage(p: Prepared) -> api_pb2.Usage:
     return api_pb2.Usage(
         prompt_tokens=p.usage.prompt_tokens,
@@ -78,9 +85,9 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):  # noqa: ANN001, ANN201, N802
         metadata, rid = self._metadata(context)
-        with self.frontend.recorder.handling(
-            rid, "/kvmesh.api.v1.Generation/Generate", metadata
-        ) as h:
+        endpoint = "/kvmesh.api.v1.Generation/Generate"
+        with self.frontend.recorder.handling(rid, endpoint, metadata) as h:
+            await context.send_initial_metadata(_ids(rid))
             try:
                 with self.frontend.admitted():
                     p = h.prepared = await self._prepare(request, metadata, rid)
@@ -107,6 +114,7 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
         metadata, rid = self._metadata(context)
         endpoint = "/kvmesh.api.v1.Generation/GenerateStream"
         with self.frontend.recorder.handling(rid, endpoint, metadata) as h:
+            await context.send_initial_metadata(_ids(rid))
             try:
                 with self.frontend.admitted():
                     p = h.prepared = await self._prepare(request, metadata, rid)
