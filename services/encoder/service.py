@@ -59,7 +59,6 @@ class EncoderService(Service):
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="tower")
         self.bus: Bus | None = None
-        self.encoded = self.cache_hits = 0
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         self.bus = bus
@@ -175,7 +174,6 @@ class EncoderService(Service):
         elif source == "storage":
             self.cache.put(key, embeds)
         cached = source != "encoded"
-        self.cache_hits += cached
         hidden = self.towers[req.model].config.hidden
         tokens = len(embeds) // (4 * hidden)
         assert self.bus is not None
@@ -232,7 +230,6 @@ class EncoderService(Service):
                     job.done.set_exception(result)
                 else:
                     job.done.set_result((result, took))
-            self.encoded += sum(not isinstance(r, Exception) for r in results)
 
     def _encode(self, batch: list[_Job]) -> list[bytes | Exception]:
         """On the tower thread: decode each image, then one tower pass per model."""
