@@ -31,7 +31,7 @@ from shared.messages.heartbeat import Load
 from shared.runner import EngineRunner
 from shared.service import Service, ServiceSettings
 from shared.settings import CommonSettings
-from shared.telemetry.metrics import BYTES
+from shared.telemetry.metrics import BYTES, PREFILL_TOKENS
 from shared.telemetry.tracing import REQUEST_ID, tracer
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,27 @@ class WorkerService(Service):
     def span_context(self, rid: str) -> otel_context.Context:
         span = self.spans.get(rid)
         return trace.set_span_in_context(span) if span else otel_context.get_current()
+
+    def computed(
+        self, task: GenerateTask, reused: int, start_ns: int, end_ns: int, batch: int
+    ) -> None:
+        """A prompt was computed here (``reused`` tokens came from the tiers): its
+        "prefill.compute" span, and the prefill tokens counted."""
+        computed = len(task.token_ids) - reused
+        PREFILL_TOKENS.labels("computed").inc(computed)
+        PREFILL_TOKENS.labels("reused").inc(reused)
+        span = tracer.start_span(
+            "prefill.compute",
+            context=self.span_context(task.request_id),
+            start_time=start_ns,
+            attributes={
+                "tokens_computed": computed,
+                "tokens_reused": reused,
+                "batch": batch,
+                "images": len(task.images),
+            },
+        )
+        span.end(end_time=end_ns)
 
     def close_span(self, rid: str, error: str = "", **attributes: object) -> None:
         span = self.spans.pop(rid, None)

@@ -24,7 +24,7 @@ from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck,
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.settings import CommonSettings
-from shared.telemetry.metrics import BYTES, PREFILL_TOKENS
+from shared.telemetry.metrics import BYTES
 from shared.telemetry.tracing import attached, extract, tracer
 from shared.worker import ImagesMissing, WorkerService
 
@@ -129,6 +129,9 @@ class DecodeService(WorkerService):
         started_ns = time.time_ns()
         try:
             out, took = await self.runner.call(self._timed_prefill, task, prefix, images)
+            self.computed(
+                task, len(cached.blobs) * self.engine.block_size, started_ns, time.time_ns(), 1
+            )
         except (PoolExhausted, ValueError) as err:
             self.active.pop(rid, None)
             self.close_span(rid, error=str(err))
@@ -139,21 +142,6 @@ class DecodeService(WorkerService):
             self.pending -= 1
             if prefix is not None:  # the sequence holds its own share
                 self.runner.submit(self.engine.release, prefix)
-        reused = len(cached.blobs) * self.engine.block_size
-        PREFILL_TOKENS.labels("computed").inc(len(task.token_ids) - reused)
-        PREFILL_TOKENS.labels("reused").inc(reused)
-        span = tracer.start_span(
-            "prefill.compute",
-            context=self.span_context(rid),
-            start_time=started_ns,
-            attributes={
-                "tokens_computed": len(task.token_ids) - reused,
-                "tokens_reused": reused,
-                "batch": 1,
-                "images": len(task.images),
-            },
-        )
-        span.end()
         if active.cancelled:
             self.close_span(rid, error="cancelled")
             await self.runner.call(self.engine.abort, rid)

@@ -24,7 +24,7 @@ from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.settings import CommonSettings
-from shared.telemetry.metrics import BYTES, PREFILL_TOKENS
+from shared.telemetry.metrics import BYTES
 from shared.telemetry.tracing import inject, tracer
 from shared.worker import ImagesMissing, WorkerService
 
@@ -239,7 +239,10 @@ class PrefillService(WorkerService):
             started, started_ns = time.perf_counter(), time.time_ns()
             results = await self._compute(tasks, prefixes)
             took = time.perf_counter() - started
-            self._compute_spans(tasks, cached, started_ns, time.time_ns())
+            ended_ns = time.time_ns()
+            for task in tasks:  # a batch shares one pass
+                reused = len(cached[task.request_id].blobs) * self.engine.block_size
+                self.computed(task, reused, started_ns, ended_ns, len(tasks))
             ships = []
             for task, out in zip(tasks, results, strict=True):
                 rid = task.request_id
@@ -273,29 +276,6 @@ class PrefillService(WorkerService):
             for prefix in prefixes.values():
                 if prefix is not None:  # the sequences hold their own share
                     self.runner.submit(self.engine.release, prefix)
-
-    def _compute_spans(
-        self, tasks: list[GenerateTask], cached: dict[str, CachedPrefix], start: int, end: int
-    ) -> None:
-        """One "prefill.compute" span per request of a batch (they share the pass)."""
-        bs = self.engine.block_size
-        for task in tasks:
-            reused = len(cached[task.request_id].blobs) * bs
-            computed = len(task.token_ids) - reused
-            PREFILL_TOKENS.labels("computed").inc(computed)
-            PREFILL_TOKENS.labels("reused").inc(reused)
-            span = tracer.start_span(
-                "prefill.compute",
-                context=self.span_context(task.request_id),
-                start_time=start,
-                attributes={
-                    "tokens_computed": computed,
-                    "tokens_reused": reused,
-                    "batch": len(tasks),
-                    "images": len(task.images),
-                },
-            )
-            span.end(end_time=end)
 
     async def _reserve(
         self, task: GenerateTask, call: grpc.aio.StreamStreamCall, timeout: float
