@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import grpc
 
 from services.router.frontend import Frontend, KvOptions, Prepared, request_id
+from services.router.generation import Delta
 from services.router.openai_api import ApiError
+from services.router.recorder import request_ids
 from shared.proto import api_pb2, api_pb2_grpc
-from shared.telemetry.tracing import current_ids
 
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -54,12 +57,6 @@ def _as_body(req: api_pb2.GenerateRequest) -> tuple[bytes, bool]:
     return json.dumps(body).encode(), chat
 
 
-def _ids(rid: str) -> tuple[tuple[str, str], ...]:
-    """Metadata that names the request and its trace (sent before any answer)."""
-    trace_id, _ = current_ids()
-    return (("x-request-id", rid), *((("x-kvmesh-trace-id", trace_id),) if trace_id else ()))
-
-
 def _usage(p: Prepared) -> api_pb2.Usage:
     return api_pb2.Usage(
         prompt_tokens=p.usage.prompt_tokens,
@@ -72,36 +69,41 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
-    async def _prepare(
-        self, req: api_pb2.GenerateRequest, metadata: dict[str, str], rid: str
-    ) -> Prepared:
-        body, chat = _as_body(req)
-        return await self.frontend.prepare(body, chat, rid, KvOptions.from_headers(metadata))
-
-    @staticmethod
-    def _metadata(context) -> tuple[dict[str, str], str]:  # noqa: ANN001
+    @contextlib.asynccontextmanager
+    async def _answering(
+        self,
+        request: api_pb2.GenerateRequest,
+        context,
+        method: str,  # noqa: ANN001
+    ) -> AsyncIterator[tuple[Prepared, AsyncIterator[Delta]]]:
+        """One call's request, recorded (span, log line, metrics), admitted and prepared, with
+        its answer's deltas (closed on the way out: that cancels the request on its workers
+        if the call ends early). An ApiError ends the call with its gRPC status code."""
         metadata = dict(context.invocation_metadata() or ())
-        return metadata, request_id(metadata.get("x-request-id"))
-
-    async def Generate(self, request, context):  # noqa: ANN001, ANN201, N802
-        metadata, rid = self._metadata(context)
-        endpoint = "/kvmesh.api.v1.Generation/Generate"
-        with self.frontend.recorder.handling(rid, endpoint, metadata) as h:
-            await context.send_initial_metadata(_ids(rid))
+        rid = request_id(metadata.get("x-request-id"))
+        endpoint = f"/kvmesh.api.v1.Generation/{method}"
+        with self.frontend.recorder.handling(rid, endpoint, metadata) as handled:
+            await context.send_initial_metadata(tuple(request_ids(rid).items()))
             try:
                 with self.frontend.admitted():
-                    p = h.prepared = await self._prepare(request, metadata, rid)
-                    parts, finish = [], "stop"
+                    body, chat = _as_body(request)
+                    kv = KvOptions.from_headers(metadata)
+                    p = handled.prepared = await self.frontend.prepare(body, chat, rid, kv)
                     deltas = self.frontend.deltas(p)
                     try:
-                        async for delta in deltas:
-                            parts.append(delta.text)
-                            finish = delta.finish_reason or finish
+                        yield p, deltas
                     finally:
                         await deltas.aclose()
             except ApiError as err:
-                h.status = err.status
+                handled.status = err.status
                 await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+
+    async def Generate(self, request, context):  # noqa: ANN001, ANN201, N802
+        parts, finish = [], "stop"
+        async with self._answering(request, context, "Generate") as (p, deltas):
+            async for delta in deltas:
+                parts.append(delta.text)
+                finish = delta.finish_reason or finish
         return api_pb2.GenerateResponse(
             id=p.shape.response_id,
             model=p.job.model,
@@ -111,25 +113,12 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
         )
 
     async def GenerateStream(self, request, context):  # noqa: ANN001, ANN201, N802
-        metadata, rid = self._metadata(context)
-        endpoint = "/kvmesh.api.v1.Generation/GenerateStream"
-        with self.frontend.recorder.handling(rid, endpoint, metadata) as h:
-            await context.send_initial_metadata(_ids(rid))
-            try:
-                with self.frontend.admitted():
-                    p = h.prepared = await self._prepare(request, metadata, rid)
-                    deltas = self.frontend.deltas(p)
-                    try:
-                        async for delta in deltas:
-                            last = delta.finish_reason is not None
-                            yield api_pb2.GenerateChunk(
-                                id=p.shape.response_id,
-                                text=delta.text,
-                                finish_reason=delta.finish_reason or "",
-                                usage=_usage(p) if last else None,
-                            )
-                    finally:
-                        await deltas.aclose()
-            except ApiError as err:
-                h.status = err.status
-                await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+        async with self._answering(request, context, "GenerateStream") as (p, deltas):
+            async for delta in deltas:
+                last = delta.finish_reason is not None
+                yield api_pb2.GenerateChunk(
+                    id=p.shape.response_id,
+                    text=delta.text,
+                    finish_reason=delta.finish_reason or "",
+                    usage=_usage(p) if last else None,
+                )

@@ -14,23 +14,14 @@ from aiohttp import web
 
 from services.router.frontend import Frontend, KvOptions, Prepared, request_id
 from services.router.openai_api import ApiError
+from services.router.recorder import request_ids
 from shared.httperrors import error_response
-from shared.telemetry.tracing import current_ids
 
 log = logging.getLogger(__name__)
 
 
-TRACE_HEADER = "x-kvmesh-trace-id"  # the request's trace: `kvmesh trace`, or Jaeger's search
-
-
-def _ids(rid: str) -> dict[str, str]:
-    """The headers that name a request and its trace (called while it is handled)."""
-    trace_id, _ = current_ids()
-    return {"x-request-id": rid, **({TRACE_HEADER: trace_id} if trace_id else {})}
-
-
 def _api_error(err: ApiError, rid: str) -> web.Response:
-    headers = _ids(rid)
+    headers = request_ids(rid)
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(err.retry_after_s)
     return error_response(err.status, err.message, err.param, err.code, headers)
@@ -82,7 +73,7 @@ class HttpApi:
         finally:
             await deltas.aclose()  # on a disconnect: cancels the request on its workers
         body = p.shape.response("".join(parts), finish, p.usage, self._timing(p))
-        return web.json_response(body, headers=_ids(p.job.request_id))
+        return web.json_response(body, headers=request_ids(p.job.request_id))
 
     async def _stream(self, request: web.Request, p: Prepared) -> web.StreamResponse:
         deltas = self.frontend.deltas(p)
@@ -93,7 +84,7 @@ class HttpApi:
                 headers={
                     "Content-Type": "text/event-stream",
                     "Cache-Control": "no-cache",
-                    **_ids(p.job.request_id),
+                    **request_ids(p.job.request_id),
                 }
             )
             await resp.prepare(request)

@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanKind
 from services.router.stats import RollingStats
 from shared.logs import request_scope
 from shared.telemetry.metrics import INPUT_TOKENS, OUTPUT_TOKENS, REQUESTS, TPOT, TTFT
-from shared.telemetry.tracing import REQUEST_ID, extract, tracer
+from shared.telemetry.tracing import REQUEST_ID, current_ids, extract, tracer
 
 if TYPE_CHECKING:
     from services.router.frontend import Prepared
@@ -32,6 +32,13 @@ class Handled:
 
     prepared: Prepared | None = None
     status: int = 200
+
+
+def request_ids(rid: str) -> dict[str, str]:
+    """What names a request and its trace in its response (HTTP headers, gRPC metadata);
+    called while the request is handled, so its span is the current one."""
+    trace_id, _ = current_ids()
+    return {"x-request-id": rid, **({"x-kvmesh-trace-id": trace_id} if trace_id else {})}
 
 
 class RequestRecorder:
