@@ -19,7 +19,7 @@ from shared.natsserver import NatsServer
 from shared.proto import api_pb2, api_pb2_grpc
 from tests.procs import (
     free_port,
-    get_json,
+    health_ids,
     service_env,
     start_service,
     start_services,
@@ -51,11 +51,8 @@ def image(url: str) -> dict:
 
 
 def ready(url: str) -> bool:
-    _, body = get_json(f"{url}/health")
-    roles = body["roles"]
-    return all(
-        any(w["status"] == "ready" for w in roles[r]) for r in ("prefill", "decode", "encoder")
-    )
+    ids = health_ids(url)
+    return all(ids[r] for r in ("prefill", "decode", "encoder"))
 
 
 @pytest.fixture(scope="module")
