@@ -8,6 +8,7 @@ import signal
 import statistics
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import openai
@@ -183,27 +184,33 @@ def ttft_ms(client: openai.OpenAI, ids: list[int], tenant: str) -> float:
 
 def test_write_behind_never_delays_the_first_token(tmp_path: Path) -> None:
     """Same prompts (a new tenant each time: nothing cached, 15 blocks written each), storage
-    on and off: the first token comes as fast. Each stack has a NATS of its own."""
+    on and off: the first token comes as fast. Both stacks run at once (each with a NATS of its
+    own) and take turns, so a slow moment of this machine falls on both alike; each request
+    starts once the previous one's work behind the path (handoff, files, events) is done."""
     ids = prompt_ids(6, n=1000)
-    medians = {}
-    for store in ("true", "false"):
-        (tmp_path / store).mkdir()
-        nats = NatsServer("127.0.0.1", free_port(), tmp_path / store / "js")
-        nats.start()
-        url, procs, _ = start_stack(
-            nats.url,
-            tmp_path / store,
-            KVMESH_PREFILL_KV_STORE=store,
-            KVMESH_DECODE_KV_STORE=store,
-        )
-        try:
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            ttft_ms(client, ids, "warm-up")
-            medians[store] = statistics.median(ttft_ms(client, ids, f"t{i}") for i in range(9))
-        finally:
+    clients, times = {}, {}
+    with ExitStack() as running:
+        for store in ("true", "false"):
+            (tmp_path / store).mkdir()
+            nats = NatsServer("127.0.0.1", free_port(), tmp_path / store / "js")
+            nats.start()
+            running.callback(nats.stop)
+            url, procs, _ = start_stack(
+                nats.url,
+                tmp_path / store,
+                KVMESH_PREFILL_KV_STORE=store,
+                KVMESH_DECODE_KV_STORE=store,
+            )
             for proc in procs.values():
-                proc.stop()
-            nats.stop()
+                running.callback(proc.stop)
+            clients[store] = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            ttft_ms(clients[store], ids, "warm-up")
+            times[store] = []
+        for i in range(11):
+            for store in ("true", "false") if i % 2 else ("false", "true"):
+                time.sleep(0.3)
+                times[store].append(ttft_ms(clients[store], ids, f"t{i}"))
     assert any((tmp_path / "true" / "kvstore").rglob("*.kvb"))
     assert not any((tmp_path / "false" / "kvstore").rglob("*.kvb"))
-    assert medians["true"] <= medians["false"] * 1.3 + 3, medians
+    medians = {store: statistics.median(t) for store, t in times.items()}
+    assert medians["true"] <= medians["false"] * 1.3 + 3, times
