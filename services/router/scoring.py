@@ -42,9 +42,10 @@ class CostDefaults:
     transfer_tok_s: float = 20_000.0  # KV moved to decode
     bounded_load_c: float = 1.5  # no worker above c × the mean in-flight work ...
     bounded_load_slack_s: float = 1.0  # ... and this far above it
-    # Weight of the work a choice adds for the requests that queue after it (bursts make them
-    # many); chosen with `kvmesh sim` on the Mooncake trace (bench/routing.py).
-    externality: float = 100.0
+    # Weight of the work a choice adds for the requests that queue after it, per request now
+    # in flight on a worker of the pool (see ``rank_prefill``); chosen with `kvmesh sim` on the
+    # Mooncake trace (bench/routing.py: 15 to 25 all do as well).
+    externality: float = 20.0
 
 
 @dataclass
@@ -192,12 +193,19 @@ def rank_prefill(
     scores: list[PrefillScore], workers: dict[str, PrefillWorkerState], d: CostDefaults
 ) -> list[PrefillScore]:
     """The scores best first. Workers over the bound go last; the rest by cost: estimated
-    TTFT plus ``d.externality`` × the work the choice adds for the requests that queue after
-    it, valued at the pool's mean rates (it should tell cached from uncached, not a worker
-    measured a little faster from a slower one: that difference is in the TTFT term already,
-    and weighted it would starve the other). Ties (nothing cached anywhere, all idle: a new
-    conversation) go to the worker whose memory tier has been given the least, so
-    conversations spread over the tiers. Sets ``over_bound`` and ``cost_s``."""
+    TTFT plus a weight × the work the choice adds, valued at the pool's mean rates (it should
+    tell cached from uncached, not a worker measured a little faster from a slower one: that
+    difference is in the TTFT term already, and weighted it would starve the other).
+
+    The work added delays every request that queues behind it. How many will is unknown, but
+    it grows with the queues: as many as wait now, by Little's law, at a steady arrival rate.
+    So the weight is ``d.externality × (1 + the pool's mean in-flight requests per worker)``:
+    an idle pool mostly weighs the request's own TTFT and spreads load, a busy one saves work
+    (a worker that holds the prefix, or will) even at a longer wait.
+
+    Ties (nothing cached anywhere, all idle: a new conversation) go to the worker whose memory
+    tier has been given the least, so conversations spread over the tiers. Sets ``over_bound``
+    and ``cost_s``."""
     if not scores:
         return scores
     states = [workers[s.service_id] for s in scores]
@@ -209,9 +217,10 @@ def rank_prefill(
     )
     pool_prefill = sum(w.prefill_tok_s.value for w in states) / len(states)
     pool_load = sum(w.load_tok_s.value for w in states) / len(states)
+    weight = d.externality * (1 + sum(w.inflight for w in states) / len(states))
     for s in scores:
         added = s.uncached_tokens / pool_prefill + s.storage_tokens / pool_load
-        s.cost_s = s.ttft_s + d.externality * added
+        s.cost_s = s.ttft_s + weight * added
     return sorted(
         scores,
         key=lambda s: (

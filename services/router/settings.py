@@ -31,7 +31,9 @@ class RouterSettings(ServiceSettings):
         default=1.5, ge=1, description="no prefill worker above c × the mean in-flight work"
     )
     externality: float = Field(
-        default=100.0, ge=0, description="weight of the work a choice adds for later requests"
+        default=20.0,
+        ge=0,
+        description="weight of the work a choice adds for later requests, per request queued",
     )
     max_inflight: int = Field(
         default=256, ge=1, description="requests in progress at most; more get 429"

@@ -64,6 +64,21 @@ def test_a_busy_worker_loses_its_cache_advantage() -> None:
     assert choice([busy_hot, idle_warm], hot, warm) == "warm"
 
 
+def test_a_busy_pool_weighs_the_work_saved_more_than_the_wait() -> None:
+    """'hot' holds the prefix in memory but has 4 s more queued than 'warm', which would load
+    it from the storage tier (64 ms more work). With few requests in flight the wait decides;
+    with many queued everywhere, the 64 ms that every later request would wait decides."""
+
+    def pick(inflight: int) -> str:
+        hot, warm = worker("hot", queued_s=7.0), worker("warm", queued_s=3.0)
+        hot.inflight, warm.inflight = inflight + 1, inflight
+        scores = [score_prefill(w, 700, HASHES, BS, m, 10) for w, m in ((hot, 10), (warm, 0))]
+        return choice(scores, hot, warm)
+
+    assert pick(inflight=0) == "warm"
+    assert pick(inflight=8) == "hot"
+
+
 def test_look_ahead_counts_blocks_a_queued_request_will_bring() -> None:
     """Turn 2 arrives while turn 1 is still queued on p0: nothing is in any tier yet, but p0
     is about to hold the shared prefix."""
