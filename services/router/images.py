@@ -15,11 +15,11 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import aiohttp
 from opentelemetry.trace import SpanKind, StatusCode
 
 from services.router.openai_api import ApiError
 from services.router.registry import WorkerRegistry
+from services.router.remote import fetch_image
 from services.router.tokens import Segments
 from shared.bus import Bus, BusError, subjects
 from shared.kvstore.hashing import image_stream
@@ -43,6 +43,7 @@ class ImageLimits:
     remote_timeout_s: float
     encode_timeout_s: float
     grid: VisionGrid
+    remote_private: bool = False  # remote URLs may reach non-public addresses (remote.py)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ async def read_image(url: str, param: str, limits: ImageLimits, max_payload: int
                     "only data: URLs are accepted (this server fetches nothing; "
                     "KVMESH_ROUTER_ALLOW_REMOTE_IMAGES=true allows http(s) URLs)"
                 )
-            data = await _fetch(url, max_bytes, limits.remote_timeout_s)
+            data = await fetch_image(url, max_bytes, limits.remote_timeout_s, limits.remote_private)
         else:
             data = decode_data_url(url, max_bytes)
         info = probe(data, limits.max_pixels)
@@ -74,20 +75,6 @@ async def read_image(url: str, param: str, limits: ImageLimits, max_payload: int
         raise ApiError(400, f"{param}: {err}", param=param, code="invalid_image") from None
     tokens = limits.grid.tokens(info.width, info.height)
     return ImageInput(param, data, content_hash(data), tokens)
-
-
-async def _fetch(url: str, max_bytes: int, timeout_s: float) -> bytes:
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    try:
-        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as resp:
-            if resp.status != 200:
-                raise BadImage(f"fetching the URL gave HTTP {resp.status}")
-            data = await resp.content.read(max_bytes + 1)
-    except (aiohttp.ClientError, TimeoutError) as err:
-        raise BadImage(f"cannot fetch the URL ({type(err).__name__})") from None
-    if len(data) > max_bytes:
-        raise BadImage(f"image is larger than {max_bytes:,} bytes")
-    return data
 
 
 @dataclass

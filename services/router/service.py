@@ -78,6 +78,7 @@ class RouterService(Service):
             remote_timeout_s=s.remote_image_timeout_s,
             encode_timeout_s=s.encode_timeout_s,
             grid=self.common.vision_grid,
+            remote_private=s.remote_images_private,
         )
         self.frontend = Frontend(
             s, dispatcher, Path(self.common.state_dir), image_limits, self.stats

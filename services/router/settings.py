@@ -67,6 +67,11 @@ class RouterSettings(ServiceSettings):
     allow_remote_images: bool = Field(
         default=False, description="fetch http(s) image URLs (off: data: URLs only, no egress)"
     )
+    remote_images_private: bool = Field(
+        default=False,
+        description="let remote image URLs reach private, loopback and link-local addresses "
+        "(off: public addresses only, checked on every connection and redirect)",
+    )
     remote_image_timeout_s: float = Field(default=10.0, gt=0, description="to fetch one image")
     encode_timeout_s: float = Field(
         default=30.0, gt=0, description="an image not encoded within this fails its request (503)"

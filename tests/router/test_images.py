@@ -1,15 +1,26 @@
-"""A prompt with images: its prefix hashes, reused or not, are the workers' block hashes."""
+"""A prompt with images: its prefix hashes, reused or not, are the workers' block hashes; image
+URLs fetched only when allowed, and only from public addresses."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
-from services.router.images import PLACEHOLDER_ID, ImageInput, join_prompt
+from services.router import remote
+from services.router.images import (
+    PLACEHOLDER_ID,
+    ImageInput,
+    ImageLimits,
+    join_prompt,
+    read_image,
+)
+from services.router.openai_api import ApiError
 from services.router.tokens import PrefixHashes, PromptTokenizer
 from shared.engine.loader import load_text_model
 from shared.kvstore.hashing import block_hashes
+from shared.vision.grid import VisionGrid
 
 
 @pytest.fixture(scope="module")
@@ -44,38 +55,113 @@ def test_joined_prompts_hash_as_the_workers_do(tokenizer: PromptTokenizer) -> No
     assert ha[:same] == hb[:same] and ha[same] != hb[same]
 
 
-async def test_remote_images_only_when_allowed(tmp_path: Path) -> None:
+@pytest.fixture
+async def image_server() -> AsyncIterator[tuple[int, bytes]]:
+    """A local HTTP server with an image, redirects to it, a redirect loop, and redirects to
+    a file and to the cloud metadata address."""
     import io
 
     from aiohttp import web
     from PIL import Image
 
-    from services.router.images import ImageLimits, read_image
-    from services.router.openai_api import ApiError
-    from shared.vision.grid import VisionGrid
-
     out = io.BytesIO()
     Image.new("RGB", (56, 84), (9, 9, 9)).save(out, "PNG")
+
+    def moved(to: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(_: web.Request) -> web.Response:
+            raise web.HTTPFound(to)
+
+        return handler
 
     async def cat(_: web.Request) -> web.Response:
         return web.Response(body=out.getvalue())
 
     app = web.Application()
-    app.add_routes([web.get("/cat.png", cat)])
+    app.add_routes(
+        [
+            web.get("/cat.png", cat),
+            web.get("/hop", moved("/cat.png")),
+            web.get("/loop", moved("/loop")),
+            web.get("/file", moved("file:///etc/passwd")),
+            web.get("/meta", moved("http://169.254.169.254/latest/meta-data/")),
+        ]
+    )
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    limits = ImageLimits(10**6, 10**7, 8, True, 5.0, 5.0, VisionGrid())
-    try:
-        img = await read_image(f"http://127.0.0.1:{port}/cat.png", "p", limits, 8 << 20)
-        assert img.tokens == 2 * 3 and img.data == out.getvalue()
-        with pytest.raises(ApiError, match="HTTP 404") as err:
-            await read_image(f"http://127.0.0.1:{port}/dog.png", "p", limits, 8 << 20)
-        assert err.value.status == 400 and err.value.param == "p"
-        off = ImageLimits(10**6, 10**7, 8, False, 5.0, 5.0, VisionGrid())
-        with pytest.raises(ApiError, match="only data: URLs"):
-            await read_image(f"http://127.0.0.1:{port}/cat.png", "p", off, 8 << 20)
-    finally:
-        await runner.cleanup()
+    yield site._server.sockets[0].getsockname()[1], out.getvalue()  # type: ignore[union-attr]
+    await runner.cleanup()
+
+
+def limits(allow_remote: bool = True, private: bool = False) -> ImageLimits:
+    return ImageLimits(10**6, 10**7, 8, allow_remote, 5.0, 5.0, VisionGrid(), private)
+
+
+async def fetched(url: str, lim: ImageLimits) -> ImageInput:
+    return await read_image(url, "messages[0].content[1].image_url", lim, 8 << 20)
+
+
+async def refused(url: str, lim: ImageLimits, match: str) -> None:
+    with pytest.raises(ApiError, match=match) as err:
+        await fetched(url, lim)
+    assert err.value.status == 400 and err.value.param == "messages[0].content[1].image_url"
+
+
+async def test_remote_images_only_when_allowed(image_server: tuple[int, bytes]) -> None:
+    port, png = image_server
+    base = f"http://127.0.0.1:{port}"
+    await refused(f"{base}/cat.png", limits(allow_remote=False), "only data: URLs")
+    inside = limits(private=True)  # an operator who lets URLs reach private networks
+    img = await fetched(f"{base}/cat.png", inside)
+    assert img.tokens == 2 * 3 and img.data == png
+    assert (await fetched(f"{base}/hop", inside)).data == png  # redirects are followed
+    await refused(f"{base}/dog.png", inside, "HTTP 404")
+    await refused(f"{base}/loop", inside, "more than 5 redirects")
+    await refused(f"{base}/file", inside, "only http")
+
+
+async def test_remote_urls_reach_public_addresses_only(
+    image_server: tuple[int, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router fetches on the client's behalf from inside the cluster: a URL naming a
+    loopback, private or link-local address, directly, by a name or by a redirect, is refused
+    before any byte is sent there."""
+    port, png = image_server
+    public_only = limits()
+    for url in (
+        f"http://127.0.0.1:{port}/cat.png",
+        f"http://[::ffff:127.0.0.1]:{port}/cat.png",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://10.1.2.3/x.png",
+    ):
+        await refused(url, public_only, "not a public address: refused")
+    await refused(f"http://localhost:{port}/cat.png", public_only, "localhost resolves to")
+    # The same checks on each redirect: here the test server's own address counts as public.
+    real = remote.is_public
+    monkeypatch.setattr(remote, "is_public", lambda a: a == "127.0.0.1" or real(a))
+    assert (await fetched(f"http://localhost:{port}/hop", public_only)).data == png
+    await refused(f"http://127.0.0.1:{port}/meta", public_only, "169.254.169.254 is not a public")
+
+
+@pytest.mark.parametrize(
+    ("address", "public"),
+    [
+        ("8.8.8.8", True),
+        ("2606:4700:4700::1111", True),
+        ("127.0.0.1", False),
+        ("10.0.0.1", False),
+        ("172.16.5.4", False),
+        ("192.168.1.1", False),
+        ("169.254.169.254", False),
+        ("100.64.0.1", False),  # carrier-grade NAT
+        ("0.0.0.0", False),
+        ("224.0.0.1", False),
+        ("::1", False),
+        ("fd00::1", False),
+        ("fe80::1%eth0", False),
+        ("::ffff:10.0.0.1", False),
+    ],
+)
+def test_which_addresses_are_public(address: str, public: bool) -> None:
+    assert remote.is_public(address) is public
