@@ -31,6 +31,8 @@ R = TypeVar("R", bound=Message)
 
 # A reply carrying this header is an error raised by the responder; the value is its text.
 ERROR_HEADER = "Kvmesh-Error"
+PARTS_HEADER = "Kvmesh-Parts"  # a stored message in parts (put_last)
+PART_MARGIN = 64 << 10  # room in a message for headers beside a part
 
 
 class BusError(Exception):
@@ -238,8 +240,17 @@ class Bus:
         self, subject: str, data: bytes, headers: dict[str, str] | None = None
     ) -> None:
         """Store ``data`` as the message of ``subject`` on a last-per-subject stream (it
-        replaces the one before)."""
-        await self.js.publish(subject, data, headers=headers)
+        replaces the one before). Data larger than a NATS message can hold goes in parts:
+        parts 1.. on ``<subject>.part<k>`` first, then part 0 on ``subject`` saying how many,
+        so whoever reads part 0 finds the others stored."""
+        size = max(1, self.nc.max_payload - PART_MARGIN)
+        view = memoryview(data)
+        parts = [view[i : i + size] for i in range(0, len(data), size)] or [view]
+        for k in range(1, len(parts)):
+            await self.js.publish(f"{subject}.part{k}", bytes(parts[k]))
+        if len(parts) > 1:
+            headers = {**(headers or {}), PARTS_HEADER: str(len(parts))}
+        await self.js.publish(subject, bytes(parts[0]), headers=headers)
 
     async def wait_last(
         self, stream: str, subject: str, timeout_s: float
@@ -248,7 +259,7 @@ class Bus:
         stored, else the one stored within ``timeout_s`` (BusError after that)."""
         try:
             raw = await self.js.get_last_msg(stream, subject, direct=True)
-            return raw.data or b"", dict(raw.headers or {})
+            return await self._joined(stream, subject, raw.data or b"", raw.headers)
         except NotFoundError:
             pass
         # Not there yet: a consumer starting at the subject's last message gets one stored
@@ -263,7 +274,22 @@ class Bus:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        return msg.data, dict(msg.headers or {})
+        return await self._joined(stream, subject, msg.data, msg.headers)
+
+    async def _joined(
+        self, stream: str, subject: str, first: bytes, headers: dict[str, str] | None
+    ) -> tuple[bytes, dict[str, str]]:
+        """Part 0 and the parts it names, read back as one (``put_last``)."""
+        headers = dict(headers or {})
+        n = int(headers.pop(PARTS_HEADER, "1"))
+        rest = [
+            self.js.get_last_msg(stream, f"{subject}.part{k}", direct=True) for k in range(1, n)
+        ]
+        try:
+            parts = await asyncio.gather(*rest)
+        except NotFoundError:
+            raise BusError(f"{subject}: a part of its {n} is gone from {stream}") from None
+        return b"".join([first, *(p.data or b"" for p in parts)]), headers
 
     async def consume_durable(
         self,

@@ -4,10 +4,12 @@ and reconnection when the server restarts."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
 from shared.bus import Bus, BusError, RemoteError
+from shared.bus.client import PARTS_HEADER
 from shared.messages import Message
 from shared.natsserver import NatsServer
 
@@ -93,6 +95,30 @@ async def test_jetstream_durable_consumer_resumes(nats_url: str) -> None:
         await bus.consume_durable("test.events.>", "tester", Ping, on_event)
         assert await asyncio.wait_for(got.get(), 2) == (3, later)
     finally:
+        await bus.close()
+
+
+async def test_stored_data_larger_than_a_nats_message_goes_in_parts(nats_url: str) -> None:
+    """Image embeddings of a large model outgrow NATS's max_payload: put_last splits them,
+    wait_last joins them, whether the reader comes before or after."""
+    bus = await Bus.connect(nats_url, "t-parts")
+    try:
+        await bus.ensure_stream("TEST_PARTS", ["test.parts.>"], memory=True, last_per_subject=True)
+        big = os.urandom(2 * bus.nc.max_payload + 12345)  # three parts
+        await bus.put_last("test.parts.a", big, headers={"Shape": "3,5"})
+        data, headers = await bus.wait_last("TEST_PARTS", "test.parts.a", 1)
+        assert data == big and headers["Shape"] == "3,5" and PARTS_HEADER not in headers
+        early = asyncio.create_task(bus.wait_last("TEST_PARTS", "test.parts.b", 5))
+        await asyncio.sleep(0.2)
+        await bus.put_last("test.parts.b", big[::-1])
+        assert (await early)[0] == big[::-1]
+        await bus.put_last("test.parts.c", b"small")  # one message, as before
+        assert (await bus.wait_last("TEST_PARTS", "test.parts.c", 1))[0] == b"small"
+        await bus.js.purge_stream("TEST_PARTS", subject="test.parts.a.part2")
+        with pytest.raises(BusError, match="a part of its 3 is gone"):
+            await bus.wait_last("TEST_PARTS", "test.parts.a", 1)
+    finally:
+        await bus.js.delete_stream("TEST_PARTS")
         await bus.close()
 
 
