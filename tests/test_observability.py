@@ -20,7 +20,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.cli.trace import read_spans, request_trace
 from shared.natsserver import NatsServer
-from tests.procs import REPO, free_port, get_json, service_env, start_services, wait_until
+from tests.procs import (
+    REPO,
+    free_port,
+    get_json,
+    service_env,
+    start_service,
+    start_services,
+    wait_until,
+)
 
 ROLES = ("router", "encoder", "cachemeta", "prefill", "decode")
 
@@ -33,13 +41,17 @@ def all_ready(url: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """The five roles on a NATS of their own: the statistics stream holds only this mesh's."""
     tmp = tmp_path_factory.mktemp("observability")
+    nats = NatsServer("127.0.0.1", free_port(), tmp / "js")
+    nats.start()
     port = free_port()
     env = service_env(
-        nats_server.url,
+        nats.url,
         tmp,
         KVMESH_ROUTER_HTTP_PORT=str(port),
+        KVMESH_ROUTER_STATS_SHARE_S="0.3",
         KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",
         KVMESH_ENCODER_MODELS='["tiny"]',
         KVMESH_ENCODER_THREADS="1",
@@ -55,6 +67,7 @@ def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> 
     yield {"url": url, "client": client, "dir": tmp, "procs": procs, "env": env}
     for proc in procs.values():
         proc.stop()
+    nats.stop()
 
 
 def png() -> str:
@@ -244,3 +257,34 @@ def test_stats_match_a_known_workload(stack: dict) -> None:
     overall = stats["overall"]
     assert overall["requests"] >= 2 + stats["by_class"].get("chat", {}).get("requests", 0)
     assert json.dumps(stats)  # plain JSON all the way down
+
+
+def test_every_router_reports_the_mesh_and_a_restart_keeps_it(stack: dict) -> None:
+    """A second router reports the first one's requests too (the routers share their minutes
+    on a stream); the first, restarted, still reports what it answered before."""
+    _, before = get_json(f"{stack['url']}/v1/stats")
+    assert before["routers"] == 1 and before["by_class"]["agent"]["requests"] == 2
+    port = free_port()
+    env = {**stack["env"], "KVMESH_SERVICE_ID": "router-1", "KVMESH_ROUTER_HTTP_PORT": str(port)}
+    stack["procs"]["router-1"] = start_service("router", env, stack["dir"], "router-1")
+    other = f"http://127.0.0.1:{port}"
+    wait_until(lambda: all_ready(other), 30, what="a second router")
+    seen = wait_until(
+        lambda: (s := get_json(f"{other}/v1/stats")[1])["overall"]["requests"] > 0 and s,
+        10,
+        what="router-0's minutes at router-1",
+    )
+    assert seen["routers"] == 2 and seen["overall"]["requests"] == before["overall"]["requests"]
+    counts = ("requests", "input_tokens", "output_tokens", "input_cache_hit_ratio", "ttft_mean_s")
+    assert {k: seen["by_class"]["agent"][k] for k in counts} == {
+        k: before["by_class"]["agent"][k] for k in counts
+    }
+
+    first = stack["procs"]["router-0"]
+    first.stop()
+    env = {**stack["env"], "KVMESH_SERVICE_ID": "router-0"}
+    stack["procs"]["router-0"] = start_service("router", env, stack["dir"], "router-0-again")
+    wait_until(lambda: all_ready(stack["url"]), 30, what="router-0 back")
+    _, after = get_json(f"{stack['url']}/v1/stats")
+    assert after["by_class"]["agent"]["requests"] == 2  # from before the restart
+    assert after["routers"] == 2 and after["window_s"] >= before["window_s"]

@@ -20,7 +20,7 @@ from services.router.policies import POLICIES
 from services.router.registry import WorkerRegistry
 from services.router.scoring import CostDefaults
 from services.router.settings import RouterSettings
-from services.router.stats import RollingStats
+from services.router.stats import DAY_S, RollingStats, StatsMinute
 from shared.bus import Bus, subjects
 from shared.messages.heartbeat import (
     ROLES,
@@ -43,13 +43,21 @@ class RouterService(Service):
         super().__init__(common, settings)
         self.settings: RouterSettings = settings
         self.registry = WorkerRegistry(missed_beats=settings.missed_heartbeats)
-        self.stats = RollingStats(time.time())
+        self.stats = RollingStats(self.service_id, self.started_at)
         self.frontend: Frontend | None = None
         self.grpc_address = ""
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         s = self.settings
         await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        # The mesh's statistics: every router's minutes, this one's from before a restart too.
+        await bus.ensure_stream(
+            subjects.STATS_STREAM, [subjects.STATS_ALL], max_age_s=DAY_S, last_per_subject=True
+        )
+        await bus.follow(subjects.STATS_STREAM, subjects.STATS_ALL, StatsMinute, self.stats.merge)
+        sharer = asyncio.create_task(self.share_stats(bus))
+        stack.callback(sharer.cancel)
+        stack.push_async_callback(self._share_stats, bus)  # the last minutes, when stopping
         await bus.serve(
             subjects.ROUTER_REGISTRY, RegistryQuery, self.on_registry_query, subjects.ROUTER_QUEUE
         )
@@ -125,6 +133,19 @@ class RouterService(Service):
                     record.service_id,
                     record.age(time.monotonic()),
                 )
+
+    async def share_stats(self, bus: Bus) -> None:
+        while True:
+            await asyncio.sleep(self.settings.stats_share_s)
+            await self._share_stats(bus)
+
+    async def _share_stats(self, bus: Bus) -> None:
+        for minute in self.stats.to_share():
+            try:
+                await bus.publish_durable(subjects.stats(self.service_id, minute.minute), minute)
+            except Exception as err:  # shared at the next round
+                log.warning("statistics not shared: %s", err)
+                self.stats.unshared(minute.minute)
 
     async def on_registry_query(self, query: RegistryQuery) -> RegistrySnapshot:
         now = time.monotonic()

@@ -57,6 +57,9 @@ class RouterSettings(ServiceSettings):
     lookup_timeout_s: float = Field(
         default=0.25, gt=0, description="cachemeta must answer a lookup within this"
     )
+    stats_share_s: float = Field(
+        default=5.0, gt=0, description="how often this router shares its statistics' minutes"
+    )
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="a request still unanswered after this fails (504)"
     )

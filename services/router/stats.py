@@ -1,24 +1,33 @@
 """The operator's figures, as DeepInfer publishes them: over a rolling 24 hours, tokens per
 day, input tokens per request, mean TTFT, generation speed per request, input cache hit ratio,
-and requests and tokens per worker-hour; overall and per traffic class. Pure: requests and
-worker counts in, figures out.
+and requests and tokens per worker-hour; overall and per traffic class. Pure: requests, worker
+counts and other routers' minutes in, figures out.
 
-Kept in one-minute buckets (1,440 for a day), so memory is fixed and old minutes drop off.
-While the router has run less than a day, per-day figures are extrapolated from what it has
-seen (tokens ÷ seconds observed × 86,400).
+Kept in one-minute buckets (1,440 a day per router), so memory is fixed and old minutes drop
+off. Each router counts what it answered; the routers share their minutes on a JetStream stream
+(``StatsMinute``, one message per router and minute, the last one kept), so any router reports
+the whole mesh, and a router that restarts finds its own earlier minutes there. Workers are
+counted by every router alike, so a minute's worker-seconds are the most any router saw, not
+their sum. While the mesh has been observed for less than a day, per-day figures are
+extrapolated from what was seen (tokens ÷ seconds observed × 86,400).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field
+
+from shared.messages import Message
 
 DAY_S = 86_400.0
 BUCKET_S = 60.0
+DAY_MINUTES = int(DAY_S // BUCKET_S)
 
 
-@dataclass
-class Totals:
+class Totals(BaseModel):
+    """One traffic class's sums over some minutes."""
+
     requests: int = 0
     input_tokens: int = 0
     cached_tokens: int = 0
@@ -28,7 +37,7 @@ class Totals:
     speed_tok_s: float = 0.0  # summed
 
     def add(self, other: Totals) -> None:
-        for name in self.__dataclass_fields__:
+        for name in Totals.model_fields:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def figures(self, window_s: float, worker_hours: float) -> dict:
@@ -52,27 +61,45 @@ class Totals:
         }
 
 
+class StatsMinute(Message):
+    """One router's minute, as it shares it (subject: subjects.stats(router_id, minute))."""
+
+    router_id: str
+    started_at: float  # when that router process started
+    minute: int  # unix time // 60
+    worker_s: float = 0.0  # prefill and decode workers live × seconds, as that router saw
+    by_class: dict[str, Totals] = Field(default_factory=dict)
+
+
 @dataclass
-class _Bucket:
-    minute: int
-    by_class: dict[str, Totals] = field(default_factory=dict)
+class _Minute:
+    started_at: float
     worker_s: float = 0.0
+    by_class: dict[str, Totals] = field(default_factory=dict)
 
 
 class RollingStats:
-    def __init__(self, started_at: float) -> None:
+    def __init__(self, router_id: str, started_at: float) -> None:
+        self.router_id = router_id
         self.started_at = started_at
-        self._buckets: deque[_Bucket] = deque()
+        self._minutes: dict[tuple[str, int], _Minute] = {}  # every router's, this one's too
+        self._changed: set[int] = set()  # this router's minutes not yet shared
         self._last_tick: float | None = None
 
-    def _bucket(self, now: float) -> _Bucket:
+    def _mine(self, now: float) -> _Minute:
         minute = int(now // BUCKET_S)
-        if not self._buckets or self._buckets[-1].minute != minute:
-            self._buckets.append(_Bucket(minute))
-        oldest = minute - int(DAY_S // BUCKET_S) + 1
-        while self._buckets[0].minute < oldest:
-            self._buckets.popleft()
-        return self._buckets[-1]
+        m = self._minutes.get((self.router_id, minute))
+        if m is None:
+            m = self._minutes[(self.router_id, minute)] = _Minute(self.started_at)
+            self._drop_before(minute - DAY_MINUTES + 1)
+        self._changed.add(minute)
+        return m
+
+    def _drop_before(self, oldest: int) -> None:
+        for key in [k for k in self._minutes if k[1] < oldest]:
+            del self._minutes[key]
+
+    # -- this router's requests and workers ------------------------------------------------
 
     def record(
         self,
@@ -86,7 +113,7 @@ class RollingStats:
     ) -> None:
         """A request that was answered: its tokens, its TTFT, and the time from its first
         token to its last (its generation speed is output_tokens - 1 over that)."""
-        t = self._bucket(now).by_class.setdefault(traffic_class, Totals())
+        t = self._mine(now).by_class.setdefault(traffic_class, Totals())
         t.requests += 1
         t.input_tokens += input_tokens
         t.cached_tokens += cached_tokens
@@ -99,21 +126,68 @@ class RollingStats:
     def tick(self, now: float, workers: int) -> None:
         """``workers`` (prefill and decode) were live since the last tick."""
         if self._last_tick is not None and now > self._last_tick:
-            self._bucket(now).worker_s += workers * (now - self._last_tick)
+            self._mine(now).worker_s += workers * (now - self._last_tick)
         self._last_tick = now
 
+    # -- sharing -------------------------------------------------------------------------
+
+    def to_share(self) -> list[StatsMinute]:
+        """This router's minutes that changed since the last call."""
+        out = []
+        for minute in sorted(self._changed):
+            m = self._minutes.get((self.router_id, minute))
+            if m is not None:
+                out.append(
+                    StatsMinute(
+                        router_id=self.router_id,
+                        started_at=m.started_at,
+                        minute=minute,
+                        worker_s=m.worker_s,
+                        by_class={k: t.model_copy() for k, t in m.by_class.items()},
+                    )
+                )
+        self._changed.clear()
+        return out
+
+    def unshared(self, minute: int) -> None:
+        """Sharing ``minute`` failed: offer it again next time."""
+        self._changed.add(minute)
+
+    def merge(self, shared: StatsMinute, replaying: bool) -> None:
+        """A minute from the stream: another router's (replacing what it said before), or
+        this router's own from before a restart (only while ``replaying`` the stream at
+        start: afterwards they are the echoes of what it shares)."""
+        key = (shared.router_id, shared.minute)
+        if shared.router_id != self.router_id:
+            self._minutes[key] = _Minute(shared.started_at, shared.worker_s, shared.by_class)
+            return
+        if not replaying:
+            return
+        m = self._minutes.setdefault(key, _Minute(self.started_at))
+        m.started_at = min(m.started_at, shared.started_at)
+        m.worker_s = max(m.worker_s, shared.worker_s)  # this minute before and after: both
+        for name, t in shared.by_class.items():
+            m.by_class.setdefault(name, Totals()).add(t)
+        self._changed.add(shared.minute)
+
+    # -- the report ----------------------------------------------------------------------
+
     def report(self, now: float) -> dict:
-        self._bucket(now)  # drop what is older than a day
-        window_s = min(DAY_S, max(now - self.started_at, 1e-9))
-        worker_hours = sum(b.worker_s for b in self._buckets) / 3600
+        self._drop_before(int(now // BUCKET_S) - DAY_MINUTES + 1)
+        started = min([self.started_at, *(m.started_at for m in self._minutes.values())])
+        window_s = min(DAY_S, max(now - started, 1e-9))
+        worker_s: dict[int, float] = {}
         overall, by_class = Totals(), {}
-        for b in self._buckets:
-            for name, t in b.by_class.items():
+        for (_, minute), m in self._minutes.items():
+            worker_s[minute] = max(worker_s.get(minute, 0.0), m.worker_s)
+            for name, t in m.by_class.items():
                 overall.add(t)
                 by_class.setdefault(name, Totals()).add(t)
+        worker_hours = sum(worker_s.values()) / 3600
         return {
             "window_s": round(window_s, 3),
             "extrapolated": window_s < DAY_S,
+            "routers": len({r for r, _ in self._minutes} | {self.router_id}),
             "worker_hours": round(worker_hours, 6),
             "overall": overall.figures(window_s, worker_hours),
             "by_class": {

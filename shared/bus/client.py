@@ -291,6 +291,42 @@ class Bus:
             raise BusError(f"{subject}: a part of its {n} is gone from {stream}") from None
         return b"".join([first, *(p.data or b"" for p in parts)]), headers
 
+    async def follow(
+        self,
+        stream: str,
+        subject: str,
+        msg_type: type[M],
+        handler: Callable[[M, bool], None],
+        catch_up_s: float = 10.0,
+    ) -> Subscription:
+        """Every message of ``subject`` on ``stream`` from its start, then each new one, to
+        ``handler(msg, replaying)``; returns once the ones stored before the call were
+        handled (``replaying`` is True for those), or after ``catch_up_s`` (a warning)."""
+        info = await self.js.stream_info(stream)
+        caught_up = asyncio.Event()
+        if not info.state.messages:
+            caught_up.set()
+
+        async def on_msg(raw: Msg) -> None:
+            try:
+                msg = msg_type.from_bytes(raw.data)
+            except ValueError as err:
+                log.warning("dropped a malformed %s on %s: %s", msg_type.__name__, subject, err)
+            else:
+                handler(msg, not caught_up.is_set())
+            if not raw.metadata.num_pending:
+                caught_up.set()
+
+        sub = await self.js.subscribe(subject, ordered_consumer=True, cb=on_msg)
+        try:
+            await asyncio.wait_for(caught_up.wait(), catch_up_s)
+        except TimeoutError:
+            caught_up.set()
+            log.warning(
+                "%s: not caught up with %s within %g s; going on", subject, stream, catch_up_s
+            )
+        return sub
+
     async def consume_durable(
         self,
         subject: str,

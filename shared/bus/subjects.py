@@ -67,3 +67,14 @@ EMBEDS_ALL = f"{PREFIX}.embeds.>"
 
 def embeds(model: str, image_hash: str) -> str:
     return f"{PREFIX}.embeds.{_token(model)}.{_token(image_hash)}"
+
+
+# The operator's statistics: each router shares its per-minute sums on a JetStream stream (the
+# last message per router and minute kept, for a day), so every router reports the whole mesh
+# and a restarted router finds its earlier minutes.
+STATS_STREAM = "KVMESH_STATS"
+STATS_ALL = f"{PREFIX}.stats.>"
+
+
+def stats(router_id: str, minute: int) -> str:
+    return f"{PREFIX}.stats.{_token(router_id)}.{minute}"

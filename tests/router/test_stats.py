@@ -10,7 +10,7 @@ T0 = 1_800_000_000.0
 
 
 def test_a_young_router_extrapolates_to_a_day() -> None:
-    stats = RollingStats(T0)
+    stats = RollingStats("r0", T0)
     stats.tick(T0, 4)
     stats.record(T0 + 10, "chat", 1000, 900, 50, 0.2, 1.0)
     stats.record(T0 + 20, "agent", 3000, 2900, 10, 0.4, 0.0)
@@ -29,10 +29,52 @@ def test_a_young_router_extrapolates_to_a_day() -> None:
 
 
 def test_a_day_later_old_minutes_are_gone() -> None:
-    stats = RollingStats(T0)
+    stats = RollingStats("r0", T0)
     stats.record(T0, "chat", 100, 0, 1, 0.1, 0.0)
     stats.record(T0 + DAY_S - 120, "chat", 200, 0, 1, 0.1, 0.0)
     r = stats.report(T0 + DAY_S + 30)
     assert not r["extrapolated"] and r["window_s"] == DAY_S
     assert r["overall"]["requests"] == 1 and r["overall"]["input_tokens"] == 200
     assert stats.report(T0 + 3 * DAY_S)["overall"]["requests"] == 0
+
+
+def test_every_router_reports_the_whole_mesh() -> None:
+    """Router a's minutes reach b (as over the stream): b reports both routers' requests,
+    and the workers both of them counted once."""
+    a, b = RollingStats("a", T0), RollingStats("b", T0 + 60)
+    for r in (a, b):
+        r.tick(T0 + 60, 4)
+    a.record(T0 + 70, "chat", 1000, 500, 20, 0.2, 1.0)
+    a.record(T0 + 80, "chat", 1000, 900, 20, 0.4, 1.0)
+    b.record(T0 + 90, "agent", 2000, 1000, 5, 0.6, 1.0)
+    for r in (a, b):
+        r.tick(T0 + 60 + 3600, 4)
+    for m in a.to_share():
+        b.merge(m, replaying=False)
+    assert a.to_share() == []  # nothing changed since
+    report = b.report(T0 + 3660)
+    assert report["routers"] == 2 and report["window_s"] == 3660  # since a started
+    assert report["worker_hours"] == pytest.approx(4)  # not 8: both saw the same workers
+    assert report["overall"]["requests"] == 3 and report["overall"]["input_tokens"] == 4000
+    assert report["by_class"]["chat"]["input_cache_hit_ratio"] == pytest.approx(0.7)
+    a.record(T0 + 3660, "chat", 500, 0, 1, 0.1, 0.0)  # a minute a shares again
+    for m in a.to_share():
+        b.merge(m, replaying=False)
+    assert b.report(T0 + 3670)["by_class"]["chat"]["requests"] == 3  # replaced, not added
+
+
+def test_a_restarted_router_finds_its_earlier_minutes() -> None:
+    before = RollingStats("a", T0)
+    before.record(T0 + 5, "chat", 100, 0, 3, 0.1, 1.0)
+    before.record(T0 + 10, "chat", 100, 50, 3, 0.1, 1.0)
+    stored = before.to_share()
+    after = RollingStats("a", T0 + 30)  # restarted within the same minute
+    after.record(T0 + 40, "chat", 100, 90, 3, 0.1, 1.0)
+    for m in stored:
+        after.merge(m, replaying=True)
+    report = after.report(T0 + 50)
+    assert report["overall"]["requests"] == 3 and report["window_s"] == 50
+    (shared,) = after.to_share()  # the minute again, with all three
+    assert shared.by_class["chat"].requests == 3 and shared.by_class["chat"].cached_tokens == 140
+    after.merge(shared, replaying=False)  # its own echo, once caught up: ignored
+    assert after.report(T0 + 50)["overall"]["requests"] == 3
