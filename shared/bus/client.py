@@ -43,6 +43,15 @@ class RemoteError(BusError):
     """The responder to a request raised; the message is its error text."""
 
 
+def _decoded(raw: Msg, msg_type: type[M], subject: str) -> M | None:
+    """The message, or None for a malformed one (logged: it is dropped)."""
+    try:
+        return msg_type.from_bytes(raw.data)
+    except ValueError as err:
+        log.warning("dropped a malformed %s on %s: %s", msg_type.__name__, subject, err)
+        return None
+
+
 class Bus:
     """One NATS connection with typed helpers. Build with ``await Bus.connect(...)``."""
 
@@ -128,12 +137,9 @@ class Bus:
         """Call ``handler`` with each message; a malformed one is logged and dropped."""
 
         async def on_msg(raw: Msg) -> None:
-            try:
-                msg = msg_type.from_bytes(raw.data)
-            except ValueError as err:
-                log.warning("dropped a malformed %s on %s: %s", msg_type.__name__, subject, err)
-                return
-            await handler(msg)
+            msg = _decoded(raw, msg_type, subject)
+            if msg is not None:
+                await handler(msg)
 
         return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
 
@@ -308,11 +314,8 @@ class Bus:
             caught_up.set()
 
         async def on_msg(raw: Msg) -> None:
-            try:
-                msg = msg_type.from_bytes(raw.data)
-            except ValueError as err:
-                log.warning("dropped a malformed %s on %s: %s", msg_type.__name__, subject, err)
-            else:
+            msg = _decoded(raw, msg_type, subject)
+            if msg is not None:
                 handler(msg, not caught_up.is_set())
             if not raw.metadata.num_pending:
                 caught_up.set()
@@ -340,10 +343,8 @@ class Bus:
         """
 
         async def on_msg(raw: Msg) -> None:
-            try:
-                msg = msg_type.from_bytes(raw.data)
-            except ValueError as err:
-                log.warning("dropped a malformed %s on %s: %s", msg_type.__name__, subject, err)
+            msg = _decoded(raw, msg_type, subject)
+            if msg is None:
                 await raw.term()
                 return
             await handler(msg, raw.metadata.sequence.stream)
