@@ -95,8 +95,8 @@ def _check_hop(url: URL, private_ok: bool) -> None:
     if private_ok:
         return
     try:
-        literal = ipaddress.ip_address(url.host)
+        public = is_public(url.host)
     except ValueError:
-        return  # a name: checked as it resolves
-    if not is_public(str(literal)):
+        return  # a name, not an address: checked as it resolves
+    if not public:
         raise BadImage(f"{url.host} is not a public address: refused")
