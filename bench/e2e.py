@@ -73,7 +73,7 @@ class Stack:
         env.update(extra or {})
         self.log = open(self.dir / "up.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli.main", "up"],
+            [sys.executable, "-m", "kvmesh", "up"],
             env=env,
             cwd=REPO,
             stdout=self.log,

@@ -20,10 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shared.engine.engine import EngineOptions, TorchEngine  # noqa: E402
-from shared.engine.loader import load_model  # noqa: E402
+from shared.engine.interface import EngineOptions  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
-from shared.engine.weights import REAL_MODEL, find_gguf  # noqa: E402
+from shared.engine.torch.engine import TorchEngine  # noqa: E402
+from shared.engine.torch.loader import load_model  # noqa: E402
+from shared.model.gguf import REAL_MODEL, find_gguf  # noqa: E402
 
 BLOCK = 64
 

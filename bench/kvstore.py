@@ -31,12 +31,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.e2e import Stack, free_port  # noqa: E402
+from kvmesh.natsserver import NatsServer  # noqa: E402
 from shared.bus import Bus, subjects  # noqa: E402
-from shared.engine.engine import EngineOptions, TorchEngine  # noqa: E402
-from shared.engine.loader import load_model  # noqa: E402
+from shared.engine.interface import EngineOptions  # noqa: E402
+from shared.engine.torch.engine import TorchEngine  # noqa: E402
+from shared.engine.torch.loader import load_model  # noqa: E402
 from shared.kvstore.backend import FileStore  # noqa: E402
 from shared.messages.kvevents import STORE, KvEvent, LookupReply, LookupRequest  # noqa: E402
-from shared.natsserver import NatsServer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -26,17 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.cachemeta.index import BlockIndex  # noqa: E402
 from services.router.policies import POLICIES, RouteRequest  # noqa: E402
-from services.router.simulator import (  # noqa: E402
+from services.router.tokens import PrefixHashes  # noqa: E402
+from shared.kvstore.hashing import block_hashes, pack_tokens, packed_block_hashes  # noqa: E402
+from shared.messages.kvevents import STORE, KvEvent, memory_location  # noqa: E402
+from simulator.replay import (  # noqa: E402
     SimConfig,
     infinite_cache_hit_ratio,
     progress_bar,
     simulate,
     speed_for_utilization,
 )
-from services.router.tokens import PrefixHashes  # noqa: E402
-from services.router.traces import TraceRequest, read_trace  # noqa: E402
-from shared.kvstore.hashing import block_hashes, pack_tokens, packed_block_hashes  # noqa: E402
-from shared.messages.kvevents import STORE, KvEvent, memory_location  # noqa: E402
+from simulator.traces import TraceRequest, read_trace  # noqa: E402
 
 TRACE = (
     Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "synthetic_trace.jsonl"

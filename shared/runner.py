@@ -18,8 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from shared.engine.engine import Engine
-from shared.engine.sequence import StepOutput
+from shared.engine.interface import Engine, StepOutput
 
 log = logging.getLogger(__name__)
 

@@ -128,6 +128,20 @@ async def serve_http(stack: AsyncExitStack, app: web.Application, settings: Serv
     return f"http://{settings.advertised_host()}:{bound[1]}"
 
 
+def build_app(service: Service) -> web.Application:
+    """The service's HTTP application: GET /health, GET /metrics and its own routes."""
+    app = web.Application(middlewares=[openai_errors])
+    register_load(LoadCollector(service.role, service.load, service.heartbeat_ages))
+    app.add_routes(
+        [
+            web.get("/health", service.health),
+            web.get("/metrics", metrics_handler),
+            *service.routes(),
+        ]
+    )
+    return app
+
+
 async def _publish_heartbeats(service: Service, bus: Bus) -> None:
     subject = subjects.heartbeat(service.role)
     while True:
@@ -174,16 +188,7 @@ async def _run(service: Service) -> None:
             return
         stack.push_async_callback(bus.close)
         await service.start(stack, bus)
-        app = web.Application(middlewares=[openai_errors])
-        register_load(LoadCollector(service.role, service.load, service.heartbeat_ages))
-        app.add_routes(
-            [
-                web.get("/health", service.health),
-                web.get("/metrics", metrics_handler),
-                *service.routes(),
-            ]
-        )
-        service.http_url = await serve_http(stack, app, service.settings)
+        service.http_url = await serve_http(stack, build_app(service), service.settings)
         beats = asyncio.create_task(_publish_heartbeats(service, bus))
         log.info("%s ready: %s (http %s)", service.role, service.service_id, service.http_url)
 

@@ -17,17 +17,23 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from pydantic import Field, field_validator
 
 from shared.bus import Bus, subjects
-from shared.engine.blocks import PoolExhausted
-from shared.engine.engine import EngineOptions, ImageEmbeds, Prefix, TorchEngine
+from shared.engine.interface import (
+    Engine,
+    EngineOptions,
+    ImageEmbeds,
+    PoolExhausted,
+    Prefix,
+    StepOutput,
+)
 from shared.engine.kvformat import DTYPES, BadBlock
-from shared.engine.loader import MODEL_NAMES, load_model
-from shared.engine.sequence import StepOutput
+from shared.engine.registry import ENGINES, load_engine
 from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
 from shared.kvstore.tiers import MEMORY, STORAGE, CachedPrefix, KvTiers
 from shared.messages.encode import EMBEDS_SHAPE_HEADER
 from shared.messages.generate import Cancel, GenerateTask, ImageRef, TokenEvent
 from shared.messages.heartbeat import Load
+from shared.model.text import MODEL_NAMES
 from shared.runner import EngineRunner
 from shared.service import Service, ServiceSettings
 from shared.settings import CommonSettings
@@ -46,6 +52,7 @@ class ImagesMissing(Exception):
 class WorkerSettings(ServiceSettings):
     """Engine settings of a worker role (prefill and decode each subclass it)."""
 
+    engine: str = Field(default="torch", description="compute engine backend (by name)")
     model: str = Field(default="smollm2-135m-instruct", min_length=1, description="model served")
     block_size: int = Field(default=64, ge=1, le=4096, description="tokens per KV block")
     kv_cache_tokens: int = Field(
@@ -74,6 +81,13 @@ class WorkerSettings(ServiceSettings):
     def _known_dtype(cls, name: str) -> str:
         if name and name not in DTYPES:
             raise ValueError(f"empty or one of {', '.join(DTYPES)}")
+        return name
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        if name not in ENGINES:
+            raise ValueError(f"one of {', '.join(ENGINES)}")
         return name
 
     @field_validator("model")
@@ -146,7 +160,7 @@ class WorkerService(Service):
         span.end()
 
     @property
-    def engine(self) -> TorchEngine:
+    def engine(self) -> Engine:
         assert self.runner is not None
         return self.runner.engine
 
@@ -157,23 +171,23 @@ class WorkerService(Service):
         loop = asyncio.get_running_loop()
         started = time.monotonic()
 
-        def build() -> TorchEngine:
-            engine = TorchEngine(
-                load_model(s.model, Path(self.common.state_dir)), s.engine_options()
-            )
+        def build() -> Engine:
+            engine = load_engine(s.engine, s.model, Path(self.common.state_dir), s.engine_options())
             engine.start()
             return engine
 
         engine = await loop.run_in_executor(None, build)
         self.runner = EngineRunner(engine)
         stack.callback(self.runner.close)
+        stats = engine.stats()
         log.info(
-            "%s engine ready in %.1f s: %s, %d KV blocks of %d tokens",
+            "%s engine ready in %.1f s: %s on %s, %d KV blocks of %d tokens",
             self.role,
             time.monotonic() - started,
             s.model,
-            engine.pool.n_blocks,
-            engine.block_size,
+            s.engine,
+            stats.kv_blocks_total,
+            stats.block_size,
         )
         store = FileStore(self.common.resolved_kv_store_dir) if s.kv_store else None
         self.tiers = KvTiers(bus, self.service_id, s.memory_tier_bytes, store, s.write_queue_blocks)
@@ -184,11 +198,11 @@ class WorkerService(Service):
         """Load with the engine's and the tiers' figures filled in."""
         if self.runner is None or self.tiers is None:
             return Load(**figures)
-        pool = self.engine.pool
+        stats = self.engine.stats()
         return Load(
-            kv_blocks_used=pool.used_blocks,
-            kv_blocks_total=pool.n_blocks,
-            kv_block_size=self.engine.block_size,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total,
+            kv_block_size=stats.block_size,
             kv_write_skips=self.tiers.skipped_blocks,
             **figures,
         )

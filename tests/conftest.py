@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.natsserver import NatsServer
+from kvmesh.natsserver import NatsServer
 from tests.procs import free_port
 
 

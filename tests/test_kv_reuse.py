@@ -14,12 +14,12 @@ from pathlib import Path
 import openai
 import pytest
 
+from kvmesh.natsserver import NatsServer
 from shared.bus import Bus, BusError, subjects
-from shared.engine.loader import load_text_model
 from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
 from shared.messages.kvevents import STORE, LookupReply, LookupRequest
-from shared.natsserver import NatsServer
+from shared.model.text import load_text_model
 from tests.procs import Proc, free_port, service_env, start_service, start_services, wait_until
 from tests.test_request_path import workers_ready
 

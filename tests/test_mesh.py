@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.natsserver import NatsServer
 from shared.messages.heartbeat import ROLES
-from shared.natsserver import NatsServer
 from tests.procs import (
     Proc,
     free_port,

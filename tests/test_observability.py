@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.cli.trace import read_spans, request_trace
-from shared.natsserver import NatsServer
+from kvmesh.natsserver import NatsServer
+from kvmesh.trace import read_spans, request_trace
 from tests.procs import (
     REPO,
     free_port,
@@ -155,7 +155,7 @@ def test_one_request_gives_one_trace_across_every_service(stack: dict) -> None:
         [
             sys.executable,
             "-m",
-            "shared.cli.main",
+            "kvmesh",
             "trace",
             rid,
             "--dir",

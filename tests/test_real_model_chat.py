@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from shared.natsserver import NatsServer
+from kvmesh.natsserver import NatsServer
 from tests.procs import free_port, service_env, start_services, wait_until
 from tests.test_request_path import workers_ready
 

@@ -16,10 +16,11 @@ import grpc
 import openai
 import pytest
 
-from shared.engine.engine import EngineOptions, TorchEngine
-from shared.engine.loader import load_model
+from kvmesh.natsserver import NatsServer
+from shared.engine.interface import EngineOptions
 from shared.engine.sampling import SamplingParams
-from shared.natsserver import NatsServer
+from shared.engine.torch.engine import TorchEngine
+from shared.engine.torch.loader import load_model
 from shared.proto import api_pb2, api_pb2_grpc
 from tests.procs import (
     free_port,

@@ -15,7 +15,7 @@ import openai
 import pytest
 from PIL import Image
 
-from shared.natsserver import NatsServer
+from kvmesh.natsserver import NatsServer
 from shared.proto import api_pb2, api_pb2_grpc
 from tests.procs import (
     free_port,

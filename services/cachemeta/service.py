@@ -24,7 +24,7 @@ from opentelemetry.trace import SpanKind
 from services.cachemeta.index import BlockIndex
 from services.cachemeta.settings import CachemetaSettings
 from shared.bus import Bus, subjects
-from shared.engine.tokenizer import write_atomically
+from shared.files import write_atomically
 from shared.kvstore.backend import FileStore
 from shared.messages.heartbeat import Heartbeat, Load
 from shared.messages.kvevents import STORE, KvEvent, LookupReply, LookupRequest, memory_location

@@ -16,10 +16,8 @@ from opentelemetry import context as otel_context
 
 from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
-from shared.engine.blocks import PoolExhausted
-from shared.engine.engine import ImageEmbeds, Prefix
+from shared.engine.interface import ImageEmbeds, PoolExhausted, Prefix, StepOutput
 from shared.engine.kvformat import KVFormatError
-from shared.engine.sequence import StepOutput
 from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck, TokenEvent
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc

@@ -22,15 +22,16 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from services.encoder.settings import EncoderSettings
 from shared.bus import Bus, subjects
-from shared.engine.loader import load_text_model
 from shared.kvstore.backend import FileStore, MemoryStore
 from shared.messages.encode import EMBEDS_SHAPE_HEADER, EncodeReply, EncodeRequest
 from shared.messages.heartbeat import Load
+from shared.model.text import load_text_model
 from shared.service import Service
 from shared.settings import CommonSettings
 from shared.telemetry.metrics import BYTES, IMAGES
 from shared.telemetry.tracing import tracer
-from shared.vision.images import BadImage, content_hash, pixels
+from shared.vision.images import BadImage, content_hash
+from shared.vision.pixels import pixels
 from shared.vision.tower import TowerConfig, VisionTower
 
 log = logging.getLogger(__name__)

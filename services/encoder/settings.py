@@ -8,7 +8,7 @@ from typing import ClassVar
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.engine.loader import MODEL_NAMES
+from shared.model.text import MODEL_NAMES
 from shared.service import ServiceSettings
 
 

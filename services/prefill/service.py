@@ -16,9 +16,14 @@ from opentelemetry.trace import SpanKind, StatusCode
 from services.prefill.queue import ArrivalQueue
 from services.prefill.settings import PrefillSettings
 from shared.bus import Bus, subjects
-from shared.engine.blocks import PoolExhausted
-from shared.engine.engine import Cancelled, ImageEmbeds, PrefillRequest, Prefix
-from shared.engine.sequence import StepOutput
+from shared.engine.interface import (
+    Cancelled,
+    ImageEmbeds,
+    PoolExhausted,
+    PrefillRequest,
+    Prefix,
+    StepOutput,
+)
 from shared.kvstore.tiers import CachedPrefix
 from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck
 from shared.messages.heartbeat import Load
@@ -148,7 +153,7 @@ class PrefillService(WorkerService):
                     self.cancelled.discard(task.request_id)
                     self.images.pop(task.request_id, None)
                     self.prefetched.pop(task.request_id, None)
-                    if task.request_id in self.engine.seqs:
+                    if self.engine.holds(task.request_id):
                         await self.runner.call(self.engine.free, task.request_id)
             for task, ship in ships:
                 await self.shipping.acquire()  # a bounded number of transfers at once

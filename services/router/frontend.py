@@ -11,11 +11,11 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.router.dispatch import Dispatcher, Job
-from services.router.generation import Delta, Timing, stream_text
+from services.router.generation import Delta, Prepared, Timing, stream_text
 from services.router.images import (
     Encodes,
     ImageInput,
@@ -38,9 +38,9 @@ from services.router.recorder import RequestRecorder
 from services.router.settings import RouterSettings
 from services.router.stats import RollingStats
 from services.router.tokens import PromptTokenizer, Segments
-from shared.engine.loader import MODEL_NAMES, TextModel, load_text_model
 from shared.messages.generate import ImageRef, Sampling
 from shared.messages.kvevents import RETENTIONS
+from shared.model.text import MODEL_NAMES, TextModel, load_text_model
 from shared.telemetry.tracing import tracer
 
 LONG_TEXT_CHARS = 8192  # above this, tokenizing takes milliseconds: off the event loop
@@ -80,20 +80,6 @@ def request_id(header: str | None) -> str:
     if header and _SAFE_ID.match(header):
         return header
     return uuid.uuid4().hex
-
-
-@dataclass
-class Prepared:
-    job: Job
-    shape: Shape
-    text: TextModel
-    stop: list[str]
-    stream: bool
-    include_usage: bool
-    usage: Usage
-    timing: Timing = field(default_factory=Timing)
-    received_at: float = field(default_factory=time.perf_counter)
-    encodes: Encodes | None = None  # the images' encode requests, in flight
 
 
 class Frontend:

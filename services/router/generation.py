@@ -12,7 +12,8 @@ from tokenizers import Tokenizer
 from services.router.detokenizer import Detokenizer
 from services.router.dispatch import Dispatcher, Job
 from services.router.images import Encodes
-from services.router.openai_api import ApiError, Usage
+from services.router.openai_api import ApiError, Shape, Usage
+from shared.model.text import TextModel
 
 EXPLAINED = 4  # candidates listed in a response (all with the header x-kvmesh-explain: all)
 
@@ -60,6 +61,20 @@ class Timing:
         if len(shown) < len(ranked):
             out["others"] = len(ranked) - len(shown)
         return out
+
+
+@dataclass
+class Prepared:
+    job: Job
+    shape: Shape
+    text: TextModel
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    usage: Usage
+    timing: Timing = field(default_factory=Timing)
+    received_at: float = field(default_factory=time.perf_counter)
+    encodes: Encodes | None = None  # the images' encode requests, in flight
 
 
 @dataclass

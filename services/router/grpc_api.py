@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.router.frontend import Frontend, KvOptions, Prepared, request_id
-from services.router.generation import Delta
+from services.router.frontend import Frontend, KvOptions, request_id
+from services.router.generation import Delta, Prepared
 from services.router.openai_api import ApiError
 from services.router.recorder import request_ids
 from shared.proto import api_pb2, api_pb2_grpc

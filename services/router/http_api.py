@@ -12,7 +12,8 @@ import time
 
 from aiohttp import web
 
-from services.router.frontend import Frontend, KvOptions, Prepared, request_id
+from services.router.frontend import Frontend, KvOptions, request_id
+from services.router.generation import Prepared
 from services.router.openai_api import ApiError
 from services.router.recorder import request_ids
 from shared.httperrors import error_response

@@ -10,18 +10,15 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from services.router.generation import Prepared
 from services.router.stats import RollingStats
 from shared.logs import request_scope
 from shared.telemetry.metrics import INPUT_TOKENS, OUTPUT_TOKENS, REQUESTS, TPOT, TTFT
 from shared.telemetry.tracing import REQUEST_ID, current_ids, extract, tracer
-
-if TYPE_CHECKING:
-    from services.router.frontend import Prepared
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,2 @@
-"""The compute engine: a Llama-family model over a paged KV cache, behind ``Engine``."""
+"""The compute engine boundary (``interface.py``), its backends by name (``registry.py``), the
+KV block format (``kvformat.py``), and the torch backend (``torch/``)."""

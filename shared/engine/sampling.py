@@ -1,10 +1,9 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, seed, stop tokens and strings."""
+"""Per-request sampling parameters: greedy, temperature, top-k, top-p, seed, stop tokens and
+strings. Plain values, checked here, so they can travel (``shared/messages/generate.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -33,21 +32,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from fp32 logits [V]."""
-    if params.greedy:
-        return int(logits.argmax())
-    logits = logits / params.temperature
-    if params.top_k:
-        kth = logits.topk(min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
-        sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))

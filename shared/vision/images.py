@@ -1,9 +1,9 @@
-"""An image from a request: its bytes checked, its identity, and its pixels for the tower.
+"""An image from a request: its bytes checked, its identity, its size from the header alone.
 
 ``probe`` reads only the header (size, format, orientation), so the router can refuse a bad or
 oversized image and count its tokens without decoding it; a decompression bomb (a small file
-that declares a huge size) is refused there, before any pixel is decoded. ``pixels`` decodes,
-orients, converts to RGB, resizes to the grid and normalizes.
+that declares a huge size) is refused there, before any pixel is decoded. The pixels themselves
+are the encoder's (``pixels.py``).
 """
 
 from __future__ import annotations
@@ -16,17 +16,10 @@ import re
 import warnings
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-from PIL import Image, ImageOps
-
-from shared.vision.grid import VisionGrid
+from PIL import Image
 
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
 MEDIA_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/webp"}
-# CLIP's normalization, which most vision towers were trained with.
-MEAN = (0.48145466, 0.4578275, 0.40821073)
-STD = (0.26862954, 0.26130258, 0.27577711)
 
 _DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[\w.+-]+)*)(;base64)?,", re.I)
 
@@ -75,7 +68,7 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     return data
 
 
-def _open(data: bytes, max_pixels: int) -> Image.Image:
+def open_image(data: bytes, max_pixels: int) -> Image.Image:
     """The image opened lazily (header read, no pixels), within limits."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -92,25 +85,9 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
 
 def probe(data: bytes, max_pixels: int) -> ImageInfo:
     """Format and size from the header alone (no pixels decoded)."""
-    img = _open(data, max_pixels)
+    img = open_image(data, max_pixels)
     width, height = img.size
     # EXIF orientations 5–8 turn the image a quarter: width and height swap once applied.
     if img.format == "JPEG" and img.getexif().get(0x0112, 1) in (5, 6, 7, 8):
         width, height = height, width
     return ImageInfo(img.format or "", width, height)
-
-
-def pixels(data: bytes, grid: VisionGrid, max_pixels: int) -> torch.Tensor:
-    """Decoded, oriented, RGB, resized to the grid and normalized: [3, H, W] float32."""
-    img = _open(data, max_pixels)
-    try:
-        img = ImageOps.exif_transpose(img.convert("RGB") if img.mode == "P" else img)
-        img = img.convert("RGB")
-    except Exception as err:  # truncated or corrupt pixel data
-        raise BadImage(f"image data is damaged ({err})") from None
-    height, width = grid.pixels_hw(img.width, img.height)
-    img = img.resize((width, height), Image.Resampling.BICUBIC)
-    x = torch.from_numpy(np.asarray(img, dtype=np.float32)).permute(2, 0, 1) / 255.0
-    mean = torch.tensor(MEAN).view(3, 1, 1)
-    std = torch.tensor(STD).view(3, 1, 1)
-    return (x - mean) / std

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.engine.engine import EngineOptions, TorchEngine
-from shared.engine.loader import LoadedModel, load_model
+from shared.engine.interface import EngineOptions
+from shared.engine.torch.engine import TorchEngine
+from shared.engine.torch.loader import LoadedModel, load_model
 
 torch.set_num_threads(2)
 

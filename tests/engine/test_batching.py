@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.blocks import BlockPool, PoolExhausted
-from shared.engine.engine import PrefillRequest
+from shared.engine.interface import PoolExhausted, PrefillRequest
 from shared.engine.sampling import SamplingParams
+from shared.engine.torch.blocks import BlockPool
 from tests.engine.conftest import make_engine
 from tests.engine.test_prefix_reuse import prompt
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.engine import Cancelled
+from shared.engine.interface import Cancelled
 from shared.engine.kvformat import KVFormatError
 from shared.engine.sampling import SamplingParams
 from tests.engine.conftest import make_engine

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.engine import PrefillRequest
+from shared.engine.interface import PrefillRequest
 from shared.engine.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shared.engine.sampling import SamplingParams
-from shared.engine.weights import find_gguf
+from shared.model.gguf import find_gguf
 from tests.engine.conftest import make_engine
 
 TEXTS = [

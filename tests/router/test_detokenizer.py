@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.router.detokenizer import Detokenizer
-from shared.engine.loader import load_text_model
+from shared.model.text import load_text_model
 
 
 @pytest.fixture(scope="module")

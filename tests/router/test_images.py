@@ -18,8 +18,8 @@ from services.router.images import (
 )
 from services.router.openai_api import ApiError
 from services.router.tokens import PrefixHashes, PromptTokenizer
-from shared.engine.loader import load_text_model
 from shared.kvstore.hashing import block_hashes
+from shared.model.text import load_text_model
 from shared.vision.grid import VisionGrid
 
 

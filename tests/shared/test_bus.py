@@ -8,10 +8,10 @@ import os
 
 import pytest
 
+from kvmesh.natsserver import NatsServer
 from shared.bus import Bus, BusError, RemoteError
 from shared.bus.client import PARTS_HEADER
 from shared.messages import Message
-from shared.natsserver import NatsServer
 
 
 class Ping(Message):

@@ -101,3 +101,32 @@ def test_service_with_bad_setting_stops_at_start(role: str) -> None:
     assert f"KVMESH_{role.upper()}_HTTP_PORT" in done.stderr
     assert "less than or equal to 65535" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_picks_its_engine_by_name(monkeypatch: pytest.MonkeyPatch, role: str) -> None:
+    from services.decode.settings import DecodeSettings
+    from services.prefill.settings import PrefillSettings
+
+    cls = {"prefill": PrefillSettings, "decode": DecodeSettings}[role]
+    assert load_settings(cls).engine == "torch"
+    var = f"KVMESH_{role.upper()}_ENGINE"
+    monkeypatch.setenv(var, "sglang")
+    with pytest.raises(SettingsError) as err:
+        load_settings(cls)
+    assert var in str(err.value) and "one of torch" in str(err.value)
+    assert "'sglang'" in str(err.value)
+
+
+def test_an_unknown_engine_stops_the_worker_at_start() -> None:
+    env = {"PATH": "/usr/bin:/bin", "KVMESH_DECODE_ENGINE": "vllm"}
+    done = subprocess.run(
+        [sys.executable, "-m", "services.decode"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert "KVMESH_DECODE_ENGINE: Value error, one of torch (got 'vllm')" in done.stderr

@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from shared.vision.grid import VisionGrid
-from shared.vision.images import BadImage, decode_data_url, pixels, probe
+from shared.vision.images import BadImage, decode_data_url, probe
+from shared.vision.pixels import pixels
 from shared.vision.tower import TowerConfig, VisionTower
 
 GRID = VisionGrid(patch_size=14, merge=2, min_tokens=4, max_tokens=256)

@@ -20,11 +20,11 @@ from urllib.parse import urlsplit
 
 import uvloop
 
+from kvmesh.natsserver import NatsServer, NatsServerError, die_with_parent, is_nats
 from services.router.settings import RouterSettings
 from shared.bus import Bus, BusError, subjects
 from shared.logs import setup_logging
 from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot
-from shared.natsserver import NatsServer, NatsServerError, die_with_parent, is_nats
 from shared.settings import CommonSettings, SettingsError, load_settings
 
 log = logging.getLogger("kvmesh.up")

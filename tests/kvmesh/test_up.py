@@ -14,7 +14,7 @@ from pathlib import Path
 from shared.messages.heartbeat import ROLES
 from tests.procs import Proc, free_port, get_json, kvmesh_pids, service_env, wait_until
 
-KVMESH = [sys.executable, "-m", "shared.cli.main"]
+KVMESH = [sys.executable, "-m", "kvmesh"]
 
 
 def up_env(state_dir: Path, nats_port: int, http_port: int) -> dict[str, str]:

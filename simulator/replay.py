@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from services.cachemeta.index import BlockIndex
 from services.router.policies import POLICIES, RouteRequest
 from services.router.scoring import CostDefaults
-from services.router.traces import TraceRequest
 from shared.messages.kvevents import STORE, KvEvent, memory_location
+from simulator.traces import TraceRequest
 
 
 @dataclass(frozen=True)

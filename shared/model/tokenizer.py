@@ -7,13 +7,14 @@ as a tokenizer.json under the state dir, keyed by the GGUF file's digest.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from shared.files import replacing
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +54,9 @@ def load_tokenizer(meta: dict[str, Any], cache_dir: Path, key: str) -> Tokenizer
         except Exception as err:  # a damaged cache file is rebuilt, never trusted
             log.warning("rebuilding tokenizer cache %s: %s", path, err)
     tok = build_from_gguf(meta)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # workers starting together each write theirs
-    tok.save(str(tmp))
-    tmp.replace(path)
+    with replacing(path) as tmp:  # workers starting together each write theirs
+        tok.save(str(tmp))
     return tok
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never half of it (processes share the cache)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 class ChatTemplate:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.engine.config import ModelConfig
-from shared.engine.weights import Weights
+from shared.engine.torch.weights import Weights
+from shared.model.config import ModelConfig
 
 
 @dataclass

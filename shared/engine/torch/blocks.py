@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-
-class PoolExhausted(Exception):
-    """Not enough free KV blocks; the message says how many were asked for and how many are free."""
+from shared.engine.interface import PoolExhausted
 
 
 class BlockPool:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
+from shared.engine.interface import FinishReason
 from shared.engine.sampling import SamplingParams
-
-FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass
@@ -47,13 +45,3 @@ class Sequence:
         table = torch.tensor(self.block_table, dtype=torch.int64)
         pos = torch.arange(n)
         return table[pos // block_size] * block_size + pos % block_size
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """One new token of one sequence; finish_reason is set on its last."""
-
-    seq_id: str
-    token_id: int
-    finish_reason: FinishReason | None = None
-    stop_string: str | None = None

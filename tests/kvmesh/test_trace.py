@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shared.cli.trace import read_spans, request_trace, waterfall
+from kvmesh.trace import read_spans, request_trace, waterfall
 
 
 def span(name: str, sid: str, parent: str | None, start_ms: float, ms: float, **attrs) -> dict:

@@ -1,152 +1,39 @@
-"""The engine boundary, and the torch engine behind it.
-
-Workers talk to an ``Engine``: a small lifecycle (start, prefill, step, abort, free, cleanup)
-plus KV export and import. ``TorchEngine`` runs our own model on CPU or CUDA; an SGLang-backed
-engine for GPU deployments is meant to slot in behind the same interface.
-"""
+"""The torch engine: our own Llama-family model (``model.py``) over a paged KV cache, on CPU
+or CUDA, behind the ``Engine`` interface."""
 
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
 from shared.engine import kvformat
-from shared.engine.blocks import BlockPool, PoolExhausted
-from shared.engine.config import ModelConfig
-from shared.engine.kvio import KvIO, Prefix
-from shared.engine.loader import LoadedModel
-from shared.engine.model import KVCache, Segment, Transformer
-from shared.engine.sampling import SamplingParams, sample
-from shared.engine.sequence import Sequence, StepOutput
+from shared.engine.interface import (
+    Cancelled,
+    Engine,
+    EngineOptions,
+    EngineStats,
+    ImageEmbeds,
+    PoolExhausted,
+    PrefillRequest,
+    Prefix,
+    StepOutput,
+)
+from shared.engine.sampling import SamplingParams
+from shared.engine.torch.blocks import BlockPool
+from shared.engine.torch.kvio import KvIO
+from shared.engine.torch.loader import LoadedModel, load_model
+from shared.engine.torch.model import KVCache, Segment, Transformer
+from shared.engine.torch.sampler import sample
+from shared.engine.torch.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "Cancelled",
-    "Engine",
-    "EngineOptions",
-    "PoolExhausted",
-    "PrefillRequest",
-    "Prefix",
-    "TorchEngine",
-]
 
-
-class Cancelled(Exception):
-    """A prefill was stopped between chunks because its request was cancelled."""
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    block_size: int = 64
-    kv_cache_tokens: int = 65536  # pool size, in tokens (rounded down to whole blocks)
-    dtype: str = "float32"
-    threads: int = 0  # 0: leave torch's default
-    prefill_chunk: int = 512  # tokens per forward pass in prefill (bounds attention memory)
-    max_running: int = 64  # sequences decoding together
-
-
-# An image in a prompt: the position of its first placeholder token, and its embeddings
-# [tokens, dim], which take the place of those placeholders' token embeddings.
-ImageEmbeds = tuple[int, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class PrefillRequest:
-    seq_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    prefix: Prefix | None = None
-    handoff: bool = False
-    images: tuple[ImageEmbeds, ...] = ()
-
-
-class Engine(ABC):
-    """What a worker needs from a compute engine. Not thread-safe: one caller at a time."""
-
-    config: ModelConfig
-    block_size: int
-
-    @abstractmethod
-    def start(self) -> None:
-        """Get ready to serve (threads, warm-up)."""
-
-    @abstractmethod
-    def can_admit(self, n_prompt: int, params: SamplingParams, prefix: Prefix | None) -> bool:
-        """True when prefill of such a request would find the KV blocks it needs."""
-
-    @abstractmethod
-    def prefill(
-        self,
-        seq_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        prefix: Prefix | None = None,
-        images: tuple[ImageEmbeds, ...] = (),
-        handoff: bool = False,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> StepOutput:
-        """Compute the prompt past ``prefix``, sample the first token; the sequence then joins
-        the decode batch unless that token finished it. Raises PoolExhausted when full.
-
-        ``images``: embeddings spliced in place of their placeholder tokens (only those past
-        the prefix are needed; the prefix's KV already holds the rest).
-
-        ``handoff``: the sequence will decode elsewhere: blocks are reserved for the prompt
-        only, it never joins the batch; export it with ``export_kv(partial=True)``, then free.
-        ``cancelled`` is polled between chunks; when it says True, Cancelled is raised."""
-
-    @abstractmethod
-    def prefill_batch(self, requests: list[PrefillRequest]) -> list[StepOutput | Exception]:
-        """Several short prompts in one pass; per request, its first token or its error."""
-
-    @abstractmethod
-    def reserve(self, seq_id: str, token_ids: list[int], params: SamplingParams) -> None:
-        """Hold blocks for a prompt whose KV comes from elsewhere, and for its whole answer.
-        Raises PoolExhausted (or ValueError for a prompt too long) when it cannot."""
-
-    @abstractmethod
-    def receive(
-        self, seq_id: str, source: bytes | BinaryIO, first_token: int, generator_state: bytes = b""
-    ) -> None:
-        """Write a reserved sequence's prompt KV (from ``export_kv(partial=True)``) and its first
-        token (sampled by the prefill side), and join it to the decode batch."""
-
-    @abstractmethod
-    def step(self) -> list[StepOutput]:
-        """Advance every running sequence by one token."""
-
-    @abstractmethod
-    def abort(self, seq_id: str) -> None:
-        """Stop a sequence now and free its blocks."""
-
-    @abstractmethod
-    def free(self, seq_id: str) -> None:
-        """Forget a (finished) sequence and release its blocks."""
-
-    @abstractmethod
-    def export_kv(self, seq_id: str, dtype: str | None = None) -> bytes:
-        """The KV of the sequence's full, computed blocks, as bytes (see kvformat)."""
-
-    @abstractmethod
-    def import_kv(self, source: bytes | BinaryIO) -> Prefix:
-        """Load KV bytes into fresh blocks and hold them; release with ``release``."""
-
-    @abstractmethod
-    def release(self, prefix: Prefix) -> None:
-        """Drop a hold taken by import_kv (blocks stay while a sequence uses them)."""
-
-    @abstractmethod
-    def cleanup(self) -> None:
-        """Abort everything and free memory."""
-
-
-class TorchEngine(KvIO, Engine):
+class TorchEngine(Engine):
     def __init__(self, model: LoadedModel, options: EngineOptions = EngineOptions()) -> None:
         self.config = model.config
         self.options = options
@@ -160,8 +47,13 @@ class TorchEngine(KvIO, Engine):
         self.cache = KVCache(model.config, n_blocks * options.block_size, self.dtype)
         self.seqs: dict[str, Sequence] = {}
         self.running: list[str] = []
+        self.kv = KvIO(model.config, self.pool, self.cache, options.dtype)
 
     # -- lifecycle -------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, model: str, state_dir: Path, options: EngineOptions) -> TorchEngine:
+        return cls(load_model(model, state_dir), options)
 
     def start(self) -> None:
         if self.options.threads:
@@ -329,12 +221,12 @@ class TorchEngine(KvIO, Engine):
         seq = self.seqs[seq_id]
         assert seq.n_cached == 0 and not seq.output_ids, f"sequence {seq_id} already has KV"
         f = kvformat.as_reader(source)
-        header, data_start = self._read_header(f)
+        header, data_start = self.kv.read_header(f)
         if header.n_tokens != len(seq.prompt_ids):
             raise kvformat.KVFormatError(
                 f"KV covers {header.n_tokens} tokens; the prompt has {len(seq.prompt_ids)}"
             )
-        self._write_cells(f, header, data_start, seq.block_table)
+        self.kv.write_cells(f, header, data_start, seq.block_table)
         seq.n_cached = header.n_tokens
         if seq.params.seed is not None:
             seq.generator = torch.Generator()
@@ -404,8 +296,38 @@ class TorchEngine(KvIO, Engine):
             self.running.remove(seq_id)
         self.pool.free(seq.block_table)
 
+    # -- what is held ----------------------------------------------------------------------
+
+    def holds(self, seq_id: str) -> bool:
+        return seq_id in self.seqs
+
     def sequence(self, seq_id: str) -> Sequence:
         return self.seqs[seq_id]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            kv_blocks_used=self.pool.used_blocks,
+            kv_blocks_total=self.pool.n_blocks,
+            block_size=self.block_size,
+            sequences=len(self.seqs),
+            running=len(self.running),
+        )
+
+    # -- KV in the block format -------------------------------------------------------------
+
+    def export_kv(self, seq_id: str, dtype: str | None = None, partial: bool = False) -> bytes:
+        return self.kv.export_kv(self.seqs[seq_id], dtype, partial)
+
+    def export_blocks(
+        self, seq_id: str, first: int, last: int, dtype: str | None = None
+    ) -> list[bytes]:
+        return self.kv.export_blocks(self.seqs[seq_id], first, last, dtype)
+
+    def import_kv(self, source: bytes | BinaryIO) -> Prefix:
+        return self.kv.import_kv(source)
+
+    def import_blocks(self, sources: list[bytes | BinaryIO]) -> Prefix:
+        return self.kv.import_blocks(sources)
 
     def release(self, prefix: Prefix) -> None:
         self.pool.free(list(prefix.block_ids))

@@ -16,6 +16,7 @@ the infinite cache's hits, so their measured utilization is a little above U.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -23,14 +24,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from services.router.policies import POLICIES
-from services.router.simulator import (
+from simulator.replay import (
     SimConfig,
     infinite_cache_hit_ratio,
     progress_bar,
     simulate,
     speed_for_utilization,
 )
-from services.router.traces import TraceError, read_trace
+from simulator.traces import TraceError, read_trace
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -86,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"--{flag.replace('_', '-')}: at least 1")
     if args.target_util is not None and not 0 < args.target_util < 1.5:
         return fail("--target-util: a fraction above 0 (e.g. 0.8)")
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        return fail("--png needs matplotlib: pip install 'kvmesh[plot]'")
     try:
         requests, block_size = read_trace(args.trace)
     except TraceError as err:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.cli import sim, status, trace, up
+from kvmesh import sim, status, trace, up
 
 
 def main(argv: list[str] | None = None) -> int:

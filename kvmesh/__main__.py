@@ -1,0 +1,5 @@
+import sys
+
+from kvmesh.main import main
+
+sys.exit(main())

@@ -1,1 +1,0 @@
-"""The `kvmesh` command: `up` runs a local stack, `status` shows the router's registry."""

@@ -1,0 +1,289 @@
+"""The engine boundary: what a prefill or decode worker needs of a compute engine.
+
+Workers import this module and ``registry`` only; the backend is picked by name from a setting
+(``KVMESH_PREFILL_ENGINE``, ``KVMESH_DECODE_ENGINE``). Nothing here imports torch: the types
+name tensors, the backends hold them.
+
+A sequence's life, as workers drive it:
+
+- prefill here, decode here:   ``can_admit`` → ``prefill`` → ``step`` … → ``free``
+- prefill here, decode there:  ``prefill(handoff=True)`` → ``export_kv(partial=True)`` → ``free``
+- KV from a prefill worker:    ``reserve`` → ``receive`` → ``step`` … → ``free``
+- KV from the tiers:           ``import_blocks`` → ``prefill(prefix=…)`` → ``release(prefix)``
+- KV to the tiers:             ``export_blocks`` (full blocks, one kvformat blob each)
+
+KV crosses the boundary only as kvformat bytes (``shared/engine/kvformat.py``): a header naming
+the model's fingerprint, block size and layer layout, then one K/V cell per layer and block,
+each with its own CRC32. Any two engines that agree on the header can exchange KV, whatever
+runs inside them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol
+
+from shared.engine.sampling import SamplingParams
+from shared.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class PoolExhausted(Exception):
+    """Not enough free KV blocks (or sequence slots); the message says how many were asked
+    for and how many are free. Nothing running is harmed: the caller retries or refuses."""
+
+
+class Cancelled(Exception):
+    """A prefill was stopped between chunks because its request was cancelled."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    block_size: int = 64
+    kv_cache_tokens: int = 65536  # pool size, in tokens (rounded down to whole blocks)
+    dtype: str = "float32"
+    threads: int = 0  # 0: leave the backend's default
+    prefill_chunk: int = 512  # tokens per forward pass in prefill (bounds attention memory)
+    max_running: int = 64  # sequences decoding together
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """A hold on cached KV blocks covering the first ``n_tokens`` of some token sequence."""
+
+    block_ids: tuple[int, ...]
+    n_tokens: int
+
+
+# An image in a prompt: the position of its first placeholder token, and its embeddings
+# [tokens, dim] float32, which take the place of those placeholders' token embeddings.
+ImageEmbeds = tuple[int, "torch.Tensor"]
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    seq_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    prefix: Prefix | None = None
+    handoff: bool = False
+    images: tuple[ImageEmbeds, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One new token of one sequence; finish_reason is set on its last."""
+
+    seq_id: str
+    token_id: int
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None
+
+
+class SequenceState(Protocol):
+    """What a worker reads of a sequence the engine holds (read-only to the worker)."""
+
+    @property
+    def prompt_ids(self) -> list[int]: ...
+
+    @property
+    def output_ids(self) -> list[int]: ...
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    @property
+    def n_cached(self) -> int:
+        """Leading tokens whose KV is computed and in the cache."""
+        ...
+
+    @property
+    def finish_reason(self) -> FinishReason | None: ...
+
+    @property
+    def generator_state(self) -> bytes:
+        """The sampler's random state (empty when unseeded), so that another engine can
+        continue a seeded answer where this one stopped (``receive``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Capacity and use, for heartbeats and logs."""
+
+    kv_blocks_used: int
+    kv_blocks_total: int
+    block_size: int
+    sequences: int  # held: prefilling, reserved, running
+    running: int  # in the decode batch
+
+
+class Engine(ABC):
+    """A compute engine behind a worker. Not thread-safe: the worker calls it from one thread
+    (``shared/runner.py``), so calls never overlap and need no locks inside.
+
+    ``config`` is the model's text-side configuration; its ``fingerprint`` names the KV (same
+    fingerprint, interchangeable blocks). ``running`` lists the ids of the sequences in the
+    decode batch, in batch order; the worker steps while it is not empty.
+
+    Room for a whole answer (prompt + max_tokens) is taken when a sequence is admitted, so a
+    full pool refuses new work (``PoolExhausted``) and never stops a running sequence.
+
+    What an SGLang backend (GPU deployments, not built here: these machines have no GPU) would
+    have to provide, method by method:
+
+    - ``load``: start SGLang's in-process engine for the model with token ids in and out (no
+      tokenizer of its own: the router tokenizes), its page size equal to ``block_size``, and
+      its own prefix cache (RadixAttention, HiCache) off or limited to what it is told, since
+      kvmesh's tiers and cachemeta decide what is cached where. ``config`` must carry a
+      fingerprint that changes with the weights and the KV layout (dtype, TP sharding).
+    - ``can_admit`` / ``reserve``: ask SGLang's request-to-token and token-to-KV pools for
+      room for prompt + max_tokens, and keep it held until ``free``.
+    - ``prefill``: admit a request whose first ``prefix.n_tokens`` tokens' KV are already in
+      pages it holds (the pages ``import_blocks`` filled), with image embeddings given as input
+      embeddings for the placeholder positions; run chunked prefill (chunks of
+      ``prefill_chunk``) polling ``cancelled`` between chunks; return the first sampled token.
+      ``prefill_batch``: several such requests in one extend batch.
+    - ``step``: one decode iteration of the running batch (overlap scheduling and CUDA graphs
+      are internal), one ``StepOutput`` per sequence, stop tokens and strings applied.
+    - ``export_kv`` / ``export_blocks`` / ``import_kv`` / ``import_blocks`` / ``receive``:
+      copy a sequence's pages between device and host in kvformat's cells (per layer and
+      block: K then V, [block_size, kv_heads, head_dim]), checking every cell's CRC32 on the
+      way in; a model with latent attention (MLA) keeps one latent tensor per layer instead
+      of K and V, and needs its own cell layout in kvformat and its fingerprint.
+    - ``sequence().generator_state``: a seeded answer continued on another worker must give
+      the same tokens; where the backend cannot hand over its sampler state, it must derive
+      each step's randomness from (seed, position) so that both sides agree.
+    - ``stats``: page counts of its pools; ``cleanup``: abort everything, free device memory.
+    """
+
+    config: ModelConfig
+    block_size: int
+    running: list[str]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def load(cls, model: str, state_dir: Path, options: EngineOptions) -> Engine:
+        """Load a model by name (weights and all; seconds) and build the engine. Raises
+        UnknownModel for a name the backend does not serve."""
+
+    @abstractmethod
+    def start(self) -> None:
+        """Get ready to serve (threads, warm-up)."""
+
+    @abstractmethod
+    def cleanup(self) -> None:
+        """Abort everything and free memory."""
+
+    # -- admission and compute ---------------------------------------------------------------
+
+    @abstractmethod
+    def can_admit(self, n_prompt: int, params: SamplingParams, prefix: Prefix | None) -> bool:
+        """True when prefill of such a request would find the KV blocks it needs."""
+
+    @abstractmethod
+    def prefill(
+        self,
+        seq_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        prefix: Prefix | None = None,
+        images: tuple[ImageEmbeds, ...] = (),
+        handoff: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> StepOutput:
+        """Admit a sequence and compute the prompt past ``prefix`` in chunks, then sample the
+        first token; the sequence then joins the decode batch unless that token finished it.
+        Raises PoolExhausted when full, ValueError for a prompt that cannot fit the context.
+
+        ``images``: embeddings spliced in place of their placeholder tokens (only those past
+        the prefix are needed; the prefix's KV already holds the rest).
+
+        ``handoff``: the sequence will decode elsewhere: blocks are reserved for the prompt
+        only, it never joins the batch; export it with ``export_kv(partial=True)``, then free.
+        ``cancelled`` is polled between chunks; when it says True, Cancelled is raised and the
+        sequence is freed."""
+
+    @abstractmethod
+    def prefill_batch(self, requests: list[PrefillRequest]) -> list[StepOutput | Exception]:
+        """Several short prompts in one pass; per request, its first token or the error it
+        alone got (ValueError, PoolExhausted); the others are unaffected."""
+
+    @abstractmethod
+    def reserve(self, seq_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        """Hold blocks for a prompt whose KV comes from elsewhere, and for its whole answer.
+        Raises PoolExhausted (or ValueError for a prompt too long) when it cannot."""
+
+    @abstractmethod
+    def receive(
+        self, seq_id: str, source: bytes | BinaryIO, first_token: int, generator_state: bytes = b""
+    ) -> None:
+        """Write a reserved sequence's prompt KV (from ``export_kv(partial=True)``) and its first
+        token (sampled by the prefill side), and join it to the decode batch. Raises
+        KVFormatError for KV of another model or layout, or damaged."""
+
+    @abstractmethod
+    def step(self) -> list[StepOutput]:
+        """Advance every running sequence by one token."""
+
+    # -- ending --------------------------------------------------------------------------------
+
+    @abstractmethod
+    def abort(self, seq_id: str) -> None:
+        """Stop a sequence now and free its blocks (nothing when it is not held)."""
+
+    @abstractmethod
+    def free(self, seq_id: str) -> None:
+        """Forget a (finished) sequence and release its blocks (nothing when it is not held)."""
+
+    # -- what is held --------------------------------------------------------------------------
+
+    @abstractmethod
+    def holds(self, seq_id: str) -> bool:
+        """True while the sequence has blocks here (from admission until free or abort)."""
+
+    @abstractmethod
+    def sequence(self, seq_id: str) -> SequenceState:
+        """A held sequence's tokens and progress."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """Blocks used and total, sequences held and running."""
+
+    # -- KV in the block format ----------------------------------------------------------------
+
+    @abstractmethod
+    def export_kv(self, seq_id: str, dtype: str | None = None, partial: bool = False) -> bytes:
+        """The KV of the sequence's computed blocks as one kvformat blob. ``partial``: include
+        the last, partly filled block (a handoff ships the whole prompt; a cache keeps whole
+        blocks only)."""
+
+    @abstractmethod
+    def export_blocks(
+        self, seq_id: str, first: int, last: int, dtype: str | None = None
+    ) -> list[bytes]:
+        """Full blocks ``first`` .. ``last - 1`` of a sequence, one kvformat blob each (what the
+        storage tiers keep, keyed by block hash)."""
+
+    @abstractmethod
+    def import_kv(self, source: bytes | BinaryIO) -> Prefix:
+        """Load a kvformat blob into fresh blocks and hold them; release with ``release``."""
+
+    @abstractmethod
+    def import_blocks(self, sources: list[bytes | BinaryIO]) -> Prefix:
+        """Load single-block blobs (block i of a prefix from ``sources[i]``) into fresh blocks
+        and hold them, like import_kv. Every cell read is checksummed; a bad block raises
+        BadBlock naming its index (nothing is held then)."""
+
+    @abstractmethod
+    def release(self, prefix: Prefix) -> None:
+        """Drop a hold taken by an import (blocks stay while a sequence uses them)."""

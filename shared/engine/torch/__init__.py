@@ -1,0 +1,1 @@
+"""The torch backend: our own Llama-family model over a paged KV cache (CPU or CUDA)."""
