@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tomllib
+
 from compose_spec import PyCompose
 
 from shared.messages.heartbeat import ROLES
@@ -37,3 +39,18 @@ def test_router_publishes_the_api_port() -> None:
     router = load().services["router"]
     assert router.environment["KVMESH_ROUTER_HTTP_HOST"] == "0.0.0.0"
     assert "8000:8000" in router.ports
+
+
+def test_what_the_stack_mounts_and_copies_is_there() -> None:
+    """Files mounted from the repo exist (NATS's config moved with the kvmesh command), and the
+    image copies every package the project installs."""
+    for svc in load().services.values():
+        for volume in svc.volumes or []:
+            source = str(volume).split(":")[0]
+            if source.startswith("./"):
+                assert (REPO / source).is_file(), f"mounted {source} is missing"
+    dockerfile = (REPO / "Dockerfile").read_text()
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for pattern in packages["packages"]["find"]["include"]:
+        name = pattern.rstrip("*")
+        assert f"COPY {name} ./{name}" in dockerfile, f"the image lacks {name}/"
