@@ -106,6 +106,24 @@ def decode_blocks_used(url: str) -> int:
 # -- answers ---------------------------------------------------------------------------------
 
 
+def test_the_router_serves_without_torch(client, stack) -> None:
+    """After chat requests (template, tokens, routing, streaming) the live router has not
+    loaded torch: libtorch is not mapped in its process. The workers' is, so the check sees
+    torch where it is."""
+    for stream in (False, True):
+        resp = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Name a colour of the sea."}],
+            max_tokens=4,
+            stream=stream,
+        )
+        if stream:
+            assert list(resp)
+    procs = stack["procs"]
+    assert "libtorch" not in Path(f"/proc/{procs['router-0'].pid}/maps").read_text()
+    assert "libtorch" in Path(f"/proc/{procs['prefill-0'].pid}/maps").read_text()
+
+
 def test_chat_greedy_answer_equals_the_engine_in_one_process(client, reference) -> None:
     model, run = reference
     text = "Tell me about the sea and the ships that sail on it."
