@@ -65,6 +65,8 @@ class Timing:
 
 @dataclass
 class Prepared:
+    """A request checked, tokenized and ready to dispatch: what its answer's stream needs."""
+
     job: Job
     shape: Shape
     text: TextModel
