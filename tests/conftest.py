@@ -1,14 +1,19 @@
-"""Shared fixtures: a real nats-server on a free port, started and stopped by the tests."""
+"""Shared fixtures: a real nats-server per module, the stack factory, the models' text side,
+and the logs of the live stacks attached to a failing test's report."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from kvmesh.natsserver import NatsServer
+from shared.model.text import TextModel, load_text_model
 from tests.procs import free_port
+from tests.stack import LIVE, Stack, start_stack
+
+REAL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
@@ -30,3 +35,52 @@ def state_dir(tmp_path: Path) -> Path:
     path = tmp_path / "state"
     path.mkdir()
     return path
+
+
+StackFactory = Callable[..., Stack]
+
+
+@pytest.fixture(scope="module")
+def stacks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[StackFactory]:
+    """``stacks(ids, own_nats=False, **settings)`` starts a ready stack of ``ids`` on the
+    module's nats-server (or one of its own); every stack made is stopped with the module."""
+    made: list[Stack] = []
+    shared_ids: set[str] = set()  # services on the module's nats-server: ids must not repeat
+
+    def make(ids: tuple[str, ...], own_nats: bool = False, **settings: str) -> Stack:
+        name = f"{request.module.__name__.rpartition('.')[2]}-{len(made)}"
+        nats_url = None
+        if not own_nats:
+            taken = shared_ids & set(ids)
+            assert not taken, f"{sorted(taken)} already run on this module's NATS: own_nats=True"
+            shared_ids.update(ids)
+            nats_url = request.getfixturevalue("nats_server").url
+        stack = start_stack(name, tmp_path_factory.mktemp(name), ids, nats_url, **settings)
+        made.append(stack)
+        return stack
+
+    yield make
+    for stack in made:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_text(tmp_path_factory: pytest.TempPathFactory) -> TextModel:
+    """The tiny models' text side (the real tokenizer and template, a tiny config)."""
+    return load_text_model("tiny", tmp_path_factory.mktemp("text-state"))
+
+
+@pytest.fixture(scope="session")
+def real_text(tmp_path_factory: pytest.TempPathFactory) -> TextModel:
+    return load_text_model(REAL, tmp_path_factory.mktemp("text-state"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for stack in LIVE:
+            report.sections.append((f"logs of stack {stack.name}", stack.logs()))

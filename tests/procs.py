@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvmesh.natsserver import die_with_parent
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -48,8 +50,14 @@ class Proc:
     def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115
+        # The child dies with the test run, however it ends (no process left eating CPU).
         self.popen = subprocess.Popen(
-            args, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT
+            args,
+            env=env,
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
         )
 
     @property

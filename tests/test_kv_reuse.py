@@ -1,116 +1,70 @@
 """The storage tier and cachemeta through real processes (tiny model): blocks written behind,
-reused from files, expired by TTL, damaged files caught, cachemeta restarted."""
+reused from files, expired by TTL, evicted by capacity, damaged files caught, the write-behind
+queue's overflow counted, cachemeta restarted from its snapshot and the stream, or from the
+stream alone when the snapshot is unreadable."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack
-from pathlib import Path
 
 import openai
 import pytest
 
-from kvmesh.natsserver import NatsServer
-from shared.bus import Bus, BusError, subjects
-from shared.kvstore.backend import FileStore
-from shared.kvstore.hashing import block_hashes
-from shared.messages.kvevents import STORE, LookupReply, LookupRequest
-from shared.model.text import load_text_model
-from tests.procs import Proc, free_port, service_env, start_service, start_services, wait_until
-from tests.test_request_path import workers_ready
+from shared.bus import Bus
+from shared.bus.subjects import KV_EVENTS_STREAM
+from shared.messages.kvevents import STORE
+from tests.procs import wait_until
+from tests.stack import Stack
 
 BLOCK = 64
-
-
-def start_stack(nats_url: str, tmp: Path, **extra: str) -> tuple[str, dict[str, Proc], dict]:
-    """cachemeta, router, one prefill and one decode worker (ids: <role>-0)."""
-    port = free_port()
-    env = service_env(
-        nats_url,
-        tmp,
-        KVMESH_ROUTER_HTTP_PORT=str(port),
-        KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",
-        # No memory tier: every hit here comes from the files (the memory tier has its own
-        # test in test_real_model_chat.py).
-        KVMESH_PREFILL_MEMORY_TIER_BYTES="0",
-        KVMESH_DECODE_MEMORY_TIER_BYTES="0",
-        **extra,
-    )
-    procs = start_services(("cachemeta-0", "router-0", "prefill-0", "decode-0"), env, tmp)
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: workers_ready(url) == 2, 60, what="workers ready")
-    return url, procs, env
+IDS = ("cachemeta-0", "router-0", "prefill-0", "decode-0")
+# No memory tier: every hit here comes from the files (the memory tier has its own test in
+# test_real_model_chat.py); every prompt is prefilled on the prefill worker.
+FILES_ONLY = dict(
+    KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",
+    KVMESH_PREFILL_MEMORY_TIER_BYTES="0",
+    KVMESH_DECODE_MEMORY_TIER_BYTES="0",
+)
 
 
 @pytest.fixture(scope="module")
-def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    tmp = tmp_path_factory.mktemp("kv-reuse")
-    url, procs, env = start_stack(
-        nats_server.url,
-        tmp,
+def stack(stacks) -> Stack:
+    return stacks(
+        IDS,
         KVMESH_CACHEMETA_TTL_AGENT_S="2",
         KVMESH_CACHEMETA_GC_INTERVAL_S="0.3",
         KVMESH_CACHEMETA_SNAPSHOT_INTERVAL_S="1",
+        **FILES_ONLY,
     )
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    yield {
-        "url": url,
-        "procs": procs,
-        "env": env,
-        "dir": tmp,
-        "client": client,
-        "nats": nats_server.url,
-        "store": FileStore(tmp / "kvstore"),
-    }
-    for proc in procs.values():
-        proc.stop()
 
 
 def prompt_ids(seed: int, n: int = 300) -> list[int]:
     return [(seed * 7919 + i * 104729) % 40000 + 100 for i in range(n)]
 
 
-def complete(stack: dict, ids: list[int], **headers: str):
-    return stack["client"].completions.create(
+def complete(stack: Stack, ids: list[int], **headers: str):
+    return stack.client().completions.create(
         model="tiny", prompt=ids, max_tokens=8, temperature=0, extra_headers=headers
     )
 
 
-def hashes_of(stack: dict, ids: list[int], tenant: str = "") -> list[str]:
-    config = load_text_model("tiny", stack["dir"]).config
-    return block_hashes(ids, BLOCK, config.fingerprint, tenant)
+def indexed(stack: Stack, hashes: list[str]) -> int:
+    """Leading blocks cachemeta says the storage tier holds (0 while none answers)."""
+    return (stack.lookup(hashes) or {}).get(STORE, 0)
 
 
-def lookup(stack: dict, hashes: list[str]) -> dict[str, int] | None:
-    """Cachemeta's answer; None while no cachemeta answers (restarting)."""
-
-    async def ask() -> dict[str, int] | None:
-        bus = await Bus.connect(stack["nats"], "test-lookup")
-        try:
-            reply = await bus.request(
-                subjects.CACHEMETA_LOOKUP, LookupRequest.of(hashes), LookupReply, 5.0
-            )
-            return reply.counts
-        except BusError:
-            return None
-        finally:
-            await bus.close()
-
-    return asyncio.run(ask())
-
-
-def test_blocks_are_written_behind_indexed_and_reused_from_files(stack) -> None:
+def test_blocks_are_written_behind_indexed_and_reused_from_files(stack: Stack) -> None:
     ids = prompt_ids(1)
     first = complete(stack, ids)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    hashes = hashes_of(stack, ids)
+    hashes = stack.hashes(ids)
     assert len(hashes) == 4  # 300 tokens: 4 full blocks
-    wait_until(lambda: lookup(stack, hashes).get(STORE) == 4, 10, what="4 blocks indexed")
-    assert all(h in stack["store"] for h in hashes)
+    wait_until(lambda: indexed(stack, hashes) == 4, 30, what="4 blocks indexed")
+    assert all(h in stack.store for h in hashes)
     again = complete(stack, ids)
     assert again.usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
     assert again.model_extra["kvmesh"]["cached_tokens_by_tier"] == {"memory": 0, "storage": 256}
@@ -120,22 +74,22 @@ def test_blocks_are_written_behind_indexed_and_reused_from_files(stack) -> None:
     assert other.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_agent_blocks_expire_files_deleted_and_lookups_stop(stack) -> None:
+def test_agent_blocks_expire_files_deleted_and_lookups_stop(stack: Stack) -> None:
     ids = prompt_ids(2)
     complete(stack, ids, **{"x-kvmesh-retention": "agent"})  # TTL 2 s in this stack
-    hashes = hashes_of(stack, ids)
-    wait_until(lambda: all(h in stack["store"] for h in hashes), 10, what="blocks stored")
+    hashes = stack.hashes(ids)
+    wait_until(lambda: all(h in stack.store for h in hashes), 30, what="blocks stored")
     # (Not polling with lookups: a lookup is a use, and a use extends the TTL.)
-    wait_until(lambda: not any(h in stack["store"] for h in hashes), 10, what="files deleted")
-    assert lookup(stack, hashes) == {}
+    wait_until(lambda: not any(h in stack.store for h in hashes), 30, what="files deleted")
+    assert stack.lookup(hashes) == {}
 
 
-def test_a_damaged_block_file_is_a_miss_and_the_answer_is_right(stack) -> None:
+def test_a_damaged_block_file_is_a_miss_and_the_answer_is_right(stack: Stack) -> None:
     ids = prompt_ids(3)
     first = complete(stack, ids)
-    hashes = hashes_of(stack, ids)
-    wait_until(lambda: lookup(stack, hashes).get(STORE) == 4, 10, what="blocks indexed")
-    path = stack["store"].path(hashes[1])
+    hashes = stack.hashes(ids)
+    wait_until(lambda: indexed(stack, hashes) == 4, 30, what="blocks indexed")
+    path = stack.store.path(hashes[1])
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte inside the KV: same length, bad checksum
     path.write_bytes(bytes(data))
@@ -143,27 +97,127 @@ def test_a_damaged_block_file_is_a_miss_and_the_answer_is_right(stack) -> None:
     assert again.choices[0].text == first.choices[0].text
     assert again.usage.prompt_tokens_details.cached_tokens == BLOCK  # block 0 only
     # The damaged file was deleted; the blocks were computed again and stored anew.
-    wait_until(lambda: lookup(stack, hashes).get(STORE) == 4, 10, what="blocks stored again")
+    wait_until(lambda: indexed(stack, hashes) == 4, 30, what="blocks stored again")
     assert complete(stack, ids).usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
 
 
-def test_cachemeta_killed_and_restarted_keeps_its_index(stack) -> None:
+def snapshot(stack: Stack) -> dict:
+    """Cachemeta's snapshot file: the stream position it reflects and its rows."""
+    return json.loads((stack.dir / "cachemeta" / "index.json").read_text())
+
+
+def purge_events_before(stack: Stack, seq: int) -> None:
+    async def purge() -> None:
+        bus = await Bus.connect(stack.nats_url, "test-purge")
+        try:
+            await bus.js.purge_stream(KV_EVENTS_STREAM, seq=seq)
+        finally:
+            await bus.close()
+
+    asyncio.run(purge())
+
+
+def test_an_unreadable_snapshot_is_rebuilt_from_the_stream(stack: Stack) -> None:
+    ids = prompt_ids(7)
+    complete(stack, ids)
+    hashes = stack.hashes(ids)
+    wait_until(lambda: indexed(stack, hashes) == 4, 30, what="blocks indexed")
+    stack.procs["cachemeta-0"].stop()  # it saves a snapshot on the way out
+    (stack.dir / "cachemeta" / "index.json").write_text('{"seq": 12, "rows": [[')
+    stack.start("cachemeta-0")
+    wait_until(lambda: indexed(stack, hashes) == 4, 30, what="the index rebuilt")
+    assert "index snapshot unreadable" in stack.procs["cachemeta-0"].output()
+
+
+def test_cachemeta_restarted_takes_the_snapshot_then_the_stream_after_it(stack: Stack) -> None:
+    """Blocks indexed before a snapshot come back from the snapshot alone (their events are
+    purged from the stream); blocks indexed after it come back from the stream alone (the
+    process is killed before it snapshots again)."""
     before = prompt_ids(4)
     complete(stack, before)
-    old = hashes_of(stack, before)
-    wait_until(lambda: lookup(stack, old).get(STORE) == 4, 10, what="blocks indexed")
-    time.sleep(1.5)  # in a snapshot now
+    old = stack.hashes(before)
+    wait_until(lambda: indexed(stack, old) == 4, 30, what="blocks indexed")
+    stack.procs["cachemeta-0"].stop()  # SIGTERM: the last snapshot is written on the way out
+    saved = snapshot(stack)
+    assert set(old) <= {row[0] for row in saved["rows"]}
+    purge_events_before(stack, saved["seq"] + 1)
+    stack.start("cachemeta-0", KVMESH_CACHEMETA_SNAPSHOT_INTERVAL_S="3600")
+    wait_until(lambda: indexed(stack, old) == 4, 30, what="the index back from the snapshot")
+
     after = prompt_ids(5)
-    complete(stack, after)  # only in the stream: the kill comes before the next snapshot
-    new = hashes_of(stack, after)
-    wait_until(lambda: lookup(stack, new).get(STORE) == 4, 10, what="new blocks indexed")
-    proc = stack["procs"]["cachemeta-0"]
-    proc.signal(signal.SIGKILL)
-    proc.wait(10)
-    env = {**stack["env"], "KVMESH_SERVICE_ID": "cachemeta-0"}
-    stack["procs"]["cachemeta-0"] = start_service("cachemeta", env, stack["dir"], "cachemeta-again")
-    wait_until(lambda: (lookup(stack, old) or {}).get(STORE) == 4, 15, what="the index back")
-    assert lookup(stack, new) == {STORE: 4}
+    complete(stack, after)
+    new = stack.hashes(after)
+    wait_until(lambda: indexed(stack, new) == 4, 30, what="new blocks indexed")
+    stack.procs["cachemeta-0"].signal(signal.SIGKILL)  # no snapshot this time
+    stack.procs["cachemeta-0"].wait(10)
+    assert not set(new) & {row[0] for row in snapshot(stack)["rows"]}
+    stack.start("cachemeta-0")
+    wait_until(lambda: indexed(stack, old) == 4, 30, what="the index back")
+    assert stack.lookup(new) == {STORE: 4}
+
+
+# -- limits: capacity, the chat class's TTL, the write-behind queue ----------------------------
+
+BLOCK_FILE = 65_552  # a tiny-model block file: 4 layers × K,V × 64 tokens × 2 heads × 16 × 4 B
+
+
+@pytest.fixture(scope="module")
+def small(stacks) -> Stack:
+    """Room for 10 blocks in the storage tier; chat blocks kept 3 s."""
+    return stacks(
+        IDS,
+        own_nats=True,
+        KVMESH_CACHEMETA_STORE_CAPACITY_BYTES=str(10 * BLOCK_FILE + 1000),
+        KVMESH_CACHEMETA_TTL_CHAT_S="3",
+        KVMESH_CACHEMETA_GC_INTERVAL_S="0.3",
+        **FILES_ONLY,
+    )
+
+
+def test_a_full_storage_tier_evicts_its_least_recent_blocks(small: Stack) -> None:
+    prompts = [prompt_ids(20 + i) for i in range(3)]  # 4 blocks each: 12 > 10 × 0.9
+    hashes = [small.hashes(ids) for ids in prompts]
+    for ids, h in zip(prompts, hashes, strict=True):
+        complete(small, ids, **{"x-kvmesh-retention": "agent"})
+        wait_until(lambda h=h: all(x in small.store for x in h), 30, what="blocks stored")
+    assert sum(f.stat().st_size for f in small.dir.glob("kvstore/*/*.kvb")) > 0
+    # Past the high watermark (9 blocks) it goes down to the low one (8): the first prompt's
+    # blocks were the least recently used.
+    wait_until(lambda: not any(x in small.store for x in hashes[0]), 30, what="evicted")
+    assert all(x in small.store for x in hashes[2])
+    assert (small.lookup(hashes[0]) or {}).get(STORE, 0) == 0
+    assert complete(small, prompts[0]).usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_blocks_expire_after_the_chat_ttl(small: Stack) -> None:
+    ids = prompt_ids(30)
+    complete(small, ids)  # chat is the default class
+    hashes = small.hashes(ids)
+    wait_until(lambda: all(h in small.store for h in hashes), 30, what="blocks stored")
+    wait_until(lambda: not any(h in small.store for h in hashes), 30, what="chat TTL passed")
+    assert small.lookup(hashes) == {}
+
+
+def test_a_full_write_behind_queue_skips_blocks_and_says_so(small: Stack) -> None:
+    small.restart("prefill-0", KVMESH_PREFILL_WRITE_QUEUE_BLOCKS="0")
+    small.wait_ready(["prefill-0"])
+    try:
+        ids = prompt_ids(40)
+        resp = complete(small, ids)
+        assert resp.choices[0].finish_reason == "length"  # the answer is unharmed
+        wait_until(
+            lambda: small.health()["prefill-0"]["load"]["kv_write_skips"] == 4,
+            30,
+            what="4 skipped blocks in prefill-0's heartbeat",
+        )
+        assert not any(h in small.store for h in small.hashes(ids))
+        assert "write-behind queue full: 4 blocks not stored" in small.procs["prefill-0"].output()
+    finally:
+        small.restart("prefill-0")
+        small.wait_ready(["prefill-0"])
+
+
+# -- write-behind stays off the first token's path ---------------------------------------------
 
 
 def ttft_ms(client: openai.OpenAI, ids: list[int], tenant: str) -> float:
@@ -182,35 +236,46 @@ def ttft_ms(client: openai.OpenAI, ids: list[int], tenant: str) -> float:
     return took
 
 
-def test_write_behind_never_delays_the_first_token(tmp_path: Path) -> None:
+def settled(stack: Stack, ids: list[int], tenant: str, stored: bool) -> bool:
+    """The request's work behind the path is done: its decode freed, its blocks indexed."""
+    decode_idle = stack.health()["decode-0"]["load"]["kv_blocks_used"] == 0
+    return decode_idle and (not stored or indexed(stack, stack.hashes(ids, tenant)) == 15)
+
+
+def test_write_behind_never_delays_the_first_token(stacks) -> None:
     """Same prompts (a new tenant each time: nothing cached, 15 blocks written each), storage
     on and off: the first token comes as fast. Both stacks run at once (each with a NATS of its
     own) and take turns, so a slow moment of this machine falls on both alike; each request
-    starts once the previous one's work behind the path (handoff, files, events) is done."""
+    starts once the previous one's work behind the path is done. The bound leaves a loaded
+    machine its noise; the mechanism (the queue never waits for the disk) is
+    tests/shared/test_tiers.py's."""
     ids = prompt_ids(6, n=1000)
-    clients, times = {}, {}
-    with ExitStack() as running:
-        for store in ("true", "false"):
-            (tmp_path / store).mkdir()
-            nats = NatsServer("127.0.0.1", free_port(), tmp_path / store / "js")
-            nats.start()
-            running.callback(nats.stop)
-            url, procs, _ = start_stack(
-                nats.url,
-                tmp_path / store,
-                KVMESH_PREFILL_KV_STORE=store,
-                KVMESH_DECODE_KV_STORE=store,
+    runs = {
+        store: stacks(
+            IDS,
+            own_nats=True,
+            KVMESH_PREFILL_KV_STORE=store,
+            KVMESH_DECODE_KV_STORE=store,
+            **FILES_ONLY,
+        )
+        for store in ("true", "false")
+    }
+    times: dict[str, list[float]] = {store: [] for store in runs}
+    for store, stack in runs.items():
+        ttft_ms(stack.client(), ids, "warm-up")
+        wait_until(lambda s=store: settled(runs[s], ids, "warm-up", s == "true"), 30, what="idle")
+    for i in range(11):
+        for store in ("true", "false") if i % 2 else ("false", "true"):
+            stack = runs[store]
+            times[store].append(ttft_ms(stack.client(), ids, f"t{i}"))
+            wait_until(
+                lambda s=store, i=i: settled(runs[s], ids, f"t{i}", s == "true"),
+                30,
+                what="the work behind the path done",
             )
-            for proc in procs.values():
-                running.callback(proc.stop)
-            clients[store] = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            ttft_ms(clients[store], ids, "warm-up")
-            times[store] = []
-        for i in range(11):
-            for store in ("true", "false") if i % 2 else ("false", "true"):
-                time.sleep(0.3)
-                times[store].append(ttft_ms(clients[store], ids, f"t{i}"))
-    assert any((tmp_path / "true" / "kvstore").rglob("*.kvb"))
-    assert not any((tmp_path / "false" / "kvstore").rglob("*.kvb"))
+    assert any(runs["true"].dir.glob("kvstore/*/*.kvb"))
+    assert not any(runs["false"].dir.glob("kvstore/*/*.kvb"))
     medians = {store: statistics.median(t) for store, t in times.items()}
-    assert medians["true"] <= medians["false"] * 1.3 + 3, times
+    assert medians["true"] <= medians["false"] * 1.5 + 20, times
+    for stack in runs.values():
+        stack.stop()

@@ -126,13 +126,18 @@ class RouterService(Service):
             await asyncio.sleep(min(0.25, self.common.heartbeat_interval_s / 4))
             workers = sum(len(self.registry.ready(r)) for r in ("prefill", "decode"))
             self.stats.tick(time.time(), workers)
-            for record in self.registry.expire(time.monotonic()):
-                log.warning(
-                    "dropped %s %s: no heartbeat for %.1f s",
-                    record.heartbeat.role,
-                    record.service_id,
-                    record.age(time.monotonic()),
-                )
+            self.expire(time.monotonic())
+
+    def expire(self, now: float) -> None:
+        """Drop services that missed their heartbeats, each with a log line (whichever call
+        notices first: the sweep, /health or a registry query)."""
+        for record in self.registry.expire(now):
+            log.warning(
+                "dropped %s %s: no heartbeat for %.1f s",
+                record.heartbeat.role,
+                record.service_id,
+                record.age(now),
+            )
 
     async def share_stats(self, bus: Bus) -> None:
         while True:
@@ -149,7 +154,7 @@ class RouterService(Service):
 
     async def on_registry_query(self, query: RegistryQuery) -> RegistrySnapshot:
         now = time.monotonic()
-        self.registry.expire(now)
+        self.expire(now)
         return RegistrySnapshot(
             router_id=self.service_id, workers=self.registry.entries(now, query.role)
         )
@@ -169,7 +174,7 @@ class RouterService(Service):
     async def health(self, request: web.Request) -> web.Response:
         """Each role with its services; 200 when every role has a ready one, else 503."""
         now = time.monotonic()
-        self.registry.expire(now)
+        self.expire(now)
         roles = {
             role: [
                 {

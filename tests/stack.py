@@ -1,0 +1,221 @@
+"""Real kvmesh stacks for tests: the one way every test module starts service processes.
+
+A stack is a set of services, each named by its id ``<role>-<name>`` (``prefill-0``), started
+as child processes of the test run on a real nats-server, with a clean environment: the tiny
+model, one thread and a small KV pool per worker, and the slack a loaded two-core machine
+needs (a long ack timeout, many missed heartbeats before a service is dropped) unless a test
+sets them because they are what it is about. A stack is ready when its router's registry lists
+every service it started as ready. Stopping is guaranteed: a stack stops every process it ever
+started (also when it fails to become ready), and each child dies with the test run (a
+parent-death signal). While a stack is up, a failing test's report ends with its logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from pathlib import Path
+
+import openai
+
+from kvmesh.natsserver import NatsServer
+from shared.bus import Bus, BusError, subjects
+from shared.kvstore.backend import FileStore
+from shared.kvstore.hashing import block_hashes
+from shared.messages.kvevents import LookupReply, LookupRequest
+from shared.model.text import load_config
+from tests.procs import Proc, free_port, get_json, service_env, start_service, wait_until
+
+BLOCK_SIZE = 64  # the workers' default
+
+# Unless a test is about them: a worker starved for a few seconds on a busy machine is not
+# dropped, and a task is not given up on while its worker is merely slow to answer.
+SLACK = {
+    "KVMESH_ROUTER_ACK_TIMEOUT_S": "10",
+    "KVMESH_ROUTER_MISSED_HEARTBEATS": "10",
+    "KVMESH_ROUTER_ENCODE_TIMEOUT_S": "30",
+}
+
+LIVE: list[Stack] = []  # stacks up now, whose logs a failing test's report shows
+
+
+class Stack:
+    """Services on one NATS; ``url`` is its router's (``router-*`` started first, if any)."""
+
+    def __init__(self, name: str, nats_url: str, dir: Path, **settings: str) -> None:
+        self.name = name
+        self.nats_url = nats_url
+        self.dir = dir
+        self.port, self.grpc_port = free_port(), free_port()
+        self.env = service_env(
+            nats_url,
+            dir,
+            KVMESH_ROUTER_HTTP_PORT=str(self.port),
+            KVMESH_ROUTER_GRPC_PORT=str(self.grpc_port),
+            **{**SLACK, **settings},
+        )
+        self.procs: dict[str, Proc] = {}
+        self._all: list[Proc] = []  # every process started, replaced ones too
+        self._nats: NatsServer | None = None
+        self._client: openai.OpenAI | None = None
+        LIVE.append(self)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def client(self, url: str = "", **kwargs: object) -> openai.OpenAI:
+        """The official client on this stack's router (one, kept), or on the router at
+        ``url`` or with other options (a new one)."""
+        if url or kwargs:
+            base = (url or self.url) + "/v1"
+            return openai.OpenAI(base_url=base, api_key="unused", max_retries=0, **kwargs)
+        if self._client is None:
+            self._client = self.client(self.url, timeout=120)
+        return self._client
+
+    # -- the KV cache, as cachemeta and the storage tier see it ------------------------------
+
+    @property
+    def store(self) -> FileStore:
+        """The storage tier's files."""
+        return FileStore(self.dir / "kvstore")
+
+    def hashes(self, ids: list[int], tenant: str = "", model: str = "tiny") -> list[str]:
+        """The block hashes of a prompt's full blocks, as the router and workers make them."""
+        config = load_config(model, self.dir)
+        return block_hashes(ids, BLOCK_SIZE, config.fingerprint, tenant)
+
+    def lookup(self, hashes: list[str]) -> dict[str, int] | None:
+        """Cachemeta's answer (location → leading blocks held); None while none answers."""
+
+        async def ask() -> dict[str, int] | None:
+            bus = await Bus.connect(self.nats_url, "test-lookup")
+            try:
+                reply = await bus.request(
+                    subjects.CACHEMETA_LOOKUP, LookupRequest.of(hashes), LookupReply, 5.0
+                )
+                return reply.counts
+            except BusError:
+                return None
+            finally:
+                await bus.close()
+
+        return asyncio.run(ask())
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def start(self, *ids: str, **settings: str) -> None:
+        """Start services by id, with ``settings`` on top of the stack's."""
+        for sid in ids:
+            role = sid.split("-")[0]
+            env = {**self.env, **settings, "KVMESH_SERVICE_ID": sid}
+            n = sum(p.log_path.name.startswith(f"{sid}.") for p in self._all)
+            proc = start_service(role, env, self.dir, sid if not n else f"{sid}.{n}")
+            self.procs[sid] = proc
+            self._all.append(proc)
+
+    def restart(self, sid: str, **settings: str) -> None:
+        """Stop the service (SIGTERM, so routers forget it at once) and start it again."""
+        self.procs[sid].stop()
+        self.start(sid, **settings)
+
+    def router(self, sid: str, **settings: str) -> str:
+        """Another router over the same workers, with its own settings; returns its URL."""
+        port = free_port()
+        self.start(sid, KVMESH_ROUTER_HTTP_PORT=str(port), KVMESH_ROUTER_GRPC_PORT="0", **settings)
+        url = f"http://127.0.0.1:{port}"
+        self.wait_ready(url=url)
+        return url
+
+    # -- readiness, as the router's registry sees it -----------------------------------------
+
+    def ready_ids(self, url: str = "") -> dict[str, list[str]]:
+        """Role → ids of the services the router lists as ready."""
+        _, body = get_json(f"{url or self.url}/health")
+        return {
+            role: [w["id"] for w in workers if w["status"] == "ready"]
+            for role, workers in body["roles"].items()
+        }
+
+    def health(self, url: str = "") -> dict[str, dict]:
+        """Service id → the router's entry for it (status, address, age, load)."""
+        _, body = get_json(f"{url or self.url}/health")
+        return {w["id"]: w for workers in body["roles"].values() for w in workers}
+
+    def wait_ready(
+        self, ids: Iterable[str] | None = None, timeout_s: float = 120, url: str = ""
+    ) -> None:
+        """Until the router lists each service in ``ids`` (default: every live non-router
+        one this stack started) as ready."""
+        want = (
+            set(ids)
+            if ids is not None
+            else {
+                sid for sid, p in self.procs.items() if not sid.startswith("router") and p.alive()
+            }
+        )
+
+        def missing() -> set[str]:
+            ready = {sid for ids in self.ready_ids(url).values() for sid in ids}
+            for sid in want:
+                if not self.procs[sid].alive():
+                    raise AssertionError(f"{sid} exited:\n{self.procs[sid].output()[-3000:]}")
+            return want - ready
+
+        wait_until(lambda: not missing(), timeout_s, what=f"{sorted(want)} ready")
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        for proc in reversed(self._all):
+            proc.stop()
+        if self._nats is not None:
+            self._nats.stop()
+        if self in LIVE:
+            LIVE.remove(self)
+
+    def logs(self, lines: int = 25) -> str:
+        """The last lines of every process's log, newest processes last."""
+        out = []
+        for proc in self._all:
+            tail = proc.output().splitlines()[-lines:]
+            out.append(f"--- {proc.log_path.name} ({'running' if proc.alive() else 'ended'})")
+            out += tail
+        return "\n".join(out)
+
+
+def start_stack(
+    name: str,
+    dir: Path,
+    ids: Iterable[str],
+    nats_url: str | None = None,
+    wait: bool = True,
+    **settings: str,
+) -> Stack:
+    """Start ``ids`` (the router first) on ``nats_url``, or on a nats-server of the stack's own
+    when None, and wait until the router lists them all as ready. A stack that does not come
+    up is stopped before the error is raised, with its logs in the message."""
+    dir.mkdir(parents=True, exist_ok=True)
+    nats = None
+    if nats_url is None:
+        nats = NatsServer("127.0.0.1", free_port(), dir / "js", log_file=dir / "nats.log")
+        nats_url = nats.start()
+    stack = Stack(name, nats_url, dir, **settings)
+    stack._nats = nats
+    try:
+        ordered = sorted(ids, key=lambda sid: not sid.startswith("router"))
+        stack.start(*ordered)
+        if wait:
+            stack.wait_ready()
+    except BaseException as err:
+        logs = stack.logs()
+        stack.stop()
+        if isinstance(err, AssertionError):
+            raise AssertionError(f"stack {name} did not come up: {err}\n{logs}") from None
+        raise
+    return stack
