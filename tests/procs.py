@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -93,14 +94,6 @@ def start_service(role: str, env: dict[str, str], log_dir: Path, name: str = "")
     return Proc([sys.executable, "-m", f"services.{role}"], env, log_dir / f"{name}.log")
 
 
-def start_services(ids: tuple[str, ...], env: dict[str, str], log_dir: Path) -> dict[str, Proc]:
-    """One process per service id ("<role>-<name>"), each with that id and its own log."""
-    return {
-        sid: start_service(sid.split("-")[0], {**env, "KVMESH_SERVICE_ID": sid}, log_dir, sid)
-        for sid in ids
-    }
-
-
 def get_json(url: str, timeout_s: float = 5) -> tuple[int, dict]:
     """GET a URL; returns (status, JSON body) for 2xx and error statuses alike."""
     try:
@@ -125,13 +118,14 @@ def wait_until(check, timeout_s: float, interval_s: float = 0.1, what: str = "co
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} ({last_err})")
 
 
-def health_ids(url: str) -> dict[str, list[str]]:
-    """Role → ids of ready services, from the router's /health."""
-    _, body = get_json(f"{url}/health")
-    return {
-        role: [w["id"] for w in workers if w["status"] == "ready"]
-        for role, workers in body["roles"].items()
-    }
+async def until(check, timeout_s: float, what: str, interval_s: float = 0.05):  # noqa: ANN001, ANN201
+    """``wait_until`` for coroutines: await ``check()`` until it is truthy; return it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := await check():
+            return value
+        await asyncio.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
 def kvmesh_pids(marker: str) -> list[int]:

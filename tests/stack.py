@@ -13,6 +13,7 @@ parent-death signal). While a stack is up, a failing test's report ends with its
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -147,11 +148,17 @@ class Stack:
         _, body = get_json(f"{url or self.url}/health")
         return {w["id"]: w for workers in body["roles"].values() for w in workers}
 
+    def advertised(self, sid: str) -> str | None:
+        """The HTTP address the service's current process announced it is ready at."""
+        found = re.search(rf"ready: {re.escape(sid)} \(http (\S+)\)", self.procs[sid].output())
+        return found.group(1) if found else None
+
     def wait_ready(
         self, ids: Iterable[str] | None = None, timeout_s: float = 120, url: str = ""
     ) -> None:
         """Until the router lists each service in ``ids`` (default: every live non-router
-        one this stack started) as ready."""
+        one this stack started) as ready, at the address its current process announced (so a
+        restarted service is not mistaken for the one it replaced)."""
         want = (
             set(ids)
             if ids is not None
@@ -161,11 +168,17 @@ class Stack:
         )
 
         def missing() -> set[str]:
-            ready = {sid for ids in self.ready_ids(url).values() for sid in ids}
+            listed = self.health(url)
             for sid in want:
                 if not self.procs[sid].alive():
                     raise AssertionError(f"{sid} exited:\n{self.procs[sid].output()[-3000:]}")
-            return want - ready
+            return {
+                sid
+                for sid in want
+                if (entry := listed.get(sid)) is None
+                or entry["status"] != "ready"
+                or entry["address"] != self.advertised(sid)
+            }
 
         wait_until(lambda: not missing(), timeout_s, what=f"{sorted(want)} ready")
 

@@ -7,96 +7,42 @@ from __future__ import annotations
 import base64
 import io
 import signal
-import time
-from collections.abc import Iterator
 
 import grpc
 import openai
 import pytest
 from PIL import Image
 
-from kvmesh.natsserver import NatsServer
 from shared.proto import api_pb2, api_pb2_grpc
-from tests.procs import (
-    free_port,
-    health_ids,
-    service_env,
-    start_service,
-    start_services,
-    wait_until,
-)
+from tests.images import ask, data_url, image, png
+from tests.procs import wait_until
+from tests.stack import Stack
 
 TAIL = "Now say what you see, in detail, " * 25  # text after the image: blocks past it
 
 
-def png(seed: int, size: tuple[int, int] = (300, 200), mode: str = "RGB") -> bytes:
-    img = Image.effect_noise(size, 60 + seed).convert(mode)
-    img.putpixel((seed % size[0], 0), (seed * 37) % 256 if mode == "L" else (seed, 0, 0))
-    out = io.BytesIO()
-    img.save(out, "PNG")
-    return out.getvalue()
-
-
-def data_url(data: bytes, media: str = "image/png") -> str:
-    return f"data:{media};base64,{base64.b64encode(data).decode()}"
-
-
-def ask(*parts: dict | str, role: str = "user") -> list[dict]:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
-    return [{"role": role, "content": content}]
-
-
-def image(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
-def ready(url: str) -> bool:
-    ids = health_ids(url)
-    return all(ids[r] for r in ("prefill", "decode", "encoder"))
-
-
 @pytest.fixture(scope="module")
-def stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    tmp = tmp_path_factory.mktemp("vision")
-    port, grpc_port = free_port(), free_port()
-    env = service_env(
-        nats_server.url,
-        tmp,
-        KVMESH_ROUTER_HTTP_PORT=str(port),
-        KVMESH_ROUTER_GRPC_PORT=str(grpc_port),
+def stack(stacks) -> Stack:
+    return stacks(
+        ("cachemeta-0", "router-0", "prefill-0", "decode-0", "encoder-0"),
         # Prompts with at most 40 uncached tokens are prefilled on decode (a small image).
         KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="40",
         KVMESH_ROUTER_IMAGE_MAX_BYTES="200000",
-        KVMESH_ROUTER_ENCODE_TIMEOUT_S="2",
         KVMESH_ENCODER_MODELS='["tiny"]',
         KVMESH_ENCODER_THREADS="1",
         KVMESH_ENCODER_LAYERS="2",
         KVMESH_ENCODER_STORE_EMBEDS="true",
     )
-    ids = ("cachemeta-0", "router-0", "prefill-0", "decode-0", "encoder-0")
-    procs = start_services(ids, env, tmp)
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: ready(url), 90, what="workers and encoder ready")
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    yield {
-        "url": url,
-        "grpc": f"127.0.0.1:{grpc_port}",
-        "procs": procs,
-        "client": client,
-        "env": env,
-        "dir": tmp,
-    }
-    for proc in procs.values():
-        proc.stop()
 
 
-def chat(stack: dict, messages: list[dict], max_tokens: int = 12):
-    return stack["client"].chat.completions.create(
+def chat(stack: Stack, messages: list[dict], max_tokens: int = 12, url: str = ""):
+    client = stack.client(url) if url else stack.client()
+    return client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=max_tokens, temperature=0
     )
 
 
-def test_the_same_image_twice_is_encoded_once_and_its_kv_reused(stack: dict) -> None:
+def test_the_same_image_twice_is_encoded_once_and_its_kv_reused(stack: Stack) -> None:
     messages = ask("What is in this picture?", image(data_url(png(1))), TAIL)
     first, second = chat(stack, messages), chat(stack, messages)
     img1, img2 = first.model_extra["kvmesh"]["images"][0], second.model_extra["kvmesh"]["images"][0]
@@ -109,7 +55,7 @@ def test_the_same_image_twice_is_encoded_once_and_its_kv_reused(stack: dict) -> 
     assert second.choices[0].message.content == first.choices[0].message.content
 
 
-def test_another_image_changes_the_answer_and_hits_nothing_past_it(stack: dict) -> None:
+def test_another_image_changes_the_answer_and_hits_nothing_past_it(stack: Stack) -> None:
     a = ask("What is in this picture?", image(data_url(png(2))), TAIL)
     b = ask("What is in this picture?", image(data_url(png(3))), TAIL)
     first = chat(stack, a, max_tokens=24)
@@ -120,7 +66,7 @@ def test_another_image_changes_the_answer_and_hits_nothing_past_it(stack: dict) 
     assert other.choices[0].message.content != first.choices[0].message.content
 
 
-def test_the_next_turn_reuses_the_blocks_past_the_image_in_its_history(stack: dict) -> None:
+def test_the_next_turn_reuses_the_blocks_past_the_image_in_its_history(stack: Stack) -> None:
     turn1 = ask("Look:", image(data_url(png(4))), TAIL)
     first = chat(stack, turn1)
     turn2 = [
@@ -133,7 +79,7 @@ def test_the_next_turn_reuses_the_blocks_past_the_image_in_its_history(stack: di
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 64 * 64
 
 
-def test_images_in_one_request_are_encoded_together(stack: dict) -> None:
+def test_images_in_one_request_are_encoded_together(stack: Stack) -> None:
     urls = [data_url(png(10 + i, (120, 90))) for i in range(3)]
     resp = chat(stack, ask("Compare", *(image(u) for u in urls)))
     images = resp.model_extra["kvmesh"]["images"]
@@ -141,7 +87,7 @@ def test_images_in_one_request_are_encoded_together(stack: dict) -> None:
     assert images[1]["start"] == images[0]["start"] + 12
 
 
-def test_grpc_takes_images_as_bytes(stack: dict) -> None:
+def test_grpc_takes_images_as_bytes(stack: Stack) -> None:
     data = png(11)
     url_answer = chat(stack, ask("What is in this picture?", image(data_url(data)), TAIL))
     parts = [
@@ -155,7 +101,7 @@ def test_grpc_takes_images_as_bytes(stack: dict) -> None:
         max_tokens=12,
         temperature=0,
     )
-    with grpc.insecure_channel(stack["grpc"]) as channel:
+    with grpc.insecure_channel(stack.grpc) as channel:
         stub = api_pb2_grpc.GenerationStub(channel)
         resp = stub.Generate(req, timeout=30)
         assert resp.text == url_answer.choices[0].message.content
@@ -168,7 +114,7 @@ def test_grpc_takes_images_as_bytes(stack: dict) -> None:
         assert "messages[0].content[3].image_url" in err.value.details()
 
 
-def test_a_short_image_prompt_is_prefilled_on_decode_with_its_image(stack: dict) -> None:
+def test_a_short_image_prompt_is_prefilled_on_decode_with_its_image(stack: Stack) -> None:
     small = [data_url(png(20 + i, (56, 56))) for i in range(2)]  # 2 × 2 tokens each
     first = chat(stack, ask("Say", image(small[0])), max_tokens=24)
     again = chat(stack, ask("Say", image(small[0])), max_tokens=24)
@@ -198,7 +144,7 @@ Image.new("1", (20000, 20000)).save(BOMB, "PNG")  # 48 KB that declare 400 M pix
         ("data:image/png;base64," + base64.b64encode(png(6)[:300]).decode(), "damaged"),
     ],
 )
-def test_a_bad_image_is_refused_naming_its_part(stack: dict, url: str, message: str) -> None:
+def test_a_bad_image_is_refused_naming_its_part(stack: Stack, url: str, message: str) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         chat(stack, ask("see", image(url)))
     body = err.value.body
@@ -206,7 +152,7 @@ def test_a_bad_image_is_refused_naming_its_part(stack: dict, url: str, message: 
     assert message in body["message"] and "messages[0].content[1].image_url" in body["message"]
 
 
-def test_too_many_images_and_images_outside_user_messages_are_refused(stack: dict) -> None:
+def test_too_many_images_and_images_outside_user_messages_are_refused(stack: Stack) -> None:
     url = data_url(png(7, (60, 60)))
     with pytest.raises(openai.BadRequestError, match="at most 8 images per request"):
         chat(stack, ask(*(image(url) for _ in range(9))))
@@ -216,38 +162,44 @@ def test_too_many_images_and_images_outside_user_messages_are_refused(stack: dic
     assert chat(stack, ask("still", image(url))).choices[0].finish_reason  # still serving
 
 
-def test_embeddings_in_the_storage_tier_outlive_the_encoder(stack: dict) -> None:
+def test_embeddings_in_the_storage_tier_outlive_the_encoder(stack: Stack) -> None:
     messages = ask("What is in this picture?", image(data_url(png(12))))
     first = chat(stack, messages).model_extra["kvmesh"]["images"][0]
     assert (first["cached"], first["source"]) == (False, "encoded")
-    stack["procs"]["encoder-0"].stop()
-    env = {**stack["env"], "KVMESH_SERVICE_ID": "encoder-0"}
-    stack["procs"]["encoder-0"] = start_service("encoder", env, stack["dir"], "encoder-0b")
-    time.sleep(1.5)  # the old one's "stopped" heartbeat first
-    wait_until(lambda: ready(stack["url"]), 60, what="the encoder back")
+    stack.restart("encoder-0")
+    stack.wait_ready(["encoder-0"])
     again = chat(stack, messages).model_extra["kvmesh"]["images"][0]
     assert (again["cached"], again["source"]) == (True, "storage")
 
 
-def test_a_slow_encoder_fails_image_requests_fast_and_text_goes_on(stack: dict) -> None:
-    encoder = stack["procs"]["encoder-0"]
+def test_a_slow_encoder_fails_image_requests_at_the_encode_timeout(stack: Stack) -> None:
+    """A router whose encode timeout is 2 s: a frozen encoder costs an image request a 503
+    naming the encoder (not a hang: the client gives up after 60 s), and text goes on."""
+    url = stack.router("router-encode", KVMESH_ROUTER_ENCODE_TIMEOUT_S="2")
+    encoder = stack.procs["encoder-0"]
     encoder.signal(signal.SIGSTOP)
     try:
-        started = time.monotonic()
+        client = stack.client(url, timeout=60)
         with pytest.raises(openai.APIStatusError) as err:
-            chat(stack, ask("see", image(data_url(png(8)))))
+            client.chat.completions.create(
+                model="tiny", messages=ask("see", image(data_url(png(8)))), max_tokens=4
+            )
         assert err.value.status_code == 503 and "image encoder" in err.value.message
-        assert time.monotonic() - started < 5  # the 2 s encode timeout, not a hang
-        assert chat(stack, ask("just text")).choices[0].finish_reason
+        assert chat(stack, ask("just text"), url=url).choices[0].finish_reason
     finally:
         encoder.signal(signal.SIGCONT)
+        stack.procs["router-encode"].stop()
 
 
-def test_without_an_encoder_image_requests_get_503_and_text_is_unaffected(stack: dict) -> None:
-    stack["procs"]["encoder-0"].signal(signal.SIGKILL)
-    for _ in range(2):  # at once (nobody answers), and once the router has forgotten it
+def test_without_an_encoder_image_requests_get_503_and_text_is_unaffected(stack: Stack) -> None:
+    """At once (nobody answers the encode request), and once the router has forgotten the
+    encoder (a router that drops a service after 3 missed beats)."""
+    url = stack.router("router-forget", KVMESH_ROUTER_MISSED_HEARTBEATS="3")
+    stack.procs["encoder-0"].signal(signal.SIGKILL)
+    for forgotten in (False, True):
+        if forgotten:
+            wait_until(lambda: not stack.ready_ids(url)["encoder"], 30, what="encoder dropped")
         with pytest.raises(openai.APIStatusError) as err:
-            chat(stack, ask("see", image(data_url(png(9)))))
+            chat(stack, ask("see", image(data_url(png(9)))), url=url)
         assert err.value.status_code == 503 and "encoder" in err.value.message
-        assert chat(stack, ask("just text")).choices[0].finish_reason
-        time.sleep(4)  # three missed heartbeats
+        assert chat(stack, ask("just text"), url=url).choices[0].finish_reason

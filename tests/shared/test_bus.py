@@ -12,6 +12,7 @@ from kvmesh.natsserver import NatsServer
 from shared.bus import Bus, BusError, RemoteError
 from shared.bus.client import PARTS_HEADER
 from shared.messages import Message
+from tests.procs import until
 
 
 class Ping(Message):
@@ -88,7 +89,12 @@ async def test_jetstream_durable_consumer_resumes(nats_url: str) -> None:
         assert [await asyncio.wait_for(got.get(), 2) for _ in range(3)] == list(
             zip(range(3), seqs, strict=True)
         )
-        await asyncio.sleep(0.2)  # let the acks land before leaving
+
+        async def acked() -> bool:  # the acks landed: nothing is redelivered after leaving
+            info = await bus.js.consumer_info("TEST_EVENTS", "tester")
+            return info.num_ack_pending == 0 and info.ack_floor.stream_seq == seqs[-1]
+
+        await until(acked, 10, "the acks to land")
         await sub.unsubscribe()
         # Stored while nobody consumed: the durable consumer picks up where it left off.
         later = await bus.publish_durable("test.events.b", Ping(n=3))
@@ -109,7 +115,11 @@ async def test_stored_data_larger_than_a_nats_message_goes_in_parts(nats_url: st
         data, headers = await bus.wait_last("TEST_PARTS", "test.parts.a", 1)
         assert data == big and headers["Shape"] == "3,5" and PARTS_HEADER not in headers
         early = asyncio.create_task(bus.wait_last("TEST_PARTS", "test.parts.b", 5))
-        await asyncio.sleep(0.2)
+
+        async def waiting() -> bool:  # the reader's consumer is there before the writer
+            return (await bus.js.stream_info("TEST_PARTS")).state.consumer_count > 0
+
+        await until(waiting, 10, "the reader to wait")
         await bus.put_last("test.parts.b", big[::-1])
         assert (await early)[0] == big[::-1]
         await bus.put_last("test.parts.c", b"small")  # one message, as before
@@ -127,14 +137,16 @@ async def test_reconnects_after_nats_restart(nats_server: NatsServer) -> None:
     try:
         got = await collect(bus, "test.after")
         nats_server.stop()
-        await asyncio.sleep(0.5)
-        assert not bus.connected
+
+        async def connected() -> bool:
+            return bus.connected
+
+        async def disconnected() -> bool:
+            return not bus.connected
+
+        await until(disconnected, 10, "the bus to notice")
         nats_server.start()
-        for _ in range(100):
-            if bus.connected:
-                break
-            await asyncio.sleep(0.1)
-        assert bus.connected
+        await until(connected, 30, "the bus to reconnect")
         await bus.publish("test.after", Ping(n=1))  # the subscription was restored too
         assert await asyncio.wait_for(got.get(), 3) == Ping(n=1)
     finally:

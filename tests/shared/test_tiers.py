@@ -11,6 +11,7 @@ from pathlib import Path
 from shared.bus import Bus
 from shared.kvstore.backend import FileStore
 from shared.kvstore.tiers import KvTiers
+from tests.procs import until
 
 
 class GatedStore(FileStore):
@@ -47,10 +48,11 @@ async def test_queueing_never_waits_for_the_disk_and_overflow_is_counted(
         assert (tiers.queued_blocks, tiers.skipped_blocks) == (6, 2)
         assert not any(k in store for k in first + second)
         store.gate.set()
-        for _ in range(200):
-            if tiers.written_blocks == 6:
-                break
-            await asyncio.sleep(0.05)
-        assert tiers.written_blocks == 6 and tiers.queued_blocks == 0
+
+        async def written() -> bool:
+            return tiers.written_blocks == 6
+
+        await until(written, 30, "the queued blocks written")
+        assert tiers.queued_blocks == 0
         assert all(k in store for k in first + second[:2])
         assert not any(k in store for k in second[2:])  # skipped, never written
