@@ -159,7 +159,8 @@ def test_too_many_images_and_images_outside_user_messages_are_refused(stack: Sta
     with pytest.raises(openai.BadRequestError, match="user messages only") as err:
         chat(stack, ask("you see", image(url), role="assistant") + ask("hi"))
     assert err.value.body["param"] == "messages[0].content[1].image_url"
-    assert chat(stack, ask("still", image(url))).choices[0].finish_reason  # still serving
+    still = chat(stack, ask("still", image(url)))  # still serving, images included
+    assert still.usage.completion_tokens == 12 and still.model_extra["kvmesh"]["images"]
 
 
 def test_embeddings_in_the_storage_tier_outlive_the_encoder(stack: Stack) -> None:
@@ -185,7 +186,7 @@ def test_a_slow_encoder_fails_image_requests_at_the_encode_timeout(stack: Stack)
                 model="tiny", messages=ask("see", image(data_url(png(8)))), max_tokens=4
             )
         assert err.value.status_code == 503 and "image encoder" in err.value.message
-        assert chat(stack, ask("just text"), url=url).choices[0].finish_reason
+        assert chat(stack, ask("just text"), url=url).usage.completion_tokens == 12
     finally:
         encoder.signal(signal.SIGCONT)
         stack.procs["router-encode"].stop()
@@ -202,4 +203,4 @@ def test_without_an_encoder_image_requests_get_503_and_text_is_unaffected(stack:
         with pytest.raises(openai.APIStatusError) as err:
             chat(stack, ask("see", image(data_url(png(9)))), url=url)
         assert err.value.status_code == 503 and "encoder" in err.value.message
-        assert chat(stack, ask("just text"), url=url).choices[0].finish_reason
+        assert chat(stack, ask("just text"), url=url).usage.completion_tokens == 12

@@ -96,6 +96,8 @@ class PrefixHashes:
     def __init__(self, max_prompts: int = 4096) -> None:
         self.max_prompts = max_prompts
         self._recent: OrderedDict[tuple, tuple[Segments, list[str]]] = OrderedDict()
+        self.reused_blocks = 0  # hashes taken from an earlier prompt
+        self.hashed_blocks = 0  # hashes computed
 
     def hashes(self, segments: Segments, block_size: int, fingerprint: str, salt: str) -> list[str]:
         """The block hashes of the prompt made of ``segments``."""
@@ -114,6 +116,8 @@ class PrefixHashes:
             known = old_hashes[: min(len(old_hashes), shared // (4 * block_size))]
         packed = b"".join(p for _, p in segments)
         hashes = packed_block_hashes(packed, block_size, fingerprint, salt, known=known)
+        self.reused_blocks += len(known)
+        self.hashed_blocks += len(hashes) - len(known)
         self._recent[key] = (segments, hashes)
         self._recent.move_to_end(key)
         while len(self._recent) > self.max_prompts:

@@ -69,11 +69,20 @@ def test_a_next_turn_reuses_the_hashes_of_its_shared_blocks(model) -> None:
         {"role": "assistant", "content": "an answer"},
         {"role": "user", "content": "?"},
     ]
+    reused = []
     for chat, salt in ((turn1, ""), (turn2, ""), (turn2, "other tenant")):
         ids, segments = fast.encode_segments(model.chat_template.render(chat))
+        before = cache.reused_blocks
         got = cache.hashes(segments, 64, "fp", salt)
         assert got == block_hashes(ids, 64, "fp", salt)  # reused or not, always exact
+        reused.append(cache.reused_blocks - before)
+    n1 = len(block_hashes(fast.encode_segments(model.chat_template.render(turn1))[0], 64, "fp"))
+    # Turn 2 takes every full block of turn 1 (the first message it shares holds them all);
+    # another tenant's salt makes other hashes: nothing to take.
+    assert reused == [0, n1, 0] and n1 >= 10
     # A different first message shares nothing, and still hashes right.
     other = [{"role": "user", "content": "another question " * 300}]
     ids, segments = fast.encode_segments(model.chat_template.render(other))
+    before = cache.reused_blocks
     assert cache.hashes(segments, 64, "fp", "") == block_hashes(ids, 64, "fp", "")
+    assert cache.reused_blocks == before
