@@ -61,7 +61,8 @@ def _attrs(span: dict, width: int = 90) -> str:
             value = value[:37] + "..."
         parts.append(f"{key}={value}")
     if span.get("status") == "error":
-        parts.insert(0, "ERROR")
+        why = span.get("error", "")
+        parts.insert(0, f"ERROR({why[:60]})" if why else "ERROR")
     text = " ".join(parts)
     return text if len(text) <= width else text[: width - 3] + "..."
 

@@ -59,6 +59,7 @@ class Stack:
         self._all: list[Proc] = []  # every process started, replaced ones too
         self._nats: NatsServer | None = None
         self._client: openai.OpenAI | None = None
+        self.grpc_ports: dict[str, int] = {}  # of the routers started by ``router``
         LIVE.append(self)
 
     @property
@@ -126,12 +127,18 @@ class Stack:
         self.start(sid, **settings)
 
     def router(self, sid: str, **settings: str) -> str:
-        """Another router over the same workers, with its own settings; returns its URL."""
-        port = free_port()
-        self.start(sid, KVMESH_ROUTER_HTTP_PORT=str(port), KVMESH_ROUTER_GRPC_PORT="0", **settings)
+        """Another router over the same workers, with its own settings; returns its URL (its
+        gRPC address is ``grpc_of(sid)``)."""
+        port, grpc_port = free_port(), free_port()
+        self.grpc_ports[sid] = grpc_port
+        env = {"KVMESH_ROUTER_HTTP_PORT": str(port), "KVMESH_ROUTER_GRPC_PORT": str(grpc_port)}
+        self.start(sid, **env, **settings)
         url = f"http://127.0.0.1:{port}"
         self.wait_ready(url=url)
         return url
+
+    def grpc_of(self, router_id: str) -> str:
+        return f"127.0.0.1:{self.grpc_ports[router_id]}"
 
     # -- readiness, as the router's registry sees it -----------------------------------------
 

@@ -399,3 +399,35 @@ def test_a_silent_worker_costs_one_retry_then_503(stack: Stack) -> None:
     # Woken up, they drop the tasks the router gave up on, and serve new ones.
     again = stack.client().completions.create(model="tiny", prompt="y " * 30, max_tokens=2)
     assert again.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize(
+    "headers, says",
+    [
+        ({"x-kvmesh-retention": "forever"}, "x-kvmesh-retention: one of chat, agent"),
+        ({"x-kvmesh-tenant": "t" * 257}, "x-kvmesh-tenant: at most 256 characters"),
+    ],
+)
+def test_bad_kv_headers_are_refused_naming_the_header(stack, headers, says) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    req = urllib.request.Request(
+        stack.url + "/v1/completions", body, {"Content-Type": "application/json", **headers}
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    error = json.loads(err.value.read())["error"]
+    assert err.value.code == 400 and says in error["message"]
+    assert error["param"] == next(iter(headers))
+
+
+def test_an_unsafe_request_id_is_replaced(client) -> None:
+    for unsafe in ("a b", "x" * 65, "id;drop", "../etc", "<script>"):
+        raw = client.completions.with_raw_response.create(
+            model="tiny", prompt="hi", max_tokens=1, extra_headers={"x-request-id": unsafe}
+        )
+        rid = raw.headers["x-request-id"]
+        assert rid != unsafe and len(rid) == 32 and int(rid, 16) >= 0
+    safe = client.completions.with_raw_response.create(
+        model="tiny", prompt="hi", max_tokens=1, extra_headers={"x-request-id": "mine-1_A"}
+    )
+    assert safe.headers["x-request-id"] == "mine-1_A"

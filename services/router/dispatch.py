@@ -160,6 +160,7 @@ class Dispatcher:
         """
         job = await self._with_cache_plan(job)
         excluded: set[str] = set()
+        first_failure = ""
         for attempt in (1, 2):
             # A retry has an id of its own: a worker that wakes up late with the first
             # attempt (and is told to cancel it) can never mix its tokens into the answer.
@@ -175,7 +176,12 @@ class Dispatcher:
             )
             try:
                 with trace.use_span(span, end_on_exit=False):
-                    await self._send(wire, excluded, attempt_)  # counted in outstanding
+                    try:
+                        await self._send(wire, excluded, attempt_)  # counted in outstanding
+                    except ApiError as err:
+                        if first_failure:  # no worker left to retry on: say why it failed
+                            err.message += f" (first attempt: {first_failure})"
+                        raise
                 span.set_attributes(
                     {
                         "workers": list(attempt_.workers),
@@ -199,6 +205,7 @@ class Dispatcher:
                     raise ApiError(503, f"request failed: {failure}", code="unavailable") from None
                 log.warning("%s: %s; retrying on other workers", job.request_id, failure)
                 excluded.update(failure.service_ids)
+                first_failure = str(failure)
             finally:
                 span.end()
                 for w in attempt_.workers:

@@ -123,6 +123,8 @@ async def stream_text(
             yield Delta(text, "stop")
             return
         if event.finish_reason == "abort":
+            if time.time() >= job.deadline:  # decode stops a request at its deadline
+                raise ApiError(504, "request deadline passed", code="timeout")
             raise ApiError(503, "the worker stopped this request", code="aborted")
         if event.finish_reason:
             text += detok.finish()

@@ -146,6 +146,9 @@ class Encodes:
                 if waiting.done() and waiting.exception() is not None:
                     raise waiting.exception()  # type: ignore[misc]
                 if step.done():
+                    failed = step.exception()
+                    if failed is not None and not isinstance(failed, StopAsyncIteration):
+                        raise failed  # the request failed on its workers: no need to wait
                     await waiting  # the first event waits for the encodes
                     break
             while True:  # the encodes are done: events flow

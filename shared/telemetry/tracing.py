@@ -86,6 +86,7 @@ def span_record(span: ReadableSpan) -> dict:
         "start_ns": span.start_time,
         "end_ns": span.end_time,
         "status": span.status.status_code.name.lower(),
+        "error": span.status.description or "",  # why, for a span that failed
         "attributes": dict(span.attributes or {}),
     }
 

@@ -109,3 +109,18 @@ def test_up_rejects_bad_counts(state_dir: Path) -> None:
     done = kvmesh(["up", "--decode", "-1"], env)
     assert done.returncode == 2
     assert "--decode must be between 0 and 64 (got -1)" in done.stderr
+
+
+def test_killing_kvmesh_up_leaves_no_process_behind(state_dir: Path) -> None:
+    """SIGKILL gives `kvmesh up` no chance to stop anything: its children (and nats-server)
+    go by themselves, with the parent-death signal they were started with."""
+    env = up_env(state_dir, free_port(), free_port())
+    up = Proc([*KVMESH, "up", "--encoder", "0"], env, state_dir / "up.log")
+    try:
+        wait_until(lambda: "kvmesh is up" in up.output(), 120, what="kvmesh up to be ready")
+        assert len(kvmesh_pids(str(state_dir))) >= 6  # five services and nats-server
+        up.popen.kill()
+        up.wait(10)
+        wait_until(lambda: kvmesh_pids(str(state_dir)) == [], 30, what="every child gone")
+    finally:
+        up.stop()

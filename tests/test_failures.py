@@ -1,0 +1,332 @@
+"""What a user sees when something goes wrong, through real processes (tiny model): a request
+past its deadline (504), every worker busy (429), no decode room or a worker refusing (503),
+a client that leaves while its prompt is prefilled, a worker draining, past its drain bound,
+or signalled twice, an encoder cache that evicts, a prefill worker that gives up on
+embeddings, gRPC's status codes and cancellation, and each routing policy serving."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+
+import grpc
+import openai
+import pytest
+
+from kvmesh.trace import read_spans, request_trace
+from services.router.policies import POLICIES
+from shared.proto import api_pb2, api_pb2_grpc
+from tests.images import ask, data_url, image, png
+from tests.procs import get_json, wait_until
+from tests.stack import Stack
+
+IMAGE_EMBEDS = 7 * 11 * 64 * 4  # a 300 × 200 image: 77 tokens of the tiny model's 64 floats
+
+
+@pytest.fixture(scope="module")
+def stack(stacks) -> Stack:
+    return stacks(
+        ("router-0", "cachemeta-0", "prefill-0", "decode-0", "encoder-0"),
+        KVMESH_ENCODER_MODELS='["tiny"]',
+        KVMESH_ENCODER_THREADS="1",
+        KVMESH_ENCODER_LAYERS="1",
+        KVMESH_ENCODER_CACHE_BYTES=str(IMAGE_EMBEDS * 3 // 2),  # room for one image's
+    )
+
+
+def own_load(stack: Stack, sid: str) -> dict:
+    """A service's load as it is now, from its own /health (not a heartbeat ago)."""
+    return get_json(f"{stack.advertised(sid)}/health")[1]["load"]
+
+
+def blocks_used(stack: Stack, sid: str = "decode-0") -> int:
+    return own_load(stack, sid)["kv_blocks_used"]
+
+
+def post(url: str, body: dict) -> tuple[int, dict, dict]:
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "text/json"})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.headers), json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def grpc_generate(address: str, content: str, model: str = "tiny", **fields: object):
+    req = api_pb2.GenerateRequest(
+        model=model,
+        messages=[api_pb2.ChatMessage(role="user", content=content)],
+        temperature=0,
+        **fields,
+    )
+    with grpc.insecure_channel(address) as channel:
+        return api_pb2_grpc.GenerationStub(channel).Generate(req, timeout=60)
+
+
+LONG_ANSWER = dict(model="tiny", prompt="Tell me everything.", max_tokens=4000, temperature=0)
+
+
+# -- the request's deadline: 504 ---------------------------------------------------------------
+
+
+def test_a_request_past_its_deadline_gets_504_and_its_kv_is_freed(stack: Stack) -> None:
+    url = stack.router("router-deadline", KVMESH_ROUTER_REQUEST_TIMEOUT_S="1")
+    try:
+        code, _, body = post(url, LONG_ANSWER)  # 4,000 tokens take the tiny model seconds
+        assert code == 504, body
+        assert body["error"]["code"] == "timeout" and "deadline" in body["error"]["message"]
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_generate(stack.grpc_of("router-deadline"), "Tell me all.", max_tokens=4000)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # Decode stopped the answer at its deadline: nothing keeps running for nobody.
+        wait_until(lambda: blocks_used(stack) == 0, 30, what="decode's KV freed")
+    finally:
+        stack.procs["router-deadline"].stop()
+
+
+# -- overload and refusals: 429, 503 -----------------------------------------------------------
+
+
+def test_every_worker_busy_gets_429_with_retry_after(stack: Stack) -> None:
+    """Workers for another model that take no more work (0 queued at most): the router tries
+    each, then answers 429 (and gRPC RESOURCE_EXHAUSTED)."""
+    stack.start(
+        "prefill-full",
+        "decode-full",
+        KVMESH_PREFILL_MODEL="tiny-swa",
+        KVMESH_DECODE_MODEL="tiny-swa",
+        KVMESH_PREFILL_MAX_QUEUED="0",
+        KVMESH_DECODE_MAX_QUEUED="0",
+    )
+    try:
+        stack.wait_ready(["prefill-full", "decode-full"])
+        for prompt in ("word " * 200, "hi"):  # to the prefill worker; to decode (short)
+            code, headers, body = post(stack.url, {"model": "tiny-swa", "prompt": prompt})
+            assert code == 429, body
+            assert headers["Retry-After"] == "1" and body["error"]["type"] == "rate_limit_error"
+            assert "busy" in body["error"]["message"]
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_generate(stack.grpc, "x " * 200, model="tiny-swa", max_tokens=4)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        stack.procs["prefill-full"].stop()
+        stack.procs["decode-full"].stop()
+
+
+def test_no_decode_worker_with_room_gets_503(stack: Stack) -> None:
+    """One answer reserves decode's whole pool (4,096 tokens); frozen there, the worker's last
+    heartbeat says it has no room: the next request is refused at once."""
+    stream = stack.client().completions.create(stream=True, **{**LONG_ANSWER, "max_tokens": 4090})
+    chunks = iter(stream)
+    next(chunks)
+    decode = stack.procs["decode-0"]
+    try:
+        wait_until(
+            lambda: stack.health()["decode-0"]["load"]["kv_blocks_used"] == 64,
+            30,
+            what="decode's pool full in its heartbeat",
+        )
+        decode.signal(signal.SIGSTOP)
+        code, _, body = post(stack.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4})
+        assert (
+            code == 503 and body["error"]["message"] == "no decode worker has room for this request"
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_generate(stack.grpc, "hello", max_tokens=4)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        decode.signal(signal.SIGCONT)
+        stream.close()
+    wait_until(lambda: blocks_used(stack) == 0, 30, what="the long answer cancelled and freed")
+
+
+def test_a_decode_worker_refusing_the_handoff_gets_503_naming_why(stack: Stack) -> None:
+    """A decode pool of 2 blocks: the router sends the request (the worker has some room), the
+    prefill worker asks decode to reserve 5 blocks, decode refuses; no other worker to retry
+    on: 503, with the reason."""
+    stack.restart("decode-0", KVMESH_DECODE_KV_CACHE_TOKENS="128")
+    stack.wait_ready(["decode-0"])
+    try:
+        ids = [(i * 7919) % 40000 + 100 for i in range(300)]
+        code, _, body = post(stack.url, {"model": "tiny", "prompt": ids, "max_tokens": 10})
+        assert code == 503, body
+        message = body["error"]["message"]
+        assert "every prefill worker failed" in message and "KV cache full" in message
+    finally:
+        stack.restart("decode-0")
+        stack.wait_ready(["decode-0"])
+
+
+# -- a client that goes away ---------------------------------------------------------------
+
+
+def test_a_client_leaving_mid_prefill_stops_the_prefill(stack: Stack) -> None:
+    """One token per forward pass: 4,000 prompt tokens take seconds. The client hangs up once
+    the prefill worker is computing; the prefill stops between two passes."""
+    stack.restart("prefill-0", KVMESH_PREFILL_PREFILL_CHUNK="1")
+    stack.wait_ready(["prefill-0"])
+    rid = "leaves-mid-prefill"
+    conn = http.client.HTTPConnection(stack.url.removeprefix("http://"), timeout=60)
+    try:
+        body = {"model": "tiny", "prompt": [7] * 4000, "max_tokens": 4, "stream": True}
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(body),
+            {"Content-Type": "application/json", "x-request-id": rid},
+        )
+        wait_until(lambda: own_load(stack, "prefill-0")["inflight"] == 1, 30, what="computing")
+        conn.close()  # the client is gone
+        wait_until(lambda: f"{rid} cancelled" in stack.procs["prefill-0"].output(), 30, what="stop")
+        spans = wait_until(
+            lambda: [
+                s
+                for s in request_trace(read_spans(stack.dir / "traces"), rid)
+                if s["name"] == "prefill" and s["status"] == "error"
+            ],
+            30,
+            what="the prefill span",
+        )
+        done, total = spans[0]["error"].split("cancelled at token ")[1].split(" of ")
+        assert int(done) < int(total) == 4000  # stopped part way, not run to the end
+    finally:
+        conn.close()
+        stack.restart("prefill-0")
+        stack.wait_ready(["prefill-0"])
+
+
+def test_a_grpc_client_cancelling_frees_decode(stack: Stack) -> None:
+    rid = "grpc-cancelled"
+    req = api_pb2.GenerateRequest(
+        model="tiny",
+        messages=[api_pb2.ChatMessage(role="user", content="Say a great deal.")],
+        max_tokens=4000,
+        temperature=0,
+    )
+    with grpc.insecure_channel(stack.grpc) as channel:
+        call = api_pb2_grpc.GenerationStub(channel).GenerateStream(
+            req, timeout=60, metadata=(("x-request-id", rid),)
+        )
+        assert next(call).text is not None
+        call.cancel()
+    wait_until(lambda: f"dropped {rid}" in stack.procs["decode-0"].output(), 30, what="dropped")
+    wait_until(lambda: blocks_used(stack) == 0, 30, what="decode's KV freed")
+
+
+# -- draining ------------------------------------------------------------------------------
+
+
+def streaming(stack: Stack, max_tokens: int):
+    """A long streamed answer, its first chunk read, decode holding it."""
+    stream = stack.client().completions.create(
+        stream=True, **{**LONG_ANSWER, "max_tokens": max_tokens}
+    )
+    chunks = iter(stream)
+    next(chunks)
+    assert own_load(stack, "decode-0")["inflight"] == 1
+    return stream, chunks
+
+
+def test_sigterm_finishes_the_request_in_flight_then_exits(stack: Stack) -> None:
+    stream, chunks = streaming(stack, 2000)
+    decode = stack.procs["decode-0"]
+    decode.signal(signal.SIGTERM)
+    rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert sum(1 for c in rest if c.choices and c.choices[0].text) >= 1
+    assert decode.wait(30) == 0
+    assert "SIGTERM: draining" in decode.output()
+    stack.start("decode-0")
+    stack.wait_ready(["decode-0"])
+
+
+def test_the_drain_bound_stops_a_worker_that_would_take_longer(stack: Stack) -> None:
+    stack.restart("decode-0", KVMESH_DRAIN_TIMEOUT_S="0.5")
+    stack.wait_ready(["decode-0"])
+    stream, chunks = streaming(stack, 4000)
+    decode = stack.procs["decode-0"]
+    decode.signal(signal.SIGTERM)
+    assert decode.wait(30) == 0
+    assert "drain took over 0.5 s; stopping anyway" in decode.output()
+    with pytest.raises(openai.APIError) as err:  # the stream ends with an error, not a hang
+        list(chunks)
+    assert "decode-0" in str(err.value)
+    stream.close()
+    stack.start("decode-0")
+    stack.wait_ready(["decode-0"])
+
+
+def test_a_second_signal_exits_at_once(stack: Stack) -> None:
+    stream, _ = streaming(stack, 4000)
+    decode = stack.procs["decode-0"]
+    decode.signal(signal.SIGTERM)
+    wait_until(lambda: "SIGTERM: draining" in decode.output(), 30, what="draining")
+    decode.signal(signal.SIGTERM)
+    assert decode.wait(30) == 1
+    assert "second SIGTERM: exiting now" in decode.output()
+    stream.close()
+    stack.start("decode-0")
+    stack.wait_ready(["decode-0"])
+
+
+# -- images --------------------------------------------------------------------------------
+
+
+def test_the_encoder_cache_evicts_and_an_evicted_image_is_encoded_again(stack: Stack) -> None:
+    """Room for one image's embeddings: a second image evicts the first."""
+    a, b = (ask("What is this?", image(data_url(png(seed)))) for seed in (40, 41))
+
+    def source(messages: list[dict]) -> str:
+        resp = stack.client().chat.completions.create(
+            model="tiny", messages=messages, max_tokens=2, temperature=0
+        )
+        return resp.model_extra["kvmesh"]["images"][0]["source"]
+
+    assert [source(a), source(a), source(b), source(a)] == [
+        "encoded",
+        "memory",
+        "encoded",
+        "encoded",  # evicted by b
+    ]
+
+
+def test_a_prefill_worker_gives_up_on_embeddings_that_do_not_come(stack: Stack) -> None:
+    """The encoder frozen, prefill waits 1 s for the embeddings, then fails the request (503
+    naming them) without waiting for the router's own 30 s encode timeout."""
+    stack.restart("prefill-0", KVMESH_PREFILL_EMBEDS_WAIT_S="1")
+    stack.wait_ready(["prefill-0"])
+    encoder = stack.procs["encoder-0"]
+    encoder.signal(signal.SIGSTOP)
+    try:
+        client = stack.client(timeout=20)  # a hang until the encode timeout fails here
+        with pytest.raises(openai.APIStatusError) as err:
+            client.chat.completions.create(
+                model="tiny",
+                messages=ask("Look: " + "words " * 100, image(data_url(png(42)))),
+                max_tokens=2,
+            )
+        assert err.value.status_code == 503
+        assert "embeddings did not come within 1 s" in err.value.message
+    finally:
+        encoder.signal(signal.SIGCONT)
+        stack.restart("prefill-0")
+        stack.wait_ready(["prefill-0"])
+
+
+# -- every routing policy serves -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "ttft"])
+def test_each_routing_policy_serves_in_a_live_router(stack: Stack, policy: str) -> None:
+    url = stack.router(f"router-{policy}", KVMESH_ROUTER_ROUTING_POLICY=policy)
+    try:
+        resp = stack.client(url).completions.create(  # a prompt of its own: nothing cached
+            model="tiny", prompt=f"{policy} " * 200, max_tokens=5, temperature=0
+        )
+        route = resp.model_extra["kvmesh"]["route"]
+        assert route["policy"] == policy and route["chosen"] == "prefill-0"
+        assert resp.usage.completion_tokens == 5
+    finally:
+        stack.procs[f"router-{policy}"].stop()
