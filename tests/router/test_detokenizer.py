@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from services.router.detokenizer import Detokenizer
-from shared.model.text import load_text_model
+from shared.model.text import TextModel
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    state = Path(tmp_path_factory.mktemp("state"))
-    return load_text_model("smollm2-135m-instruct", state).tokenizer
+def tokenizer(real_text: TextModel):
+    return real_text.tokenizer
 
 
 def stream(tokenizer, text: str, stop: list[str]) -> tuple[list[str], str]:

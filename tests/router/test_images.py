@@ -4,7 +4,6 @@ URLs fetched only when allowed, and only from public addresses."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 
 import pytest
 
@@ -19,13 +18,13 @@ from services.router.images import (
 from services.router.openai_api import ApiError
 from services.router.tokens import PrefixHashes, PromptTokenizer
 from shared.kvstore.hashing import block_hashes
-from shared.model.text import load_text_model
+from shared.model.text import TextModel
 from shared.vision.grid import VisionGrid
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PromptTokenizer:
-    model = load_text_model("smollm2-135m-instruct", Path(tmp_path_factory.mktemp("state")))
+def tokenizer(real_text: TextModel) -> PromptTokenizer:
+    model = real_text
     return PromptTokenizer(model.tokenizer)
 
 

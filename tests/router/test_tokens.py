@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from services.router.tokens import PromptTokenizer
-from shared.model.text import load_text_model
+from shared.model.text import TextModel
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    return load_text_model("smollm2-135m-instruct", Path(tmp_path_factory.mktemp("state")))
+def model(real_text: TextModel) -> TextModel:
+    return real_text
 
 
 CHATS = [
