@@ -1,5 +1,5 @@
-"""Shared fixtures: a real nats-server per module, the stack factory, the models' text side,
-and the logs of the live stacks attached to a failing test's report."""
+"""Shared fixtures: a real nats-server per module, the stack factory, the real model's text
+side, and the logs of the live stacks attached to a failing test's report."""
 
 from __future__ import annotations
 
@@ -67,13 +67,9 @@ def stacks(
 
 
 @pytest.fixture(scope="session")
-def tiny_text(tmp_path_factory: pytest.TempPathFactory) -> TextModel:
-    """The tiny models' text side (the real tokenizer and template, a tiny config)."""
-    return load_text_model("tiny", tmp_path_factory.mktemp("text-state"))
-
-
-@pytest.fixture(scope="session")
 def real_text(tmp_path_factory: pytest.TempPathFactory) -> TextModel:
+    """The real model's text side (its tokenizer and chat template; the tiny models share
+    them), loaded once for the whole run."""
     return load_text_model(REAL, tmp_path_factory.mktemp("text-state"))
 
 

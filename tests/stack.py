@@ -43,7 +43,9 @@ LIVE: list[Stack] = []  # stacks up now, whose logs a failing test's report show
 class Stack:
     """Services on one NATS; ``url`` is its router's (``router-*`` started first, if any)."""
 
-    def __init__(self, name: str, nats_url: str, dir: Path, **settings: str) -> None:
+    def __init__(
+        self, name: str, nats_url: str, dir: Path, nats: NatsServer | None = None, **settings: str
+    ) -> None:
         self.name = name
         self.nats_url = nats_url
         self.dir = dir
@@ -57,7 +59,7 @@ class Stack:
         )
         self.procs: dict[str, Proc] = {}
         self._all: list[Proc] = []  # every process started, replaced ones too
-        self._nats: NatsServer | None = None
+        self._nats = nats  # the stack's own nats-server, stopped with it
         self._client: openai.OpenAI | None = None
         self.grpc_ports: dict[str, int] = {}  # of the routers started by ``router``
         LIVE.append(self)
@@ -225,8 +227,7 @@ def start_stack(
     if nats_url is None:
         nats = NatsServer("127.0.0.1", free_port(), dir / "js", log_file=dir / "nats.log")
         nats_url = nats.start()
-    stack = Stack(name, nats_url, dir, **settings)
-    stack._nats = nats
+    stack = Stack(name, nats_url, dir, nats, **settings)
     try:
         ordered = sorted(ids, key=lambda sid: not sid.startswith("router"))
         stack.start(*ordered)
