@@ -42,7 +42,9 @@ StackFactory = Callable[..., Stack]
 
 @pytest.fixture(scope="module")
 def stacks(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    nats_server: NatsServer,  # set up first, so torn down after the stacks, which still use it
 ) -> Iterator[StackFactory]:
     """``stacks(ids, own_nats=False, **settings)`` starts a ready stack of ``ids`` on the
     module's nats-server (or one of its own); every stack made is stopped with the module."""
@@ -56,7 +58,7 @@ def stacks(
             taken = shared_ids & set(ids)
             assert not taken, f"{sorted(taken)} already run on this module's NATS: own_nats=True"
             shared_ids.update(ids)
-            nats_url = request.getfixturevalue("nats_server").url
+            nats_url = nats_server.url
         stack = start_stack(name, tmp_path_factory.mktemp(name), ids, nats_url, **settings)
         made.append(stack)
         return stack

@@ -80,6 +80,10 @@ class Proc:
 
     def stop(self, timeout_s: float = 15) -> int:
         self.signal(signal.SIGTERM)
+        return self.reap(timeout_s)
+
+    def reap(self, timeout_s: float = 15) -> int:
+        """Wait for the process to end (SIGKILL after ``timeout_s``); its exit code."""
         try:
             return self.popen.wait(timeout_s)
         except subprocess.TimeoutExpired:

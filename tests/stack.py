@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -194,8 +195,10 @@ class Stack:
     # -- the end -----------------------------------------------------------------------------
 
     def stop(self) -> None:
-        for proc in reversed(self._all):
-            proc.stop()
+        for proc in self._all:  # all at once: each drains while the others do
+            proc.signal(signal.SIGTERM)
+        for proc in self._all:
+            proc.reap()
         if self._nats is not None:
             self._nats.stop()
         if self in LIVE:
