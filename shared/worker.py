@@ -14,7 +14,7 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from shared.bus import Bus, subjects
 from shared.engine.interface import (
@@ -83,18 +83,12 @@ class WorkerSettings(ServiceSettings):
             raise ValueError(f"empty or one of {', '.join(DTYPES)}")
         return name
 
-    @field_validator("engine")
+    @field_validator("engine", "model")
     @classmethod
-    def _known_engine(cls, name: str) -> str:
-        if name not in ENGINES:
-            raise ValueError(f"one of {', '.join(ENGINES)}")
-        return name
-
-    @field_validator("model")
-    @classmethod
-    def _known_model(cls, name: str) -> str:
-        if name not in MODEL_NAMES:
-            raise ValueError(f"one of {', '.join(MODEL_NAMES)}")
+    def _known_name(cls, name: str, info: ValidationInfo) -> str:
+        known = ENGINES if info.field_name == "engine" else MODEL_NAMES
+        if name not in known:
+            raise ValueError(f"one of {', '.join(known)}")
         return name
 
     def engine_options(self) -> EngineOptions:
