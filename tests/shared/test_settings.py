@@ -85,18 +85,22 @@ def test_malformed_file_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_pa
         load_settings(RouterSettings)
 
 
-@pytest.mark.parametrize("role", ["router", "prefill", "decode", "encoder", "cachemeta"])
-def test_service_with_bad_setting_stops_at_start(role: str) -> None:
-    """The process exits at once with code 2 and a message naming the variable and the limit."""
-    env = {"PATH": "/usr/bin:/bin", f"KVMESH_{role.upper()}_HTTP_PORT": "70000"}
-    done = subprocess.run(
+def start_with(role: str, var: str, value: str) -> subprocess.CompletedProcess:
+    """A service started with one setting and nothing else, run until it exits."""
+    return subprocess.run(
         [sys.executable, "-m", f"services.{role}"],
-        env=env,
+        env={"PATH": "/usr/bin:/bin", var: value},
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=30,
     )
+
+
+@pytest.mark.parametrize("role", ["router", "prefill", "decode", "encoder", "cachemeta"])
+def test_service_with_bad_setting_stops_at_start(role: str) -> None:
+    """The process exits at once with code 2 and a message naming the variable and the limit."""
+    done = start_with(role, f"KVMESH_{role.upper()}_HTTP_PORT", "70000")
     assert done.returncode == 2
     assert f"KVMESH_{role.upper()}_HTTP_PORT" in done.stderr
     assert "less than or equal to 65535" in done.stderr
@@ -119,14 +123,6 @@ def test_a_worker_picks_its_engine_by_name(monkeypatch: pytest.MonkeyPatch, role
 
 
 def test_an_unknown_engine_stops_the_worker_at_start() -> None:
-    env = {"PATH": "/usr/bin:/bin", "KVMESH_DECODE_ENGINE": "vllm"}
-    done = subprocess.run(
-        [sys.executable, "-m", "services.decode"],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    done = start_with("decode", "KVMESH_DECODE_ENGINE", "vllm")
     assert done.returncode == 2
     assert "KVMESH_DECODE_ENGINE: Value error, one of torch (got 'vllm')" in done.stderr
