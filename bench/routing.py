@@ -1,29 +1,42 @@
-"""Routing benchmark: every policy on Mooncake's synthetic trace through `kvmesh sim`, with 8
-and 64 prefill workers at 80% utilisation (memory tiers sized to hold only part of the trace's
-blocks), a 10K-request / 1M-block-reference replay timed, and the router's decision latency
-(hashing + index lookup + scoring) for a 77K-token request with 64 workers and 1M indexed
-blocks.
+"""Routing benchmark: every policy over a grid of traces, loads and pool sizes through
+`kvmesh sim`, and the router's decision latency.
 
-Prints tables; the last line is one JSON object: per policy and size ttft_mean_s, ttft_p99_s,
-hit_ratio; infinite_cache_hit_ratio; decision_p99_ms.
+The grid: Mooncake's synthetic trace and Azure's conversation and code traces (from
+../shared/traces/), and an agent-like trace (bench/agent_trace.py: 300 sessions for 8 prefill
+workers, 2,400 for 64); the prefill pool 50%, 80% and 95% busy over each trace's busy window
+(the shortest stretch holding 90% of its reference work), and 130% (overload); 8 and 64 prefill
+workers, each with a memory tier that holds its share of 30% of the trace's distinct blocks (the
+pool cannot keep it all; the storage tier keeps everything). A cell is led by the policy with
+the lowest mean and p99 TTFT; `ttft` leads it when both are within 2% of the best other policy.
 
-    .venv/bin/python bench/routing.py [--trace ../shared/traces/synthetic_trace.jsonl]
+Then the router's decision latency (hashing + index lookup + ranking) for a 77K-token request
+with 64 workers and 1M indexed blocks.
+
+Prints a table per trace; the last line is one JSON object: ttft_leads_cells, cells,
+hit_vs_infinite_min (ttft's hit ratio ÷ the infinite-cache bound, lowest over cells whose trace
+shares blocks), replay_56k_64_s (the slowest policy's replay of the 56K-request agent trace at
+64 workers), decision_p99_ms, and per cell every policy's ttft_mean_s, ttft_p99_s, hit_ratio.
+
+    .venv/bin/python bench/routing.py [--jobs 2] [--traces agent,mooncake] [--sizes 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
-import random
+import os
 import statistics
 import sys
 import time
-from dataclasses import replace
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.agent_trace import SESSIONS_PER_WORKER, agent_trace  # noqa: E402
 from services.cachemeta.index import BlockIndex  # noqa: E402
 from services.router.policies import POLICIES, RouteRequest  # noqa: E402
 from services.router.tokens import PrefixHashes  # noqa: E402
@@ -32,47 +45,91 @@ from shared.messages.kvevents import STORE, KvEvent, memory_location  # noqa: E4
 from simulator.replay import (  # noqa: E402
     SimConfig,
     infinite_cache_hit_ratio,
-    progress_bar,
     simulate,
     speed_for_utilization,
 )
-from simulator.traces import TraceRequest, read_trace  # noqa: E402
+from simulator.traces import MOONCAKE_BLOCK, TraceRequest, read_trace  # noqa: E402
 
-TRACE = (
-    Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "synthetic_trace.jsonl"
-)
+TRACES_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+TRACE_FILES = {
+    "mooncake": "synthetic_trace.jsonl",
+    "azure_conv": "AzureLLMInferenceTrace_conv.csv",
+    "azure_code": "AzureLLMInferenceTrace_code.csv",
+}
+TRACES = (*TRACE_FILES, "agent")
+LOADS = (0.5, 0.8, 0.95, 1.3)
+SIZES = (8, 64)
+MEMORY_SHARE = 0.3  # of a trace's distinct blocks, held by the pool's memory tiers together
+TIE = 0.02  # within 2% of the best other policy counts as leading
 
 
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def policies_at(requests: list[TraceRequest], bs: int, n: int) -> dict:
+@functools.cache
+def trace(name: str, workers: int) -> tuple[list[TraceRequest], int]:
+    if name == "agent":
+        return agent_trace(round(SESSIONS_PER_WORKER * workers)), MOONCAKE_BLOCK
+    return read_trace(TRACES_DIR / TRACE_FILES[name])
+
+
+@functools.cache
+def config(name: str, workers: int, load: float) -> SimConfig:
+    requests, bs = trace(name, workers)
     unique = len({h for r in requests for h in r.hashes})
-    # Memory tiers together hold 30% of the trace's distinct blocks: they cannot keep it all.
-    cfg = SimConfig(prefill=n, decode=n, memory_blocks=max(50, int(unique * 0.3 / n)))
-    cfg = replace(cfg, speed=speed_for_utilization(requests, bs, cfg, 0.8))
-    say(f"{n} prefill workers, memory tier {cfg.memory_blocks} blocks each, speed {cfg.speed:.1f}x")
-    return {
-        name: simulate(requests, bs, cfg, name, progress_bar(f"{name}@{n}")).summary(n)
-        for name in POLICIES
-    }
+    cfg = SimConfig(
+        prefill=workers,
+        decode=workers,
+        memory_blocks=max(50, int(unique * MEMORY_SHARE / workers)),
+    )
+    return replace(cfg, speed=speed_for_utilization(requests, bs, cfg, load))
 
 
-def synthetic_trace(n_requests: int, blocks_per_request: int, seed: int = 0) -> list[TraceRequest]:
-    """Conversations whose turns grow their shared prefix, arriving interleaved."""
-    rng = random.Random(seed)
-    out, convs = [], []
-    t = 0.0
-    for i in range(n_requests):
-        if not convs or rng.random() < 0.15:
-            convs.append([f"c{i}s{j}" for j in range(rng.randint(4, blocks_per_request))])
-        conv = rng.choice(convs)
-        conv.extend(f"c{i}t{j}" for j in range(rng.randint(1, 8)))
-        hashes = conv[-blocks_per_request * 2 :] if len(conv) > 2 * blocks_per_request else conv
-        t += rng.expovariate(20.0)
-        out.append(TraceRequest(t, len(hashes) * 512, rng.randint(50, 500), list(hashes)))
-    return out
+@dataclass(frozen=True)
+class Run:
+    trace: str
+    workers: int
+    load: float
+    policy: str
+
+    @property
+    def cell(self) -> str:
+        return f"{self.trace}@{self.workers}/{round(self.load * 100)}%"
+
+
+def replay(run: Run) -> tuple[Run, dict]:
+    requests, bs = trace(run.trace, run.workers)
+    cfg = config(run.trace, run.workers, run.load)
+    started = time.perf_counter()
+    s = simulate(requests, bs, cfg, run.policy).summary(run.workers)
+    s["replay_s"] = time.perf_counter() - started
+    s["requests"] = len(requests)
+    return run, s
+
+
+def leads(cell: dict[str, dict]) -> bool:
+    """ttft has the lowest mean and p99 TTFT, within the tie margin of the best other."""
+    ours = cell["ttft"]
+    others = [s for name, s in cell.items() if name != "ttft"]
+    return all(
+        ours[k] <= (1 + TIE) * min(s[k] for s in others) for k in ("ttft_mean_s", "ttft_p99_s")
+    )
+
+
+def grid(runs: list[Run], jobs: int) -> dict[str, dict[str, dict]]:
+    cells: dict[str, dict[str, dict]] = {}
+    with ProcessPoolExecutor(jobs) as pool:
+        futures = [pool.submit(replay, r) for r in runs]
+        for done, f in enumerate(as_completed(futures), 1):
+            run, s = f.result()
+            cells.setdefault(run.cell, {})[run.policy] = s
+            say(
+                f"[{done}/{len(runs)}] {run.cell:<22} {run.policy:<13} "
+                f"TTFT mean {s['ttft_mean_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s, "
+                f"hit {s['hit_ratio']:.3f} ({s['replay_s']:.1f} s)"
+            )
+    return cells
 
 
 def decision_latency(n_workers: int = 64, n_blocks: int = 1_000_000, rounds: int = 300) -> dict:
@@ -81,10 +138,8 @@ def decision_latency(n_workers: int = 64, n_blocks: int = 1_000_000, rounds: int
     per = 1200
     say(f"indexing {n_blocks:,} blocks for the decision-latency test")
     tokens = [[(c * 7919 + i) % 40000 for i in range(per * 64)] for c in range(n_blocks // per)]
-    chains = []
     for c, toks in enumerate(tokens):
         hashes = block_hashes(toks, 64, "fingerprint")
-        chains.append(hashes)
         index.apply(KvEvent(kind="stored", location=STORE, hashes=hashes, sizes=[1] * per, at=0))
         index.apply(
             KvEvent(
@@ -111,11 +166,11 @@ def decision_latency(n_workers: int = 64, n_blocks: int = 1_000_000, rounds: int
         t1 = time.perf_counter()
         counts = index.lookup(hashes, 1.0, touch=False)
         t2 = time.perf_counter()
-        route = RouteRequest(str(r), len(toks), 64, hashes, counts)
+        route = RouteRequest(str(r), len(toks), 64, hashes, counts, float(r))
         best = policy.rank(route, workers)[0].service_id
         t3 = time.perf_counter()
         policy.dispatched(best, route)
-        policy.prefilled(best, route)
+        policy.prefilled(best, route, float(r))
         times.append((t3 - t0) * 1e3)
         for k, v in zip(("hash", "lookup", "rank"), (t1 - t0, t2 - t1, t3 - t2), strict=True):
             parts[k].append(v * 1e3)
@@ -138,11 +193,11 @@ def decision_latency(n_workers: int = 64, n_blocks: int = 1_000_000, rounds: int
         t0 = time.perf_counter()
         hashes = cache.hashes((*segments, (f"turn {r}", pack_tokens(turn))), 64, "fingerprint", "")
         counts = index.lookup(hashes, 1.0, touch=False)
-        route = RouteRequest(f"w{r}", len(toks), 64, hashes, counts)
+        route = RouteRequest(f"w{r}", len(toks), 64, hashes, counts, float(r))
         best = policy.rank(route, workers)[0].service_id
         warm.append((time.perf_counter() - t0) * 1e3)
         policy.dispatched(best, route)
-        policy.prefilled(best, route)
+        policy.prefilled(best, route, float(r))
     warm.sort()
     return {
         "decision_p50_ms": statistics.median(times),
@@ -153,63 +208,97 @@ def decision_latency(n_workers: int = 64, n_blocks: int = 1_000_000, rounds: int
     }
 
 
+def print_grid(cells: dict[str, dict[str, dict]], infinite: dict[str, float]) -> None:
+    names = [n for n in POLICIES if any(n in c for c in cells.values())]
+    print("TTFT mean / p99 (s) per policy; * where ttft leads (within 2% on both)")
+    print(f"{'cell':<22}{'util':>6}{'hit/inf':>9}" + "".join(f"{n:>17}" for n in names))
+    for key, cell in cells.items():
+        ours = cell.get("ttft")
+        ratio = infinite[key]
+        hit = f"{ours['hit_ratio'] / ratio:>9.3f}" if ours and ratio else f"{'-':>9}"
+        util = f"{ours['utilization']:>6.2f}" if ours else f"{'-':>6}"
+        row = "".join(
+            f"{cell[n]['ttft_mean_s']:>8.3f}/{cell[n]['ttft_p99_s']:<8.3f}" if n in cell else " " * 17
+            for n in names
+        )
+        mark = " *" if ours and len(cell) > 1 and leads(cell) else ""
+        print(f"{key:<22}{util}{hit}{row}{mark}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--traces", default=",".join(TRACES), help="comma list of " + ", ".join(TRACES))
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="prefill pool sizes")
+    ap.add_argument("--loads", default=",".join(map(str, LOADS)), help="busy-window loads")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma list")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="replays at once")
+    ap.add_argument("--no-decision", action="store_true", help="skip the decision latency")
     args = ap.parse_args()
-    requests, bs = read_trace(args.trace)
-    infinite = infinite_cache_hit_ratio(requests, bs)
-    sizes = {n: policies_at(requests, bs, n) for n in (8, 64)}
+    traces = args.traces.split(",")
+    unknown = [t for t in traces if t not in TRACES] + [
+        p for p in args.policies.split(",") if p not in POLICIES
+    ]
+    if unknown:
+        ap.error(f"unknown trace or policy: {', '.join(unknown)}")
+    sizes = [int(n) for n in args.sizes.split(",")]
+    loads = [float(x) for x in args.loads.split(",")]
+    runs = [
+        Run(t, n, load, p)
+        for t in traces
+        for n in sizes
+        for load in loads
+        for p in args.policies.split(",")
+    ]
+    # The longest replays first, so the pool's processes finish together.
+    runs.sort(key=lambda r: (r.trace != "agent", -r.workers, r.trace))
+    say(f"{len(runs)} replays over {len(runs) // len(args.policies.split(','))} cells")
+    cells = grid(runs, args.jobs)
+    order = {r.cell: i for i, r in enumerate(sorted(runs, key=lambda r: (r.trace, r.workers)))}
+    cells = dict(sorted(cells.items(), key=lambda kv: order[kv[0]]))
+    infinite = {}
+    for key in cells:
+        name, rest = key.split("@")
+        infinite[key] = infinite_cache_hit_ratio(*trace(name, int(rest.split("/")[0])))
+    decision = None if args.no_decision else decision_latency()
 
-    say("replaying a 10K-request synthetic trace (ttft policy, 64 workers)")
-    big = synthetic_trace(10_000, 120)
-    refs = sum(len(r.hashes) for r in big)
-    cfg = SimConfig(prefill=64, decode=64, memory_blocks=5000)
-    cfg = replace(cfg, speed=speed_for_utilization(big, 512, cfg, 0.8))
-    t = time.perf_counter()
-    simulate(big, 512, cfg, "ttft", progress_bar("10K replay"))
-    replay_s = time.perf_counter() - t
-
-    decision = decision_latency()
-
-    print(
-        f"Mooncake synthetic trace: {len(requests)} requests; "
-        f"infinite-cache hit ratio {infinite:.4f}"
-    )
-    for n, summaries in sizes.items():
-        print(f"\n{n} prefill + {n} decode workers, 80% utilisation")
+    print_grid(cells, infinite)
+    led = [k for k, c in cells.items() if "ttft" in c and len(c) > 1 and leads(c)]
+    ratios = [c["ttft"]["hit_ratio"] / infinite[k] for k, c in cells.items() if infinite[k]]
+    agent64 = [
+        s["replay_s"]
+        for k, c in cells.items()
+        if k.startswith("agent@64/")
+        for s in c.values()
+    ]
+    print(f"\nttft leads {len(led)} of {len(cells)} cells")
+    if agent64:
         print(
-            f"{'policy':<14}{'hit':>7}{'hit/inf':>9}{'TTFT mean':>11}{'p50':>9}{'p99':>9}"
-            f"{'load max/mean':>15}{'util':>7}"
+            f"replay of the {cells[next(k for k in cells if k.startswith('agent@64/'))]['ttft']['requests']:,}"
+            f"-request agent trace at 64 workers: slowest policy {max(agent64):.1f} s"
         )
-        for name, s in summaries.items():
-            print(
-                f"{name:<14}{s['hit_ratio']:>7.3f}{s['hit_ratio'] / infinite:>9.3f}"
-                f"{s['ttft_mean_s']:>10.3f}s{s['ttft_p50_s']:>8.3f}s{s['ttft_p99_s']:>8.3f}s"
-                f"{s['load_max_over_mean']:>15.2f}{s['utilization']:>7.2f}"
-            )
-    print(
-        f"\n10K-request replay: {len(big):,} requests, {refs:,} block references, {replay_s:.1f} s"
-    )
-    print(
-        "decision (77K tokens, 64 workers, 1M indexed blocks): "
-        f"p50 {decision['decision_p50_ms']:.2f} ms, p99 {decision['decision_p99_ms']:.2f} ms "
-        f"(hash {decision['hash_p50_ms']:.2f}, lookup {decision['lookup_p50_ms']:.2f}, "
-        f"rank {decision['rank_p50_ms']:.2f} ms at p50)"
-    )
-    out = {
-        f"{name}@{n}": {
-            "ttft_mean_s": round(s["ttft_mean_s"], 6),
-            "ttft_p99_s": round(s["ttft_p99_s"], 6),
-            "hit_ratio": round(s["hit_ratio"], 6),
-        }
-        for n, summaries in sizes.items()
-        for name, s in summaries.items()
+    if decision:
+        print(
+            "decision (77K tokens, 64 workers, 1M indexed blocks): "
+            f"p50 {decision['decision_p50_ms']:.2f} ms, p99 {decision['decision_p99_ms']:.2f} ms "
+            f"(hash {decision['hash_p50_ms']:.2f}, lookup {decision['lookup_p50_ms']:.2f}, "
+            f"rank {decision['rank_p50_ms']:.2f} ms at p50)"
+        )
+    out: dict = {
+        "ttft_leads_cells": len(led),
+        "cells": len(cells),
+        "hit_vs_infinite_min": round(min(ratios), 4) if ratios else None,
+        "replay_56k_64_s": round(max(agent64), 1) if agent64 else None,
     }
-    out["infinite_cache_hit_ratio"] = round(infinite, 6)
-    out["decision_p99_ms"] = round(decision["decision_p99_ms"], 3)
-    out["decision_next_turn_p99_ms"] = round(decision["warm_p99_ms"], 3)
-    out["replay_10k_s"] = round(replay_s, 1)
+    if decision:
+        out["decision_p99_ms"] = round(decision["decision_p99_ms"], 3)
+        out["decision_next_turn_p99_ms"] = round(decision["warm_p99_ms"], 3)
+    out["grid"] = {
+        key: {
+            name: {k: round(s[k], 6) for k in ("ttft_mean_s", "ttft_p99_s", "hit_ratio")}
+            for name, s in cell.items()
+        }
+        for key, cell in cells.items()
+    }
     print(json.dumps(out))
 
 

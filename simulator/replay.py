@@ -26,6 +26,11 @@ from shared.messages.kvevents import STORE, KvEvent, memory_location
 from simulator.traces import TraceRequest
 
 
+UNBOUNDED = 10**12  # blocks: a tier that never evicts
+BUSY_SHARE = 0.9  # of a trace's reference work: the busy window holds this much
+UTIL_BASES = ("busy", "span")
+
+
 @dataclass(frozen=True)
 class SimConfig:
     prefill: int = 8
@@ -35,11 +40,9 @@ class SimConfig:
     decode_tok_s: float = 14_000.0
     min_tpot_s: float = 0.02
     memory_blocks: int = 2_000  # per prefill worker, in trace blocks
-    store_blocks: int = 10**12  # the storage tier's capacity, in trace blocks
+    store_blocks: int = UNBOUNDED  # the storage tier's capacity, in trace blocks
     ttl_s: tuple[tuple[str, float], ...] = (("chat", 7 * 86400.0), ("agent", 3 * 86400.0))
     speed: float = 1.0  # arrival times are divided by this
-    bounded_load_c: float = CostDefaults.bounded_load_c  # the ttft policy's knobs
-    externality: float = CostDefaults.externality
 
 
 @dataclass
@@ -88,6 +91,7 @@ class _Lru:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.blocks: OrderedDict[str, float] = OrderedDict()  # hash → last use
+        self.ordered = capacity < UNBOUNDED  # nothing is ever evicted past it: no order kept
 
     def leading(self, hashes: list[str], now: float, ttl: float = float("inf")) -> int:
         n = 0
@@ -98,14 +102,21 @@ class _Lru:
             n += 1
         return n
 
-    def put(self, hashes: list[str], now: float) -> list[str]:
+    def put(self, hashes: list[str], now: float) -> tuple[list[str], list[str]]:
+        """Marks the blocks used now; returns those new here, and those evicted for them."""
+        blocks = self.blocks
+        new = [h for h in hashes if h not in blocks]
+        if not self.ordered:
+            blocks.update(dict.fromkeys(hashes, now))
+            return new, []
+        move = blocks.move_to_end
         for h in reversed(hashes):  # a prefix's head ends up the most recent
-            self.blocks[h] = now
-            self.blocks.move_to_end(h)
+            blocks[h] = now
+            move(h)
         evicted = []
-        while len(self.blocks) > self.capacity:
-            evicted.append(self.blocks.popitem(last=False)[0])
-        return evicted
+        while len(blocks) > self.capacity:
+            evicted.append(blocks.popitem(last=False)[0])
+        return new, evicted
 
 
 def infinite_cache_hit_ratio(requests: list[TraceRequest], block_size: int) -> float:
@@ -125,10 +136,11 @@ def infinite_cache_hit_ratio(requests: list[TraceRequest], block_size: int) -> f
     return hit / max(1, total)
 
 
-def prefill_work_s(requests: list[TraceRequest], block_size: int, cfg: SimConfig) -> float:
-    """Prefill time of the whole trace with an infinite cache (each block computed once)."""
+def request_work_s(requests: list[TraceRequest], block_size: int, cfg: SimConfig) -> list[float]:
+    """Each request's prefill time with an infinite cache: every block computed once, the
+    first time it is seen, and loaded from the storage tier after (the reference work)."""
     seen: set[str] = set()
-    work = 0.0
+    work = []
     for r in requests:
         n = 0
         for h in r.hashes:
@@ -136,18 +148,58 @@ def prefill_work_s(requests: list[TraceRequest], block_size: int, cfg: SimConfig
                 break
             n += 1
         cached = min(r.n_in, n * block_size)
-        work += (r.n_in - cached) / cfg.prefill_tok_s + cached / cfg.load_tok_s
+        work.append((r.n_in - cached) / cfg.prefill_tok_s + cached / cfg.load_tok_s)
         seen.update(r.hashes)
     return work
 
 
+def prefill_work_s(requests: list[TraceRequest], block_size: int, cfg: SimConfig) -> float:
+    """Prefill time of the whole trace with an infinite cache."""
+    return sum(request_work_s(requests, block_size, cfg))
+
+
+def busy_window(
+    requests: list[TraceRequest], work: list[float], share: float = BUSY_SHARE
+) -> tuple[int, int]:
+    """The shortest run of requests (by arrival time, first and last index) holding
+    ``share`` of the work."""
+    need = share * sum(work)
+    best, i, held = (0, len(requests) - 1), 0, 0.0
+    for j, w in enumerate(work):
+        held += w
+        while held - work[i] >= need:
+            held -= work[i]
+            i += 1
+        if held >= need and requests[j].t - requests[i].t < (
+            requests[best[1]].t - requests[best[0]].t
+        ):
+            best = (i, j)
+    return best
+
+
 def speed_for_utilization(
-    requests: list[TraceRequest], block_size: int, cfg: SimConfig, target: float
+    requests: list[TraceRequest],
+    block_size: int,
+    cfg: SimConfig,
+    target: float,
+    basis: str = "busy",
 ) -> float:
-    """The speed at which the prefill pool would be ``target`` busy: prefill work of the
-    trace with an infinite cache ÷ (pool size × the trace's span ÷ speed) = target."""
-    span = max(1e-9, requests[-1].t - requests[0].t)
-    return target * cfg.prefill * span / max(1e-9, prefill_work_s(requests, block_size, cfg))
+    """The speed at which the prefill pool would be ``target`` busy with the reference work
+    (infinite cache): over the busy window (the shortest stretch of the trace that holds 90%
+    of that work), or with basis "span" over the trace's whole span. Load ÷ (pool size ×
+    window ÷ speed) = target. A window with no length (one instant) falls back to the span;
+    a trace with no span replays at speed 1."""
+    work = request_work_s(requests, block_size, cfg)
+    first, last = 0, len(requests) - 1
+    if basis == "busy":
+        first, last = busy_window(requests, work)
+        if requests[last].t <= requests[first].t:
+            first, last = 0, len(requests) - 1
+    span = requests[last].t - requests[first].t
+    amount = sum(work[first : last + 1])
+    if span <= 0 or amount <= 0:
+        return 1.0
+    return target * cfg.prefill * span / amount
 
 
 def simulate(
@@ -158,12 +210,7 @@ def simulate(
     progress: Callable[[int, int], None] | None = None,
 ) -> SimResult:
     ttl = dict(cfg.ttl_s)
-    costs = CostDefaults(
-        prefill_tok_s=cfg.prefill_tok_s,
-        load_tok_s=cfg.load_tok_s,
-        bounded_load_c=cfg.bounded_load_c,
-        externality=cfg.externality,
-    )
+    costs = CostDefaults(prefill_tok_s=cfg.prefill_tok_s, load_tok_s=cfg.load_tok_s)
     policy = POLICIES[policy_name](costs)
     index = BlockIndex(ttl)
     prefills = [f"p{i}" for i in range(cfg.prefill)]
@@ -187,10 +234,12 @@ def simulate(
         push(r.t / cfg.speed, "arrive", i)
 
     def emit(kind: str, location: str, hashes: list[str], now: float, retention: str) -> None:
-        if hashes:
+        if hashes:  # built from the simulator's own values: no validation needed
             index.apply(
-                KvEvent(kind=kind, location=location, hashes=hashes, at=now, retention=retention)
-            )  # type: ignore[arg-type]
+                KvEvent.model_construct(
+                    kind=kind, location=location, hashes=hashes, sizes=[], at=now, retention=retention
+                )
+            )
 
     def start(p: str, now: float) -> None:
         i, route, arrived = queues[p].popleft()
@@ -217,7 +266,7 @@ def simulate(
             i = data  # type: ignore[assignment]
             r = requests[i]
             counts = index.lookup(r.hashes, now, touch=False)
-            route = RouteRequest(str(i), r.n_in, block_size, r.hashes, counts)
+            route = RouteRequest(str(i), r.n_in, block_size, r.hashes, counts, now)
             chosen = policy.rank(route, prefills)[0].service_id
             policy.dispatched(chosen, route)
             queues[chosen].append((i, route, now))
@@ -230,13 +279,21 @@ def simulate(
             result.input_tokens += r.n_in
             result.memory_hit_tokens += mem_tokens
             result.storage_hit_tokens += loaded
-            # The prompt's blocks are now in this worker's memory tier and in the storage tier.
-            emit("removed", memory_location(p), memory[p].put(r.hashes, now), now, r.retention)
-            emit("stored", memory_location(p), r.hashes, now, r.retention)
-            emit("removed", STORE, store.put(r.hashes, now), now, r.retention)
-            emit("stored", STORE, r.hashes, now, r.retention)
+            # The prompt's blocks are now in this worker's memory tier and in the storage tier:
+            # new ones stored (KV events, as workers send them), all of them used now.
+            for location, tier in ((memory_location(p), memory[p]), (STORE, store)):
+                new, evicted = tier.put(r.hashes, now)
+                emit("removed", location, evicted, now, r.retention)
+                emit("stored", location, new, now, r.retention)
+            index.touch(r.hashes, now)
             policy.prefilled(
-                p, route, uncached, loaded, uncached / cfg.prefill_tok_s, loaded / cfg.load_tok_s
+                p,
+                route,
+                now,
+                uncached,
+                loaded,
+                uncached / cfg.prefill_tok_s,
+                loaded / cfg.load_tok_s,
             )
             d = min(range(cfg.decode), key=lambda k: decode_active[k])
             decode_active[d] += 1

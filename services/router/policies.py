@@ -18,7 +18,9 @@ from typing import ClassVar
 
 from services.router.scoring import (
     CostDefaults,
+    PrefillScore,
     PrefillWorkerState,
+    StoreView,
     rank_prefill,
     score_prefill,
 )
@@ -34,6 +36,7 @@ class RouteRequest:
     block_size: int
     hashes: list[str] = field(default_factory=list)  # the prompt's full blocks
     counts: dict[str, int] = field(default_factory=dict)  # location → leading blocks held
+    at: float = 0.0  # when it is routed (the router's monotonic clock, or simulated time)
 
     def memory_blocks(self, service_id: str) -> int:
         return self.counts.get(memory_location(service_id), 0)
@@ -69,7 +72,9 @@ class RoutingPolicy(ABC):
     def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
         self.defaults = defaults
         self.workers: dict[str, PrefillWorkerState] = {}
-        self._estimates: dict[tuple[str, str], float] = {}  # work counted at dispatch
+        # Blocks that requests in flight are computing: block → (when it is expected in the
+        # storage tier, the request that will bring it there first).
+        self.computing: dict[str, tuple[float, str]] = {}
 
     def state(self, service_id: str) -> PrefillWorkerState:
         w = self.workers.get(service_id)
@@ -93,39 +98,64 @@ class RoutingPolicy(ABC):
     def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
         """All candidates, best first."""
 
-    def work_estimate(self, req: RouteRequest, service_id: str) -> float:
-        """Seconds of prefill work the request brings to the worker (the TTFT model's terms)."""
-        s = score_prefill(
+    def store_view(self, req: RouteRequest) -> StoreView:
+        """The prompt's leading blocks in the storage tier now, and when each following one
+        that a request in flight is computing will be there."""
+        ready: list[float] = []
+        if self.computing:
+            t = 0.0
+            for h in req.hashes[req.store_blocks :]:
+                c = self.computing.get(h)
+                if c is None:
+                    break
+                t = max(t, c[0])
+                ready.append(t)
+        return StoreView(req.store_blocks, ready)
+
+    def score(
+        self, req: RouteRequest, service_id: str, view: StoreView | None = None
+    ) -> PrefillScore:
+        """The TTFT model's terms for the request on this worker."""
+        return score_prefill(
             self.state(service_id),
             req.n_prompt,
             req.hashes,
             req.block_size,
             req.memory_blocks(service_id),
-            req.store_blocks,
+            self.store_view(req) if view is None else view,
+            req.at,
         )
-        return s.work_s
 
     # -- what happened to a routed request (every policy tracks in-flight work) --------------
 
     def dispatched(self, service_id: str, req: RouteRequest) -> None:
-        work = self.work_estimate(req, service_id)
-        self._estimates[(service_id, req.request_id)] = work
-        self.state(service_id).dispatched(req.hashes, work)
+        s = self.score(req, service_id)
+        self.state(service_id).dispatched(req.request_id, req.hashes, s.work_s, req.at)
+        stored_at = req.at + s.ttft_s
+        for h in req.hashes[req.store_blocks :]:
+            c = self.computing.get(h)
+            if c is None or c[0] > stored_at:
+                self.computing[h] = (stored_at, req.request_id)
 
     def prefilled(
         self,
         service_id: str,
         req: RouteRequest,
+        now: float,
         uncached_tokens: int = 0,
         loaded_tokens: int = 0,
         prefill_s: float = 0.0,
         load_s: float = 0.0,
     ) -> None:
         """Its first token came (or it failed): the prefill worker is done with it."""
-        estimate = self._estimates.pop((service_id, req.request_id), 0.0)
         self.state(service_id).prefilled(
-            req.hashes, estimate, uncached_tokens, loaded_tokens, prefill_s, load_s
+            req.request_id, req.hashes, now, uncached_tokens, loaded_tokens, prefill_s, load_s
         )
+        computing = self.computing
+        for h in req.hashes[req.store_blocks :]:
+            c = computing.get(h)
+            if c is not None and c[1] == req.request_id:
+                del computing[h]
 
     def reported(self, service_id: str, queued_tokens: int) -> None:
         """The worker's own count of what waits there (heartbeats)."""
@@ -165,23 +195,42 @@ class LeastLoaded(RoutingPolicy):
         ]
 
 
-class Ttft(RoutingPolicy):
-    """Ours: the lowest estimated time to first token within bounded load (scoring.py)."""
+class Mooncake(RoutingPolicy):
+    """Mooncake's Conductor idea, the reference: the lowest estimated TTFT (wait, compute,
+    load) from what the tiers hold now; no look-ahead, no overload guard."""
 
-    name = "ttft"
+    name = "mooncake"
+    look_ahead = False
+    guard = False
 
     def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
         states = {s: self.state(s) for s in candidates}
         self.pool_prior(list(states.values()))
+        view = self.store_view(req) if self.look_ahead else StoreView(req.store_blocks)
         scores = [
             score_prefill(
-                w, req.n_prompt, req.hashes, req.block_size, req.memory_blocks(s), req.store_blocks
+                w,
+                req.n_prompt,
+                req.hashes,
+                req.block_size,
+                req.memory_blocks(s),
+                view,
+                req.at,
+                self.look_ahead,
             )
             for s, w in states.items()
         ]
-        return [
-            Ranked(x.service_id, x.explain) for x in rank_prefill(scores, states, self.defaults)
-        ]
+        ranked = rank_prefill(scores, states, self.guard)
+        return [Ranked(x.service_id, x.explain) for x in ranked]
+
+
+class Ttft(Mooncake):
+    """Ours: the lowest estimated TTFT, looking ahead at blocks requests in flight will bring,
+    with the overload guard once queues build (scoring.py)."""
+
+    name = "ttft"
+    look_ahead = True
+    guard = True
 
 
 class SglangCacheAware(RoutingPolicy):
@@ -281,12 +330,12 @@ class DynamoKv(RoutingPolicy):
         blocks = -(-req.n_prompt // max(1, req.block_size))
         self.active_blocks[service_id] = self.active_blocks.get(service_id, 0) + blocks
 
-    def prefilled(self, service_id: str, req: RouteRequest, *args: float) -> None:
-        super().prefilled(service_id, req, *args)  # type: ignore[arg-type]
+    def prefilled(self, service_id: str, req: RouteRequest, now: float, *args: float) -> None:
+        super().prefilled(service_id, req, now, *args)  # type: ignore[arg-type]
         blocks = -(-req.n_prompt // max(1, req.block_size))
         self.active_blocks[service_id] = max(0, self.active_blocks.get(service_id, 0) - blocks)
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
-    p.name: p for p in (RoundRobin, LeastLoaded, Ttft, SglangCacheAware, DynamoKv)
+    p.name: p for p in (RoundRobin, LeastLoaded, Ttft, Mooncake, SglangCacheAware, DynamoKv)
 }

@@ -3,18 +3,22 @@ the live router and `kvmesh sim` call the same code.
 
 For a prefill candidate:
 
-    ttft ≈ queue wait + uncached tokens / compute rate + storage-tier hit tokens / load rate
+    ttft ≈ wait + uncached tokens / compute rate + storage-tier tokens / load rate
 
-Blocks already in the worker's memory tier are free, and so are blocks that requests queued or
-running on it will bring there (look-ahead: the new request waits behind them anyway, and that
-wait is already in the queue term). Rates are moving averages of what each worker reports,
-starting from settings. Bounded load keeps any worker under ``c ×`` the mean in-flight work, so
-one shared system prompt cannot pile everything onto one worker. Every score keeps its terms,
-so each decision can be explained.
+The wait is the work sent to the worker and not yet done: the estimates of its requests in
+flight, less what the oldest has done since it began (a worker takes its queue in order).
+Blocks already in the worker's memory tier are free, and so are blocks that requests ahead of
+it there will bring (they wait behind them anyway). Blocks another worker is computing now count
+as in the storage tier if they will be there by the time this request would start (look-ahead:
+the next turn of a conversation, sent while the last is still being computed, neither
+recomputes the shared history nor waits for it where a shorter queue is). Rates are moving
+averages of what each worker reports, starting from settings. Every score keeps its terms, so
+each decision can be explained.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -40,12 +44,6 @@ class CostDefaults:
     prefill_tok_s: float = 400.0  # uncached tokens computed (a CPU worker; GPUs: ~60K)
     load_tok_s: float = 20_000.0  # cached tokens loaded from the storage tier
     transfer_tok_s: float = 20_000.0  # KV moved to decode
-    bounded_load_c: float = 1.5  # no worker above c × the mean in-flight work ...
-    bounded_load_slack_s: float = 1.0  # ... and this far above it
-    # Weight of the work a choice adds for the requests that queue after it, per request now
-    # in flight on a worker of the pool (see ``rank_prefill``); chosen with `kvmesh sim` on the
-    # Mooncake trace (bench/routing.py: 15 to 25 all do as well).
-    externality: float = 20.0
 
 
 @dataclass
@@ -55,10 +53,11 @@ class PrefillWorkerState:
     service_id: str
     prefill_tok_s: Ewma
     load_tok_s: Ewma
-    queued_s: float = 0.0  # estimated work of requests sent to it, not yet first-tokened
+    work: dict[str, float] = field(default_factory=dict)  # in flight: request → estimate (s)
+    queued_s: float = 0.0  # their sum
+    head_since: float = 0.0  # when the oldest in flight began, as far as the router knows
     reported_tokens: int = 0  # uncached tokens queued there, from its last heartbeat
     blocks_routed: int = 0  # blocks of all requests sent to it (how full its cache runs)
-    inflight: int = 0
     pending: Counter[str] = field(default_factory=Counter)  # block → requests bringing it
 
     @classmethod
@@ -66,49 +65,87 @@ class PrefillWorkerState:
         return cls(service_id, Ewma(d.prefill_tok_s), Ewma(d.load_tok_s))
 
     @property
-    def queue_wait_s(self) -> float:
-        """Work ahead of a new request: what this router sent, or what the worker says it has
-        queued when that is more (other routers send it work too)."""
-        return max(self.queued_s, self.reported_tokens / self.prefill_tok_s.value)
+    def inflight(self) -> int:
+        return len(self.work)
+
+    def wait_s(self, now: float) -> float:
+        """Work ahead of a request arriving at ``now``: what this router sent, less what the
+        oldest has done since it began; or what the worker says it has queued when that is
+        more (other routers send it work too)."""
+        ahead = self.queued_s
+        if self.work:
+            ahead -= min(next(iter(self.work.values())), max(0.0, now - self.head_since))
+        return max(ahead, self.reported_tokens / self.prefill_tok_s.value)
 
     def pending_prefix(self, hashes: list[str]) -> int:
         """Leading blocks of ``hashes`` that requests queued or running here will bring."""
         n, pending = 0, self.pending
         if pending:
             for h in hashes:
-                if not pending.get(h):
+                if h not in pending:
                     break
                 n += 1
         return n
 
     # -- the router's bookkeeping ----------------------------------------------------------
 
-    def dispatched(self, hashes: list[str], work_s: float) -> None:
-        self.inflight += 1
+    def dispatched(self, request_id: str, hashes: list[str], work_s: float, now: float) -> None:
+        if not self.work:
+            self.head_since = now
+        self.work[request_id] = work_s
         self.queued_s += work_s
         self.pending.update(hashes)
         self.blocks_routed += len(hashes)
 
     def prefilled(
         self,
+        request_id: str,
         hashes: list[str],
-        estimate_s: float,
+        now: float,
         uncached_tokens: int = 0,
         loaded_tokens: int = 0,
         prefill_s: float = 0.0,
         load_s: float = 0.0,
     ) -> None:
-        """A request's prompt is computed here: it leaves the queue (``estimate_s``: its work
-        as estimated at dispatch), its blocks are in the memory tier now (cachemeta
-        says so from here on), and the rates it showed are learned."""
-        self.inflight = max(0, self.inflight - 1)
-        self.queued_s = max(0.0, self.queued_s - estimate_s)
-        self.pending.subtract(hashes)
-        self.pending = +self.pending  # drop counts at zero
+        """A request's prompt is computed here (or it failed): it leaves the queue, the next
+        one begins, its blocks are in the memory tier now (cachemeta says so from here on),
+        and the rates it showed are learned."""
+        if request_id not in self.work:
+            return
+        if next(iter(self.work)) == request_id:
+            self.head_since = now
+        self.queued_s = max(0.0, self.queued_s - self.work.pop(request_id))
+        if not self.work:
+            self.queued_s = 0.0  # no rounding left behind
+        pending = self.pending
+        for h in hashes:
+            left = pending[h] - 1
+            if left > 0:
+                pending[h] = left
+            else:
+                del pending[h]
         if prefill_s > 0 and uncached_tokens:
             self.prefill_tok_s.observe(uncached_tokens / prefill_s)
         if load_s > 0 and loaded_tokens:
             self.load_tok_s.observe(loaded_tokens / load_s)
+
+    def check_integrity(self) -> None:
+        assert abs(self.queued_s - sum(self.work.values())) < 1e-6, "queued work drifted"
+        assert all(n > 0 for n in self.pending.values()), "a pending block with no request"
+        assert self.work or not self.pending, "pending blocks with nothing in flight"
+
+
+@dataclass(slots=True)
+class StoreView:
+    """When a prompt's leading blocks can be loaded from the storage tier: ``stored`` of them
+    now, then one more at each time in ``ready_at`` (non-decreasing: requests in flight are
+    computing them, and each will be stored when its request is prefilled)."""
+
+    stored: int
+    ready_at: list[float] = field(default_factory=list)
+
+    def by(self, t: float) -> int:
+        return self.stored + bisect_right(self.ready_at, t)
 
 
 @dataclass(slots=True)
@@ -120,7 +157,6 @@ class PrefillScore:
     queue_s: float
     compute_s: float
     load_s: float
-    over_bound: bool = False  # left out by bounded load (set by ``bounded``)
     cost_s: float = 0.0  # what the choice costs everyone (set by ``rank_prefill``)
 
     @property
@@ -142,7 +178,6 @@ class PrefillScore:
             "load_s": round(self.load_s, 6),
             "ttft_s": round(self.ttft_s, 6),
             "cost_s": round(self.cost_s, 6),
-            "over_bound": self.over_bound,
         }
 
 
@@ -152,83 +187,71 @@ def score_prefill(
     hashes: list[str],
     block_size: int,
     memory_blocks: int,
-    store_blocks: int,
+    store: StoreView | int,
+    now: float = 0.0,
+    look_ahead: bool = True,
 ) -> PrefillScore:
-    """``memory_blocks``: leading blocks in this worker's memory tier (cachemeta);
-    ``store_blocks``: leading blocks in the storage tier."""
+    """``memory_blocks``: leading blocks in this worker's memory tier (cachemeta); ``store``:
+    leading blocks in the storage tier, now or (a ``StoreView``) as they will be. Without
+    ``look_ahead`` only what the tiers hold now counts."""
+    wait = worker.wait_s(now)
+    if isinstance(store, int):
+        store = StoreView(store)
     limit = max(0, (n_prompt - 1) // block_size)  # a prompt keeps one token to compute
-    free = min(limit, max(memory_blocks, worker.pending_prefix(hashes)))
-    stored = min(limit, max(free, store_blocks)) - free
+    if look_ahead:
+        free = min(limit, max(memory_blocks, worker.pending_prefix(hashes)))
+        in_store = store.by(now + wait)
+    else:
+        free, in_store = min(limit, memory_blocks), store.stored
+    stored = min(limit, max(free, in_store)) - free
     uncached = n_prompt - (free + stored) * block_size
-    rate = worker.prefill_tok_s.value
     return PrefillScore(
         service_id=worker.service_id,
         memory_tokens=free * block_size,
         storage_tokens=stored * block_size,
         uncached_tokens=uncached,
-        queue_s=worker.queue_wait_s,
-        compute_s=uncached / rate,
+        queue_s=wait,
+        compute_s=uncached / worker.prefill_tok_s.value,
         load_s=stored * block_size / worker.load_tok_s.value,
     )
 
 
-def bounded(
-    scores: list[PrefillScore], work: dict[str, float], c: float, slack_s: float = 0.0
-) -> list[PrefillScore]:
-    """Marks ``over_bound`` on the scores where taking the request would put a worker above
-    c × the mean in-flight work and more than ``slack_s`` above the mean (``work``: service
-    id → its in-flight work, seconds), and returns them. The slack lets a few turns of one
-    conversation queue together on the worker that will hold their prefix."""
-    if not scores:
-        return scores
-    total = sum(work.get(s.service_id, 0.0) for s in scores)
-    for s in scores:
-        mean_after = (total + s.work_s) / len(scores)
-        mine_after = work.get(s.service_id, 0.0) + s.work_s
-        s.over_bound = mine_after > c * mean_after and mine_after - mean_after > slack_s
-    return scores
+def waiting_per_worker(states: list[PrefillWorkerState]) -> float:
+    """Requests queued behind the one each worker is computing, on average over the pool."""
+    return sum(max(0, w.inflight - 1) for w in states) / max(1, len(states))
 
 
 def rank_prefill(
-    scores: list[PrefillScore], workers: dict[str, PrefillWorkerState], d: CostDefaults
+    scores: list[PrefillScore], workers: dict[str, PrefillWorkerState], guard: bool = True
 ) -> list[PrefillScore]:
-    """The scores best first. Workers over the bound go last; the rest by cost: estimated
-    TTFT plus a weight × the work the choice adds, valued at the pool's mean rates (it should
-    tell cached from uncached, not a worker measured a little faster from a slower one: that
-    difference is in the TTFT term already, and weighted it would starve the other).
-
-    The work added delays every request that queues behind it. How many will is unknown, but
-    it grows with the queues: as many as wait now, by Little's law, at a steady arrival rate.
-    So the weight is ``d.externality × (1 + the pool's mean in-flight requests per worker)``:
-    an idle pool mostly weighs the request's own TTFT and spreads load, a busy one saves work
-    (a worker that holds the prefix, or will) even at a longer wait.
+    """The scores best first, by cost: the estimated TTFT, plus (the overload guard) the
+    work the choice adds beyond the least any candidate would add, × the requests waiting
+    per worker. While no queue builds the weight is 0 and the lowest TTFT wins. Once requests
+    wait, each of them, and whoever queues behind them, waits for that extra work too: then
+    saving work (a worker that holds the prefix in memory, or will) shortens every queue,
+    and is worth a slightly longer wait now. The work is valued at the pool's mean rates (it
+    should tell cached from uncached, not a worker measured a little faster from a slower
+    one: that difference is in the TTFT term already).
 
     Ties (nothing cached anywhere, all idle: a new conversation) go to the worker whose memory
-    tier has been given the least, so conversations spread over the tiers. Sets ``over_bound``
-    and ``cost_s``."""
+    tier has been given the least, so conversations spread over the tiers. Sets ``cost_s``."""
     if not scores:
         return scores
     states = [workers[s.service_id] for s in scores]
-    bounded(
-        scores,
-        {w.service_id: w.queue_wait_s for w in states},
-        d.bounded_load_c,
-        d.bounded_load_slack_s,
-    )
-    pool_prefill = sum(w.prefill_tok_s.value for w in states) / len(states)
-    pool_load = sum(w.load_tok_s.value for w in states) / len(states)
-    weight = d.externality * (1 + sum(w.inflight for w in states) / len(states))
-    for s in scores:
-        added = s.uncached_tokens / pool_prefill + s.storage_tokens / pool_load
-        s.cost_s = s.ttft_s + weight * added
+    weight = waiting_per_worker(states) if guard else 0.0
+    if weight:
+        pool_prefill = sum(w.prefill_tok_s.value for w in states) / len(states)
+        pool_load = sum(w.load_tok_s.value for w in states) / len(states)
+        added = [s.uncached_tokens / pool_prefill + s.storage_tokens / pool_load for s in scores]
+        least = min(added)
+        for s, a in zip(scores, added, strict=True):
+            s.cost_s = s.ttft_s + weight * (a - least)
+    else:
+        for s in scores:
+            s.cost_s = s.ttft_s
     return sorted(
         scores,
-        key=lambda s: (
-            s.over_bound,
-            round(s.cost_s, 9),
-            workers[s.service_id].blocks_routed,
-            s.service_id,
-        ),
+        key=lambda s: (round(s.cost_s, 9), workers[s.service_id].blocks_routed, s.service_id),
     )
 
 
