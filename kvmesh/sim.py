@@ -7,10 +7,13 @@ Prints a table per policy; the last line is one JSON object: per policy hit_rati
 ttft_p50_s, ttft_p99_s, tpot_mean_s, load_max_over_mean, utilization; and at the top level
 infinite_cache_hit_ratio and the speed used.
 
---target-util U picks the speed at which the prefill pool would be U busy: the trace's prefill
-work with an infinite cache (every block computed once, reused blocks loaded at the load rate)
-divided by (prefill workers × the trace's span ÷ speed) equals U. Real policies miss some of
-the infinite cache's hits, so their measured utilization is a little above U.
+--target-util U picks the speed at which the prefill pool would be U busy over the trace's busy
+window: the shortest stretch of arrivals that holds 90% of the trace's reference work (prefill
+with an infinite cache: every block computed once, reused blocks loaded at the load rate). That
+work ÷ (prefill workers × the window ÷ speed) = U. A trace whose work is bunched (sessions
+starting together) is loaded as its busy part is, not diluted by its quiet hours.
+`--util-basis span` takes the whole span instead (the old basis). Real policies miss some of
+the infinite cache's hits, so their measured load is a little above U.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from services.router.policies import POLICIES
 from simulator.replay import (
+    UTIL_BASES,
     SimConfig,
     infinite_cache_hit_ratio,
     progress_bar,
@@ -44,7 +48,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     load = p.add_mutually_exclusive_group()
     load.add_argument("--speed", type=float, help="divide arrival times by this")
-    load.add_argument("--target-util", type=float, help="pick the speed for this prefill load")
+    load.add_argument(
+        "--target-util",
+        type=float,
+        help="pick the speed at which the prefill pool is this busy with the reference work "
+        "(infinite cache) over the busy window: the shortest stretch holding 90%% of that work",
+    )
+    p.add_argument(
+        "--util-basis",
+        choices=UTIL_BASES,
+        default="busy",
+        help="what --target-util is measured over: the busy window, or the whole span",
+    )
     d = SimConfig()
     p.add_argument("--prefill-tok-s", type=float, default=d.prefill_tok_s)
     p.add_argument("--load-tok-s", type=float, default=d.load_tok_s)
@@ -110,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, ttl_s=(("chat", args.retention_s), ("agent", args.retention_s)))
     speed = args.speed or 1.0
     if args.target_util:
-        speed = speed_for_utilization(requests, block_size, cfg, args.target_util)
+        speed = speed_for_utilization(
+            requests, block_size, cfg, args.target_util, args.util_basis
+        )
     cfg = replace(cfg, speed=speed)
     refs = sum(len(r.hashes) for r in requests)
     print(

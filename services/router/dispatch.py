@@ -221,13 +221,14 @@ class Dispatcher:
         """The prefill worker is done with the request: the policy learns what it took."""
         attempt.prefilled = True
         assert attempt.route is not None
+        now = time.monotonic()
         if first is None or first.cached_tokens is None:
-            self.policy.prefilled(attempt.prefill, attempt.route)
+            self.policy.prefilled(attempt.prefill, attempt.route, now)
             return
         uncached = n_prompt - first.cached_tokens
         loaded = (first.cached_by_tier or {}).get("storage", 0)
         self.policy.prefilled(
-            attempt.prefill, attempt.route, uncached, loaded, first.prefill_s or 0.0
+            attempt.prefill, attempt.route, now, uncached, loaded, first.prefill_s or 0.0
         )
 
     def block_size(self, model: str) -> int:
@@ -298,7 +299,12 @@ class Dispatcher:
         uncached = len(job.prompt_ids) - cached_blocks * job.block_size
         local = uncached <= self.limits.local_prefill_max_tokens
         route = RouteRequest(
-            job.request_id, len(job.prompt_ids), job.block_size, job.block_hashes, job.cached_blocks
+            job.request_id,
+            len(job.prompt_ids),
+            job.block_size,
+            job.block_hashes,
+            job.cached_blocks,
+            time.monotonic(),
         )
         with tracer.start_as_current_span("route") as span:
             if local:
@@ -359,7 +365,7 @@ class Dispatcher:
                 for w in involved:
                     self.outstanding.done(w)
                 if role == "prefill":
-                    self.policy.prefilled(worker.service_id, route)
+                    self.policy.prefilled(worker.service_id, route, time.monotonic())
                 raise _Failed(
                     f"{role} {worker.service_id} did not answer: {err}", worker.service_id
                 ) from None
@@ -373,7 +379,7 @@ class Dispatcher:
             for w in involved:
                 self.outstanding.done(w)
             if role == "prefill":
-                self.policy.prefilled(worker.service_id, route)
+                self.policy.prefilled(worker.service_id, route, time.monotonic())
             if ack.reason != "busy":
                 raise ApiError(503, f"{role} worker refused: {ack.reason}", code="unavailable")
             busy += 1

@@ -69,12 +69,7 @@ class RouterService(Service):
             lookup_timeout_s=s.lookup_timeout_s,
         )
         policy = POLICIES[s.routing_policy](
-            CostDefaults(
-                prefill_tok_s=s.prefill_tok_s,
-                load_tok_s=s.load_tok_s,
-                bounded_load_c=s.bounded_load_c,
-                externality=s.externality,
-            )
+            CostDefaults(prefill_tok_s=s.prefill_tok_s, load_tok_s=s.load_tok_s)
         )
         dispatcher = Dispatcher(bus, self.service_id, self.registry, policy, limits)
         await dispatcher.start()

@@ -27,14 +27,6 @@ class RouterSettings(ServiceSettings):
     load_tok_s: float = Field(
         default=20_000.0, gt=0, description="storage-tier load rate until workers report one"
     )
-    bounded_load_c: float = Field(
-        default=1.5, ge=1, description="no prefill worker above c × the mean in-flight work"
-    )
-    externality: float = Field(
-        default=20.0,
-        ge=0,
-        description="weight of the work a choice adds for later requests, per request queued",
-    )
     max_inflight: int = Field(
         default=256, ge=1, description="requests in progress at most; more get 429"
     )
