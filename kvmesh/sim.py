@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             return fail(f"--{flag.replace('_', '-')}: at least 1")
     if args.target_util is not None and not 0 < args.target_util < 1.5:
-        return fail("--target-util: a fraction above 0 (e.g. 0.8)")
+        return fail("--target-util: above 0 and below 1.5 (0.8: 80% busy; 1.3: overload)")
     if args.png and importlib.util.find_spec("matplotlib") is None:
         return fail("--png needs matplotlib: pip install 'kvmesh[plot]'")
     try:
@@ -125,9 +125,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, ttl_s=(("chat", args.retention_s), ("agent", args.retention_s)))
     speed = args.speed or 1.0
     if args.target_util:
-        speed = speed_for_utilization(
-            requests, block_size, cfg, args.target_util, args.util_basis
-        )
+        speed = speed_for_utilization(requests, block_size, cfg, args.target_util, args.util_basis)
     cfg = replace(cfg, speed=speed)
     refs = sum(len(r.hashes) for r in requests)
     print(

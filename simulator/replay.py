@@ -25,7 +25,6 @@ from services.router.scoring import CostDefaults
 from shared.messages.kvevents import STORE, KvEvent, memory_location
 from simulator.traces import TraceRequest
 
-
 UNBOUNDED = 10**12  # blocks: a tier that never evicts
 BUSY_SHARE = 0.9  # of a trace's reference work: the busy window holds this much
 UTIL_BASES = ("busy", "span")
@@ -237,7 +236,12 @@ def simulate(
         if hashes:  # built from the simulator's own values: no validation needed
             index.apply(
                 KvEvent.model_construct(
-                    kind=kind, location=location, hashes=hashes, sizes=[], at=now, retention=retention
+                    kind=kind,
+                    location=location,
+                    hashes=hashes,
+                    sizes=[],
+                    at=now,
+                    retention=retention,
                 )
             )
 

@@ -73,3 +73,39 @@ def test_sim_cli_names_the_bad_argument(tmp_path: Path) -> None:
         timeout=60,
     )
     assert run.returncode == 2 and "--policy" in run.stderr
+
+
+def sim(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvmesh", "sim", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_target_util_is_over_the_busy_window_unless_asked_for_the_span(tmp_path: Path) -> None:
+    """Ten quiet minutes, then 300 requests in a minute."""
+    trace = tmp_path / "bunched.jsonl"
+    times = [i * 60_000 for i in range(10)] + [600_000 + i * 200 for i in range(300)]
+    lines = [
+        {
+            "timestamp": t,
+            "input_length": 4096,
+            "output_length": 8,
+            "hash_ids": [4 * i + j for j in range(8)],
+        }
+        for i, t in enumerate(times)
+    ]
+    trace.write_text("\n".join(json.dumps(x) for x in lines))
+    common = ("--trace", str(trace), "--prefill", "2", "--decode", "2", "--target-util", "0.8")
+    speeds = {}
+    for basis in ("busy", "span"):
+        run = sim(*common, "--util-basis", basis)
+        assert run.returncode == 0, run.stderr
+        speeds[basis] = json.loads(run.stdout.strip().splitlines()[-1])["speed"]
+    assert speeds["busy"] < speeds["span"] / 5  # the busy minute is not diluted by the quiet
+    run = sim(*common, "--util-basis", "day")
+    assert run.returncode == 2 and "--util-basis" in run.stderr
+    assert "busy window" in sim("--help").stdout

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.router.policies import POLICIES
-from simulator.replay import SimConfig, infinite_cache_hit_ratio, simulate
+from simulator.replay import (
+    SimConfig,
+    busy_window,
+    infinite_cache_hit_ratio,
+    request_work_s,
+    simulate,
+    speed_for_utilization,
+)
 from simulator.traces import TraceRequest
 
 
@@ -37,9 +46,9 @@ def test_look_ahead_keeps_overlapping_turns_together() -> None:
     assert ttft["hit_ratio"] == pytest.approx(infinite_cache_hit_ratio(trace, 512))
 
 
-def test_bounded_load_spreads_a_shared_prompt() -> None:
-    """Every request shares one long system prompt; without a bound it would all go to the
-    worker that holds it."""
+def test_a_shared_prompt_spreads_over_the_pool() -> None:
+    """Every request shares one long system prompt: the worker that holds it in memory saves
+    its load from the storage tier, but not at the cost of a queue."""
     trace = [
         TraceRequest(
             i * 0.01,
@@ -52,3 +61,41 @@ def test_bounded_load_spreads_a_shared_prompt() -> None:
     cfg = SimConfig(prefill=4, decode=4, memory_blocks=10_000)
     s = simulate(trace, 512, cfg, "ttft").summary(4)
     assert s["load_max_over_mean"] < 1.6
+
+
+def unique_requests(times: list[float], tokens: int = 6_000) -> list[TraceRequest]:
+    blocks = tokens // 512
+    return [
+        TraceRequest(t, tokens, 10, [f"r{i}b{j}" for j in range(blocks)])
+        for i, t in enumerate(times)
+    ]
+
+
+def test_load_is_measured_over_the_busy_window() -> None:
+    """A quiet hour (20 requests) and a busy minute (400): 80% load means 80% over the busy
+    minute, not over the hour, where the same speed would be heavy overload."""
+    quiet = [i * 180.0 for i in range(20)]
+    busy = [4000 + i * 0.15 for i in range(400)]
+    trace = unique_requests(sorted(quiet + busy))
+    cfg = SimConfig(prefill=4, decode=4)
+    work = request_work_s(trace, 512, cfg)
+    first, last = busy_window(trace, work)
+    assert trace[first].t >= 3420 and trace[last].t <= 4060  # the busy minute, and at most
+    held = sum(work[first : last + 1])  # one quiet request on either side of it
+    assert held >= 0.9 * sum(work)
+    by_window = speed_for_utilization(trace, 512, cfg, 0.8)
+    by_span = speed_for_utilization(trace, 512, cfg, 0.8, basis="span")
+    assert by_window < by_span / 10
+    # At the window's speed the pool is about 80% busy during the busy minute.
+    run = replace(cfg, speed=by_window)
+    s = simulate(trace[first : last + 1], 512, run, "ttft").summary(4)
+    assert 0.7 < s["utilization"] < 0.9
+
+
+def test_the_span_basis_when_the_work_is_even() -> None:
+    trace = unique_requests([i * 0.5 for i in range(200)])
+    cfg = SimConfig(prefill=2, decode=2)
+    busy = speed_for_utilization(trace, 512, cfg, 0.5)
+    span = speed_for_utilization(trace, 512, cfg, 0.5, basis="span")
+    assert busy == pytest.approx(span, rel=0.15)
+    assert speed_for_utilization(trace[:1], 512, cfg, 0.5) == 1.0  # no span: as recorded
