@@ -68,22 +68,10 @@ def say(msg: str) -> None:
 
 
 @functools.cache
-def trace(name: str, workers: int) -> tuple[list[TraceRequest], int]:
+def trace(name: str, workers: int, seed: int = 0) -> tuple[list[TraceRequest], int]:
     if name == "agent":
-        return agent_trace(round(SESSIONS_PER_WORKER * workers)), MOONCAKE_BLOCK
+        return agent_trace(round(SESSIONS_PER_WORKER * workers), seed), MOONCAKE_BLOCK
     return read_trace(TRACES_DIR / TRACE_FILES[name])
-
-
-@functools.cache
-def config(name: str, workers: int, load: float) -> SimConfig:
-    requests, bs = trace(name, workers)
-    unique = len({h for r in requests for h in r.hashes})
-    cfg = SimConfig(
-        prefill=workers,
-        decode=workers,
-        memory_blocks=max(50, int(unique * MEMORY_SHARE / workers)),
-    )
-    return replace(cfg, speed=speed_for_utilization(requests, bs, cfg, load))
 
 
 @dataclass(frozen=True)
@@ -92,15 +80,29 @@ class Run:
     workers: int
     load: float
     policy: str
+    seed: int = 0  # of the agent trace
+    memory_share: float = MEMORY_SHARE
 
     @property
     def cell(self) -> str:
         return f"{self.trace}@{self.workers}/{round(self.load * 100)}%"
 
 
+@functools.cache
+def config(run: Run) -> SimConfig:
+    requests, bs = trace(run.trace, run.workers, run.seed)
+    unique = len({h for r in requests for h in r.hashes})
+    cfg = SimConfig(
+        prefill=run.workers,
+        decode=run.workers,
+        memory_blocks=max(50, int(unique * run.memory_share / run.workers)),
+    )
+    return replace(cfg, speed=speed_for_utilization(requests, bs, cfg, run.load))
+
+
 def replay(run: Run) -> tuple[Run, dict]:
-    requests, bs = trace(run.trace, run.workers)
-    cfg = config(run.trace, run.workers, run.load)
+    requests, bs = trace(run.trace, run.workers, run.seed)
+    cfg = config(replace(run, policy=""))
     started = time.perf_counter()
     s = simulate(requests, bs, cfg, run.policy).summary(run.workers)
     s["replay_s"] = time.perf_counter() - started
@@ -211,12 +213,11 @@ def decision_latency(n_workers: int = 64, n_blocks: int = 1_000_000, rounds: int
 def print_grid(cells: dict[str, dict[str, dict]], infinite: dict[str, float]) -> None:
     names = [n for n in POLICIES if any(n in c for c in cells.values())]
     print("TTFT mean / p99 (s) per policy; * where ttft leads (within 2% on both)")
-    print(f"{'cell':<22}{'util':>6}{'hit/inf':>9}" + "".join(f"{n:>17}" for n in names))
+    print(f"{'cell':<22}{'hit/inf':>9}" + "".join(f"{n:>17}" for n in names))
     for key, cell in cells.items():
         ours = cell.get("ttft")
         ratio = infinite[key]
         hit = f"{ours['hit_ratio'] / ratio:>9.3f}" if ours and ratio else f"{'-':>9}"
-        util = f"{ours['utilization']:>6.2f}" if ours else f"{'-':>6}"
         row = "".join(
             f"{cell[n]['ttft_mean_s']:>8.3f}/{cell[n]['ttft_p99_s']:<8.3f}"
             if n in cell
@@ -224,7 +225,7 @@ def print_grid(cells: dict[str, dict[str, dict]], infinite: dict[str, float]) ->
             for n in names
         )
         mark = " *" if ours and len(cell) > 1 and leads(cell) else ""
-        print(f"{key:<22}{util}{hit}{row}{mark}")
+        print(f"{key:<22}{hit}{row}{mark}")
 
 
 def main() -> None:
@@ -233,6 +234,13 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="prefill pool sizes")
     ap.add_argument("--loads", default=",".join(map(str, LOADS)), help="busy-window loads")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma list")
+    ap.add_argument("--seed", type=int, default=0, help="of the agent trace")
+    ap.add_argument(
+        "--memory-share",
+        type=float,
+        default=MEMORY_SHARE,
+        help="of a trace's distinct blocks the pool's memory tiers hold together",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="replays at once")
     ap.add_argument("--no-decision", action="store_true", help="skip the decision latency")
     args = ap.parse_args()
@@ -245,7 +253,7 @@ def main() -> None:
     sizes = [int(n) for n in args.sizes.split(",")]
     loads = [float(x) for x in args.loads.split(",")]
     runs = [
-        Run(t, n, load, p)
+        Run(t, n, load, p, args.seed, args.memory_share)
         for t in traces
         for n in sizes
         for load in loads
@@ -260,7 +268,8 @@ def main() -> None:
     infinite = {}
     for key in cells:
         name, rest = key.split("@")
-        infinite[key] = infinite_cache_hit_ratio(*trace(name, int(rest.split("/")[0])))
+        requests, bs = trace(name, int(rest.split("/")[0]), args.seed)
+        infinite[key] = infinite_cache_hit_ratio(requests, bs)
     decision = None if args.no_decision else decision_latency()
 
     print_grid(cells, infinite)
