@@ -104,14 +104,19 @@ class _Lru:
     def put(self, hashes: list[str], now: float) -> tuple[list[str], list[str]]:
         """Marks the blocks used now; returns those new here, and those evicted for them."""
         blocks = self.blocks
-        new = [h for h in hashes if h not in blocks]
         if not self.ordered:
+            new = [h for h in hashes if h not in blocks]
             blocks.update(dict.fromkeys(hashes, now))
             return new, []
-        move = blocks.move_to_end
+        new, move = [], blocks.move_to_end
         for h in reversed(hashes):  # a prefix's head ends up the most recent
-            blocks[h] = now
-            move(h)
+            if h in blocks:
+                blocks[h] = now
+                move(h)
+            else:
+                blocks[h] = now  # a new key goes last: the most recent
+                new.append(h)
+        new.reverse()
         evicted = []
         while len(blocks) > self.capacity:
             evicted.append(blocks.popitem(last=False)[0])

@@ -29,9 +29,25 @@ class BlockIndex:
         self.store_lru: OrderedDict[str, None] = OrderedDict()  # oldest use first
         self.store_bytes = 0
         self._sets: dict[frozenset[str], frozenset[str]] = {}
+        self._moves: dict[tuple[frozenset[str], str, bool], frozenset[str]] = {}
 
     def _interned(self, locations: frozenset[str]) -> frozenset[str]:
         return self._sets.setdefault(locations, locations)
+
+    def _with(self, locations: frozenset[str], location: str) -> frozenset[str]:
+        """``locations`` plus ``location``, interned (the transitions are few: cached)."""
+        key = (locations, location, True)
+        out = self._moves.get(key)
+        if out is None:
+            out = self._moves[key] = self._interned(locations | {location})
+        return out
+
+    def _without(self, locations: frozenset[str], location: str) -> frozenset[str]:
+        key = (locations, location, False)
+        out = self._moves.get(key)
+        if out is None:
+            out = self._moves[key] = self._interned(locations - {location})
+        return out
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -52,25 +68,27 @@ class BlockIndex:
         if entry is None:
             entry = self.entries[h] = Entry(size, retention, at, at + self.ttl_s[retention])
         else:
-            entry.last_access = max(entry.last_access, at)
+            if at > entry.last_access:
+                entry.last_access = at
             # The longer-lived class wins: an agent's block is not cut short by a chat's.
-            if self.ttl_s[retention] > self.ttl_s[entry.retention]:
+            if retention != entry.retention and self.ttl_s[retention] > self.ttl_s[entry.retention]:
                 entry.retention = retention
             entry.expires_at = entry.last_access + self.ttl_s[entry.retention]
             entry.size = size or entry.size
-        if location == STORE and STORE not in entry.locations:
-            self.store_bytes += entry.size
-            self.store_lru[h] = None
+        held = entry.locations
         if location == STORE:
+            if STORE not in held:
+                self.store_bytes += entry.size
+                self.store_lru[h] = None
             self.store_lru.move_to_end(h)
-        if location not in entry.locations:
-            entry.locations = self._interned(entry.locations | {location})
+        if location not in held:
+            entry.locations = self._with(held, location)
 
     def _remove(self, h: str, location: str) -> None:
         entry = self.entries.get(h)
         if entry is None or location not in entry.locations:
             return
-        entry.locations = self._interned(entry.locations - {location})
+        entry.locations = self._without(entry.locations, location)
         if location == STORE:
             self.store_bytes -= entry.size
             del self.store_lru[h]
