@@ -146,3 +146,15 @@ def kvmesh_pids(marker: str) -> list[int]:
         if marker.encode() in blob and state != "Z":
             pids.append(int(proc.name))
     return pids
+
+
+def start_with(role: str, var: str, value: str) -> subprocess.CompletedProcess:
+    """A service started with one setting and nothing else, run until it exits."""
+    return subprocess.run(
+        [sys.executable, "-m", f"services.{role}"],
+        env={"PATH": "/usr/bin:/bin", var: value},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.router.auth import ANONYMOUS, Caller, KeyLimiter, KeyRing
 from services.router.dispatch import Dispatcher, Job
 from services.router.generation import Delta, Prepared, Timing, stream_text
 from services.router.images import (
@@ -61,7 +62,8 @@ class KvOptions:
     explain: bool = False  # every candidate's routing terms in the response, not the best few
 
     @classmethod
-    def from_headers(cls, headers: Mapping[str, str]) -> KvOptions:
+    def from_headers(cls, headers: Mapping[str, str], caller: Caller = ANONYMOUS) -> KvOptions:
+        """With auth on, the tenant is the key's (a tenant header is ignored)."""
         retention = headers.get(RETENTION_HEADER, "chat") or "chat"
         if retention not in RETENTIONS:
             raise ApiError(
@@ -69,9 +71,12 @@ class KvOptions:
                 f"{RETENTION_HEADER}: one of {', '.join(RETENTIONS)} (got {retention!r})",
                 param=RETENTION_HEADER,
             )
-        tenant = headers.get(TENANT_HEADER, "")
-        if len(tenant) > 256:
-            raise ApiError(400, f"{TENANT_HEADER}: at most 256 characters", param=TENANT_HEADER)
+        if caller.key is not None:
+            tenant = caller.tenant
+        else:
+            tenant = headers.get(TENANT_HEADER, "")
+            if len(tenant) > 256:
+                raise ApiError(400, f"{TENANT_HEADER}: at most 256 characters", param=TENANT_HEADER)
         return cls(retention, tenant, headers.get(EXPLAIN_HEADER, "") == "all")
 
 
@@ -96,14 +101,28 @@ class Frontend:
         self.state_dir = state_dir
         self.image_limits = image_limits
         self.recorder = RequestRecorder(stats)
+        self.keys = KeyRing(settings.keys_file) if settings.keys_file else None
+        self.limiter = KeyLimiter()
         self.inflight = 0
         self._models: dict[str, TextModel] = {}
         self._tokenizers: dict[str, PromptTokenizer] = {}
         self._model_lock = asyncio.Lock()
 
+    def identify(self, headers: Mapping[str, str], role: str = "user") -> Caller:
+        """Who sent the request (401 without a valid key when auth is on; 403 when the
+        endpoint needs the admin role)."""
+        if self.keys is None:
+            return ANONYMOUS
+        caller = self.keys.identify(headers)
+        assert caller.key is not None
+        if role == "admin" and caller.key.role != "admin":
+            raise ApiError(403, f"this needs an admin key ({caller.key.id} is a user key)")
+        return caller
+
     @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
-        """Count a request in progress; 429 when there are already max_inflight."""
+    def admitted(self, caller: Caller = ANONYMOUS) -> Iterator[None]:
+        """Count a request in progress; 429 when there are already max_inflight, or when
+        the caller's key is over one of its limits."""
         if self.inflight >= self.settings.max_inflight:
             raise ApiError(
                 429,
@@ -111,11 +130,12 @@ class Frontend:
                 code="overloaded",
                 retry_after_s=1,
             )
-        self.inflight += 1
-        try:
-            yield
-        finally:
-            self.inflight -= 1
+        with self.limiter.admitted(caller):
+            self.inflight += 1
+            try:
+                yield
+            finally:
+                self.inflight -= 1
 
     async def text_model(self, name: str) -> TextModel:
         if name not in self._models:
@@ -145,7 +165,12 @@ class Frontend:
         return await loop.run_in_executor(None, tokenizer.encode_segments, text)
 
     async def prepare(
-        self, body: bytes, chat: bool, rid: str, kv: KvOptions = KvOptions()
+        self,
+        body: bytes,
+        chat: bool,
+        rid: str,
+        kv: KvOptions = KvOptions(),
+        caller: Caller = ANONYMOUS,
     ) -> Prepared:
         req = parse(body, ChatRequest if chat else CompletionRequest)
         if req.model not in MODEL_NAMES:
@@ -161,7 +186,7 @@ class Frontend:
             if self.settings.encode_ahead:  # encoding overlaps everything that follows
                 encodes.start(self.dispatcher.bus, req.model, self.image_limits.encode_timeout_s)
         try:
-            return await self._prepare(req, chat, rid, kv, encodes)
+            return await self._prepare(req, chat, rid, kv, caller, encodes)
         except BaseException:
             if encodes is not None:
                 encodes.cancel()
@@ -173,6 +198,7 @@ class Frontend:
         chat: bool,
         rid: str,
         kv: KvOptions,
+        caller: Caller,
         encodes: Encodes | None,
     ) -> Prepared:
         text = await self.text_model(req.model)
@@ -205,6 +231,7 @@ class Frontend:
             prompt_field, max_tokens, max_field = "prompt", req.max_tokens, "max_tokens"
         if not ids:
             raise ApiError(400, f"{prompt_field}: the prompt is empty", param=prompt_field)
+        self.limiter.charge_tokens(caller, len(ids))
         room = config.max_context - len(ids)
         if max_tokens is None:
             max_tokens = min(self.settings.default_max_tokens, room)

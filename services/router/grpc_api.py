@@ -17,6 +17,8 @@ from shared.proto import api_pb2, api_pb2_grpc
 
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
     404: grpc.StatusCode.NOT_FOUND,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
@@ -85,10 +87,12 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
         with self.frontend.recorder.handling(rid, endpoint, metadata) as handled:
             await context.send_initial_metadata(tuple(request_ids(rid).items()))
             try:
-                with self.frontend.admitted():
+                caller = self.frontend.identify(metadata)
+                with self.frontend.admitted(caller):
                     body, chat = _as_body(request)
-                    kv = KvOptions.from_headers(metadata)
-                    p = handled.prepared = await self.frontend.prepare(body, chat, rid, kv)
+                    kv = KvOptions.from_headers(metadata, caller)
+                    p = await self.frontend.prepare(body, chat, rid, kv, caller)
+                    handled.prepared = p
                     deltas = self.frontend.deltas(p)
                     try:
                         yield p, deltas

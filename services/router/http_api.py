@@ -21,8 +21,8 @@ from shared.httperrors import error_response
 log = logging.getLogger(__name__)
 
 
-def _api_error(err: ApiError, rid: str) -> web.Response:
-    headers = request_ids(rid)
+def api_error(err: ApiError, rid: str = "") -> web.Response:
+    headers = request_ids(rid) if rid else {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(err.retry_after_s)
     return error_response(err.status, err.message, err.param, err.code, headers)
@@ -53,16 +53,18 @@ class HttpApi:
         rid = request_id(request.headers.get("x-request-id"))
         with self.frontend.recorder.handling(rid, request.path, request.headers) as handled:
             try:
-                with self.frontend.admitted():
-                    kv = KvOptions.from_headers(request.headers)
-                    p = await self.frontend.prepare(await request.read(), chat, rid, kv)
+                caller = self.frontend.identify(request.headers)
+                with self.frontend.admitted(caller):
+                    kv = KvOptions.from_headers(request.headers, caller)
+                    body = await request.read()
+                    p = await self.frontend.prepare(body, chat, rid, kv, caller)
                     handled.prepared = p
                     resp = await (self._stream(request, p) if p.stream else self._whole(p))
                     handled.status = resp.status
                     return resp
             except ApiError as err:
                 handled.status = err.status
-                return _api_error(err, rid)
+                return api_error(err, rid)
 
     async def _whole(self, p: Prepared) -> web.Response:
         deltas = self.frontend.deltas(p)

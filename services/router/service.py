@@ -14,8 +14,9 @@ from aiohttp import web
 from services.router.dispatch import Dispatcher, DispatchLimits
 from services.router.frontend import Frontend
 from services.router.grpc_api import GrpcApi
-from services.router.http_api import HttpApi
+from services.router.http_api import HttpApi, api_error
 from services.router.images import ImageLimits
+from services.router.openai_api import ApiError
 from services.router.policies import POLICIES
 from services.router.registry import WorkerRegistry
 from services.router.scoring import CostDefaults
@@ -86,6 +87,13 @@ class RouterService(Service):
         self.frontend = Frontend(
             s, dispatcher, Path(self.common.state_dir), image_limits, self.stats
         )
+        if s.keys_file:
+            log.info("auth on: API keys from %s; a request's tenant is its key's", s.keys_file)
+        else:
+            log.warning(
+                "auth off: no keys file (KVMESH_ROUTER_KEYS_FILE); every request is let in "
+                "and names its own tenant (x-kvmesh-tenant)"
+            )
         server = grpc.aio.server()
         api_pb2_grpc.add_GenerationServicer_to_server(GrpcApi(self.frontend), server)
         port = server.add_insecure_port(f"{s.http_host}:{s.grpc_port}")
@@ -163,7 +171,13 @@ class RouterService(Service):
         ]
 
     async def operator_stats(self, request: web.Request) -> web.Response:
-        """The operator's summary (services/router/stats.py), overall and per traffic class."""
+        """The operator's summary (services/router/stats.py), overall and per traffic class.
+        With auth on, for admin keys."""
+        assert self.frontend is not None
+        try:
+            self.frontend.identify(request.headers, role="admin")
+        except ApiError as err:
+            return api_error(err)
         return web.json_response(self.stats.report(time.time()))
 
     async def health(self, request: web.Request) -> web.Response:
@@ -193,7 +207,13 @@ class RouterService(Service):
         return web.json_response(body, status=503 if missing or self.status != "ready" else 200)
 
     async def list_models(self, request: web.Request) -> web.Response:
-        """Models that a ready prefill worker and a ready decode worker both serve."""
+        """Models that a ready prefill worker and a ready decode worker both serve. With auth
+        on, for any valid key."""
+        assert self.frontend is not None
+        try:
+            self.frontend.identify(request.headers)
+        except ApiError as err:
+            return api_error(err)
         served: dict[str, float] = {}
         prefill = {m for r in self.registry.ready("prefill") for m in r.heartbeat.models}
         for record in self.registry.ready("decode"):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.router.policies import POLICIES
+from shared.security.keys import KeysFile, KeysFileError
 from shared.service import ServiceSettings
 
 
@@ -19,6 +21,11 @@ class RouterSettings(ServiceSettings):
     grpc_port: int = Field(default=50051, ge=0, le=65535, description="the public gRPC API port")
     missed_heartbeats: int = Field(
         default=3, ge=1, le=100, description="a service that misses this many beats is dropped"
+    )
+    keys_file: Path | None = Field(
+        default=None,
+        description="the API keys file (JSON, or TOML by its name; `kvmesh keys` writes it): "
+        "when set, every request needs a key and its tenant is the key's; unset: auth is off",
     )
     routing_policy: str = Field(default="ttft", description="how prefill workers are picked")
     prefill_tok_s: float = Field(
@@ -76,6 +83,18 @@ class RouterSettings(ServiceSettings):
         description="send images to the encoder as soon as a request is checked (off: only "
         "after tokenizing, and route once they are encoded; for comparison)",
     )
+
+    @field_validator("keys_file")
+    @classmethod
+    def _readable_keys(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            if not path.is_file():
+                raise ValueError(f"no such file: {path} (make one with `kvmesh keys add`)")
+            try:
+                KeysFile.read(path)
+            except KeysFileError as err:
+                raise ValueError(str(err)) from None
+        return path
 
     @field_validator("routing_policy")
     @classmethod

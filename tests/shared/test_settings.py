@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from services.router.settings import RouterSettings
 from shared.settings import CommonSettings, SettingsError, load_settings
-from tests.procs import REPO
+from tests.procs import start_with
 
 
 @pytest.fixture(autouse=True)
@@ -83,18 +81,6 @@ def test_malformed_file_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setenv("KVMESH_SETTINGS_FILE", str(file))
     with pytest.raises(SettingsError, match="cannot read KVMESH_SETTINGS_FILE"):
         load_settings(RouterSettings)
-
-
-def start_with(role: str, var: str, value: str) -> subprocess.CompletedProcess:
-    """A service started with one setting and nothing else, run until it exits."""
-    return subprocess.run(
-        [sys.executable, "-m", f"services.{role}"],
-        env={"PATH": "/usr/bin:/bin", var: value},
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
 
 
 @pytest.mark.parametrize("role", ["router", "prefill", "decode", "encoder", "cachemeta"])

@@ -1,0 +1,85 @@
+"""`kvmesh keys`: make, list and revoke API keys in the keys file the router reads.
+
+    kvmesh keys add --tenant acme [--admin] [--rpm 600] [--tpm 2000000] [--concurrency 32]
+    kvmesh keys list
+    kvmesh keys revoke key_3f9a0c1d
+
+The file is KVMESH_ROUTER_KEYS_FILE, else <state dir>/keys.json (give the router the same
+path). A new key is printed once, on stdout; the file keeps only its hash. A running router
+reads the file again when it changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from shared.security.keys import KeysFile, KeysFileError, new_key
+from shared.settings import CommonSettings
+
+
+def default_file() -> Path:
+    env = os.environ.get("KVMESH_ROUTER_KEYS_FILE")
+    return Path(env) if env else CommonSettings().state_dir / "keys.json"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("keys", help="make, list and revoke API keys")
+    p.add_argument("--file", type=Path, default=None, help="the keys file (default: see above)")
+    sub = p.add_subparsers(dest="action", required=True)
+    add = sub.add_parser("add", help="make a key (printed once)")
+    add.add_argument("--tenant", required=True, help="the tenant the key speaks for")
+    add.add_argument("--admin", action="store_true", help="may read the operator's endpoints")
+    for name, what in (
+        ("rpm", "requests per minute"),
+        ("tpm", "input tokens per minute"),
+        ("concurrency", "requests in progress at once"),
+    ):
+        add.add_argument(f"--{name}", type=int, default=0, help=f"{what} at most (0: no limit)")
+    sub.add_parser("list", help="the keys, without secrets")
+    revoke = sub.add_parser("revoke", help="refuse a key from now on")
+    revoke.add_argument("key_id")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = args.file or default_file()
+    try:
+        keys = KeysFile.read(path)
+        if args.action == "add":
+            for name in ("rpm", "tpm", "concurrency"):
+                if getattr(args, name) < 0:
+                    raise KeysFileError(f"--{name}: at least 0")
+            key, entry = new_key(
+                args.tenant,
+                "admin" if args.admin else "user",
+                rpm=args.rpm,
+                tpm=args.tpm,
+                concurrency=args.concurrency,
+            )
+            keys.add(entry)
+            keys.write(path)
+            print(key)
+            print(
+                f"{entry.id} for tenant {entry.tenant} ({entry.role}) added to {path}; "
+                "the key is shown only now",
+                file=sys.stderr,
+            )
+        elif args.action == "list":
+            print(f"{'id':<14}{'tenant':<20}{'role':<7}{'rpm':>8}{'tpm':>10}{'conc':>6}  state")
+            for k in keys.keys:
+                state = "revoked" if k.revoked else "active"
+                print(
+                    f"{k.id:<14}{k.tenant:<20}{k.role:<7}{k.rpm:>8}{k.tpm:>10}"
+                    f"{k.concurrency:>6}  {state}"
+                )
+        else:
+            entry = keys.revoke(args.key_id)
+            keys.write(path)
+            print(f"{entry.id} revoked in {path}", file=sys.stderr)
+    except KeysFileError as err:
+        print(f"kvmesh keys: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,196 @@
+"""Who a request is: its API key, the tenant the key speaks for, and what the key may still
+send (per-key limits). Keys come from the keys file (shared/security/keys.py), read again when
+it changes: adding or revoking a key needs no restart.
+
+A key is accepted as ``Authorization: Bearer <key>`` (OpenAI clients), ``x-api-key: <key>``
+(Anthropic clients) or the same names in gRPC metadata. With no keys file configured, auth is
+off: every request is let in, and the tenant is what ``x-kvmesh-tenant`` says.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.router.openai_api import ApiError
+from shared.security.keys import ApiKey, KeysFile, KeysFileError, key_hash
+
+log = logging.getLogger(__name__)
+
+RELOAD_CHECK_S = 0.5  # how often the keys file's stamp is looked at, at most
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request. ``key`` is None when auth is off."""
+
+    tenant: str = ""
+    key: ApiKey | None = None
+
+    @property
+    def key_id(self) -> str:
+        return self.key.id if self.key else ""
+
+
+ANONYMOUS = Caller()  # auth off
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    auth = headers.get("authorization") or headers.get("Authorization") or ""
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return headers.get("x-api-key") or headers.get("X-Api-Key") or None
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, code="invalid_api_key")
+
+
+class KeyRing:
+    """The keys file as the router sees it now."""
+
+    def __init__(self, path: Path) -> None:
+        """Raises KeysFileError when the file is missing or malformed: a router that was
+        told to require keys does not start without them."""
+        if not path.is_file():
+            raise KeysFileError(f"{path}: no such file (make one with `kvmesh keys add`)")
+        self.path = path
+        self._by_hash = {k.sha256: k for k in KeysFile.read(path).keys}
+        self._stamp = self._file_stamp()
+        self._checked = time.monotonic()
+
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def reload(self) -> None:
+        """Read the file if it changed. A file that does not parse keeps the keys read last
+        (and says why): a bad edit must not let everyone in, or lock everyone out."""
+        stamp = self._file_stamp()
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            keys = KeysFile.read(self.path).keys
+        except KeysFileError as err:
+            log.error("keys file not read again, the keys read before stay: %s", err)
+            return
+        self._by_hash = {k.sha256: k for k in keys}
+        self._stamp = stamp
+        revoked = sum(k.revoked for k in keys)
+        log.info("keys file %s read: %d keys (%d revoked)", self.path, len(keys), revoked)
+
+    def identify(self, headers: Mapping[str, str]) -> Caller:
+        now = time.monotonic()
+        if now - self._checked >= RELOAD_CHECK_S:
+            self._checked = now
+            self.reload()
+        key = presented_key(headers)
+        if not key:
+            raise unauthorized(
+                "no API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            )
+        entry = self._by_hash.get(key_hash(key))
+        if entry is None:
+            raise unauthorized("the API key is not valid")
+        if entry.revoked:
+            raise unauthorized(f"the API key {entry.id} has been revoked")
+        return Caller(entry.tenant, entry)
+
+
+@dataclass
+class _Bucket:
+    """A token bucket: ``per_minute`` tokens a minute, as many at once at most."""
+
+    per_minute: int
+    level: float = -1.0
+    at: float = 0.0
+
+    def take(self, n: float, now: float) -> float:
+        """Takes ``n`` when there are; else returns the seconds until there will be."""
+        rate = self.per_minute / 60.0
+        if self.level < 0:
+            self.level = float(self.per_minute)
+        else:
+            self.level = min(float(self.per_minute), self.level + (now - self.at) * rate)
+        self.at = now
+        if self.level >= n:
+            self.level -= n
+            return 0.0
+        return (n - self.level) / rate
+
+
+@dataclass
+class _Usage:
+    requests: _Bucket
+    tokens: _Bucket
+    inflight: int = 0
+
+
+@dataclass
+class KeyLimiter:
+    """Each key's requests per minute, input tokens per minute and requests at once: over
+    any, 429 with Retry-After for that key alone."""
+
+    usage: dict[str, _Usage] = field(default_factory=dict)
+
+    def _of(self, key: ApiKey) -> _Usage:
+        u = self.usage.get(key.id)
+        if u is None or u.requests.per_minute != key.rpm or u.tokens.per_minute != key.tpm:
+            inflight = u.inflight if u else 0
+            u = self.usage[key.id] = _Usage(_Bucket(key.rpm), _Bucket(key.tpm), inflight)
+        return u
+
+    @contextmanager
+    def admitted(self, caller: Caller) -> Iterator[None]:
+        """A request of this caller in progress (its concurrency and request rate)."""
+        key = caller.key
+        if key is None:
+            yield
+            return
+        u = self._of(key)
+        if key.concurrency and u.inflight >= key.concurrency:
+            raise _limited(key, f"{key.concurrency} requests in progress at once", 1.0)
+        if key.rpm:
+            wait = u.requests.take(1, time.monotonic())
+            if wait:
+                raise _limited(key, f"{key.rpm} requests per minute", wait)
+        u.inflight += 1
+        try:
+            yield
+        finally:
+            u.inflight -= 1
+
+    def charge_tokens(self, caller: Caller, tokens: int) -> None:
+        key = caller.key
+        if key is None or not key.tpm:
+            return
+        if tokens > key.tpm:
+            raise ApiError(
+                429,
+                f"the prompt's {tokens} tokens exceed this key's limit of {key.tpm} input "
+                "tokens per minute",
+                code="rate_limit_exceeded",
+            )
+        wait = self._of(key).tokens.take(tokens, time.monotonic())
+        if wait:
+            raise _limited(key, f"{key.tpm} input tokens per minute", wait)
+
+
+def _limited(key: ApiKey, what: str, wait_s: float) -> ApiError:
+    return ApiError(
+        429,
+        f"rate limit of key {key.id}: {what}; retry after {math.ceil(wait_s)} s",
+        code="rate_limit_exceeded",
+        retry_after_s=max(1, math.ceil(wait_s)),
+    )

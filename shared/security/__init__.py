@@ -1,0 +1,1 @@
+"""Who may use the mesh: API keys (later: bus credentials, TLS material)."""

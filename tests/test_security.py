@@ -1,0 +1,187 @@
+"""API keys through real processes (tiny model, official `openai` client): 401 without a valid
+key, keys added and revoked while the router runs, 429 per key while other keys are served,
+the tenant taken from the key (a spoofed tenant header gets nothing of another tenant's cache),
+admin-only endpoints, gRPC metadata, and `kvmesh keys`."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from shared.proto import api_pb2, api_pb2_grpc
+from shared.security.keys import KeysFile
+from tests.procs import REPO, start_with, wait_until
+from tests.stack import Stack
+
+
+def keys(path: Path, *args: str) -> str:
+    """`kvmesh keys --file path ...`; its stdout (a new key, or the list)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "keys", "--file", str(path), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("keys") / "keys.toml"
+
+
+@pytest.fixture(scope="module")
+def tenants(keys_file: Path) -> dict[str, str]:
+    """Keys made before the router starts: two tenants, an admin, a slow key and a small one."""
+    return {
+        "a": keys(keys_file, "add", "--tenant", "acme"),
+        "b": keys(keys_file, "add", "--tenant", "beta"),
+        "admin": keys(keys_file, "add", "--tenant", "ops", "--admin"),
+        "slow": keys(keys_file, "add", "--tenant", "slow", "--rpm", "2"),
+        "small": keys(keys_file, "add", "--tenant", "small", "--tpm", "300"),
+    }
+
+
+@pytest.fixture(scope="module")
+def stack(stacks, keys_file: Path, tenants: dict[str, str]) -> Stack:
+    return stacks(
+        ("router-0", "cachemeta-0", "prefill-0", "decode-0"),
+        KVMESH_ROUTER_KEYS_FILE=str(keys_file),
+        KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",
+    )
+
+
+def client(stack: Stack, key: str | None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key or "", max_retries=0, timeout=120)
+
+
+def ask(stack: Stack, key: str | None, prompt: str | list[int] = "Hi", **headers: str):
+    return client(stack, key).completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, temperature=0, extra_headers=headers
+    )
+
+
+def raw(stack: Stack, path: str, headers: dict[str, str], body: dict | None = None):
+    conn = http.client.HTTPConnection(stack.url.removeprefix("http://"), timeout=60)
+    try:
+        method = "POST" if body is not None else "GET"
+        conn.request(method, path, json.dumps(body) if body else None, headers)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.headers), json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_no_key_or_a_wrong_key_gets_401(stack: Stack, tenants: dict[str, str]) -> None:
+    for key in (None, "kvm_not-a-key"):
+        with pytest.raises(openai.AuthenticationError) as err:
+            ask(stack, key)
+        assert err.value.status_code == 401
+        body = err.value.body
+        assert body["type"] == "authentication_error" and body["code"] == "invalid_api_key"
+    assert ask(stack, tenants["a"]).choices[0].text is not None
+    # Anthropic clients send x-api-key.
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    status, _, _ = raw(stack, "/v1/completions", {"x-api-key": tenants["b"]}, body)
+    assert status == 200
+    status, _, answer = raw(stack, "/v1/models", {})
+    assert status == 401 and "no API key" in answer["error"]["message"]
+
+
+def test_keys_added_and_revoked_while_the_router_runs(
+    stack: Stack, keys_file: Path, tenants: dict[str, str]
+) -> None:
+    late = keys(keys_file, "add", "--tenant", "late")
+    wait_until(lambda: ask(stack, late), 10, what="the new key accepted")
+    late_id = next(k.id for k in KeysFile.read(keys_file).keys if k.tenant == "late")
+    keys(keys_file, "revoke", late_id)
+
+    def refused() -> bool:
+        try:
+            ask(stack, late)
+        except openai.AuthenticationError as err:
+            return "revoked" in err.value.message
+        return False
+
+    wait_until(refused, 10, what="the revoked key refused")
+    assert ask(stack, tenants["a"])  # the others still are served
+    assert "revoked" in keys(keys_file, "list")
+
+
+def test_a_key_over_its_rate_gets_429_while_others_are_served(
+    stack: Stack, tenants: dict[str, str]
+) -> None:
+    slow = client(stack, tenants["slow"])
+    slow.completions.create(model="tiny", prompt="one", max_tokens=1)
+    slow.completions.create(model="tiny", prompt="two", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as err:
+        slow.completions.create(model="tiny", prompt="three", max_tokens=1)
+    assert "2 requests per minute" in err.value.message
+    assert int(err.value.response.headers["retry-after"]) >= 1
+    assert ask(stack, tenants["a"])  # another key, not limited
+    # Input tokens per minute: a prompt larger than the whole budget is named as such.
+    with pytest.raises(openai.RateLimitError) as err:
+        ask(stack, tenants["small"], list(range(100, 500)))
+    assert "400 tokens exceed" in err.value.message and "300 input tokens" in err.value.message
+    ask(stack, tenants["small"], list(range(100, 300)))
+    with pytest.raises(openai.RateLimitError) as err:
+        ask(stack, tenants["small"], list(range(100, 300)))
+    assert "300 input tokens per minute" in err.value.message
+
+
+def test_the_tenant_is_the_keys_and_a_spoofed_header_gets_nothing(
+    stack: Stack, tenants: dict[str, str]
+) -> None:
+    prompt = [(i * 7919) % 40000 + 100 for i in range(640)]  # 10 full blocks
+    first = ask(stack, tenants["a"], prompt)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    hashes = stack.hashes(prompt, tenant="acme")
+    wait_until(lambda: (stack.lookup(hashes) or {}).get("store") == len(hashes), 30)
+    spoofed = ask(stack, tenants["b"], prompt, **{"x-kvmesh-tenant": "acme"})
+    assert spoofed.usage.prompt_tokens_details.cached_tokens == 0
+    again = ask(stack, tenants["a"], prompt)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 0.9 * len(prompt)
+
+
+def test_operator_endpoints_need_an_admin_key(stack: Stack, tenants: dict[str, str]) -> None:
+    status, _, body = raw(stack, "/v1/stats", {"Authorization": f"Bearer {tenants['a']}"})
+    assert status == 403 and "admin" in body["error"]["message"]
+    status, _, body = raw(stack, "/v1/stats", {"Authorization": f"Bearer {tenants['admin']}"})
+    assert status == 200 and "overall" in body
+    status, _, body = raw(stack, "/v1/models", {"Authorization": f"Bearer {tenants['a']}"})
+    assert status == 200 and body["data"]
+    assert raw(stack, "/health", {})[0] == 200  # probes need no key
+
+
+def test_grpc_takes_the_key_from_metadata(stack: Stack, tenants: dict[str, str]) -> None:
+    req = api_pb2.GenerateRequest(
+        model="tiny", messages=[api_pb2.ChatMessage(role="user", content="Hi")], max_tokens=2
+    )
+    with grpc.insecure_channel(stack.grpc) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(req, timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        answer = stub.Generate(
+            req, timeout=60, metadata=(("authorization", f"Bearer {tenants['b']}"),)
+        )
+        assert answer.usage.prompt_tokens > 0
+
+
+def test_a_router_told_to_use_a_bad_keys_file_does_not_start(tmp_path: Path) -> None:
+    bad = tmp_path / "keys.json"
+    bad.write_text('{"keys": [{"id": "k", "tenant": "acme"}]}')
+    done = start_with("router", "KVMESH_ROUTER_KEYS_FILE", str(bad))
+    assert done.returncode == 2
+    assert "KVMESH_ROUTER_KEYS_FILE" in done.stderr and "missing sha256" in done.stderr
+    done = start_with("router", "KVMESH_ROUTER_KEYS_FILE", str(tmp_path / "none.json"))
+    assert done.returncode == 2 and "kvmesh keys add" in done.stderr
