@@ -150,6 +150,14 @@ def test_the_tenant_is_the_keys_and_a_spoofed_header_gets_nothing(
     assert spoofed.usage.prompt_tokens_details.cached_tokens == 0
     again = ask(stack, tenants["a"], prompt)
     assert again.usage.prompt_tokens_details.cached_tokens >= 0.9 * len(prompt)
+    # Each tenant's blocks are files of their own, named by hashes salted by the server: a
+    # salt is not the tenant's name, so no client can make another tenant's hashes.
+    theirs = stack.hashes(prompt, tenant="beta")
+    wait_until(lambda: all(h in stack.store for h in theirs), 30, what="B's blocks stored")
+    assert all(h in stack.store for h in hashes) and not set(hashes) & set(theirs)
+    assert hashes != stack.hashes_with_salt(prompt, "acme")
+    secret = stack.dir / "secrets" / "tenant-salt.key"
+    assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_bytes()) == 32
 
 
 def test_operator_endpoints_need_an_admin_key(stack: Stack, tenants: dict[str, str]) -> None:

@@ -149,7 +149,7 @@ class EncoderService(Service):
         if req.model not in self.towers:
             return failed(f"{self.service_id} does not serve {req.model}", "internal")
         data = bytes(blob)
-        if content_hash(data) != req.image_hash:
+        if content_hash(data, req.salt) != req.image_hash:
             return failed("the image's bytes do not match its image_hash", "bad_image")
         key = f"{req.model}:{req.image_hash}"
         embeds, took, source = self.cache.get(key), 0.0, "memory"

@@ -42,6 +42,7 @@ from services.router.tokens import PromptTokenizer, Segments
 from shared.messages.generate import ImageRef, Sampling
 from shared.messages.kvevents import RETENTIONS
 from shared.model.text import MODEL_NAMES, TextModel, load_text_model
+from shared.security.salt import load_or_create_secret, tenant_salt
 from shared.telemetry.tracing import tracer
 
 LONG_TEXT_CHARS = 8192  # above this, tokenizing takes milliseconds: off the event loop
@@ -102,6 +103,7 @@ class Frontend:
         self.image_limits = image_limits
         self.recorder = RequestRecorder(stats)
         self.keys = KeyRing(settings.keys_file) if settings.keys_file else None
+        self.salt_secret = load_or_create_secret(state_dir)
         self.limiter = KeyLimiter()
         self.inflight = 0
         self._models: dict[str, TextModel] = {}
@@ -178,7 +180,8 @@ class Frontend:
                 404, f"model {req.model!r} does not exist", param="model", code="model_not_found"
             )
         self.dispatcher.check_servable(req.model)
-        images = await self._read_images(req) if isinstance(req, ChatRequest) else []
+        salt = tenant_salt(self.salt_secret, kv.tenant)
+        images = await self._read_images(req, salt) if isinstance(req, ChatRequest) else []
         encodes: Encodes | None = None
         if images:
             check_encoders(self.dispatcher.registry, req.model)
@@ -186,7 +189,7 @@ class Frontend:
             if self.settings.encode_ahead:  # encoding overlaps everything that follows
                 encodes.start(self.dispatcher.bus, req.model, self.image_limits.encode_timeout_s)
         try:
-            return await self._prepare(req, chat, rid, kv, caller, encodes)
+            return await self._prepare(req, chat, rid, kv, salt, caller, encodes)
         except BaseException:
             if encodes is not None:
                 encodes.cancel()
@@ -198,6 +201,7 @@ class Frontend:
         chat: bool,
         rid: str,
         kv: KvOptions,
+        salt: str,
         caller: Caller,
         encodes: Encodes | None,
     ) -> Prepared:
@@ -262,7 +266,7 @@ class Frontend:
             sampling=sampling,
             deadline=time.time() + self.settings.request_timeout_s,
             retention=kv.retention,
-            salt=kv.tenant,
+            salt=salt,
             fingerprint=config.fingerprint,
             segments=segments,
             images=refs,
@@ -280,7 +284,7 @@ class Frontend:
             encodes=encodes,
         )
 
-    async def _read_images(self, req: ChatRequest) -> list[ImageInput]:
+    async def _read_images(self, req: ChatRequest, salt: str) -> list[ImageInput]:
         """The request's images, each checked (400 naming its part), in order."""
         parts = [(i, j, part) for i, m in enumerate(req.messages) for j, part in m.image_parts()]
         limits = self.image_limits
@@ -298,7 +302,7 @@ class Frontend:
                     400, f"{param}: images are accepted in user messages only", param=param
                 )
             max_payload = self.dispatcher.bus.nc.max_payload
-            images.append(await read_image(part.image_url.url, param, limits, max_payload))
+            images.append(await read_image(part.image_url.url, param, limits, max_payload, salt))
         return images
 
     async def _encode_with_images(

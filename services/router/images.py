@@ -50,15 +50,19 @@ class ImageLimits:
 class ImageInput:
     param: str  # where it was in the request: messages[1].content[0].image_url
     data: bytes
-    image_hash: str
+    image_hash: str  # content_hash(data, salt)
     tokens: int
+    salt: str = ""  # the tenant's
 
     def ref(self, start: int) -> ImageRef:
         return ImageRef(image_hash=self.image_hash, start=start, tokens=self.tokens)
 
 
-async def read_image(url: str, param: str, limits: ImageLimits, max_payload: int) -> ImageInput:
-    """An image part's bytes, checked; ApiError(400) naming ``param`` and the limit."""
+async def read_image(
+    url: str, param: str, limits: ImageLimits, max_payload: int, salt: str = ""
+) -> ImageInput:
+    """An image part's bytes, checked; ApiError(400) naming ``param`` and the limit. Its
+    identity is salted with the tenant's salt."""
     max_bytes = min(limits.max_bytes, max_payload - FRAMING_BYTES)
     try:
         if url.startswith(("http://", "https://")):
@@ -74,7 +78,7 @@ async def read_image(url: str, param: str, limits: ImageLimits, max_payload: int
     except BadImage as err:
         raise ApiError(400, f"{param}: {err}", param=param, code="invalid_image") from None
     tokens = limits.grid.tokens(info.width, info.height)
-    return ImageInput(param, data, content_hash(data), tokens)
+    return ImageInput(param, data, content_hash(data, salt), tokens, salt)
 
 
 @dataclass
@@ -189,7 +193,7 @@ def join_prompt(
 
 
 async def _encode(bus: Bus, model: str, img: ImageInput, timeout_s: float) -> EncodeReply:
-    req = EncodeRequest(model=model, image_hash=img.image_hash, tokens=img.tokens)
+    req = EncodeRequest(model=model, image_hash=img.image_hash, tokens=img.tokens, salt=img.salt)
     attributes = {"image_hash": img.image_hash, "tokens": img.tokens, "bytes": len(img.data)}
     with tracer.start_as_current_span(
         "encode", kind=SpanKind.CLIENT, attributes=attributes

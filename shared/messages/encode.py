@@ -18,8 +18,9 @@ ImageErrorCode = Literal["", "bad_image", "internal"]
 
 class EncodeRequest(Message):
     model: str
-    image_hash: str  # content_hash of the bytes that follow
+    image_hash: str  # content_hash of the bytes that follow, salted with ``salt``
     tokens: int = Field(ge=1, description="embeddings the router counted for it")
+    salt: str = Field(default="", max_length=64, description="the tenant's (shared/security)")
 
 
 class EncodeReply(Message):

@@ -39,9 +39,10 @@ class ImageInfo:
         return self.width * self.height
 
 
-def content_hash(data: bytes) -> str:
-    """An image's identity: the same bytes, the same embeddings and the same KV."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+def content_hash(data: bytes, salt: str = "") -> str:
+    """An image's identity: the same bytes (for one tenant: its salt), the same embeddings
+    and the same KV. Salted, one tenant's image never finds another's embeddings."""
+    return hashlib.blake2b(data, digest_size=16, key=salt.encode()).hexdigest()
 
 
 def decode_data_url(url: str, max_bytes: int) -> bytes:
