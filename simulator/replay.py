@@ -274,7 +274,7 @@ def simulate(
         if kind == "arrive":
             i = data  # type: ignore[assignment]
             r = requests[i]
-            counts = index.lookup(r.hashes, now, touch=False)
+            counts = index.lookup(r.hashes, now)  # the blocks found are used now
             route = RouteRequest(str(i), r.n_in, block_size, r.hashes, counts, now)
             chosen = policy.rank(route, prefills)[0].service_id
             policy.dispatched(chosen, route)
@@ -289,12 +289,11 @@ def simulate(
             result.memory_hit_tokens += mem_tokens
             result.storage_hit_tokens += loaded
             # The prompt's blocks are now in this worker's memory tier and in the storage tier:
-            # new ones stored (KV events, as workers send them), all of them used now.
+            # new ones stored (KV events, as workers send them).
             for location, tier in ((memory_location(p), memory[p]), (STORE, store)):
                 new, evicted = tier.put(r.hashes, now)
                 emit("removed", location, evicted, now, r.retention)
                 emit("stored", location, new, now, r.retention)
-            index.touch(r.hashes, now)
             policy.prefilled(
                 p,
                 route,

@@ -182,16 +182,12 @@ class LeastLoaded(RoutingPolicy):
     name = "least_loaded"
 
     def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
-        def load(s: str) -> tuple[int, int, str]:
-            w = self.state(s)
-            return w.inflight, w.queued_s, s
-
+        states = sorted(
+            (self.state(s) for s in candidates),
+            key=lambda w: (w.inflight, w.queued_s, w.service_id),
+        )
         return [
-            Ranked(
-                s,
-                {"inflight": self.state(s).inflight, "queued_s": self.state(s).queued_s},
-            )
-            for s in sorted(candidates, key=load)
+            Ranked(w.service_id, {"inflight": w.inflight, "queued_s": w.queued_s}) for w in states
         ]
 
 

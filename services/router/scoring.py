@@ -55,6 +55,7 @@ class PrefillWorkerState:
     load_tok_s: Ewma
     work: dict[str, float] = field(default_factory=dict)  # in flight: request → estimate (s)
     queued_s: float = 0.0  # their sum
+    head_s: float = 0.0  # the oldest one's
     head_since: float = 0.0  # when the oldest in flight began, as far as the router knows
     reported_tokens: int = 0  # uncached tokens queued there, from its last heartbeat
     blocks_routed: int = 0  # blocks of all requests sent to it (how full its cache runs)
@@ -73,9 +74,11 @@ class PrefillWorkerState:
         oldest has done since it began; or what the worker says it has queued when that is
         more (other routers send it work too)."""
         ahead = self.queued_s
-        if self.work:
-            ahead -= min(next(iter(self.work.values())), max(0.0, now - self.head_since))
-        return max(ahead, self.reported_tokens / self.prefill_tok_s.value)
+        if ahead:
+            ahead -= min(self.head_s, max(0.0, now - self.head_since))
+        if self.reported_tokens:
+            return max(ahead, self.reported_tokens / self.prefill_tok_s.value)
+        return ahead
 
     def pending_prefix(self, hashes: list[str]) -> int:
         """Leading blocks of ``hashes`` that requests queued or running here will bring."""
@@ -91,7 +94,7 @@ class PrefillWorkerState:
 
     def dispatched(self, request_id: str, hashes: list[str], work_s: float, now: float) -> None:
         if not self.work:
-            self.head_since = now
+            self.head_since, self.head_s = now, work_s
         self.work[request_id] = work_s
         self.queued_s += work_s
         self.pending.update(hashes)
@@ -110,13 +113,15 @@ class PrefillWorkerState:
         """A request's prompt is computed here (or it failed): it leaves the queue, the next
         one begins, its blocks are in the memory tier now (cachemeta says so from here on),
         and the rates it showed are learned."""
-        if request_id not in self.work:
+        work = self.work
+        if request_id not in work:
             return
-        if next(iter(self.work)) == request_id:
-            self.head_since = now
-        self.queued_s = max(0.0, self.queued_s - self.work.pop(request_id))
-        if not self.work:
-            self.queued_s = 0.0  # no rounding left behind
+        was_head = next(iter(work)) == request_id
+        self.queued_s = max(0.0, self.queued_s - work.pop(request_id))
+        if not work:
+            self.queued_s = self.head_s = 0.0  # no rounding left behind
+        elif was_head:  # the next one begins
+            self.head_since, self.head_s = now, next(iter(work.values()))
         pending = self.pending
         for h in hashes:
             left = pending[h] - 1
@@ -131,6 +136,7 @@ class PrefillWorkerState:
 
     def check_integrity(self) -> None:
         assert abs(self.queued_s - sum(self.work.values())) < 1e-6, "queued work drifted"
+        assert self.head_s == next(iter(self.work.values()), 0.0), "the head is not the oldest"
         assert all(n > 0 for n in self.pending.values()), "a pending block with no request"
         assert self.work or not self.pending, "pending blocks with nothing in flight"
 
