@@ -55,6 +55,27 @@ def test_the_same_image_twice_is_encoded_once_and_its_kv_reused(stack: Stack) ->
     assert second.choices[0].message.content == first.choices[0].message.content
 
 
+def test_one_tenants_image_never_finds_anothers_embeddings(stack: Stack) -> None:
+    """Embeddings are kept per tenant (the image's identity is salted with the tenant's
+    salt): another tenant sending the same image has it encoded anew, and reuses no KV, not
+    even the text before it."""
+    messages = ask("What is in this picture?", image(data_url(png(11))), TAIL)
+
+    def send(tenant: str):
+        return stack.client().chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            extra_headers={"x-kvmesh-tenant": tenant},
+        )
+
+    first, again, other = send("acme"), send("acme"), send("beta")
+    cached = [r.model_extra["kvmesh"]["images"][0]["cached"] for r in (first, again, other)]
+    assert cached == [False, True, False]
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_another_image_changes_the_answer_and_hits_nothing_past_it(stack: Stack) -> None:
     a = ask("What is in this picture?", image(data_url(png(2))), TAIL)
     b = ask("What is in this picture?", image(data_url(png(3))), TAIL)
@@ -204,24 +225,3 @@ def test_without_an_encoder_image_requests_get_503_and_text_is_unaffected(stack:
             chat(stack, ask("see", image(data_url(png(9)))), url=url)
         assert err.value.status_code == 503 and "encoder" in err.value.message
         assert chat(stack, ask("just text"), url=url).usage.completion_tokens == 12
-
-
-def test_one_tenants_image_never_finds_anothers_embeddings(stack: Stack) -> None:
-    """Embeddings are kept per tenant (the image's identity is salted with the tenant's
-    salt): another tenant sending the same image has it encoded anew, and reuses no KV, not
-    even the text before it."""
-    messages = ask("What is in this picture?", image(data_url(png(11))), TAIL)
-
-    def send(tenant: str):
-        return stack.client().chat.completions.create(
-            model="tiny",
-            messages=messages,
-            max_tokens=4,
-            temperature=0,
-            extra_headers={"x-kvmesh-tenant": tenant},
-        )
-
-    first, again, other = send("acme"), send("acme"), send("beta")
-    cached = [r.model_extra["kvmesh"]["images"][0]["cached"] for r in (first, again, other)]
-    assert cached == [False, True, False]
-    assert other.usage.prompt_tokens_details.cached_tokens == 0
