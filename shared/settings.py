@@ -85,6 +85,12 @@ class CommonSettings(KvmeshSettings):
         "system mounted at the same path in a cluster); unset: <state_dir>/kvstore",
     )
 
+    secrets_dir: Path | None = Field(
+        default=None,
+        description="the mesh's secrets (tenant salts, KV handoff tokens): every router and "
+        "worker of a mesh must read the same ones; unset: <state_dir>/secrets",
+    )
+
     trace_exporter: Literal["file", "otlp-grpc", "otlp-http", "console", "none"] = Field(
         default="file",
         description="where spans go: JSON lines under <state_dir>/traces (read by `kvmesh "
@@ -126,6 +132,10 @@ class CommonSettings(KvmeshSettings):
     @property
     def resolved_kv_store_dir(self) -> Path:
         return self.kv_store_dir or self.state_dir / "kvstore"
+
+    @property
+    def resolved_secrets_dir(self) -> Path:
+        return self.secrets_dir or self.state_dir / "secrets"
 
     def resolved_service_id(self, role: str) -> str:
         return self.service_id or f"{role}-{socket.gethostname()}-{os.getpid()}"

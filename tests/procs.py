@@ -25,12 +25,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def secrets_dir(state_dir: Path) -> Path:
+    return state_dir.parent / "secrets"
+
+
 def service_env(nats_url: str, state_dir: Path, **extra: str) -> dict[str, str]:
     """A clean environment for a child process: only the KVMESH_ values a test sets."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     env.update(
         KVMESH_NATS_URL=nats_url,
         KVMESH_STATE_DIR=str(state_dir),
+        # One mesh's secrets for every stack beside this one: stacks on one nats-server may
+        # route to each other's workers (salts and handoff tokens must agree).
+        KVMESH_SECRETS_DIR=str(secrets_dir(state_dir)),
         KVMESH_NATS_CONNECT_TIMEOUT_S="10",
         KVMESH_ROUTER_GRPC_PORT="0",
         # Tests are about the mesh unless they say otherwise: the tiny model, one thread each.

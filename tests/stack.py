@@ -26,8 +26,17 @@ from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
 from shared.messages.kvevents import LookupReply, LookupRequest
 from shared.model.text import load_config
-from shared.security.salt import load_or_create_secret, tenant_salt
-from tests.procs import Proc, free_port, get_json, service_env, start_service, wait_until
+from shared.security.salt import SALT_SECRET, tenant_salt
+from shared.security.secret import load_or_create
+from tests.procs import (
+    Proc,
+    free_port,
+    get_json,
+    secrets_dir,
+    service_env,
+    start_service,
+    wait_until,
+)
 
 BLOCK_SIZE = 64  # the workers' default
 
@@ -93,7 +102,7 @@ class Stack:
 
     def hashes(self, ids: list[int], tenant: str = "", model: str = "tiny") -> list[str]:
         """The block hashes of a prompt's full blocks, as the router and workers make them."""
-        salt = tenant_salt(load_or_create_secret(self.dir), tenant)
+        salt = tenant_salt(load_or_create(secrets_dir(self.dir), SALT_SECRET), tenant)
         return self.hashes_with_salt(ids, salt, model)
 
     def hashes_with_salt(self, ids: list[int], salt: str, model: str = "tiny") -> list[str]:

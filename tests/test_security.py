@@ -1,23 +1,30 @@
-"""API keys through real processes (tiny model, official `openai` client): 401 without a valid
+"""Security through real processes (tiny model, official `openai` client): 401 without a valid
 key, keys added and revoked while the router runs, 429 per key while other keys are served,
-the tenant taken from the key (a spoofed tenant header gets nothing of another tenant's cache),
-admin-only endpoints, gRPC metadata, and `kvmesh keys`."""
+the tenant taken from the key (a spoofed tenant header gets nothing of another tenant's cache,
+whose salt the server derives), admin-only endpoints, gRPC metadata, `kvmesh keys`, and KV
+pushes refused without the router's handoff token."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import openai
 import pytest
 
-from shared.proto import api_pb2, api_pb2_grpc
+from shared.bus import Bus, subjects
+from shared.messages.generate import GenerateTask, Sampling
+from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot
+from shared.proto import api_pb2, api_pb2_grpc, kv_pb2, kv_pb2_grpc
 from shared.security.keys import KeysFile
-from tests.procs import REPO, start_with, wait_until
+from tests.procs import REPO, secrets_dir, start_with, wait_until
 from tests.stack import Stack
 
 
@@ -157,7 +164,7 @@ def test_the_tenant_is_the_keys_and_a_spoofed_header_gets_nothing(
     wait_until(lambda: all(h in stack.store for h in theirs), 30, what="B's blocks stored")
     assert all(h in stack.store for h in hashes) and not set(hashes) & set(theirs)
     assert hashes != stack.hashes_with_salt(prompt, "acme")
-    secret = stack.dir / "secrets" / "tenant-salt.key"
+    secret = secrets_dir(stack.dir) / "tenant-salt.key"
     assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_bytes()) == 32
 
 
@@ -195,3 +202,62 @@ def test_a_router_told_to_use_a_bad_keys_file_does_not_start(tmp_path: Path) -> 
     assert "KVMESH_ROUTER_KEYS_FILE" in done.stderr and "missing sha256" in done.stderr
     done = start_with("router", "KVMESH_ROUTER_KEYS_FILE", str(tmp_path / "none.json"))
     assert done.returncode == 2 and "kvmesh keys add" in done.stderr
+
+
+def kv_address(stack: Stack, sid: str) -> str:
+    """A worker's KV handoff address, from the router's registry."""
+
+    async def ask() -> str:
+        bus = await Bus.connect(stack.nats_url, "test-registry")
+        try:
+            snap = await bus.request(
+                subjects.ROUTER_REGISTRY, RegistryQuery(role="decode"), RegistrySnapshot, 5.0
+            )
+        finally:
+            await bus.close()
+        return next(w.addresses["kv"] for w in snap.workers if w.service_id == sid)
+
+    return asyncio.run(ask())
+
+
+def forged_push(address: str, request_id: str, token: str) -> kv_pb2.HandoffStatus:
+    """A KV push as anyone who reaches the decode worker could send it."""
+    task = GenerateTask(
+        request_id=request_id,
+        model="tiny",
+        token_ids=[1, 2, 3],
+        sampling=Sampling(max_tokens=4),
+        reply_subject="kvmesh.attacker",
+        decode_id="decode-0",
+        decode_kv_address=address,
+        deadline=time.time() + 60,
+        handoff_token=token,
+    )
+    with grpc.insecure_channel(address) as channel:
+        call = kv_pb2_grpc.KvHandoffStub(channel).Handoff(
+            iter([kv_pb2.KvChunk(reserve=task.to_bytes())]), timeout=10
+        )
+        return next(call)
+
+
+def test_a_kv_push_without_the_routers_token_is_refused_and_the_request_answered(
+    stack: Stack, tenants: dict[str, str]
+) -> None:
+    address = kv_address(stack, "decode-0")
+    rid = "victim-request-1"  # a client names its request; an attacker may know the id
+    with ThreadPoolExecutor(1) as pool:
+        real = pool.submit(
+            lambda: client(stack, tenants["a"]).completions.create(
+                model="tiny",
+                prompt=list(range(100, 400)),
+                max_tokens=16,
+                temperature=0,
+                extra_headers={"x-request-id": rid},
+            )
+        )
+        refusals = [forged_push(address, rid, token) for token in ("", "9999999999." + "0" * 64)]
+        answer = real.result(timeout=120)
+    assert [(s.ok, s.code) for s in refusals] == [(False, "unauthorized")] * 2
+    assert "no handoff token" in refusals[0].error and "not this request" in refusals[1].error
+    assert answer.usage.completion_tokens == 16
+    assert "refused a KV push for victim-request-1" in stack.procs["decode-0"].output()

@@ -21,6 +21,8 @@ from shared.engine.kvformat import KVFormatError
 from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck, TokenEvent
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
+from shared.security.handoff import HANDOFF_SECRET, handoff_refusal
+from shared.security.secret import load_or_create
 from shared.settings import CommonSettings
 from shared.telemetry.metrics import BYTES
 from shared.telemetry.tracing import attached, extract, tracer
@@ -53,6 +55,7 @@ class DecodeService(WorkerService):
         self.prefills: set[asyncio.Task] = set()
         self.kv_address = ""
         self._publishing: asyncio.Task | None = None
+        self.handoff_secret = load_or_create(common.resolved_secrets_dir, HANDOFF_SECRET)
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await self.start_engine(stack, bus)
@@ -258,6 +261,13 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
             return
         task = GenerateTask.from_bytes(first.reserve)
         rid = task.request_id
+        why = handoff_refusal(
+            svc.handoff_secret, task.handoff_token, rid, svc.service_id, time.time()
+        )
+        if why:
+            log.warning("refused a KV push for %s from %s: %s", rid, context.peer(), why)
+            yield kv_pb2.HandoffStatus(ok=False, code="unauthorized", error=f"refused: {why}")
+            return
         if svc.status != "ready" or task.model != svc.settings.model:
             yield kv_pb2.HandoffStatus(ok=False, code="busy", error=f"{svc.service_id} not taking")
             return

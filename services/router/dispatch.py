@@ -29,6 +29,7 @@ from shared.bus import Bus, BusError, subjects
 from shared.kvstore.hashing import block_hashes
 from shared.messages.generate import Cancel, GenerateTask, ImageRef, Sampling, TaskAck, TokenEvent
 from shared.messages.kvevents import STORE, LookupReply, LookupRequest, memory_location
+from shared.security.handoff import handoff_token
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,10 @@ class Dispatcher:
         registry: WorkerRegistry,
         policy: RoutingPolicy,
         limits: DispatchLimits,
+        handoff_secret: bytes,
     ) -> None:
         self.bus = bus
+        self.handoff_secret = handoff_secret
         self.router_id = router_id
         self.registry = registry
         self.policy = policy
@@ -344,6 +347,9 @@ class Dispatcher:
                 deadline=job.deadline,
                 block_hashes=job.block_hashes,
                 salt=job.salt,
+                handoff_token=handoff_token(
+                    self.handoff_secret, job.request_id, decode.service_id, job.deadline
+                ),
                 retention=job.retention,
                 images=list(job.images),
             )

@@ -42,7 +42,8 @@ from services.router.tokens import PromptTokenizer, Segments
 from shared.messages.generate import ImageRef, Sampling
 from shared.messages.kvevents import RETENTIONS
 from shared.model.text import MODEL_NAMES, TextModel, load_text_model
-from shared.security.salt import load_or_create_secret, tenant_salt
+from shared.security.salt import SALT_SECRET, tenant_salt
+from shared.security.secret import load_or_create
 from shared.telemetry.tracing import tracer
 
 LONG_TEXT_CHARS = 8192  # above this, tokenizing takes milliseconds: off the event loop
@@ -96,6 +97,7 @@ class Frontend:
         state_dir: Path,
         image_limits: ImageLimits,
         stats: RollingStats,
+        secrets_dir: Path,
     ) -> None:
         self.settings = settings
         self.dispatcher = dispatcher
@@ -103,7 +105,7 @@ class Frontend:
         self.image_limits = image_limits
         self.recorder = RequestRecorder(stats)
         self.keys = KeyRing(settings.keys_file) if settings.keys_file else None
-        self.salt_secret = load_or_create_secret(state_dir)
+        self.salt_secret = load_or_create(secrets_dir, SALT_SECRET)
         self.limiter = KeyLimiter()
         self.inflight = 0
         self._models: dict[str, TextModel] = {}

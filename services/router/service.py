@@ -31,6 +31,8 @@ from shared.messages.heartbeat import (
     RegistrySnapshot,
 )
 from shared.proto import api_pb2_grpc
+from shared.security.handoff import HANDOFF_SECRET
+from shared.security.secret import load_or_create
 from shared.service import Service
 from shared.settings import CommonSettings, SettingsError
 
@@ -72,7 +74,9 @@ class RouterService(Service):
         policy = POLICIES[s.routing_policy](
             CostDefaults(prefill_tok_s=s.prefill_tok_s, load_tok_s=s.load_tok_s)
         )
-        dispatcher = Dispatcher(bus, self.service_id, self.registry, policy, limits)
+        secrets_dir = self.common.resolved_secrets_dir
+        handoff = load_or_create(secrets_dir, HANDOFF_SECRET)
+        dispatcher = Dispatcher(bus, self.service_id, self.registry, policy, limits, handoff)
         await dispatcher.start()
         image_limits = ImageLimits(
             max_bytes=s.image_max_bytes,
@@ -85,7 +89,12 @@ class RouterService(Service):
             remote_private=s.remote_images_private,
         )
         self.frontend = Frontend(
-            s, dispatcher, Path(self.common.state_dir), image_limits, self.stats
+            s,
+            dispatcher,
+            Path(self.common.state_dir),
+            image_limits,
+            self.stats,
+            secrets_dir,
         )
         if s.keys_file:
             log.info("auth on: API keys from %s; a request's tenant is its key's", s.keys_file)

@@ -61,6 +61,9 @@ class GenerateTask(Message):
         default_factory=list, description="hashes of the prompt's full blocks (shared/kvstore)"
     )
     salt: str = Field(default="", description="the tenant salt the hashes were made with")
+    handoff_token: str = Field(
+        default="", description="what decode_id expects with the KV push (shared/security)"
+    )
     retention: Retention = "chat"
     images: list[ImageRef] = Field(
         default_factory=list,
