@@ -45,6 +45,12 @@ class ServiceSettings(KvmeshSettings):
     advertise_host: str = Field(
         default="", description="host others use to reach this service; empty: derived"
     )
+    max_body_bytes: int = Field(
+        default=1 << 20, ge=1024, description="HTTP request body at most (more: 413)"
+    )
+    max_header_bytes: int = Field(
+        default=16384, ge=1024, description="one HTTP request line or header at most (more: 400)"
+    )
 
     def advertised_host(self) -> str:
         """The host put in heartbeats: a wildcard bind address means "this machine's name"."""
@@ -116,7 +122,14 @@ async def serve_http(stack: AsyncExitStack, app: web.Application, settings: Serv
     host, port = settings.http_host, settings.http_port
     # handler_cancellation: a handler whose client went away is cancelled (and so, for the
     # router, is the request on its workers).
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        handler_cancellation=True,
+        max_line_size=settings.max_header_bytes,
+        max_field_size=settings.max_header_bytes,
+    )
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -130,7 +143,9 @@ async def serve_http(stack: AsyncExitStack, app: web.Application, settings: Serv
 
 def build_app(service: Service) -> web.Application:
     """The service's HTTP application: GET /health, GET /metrics and its own routes."""
-    app = web.Application(middlewares=[openai_errors])
+    app = web.Application(
+        middlewares=[openai_errors], client_max_size=service.settings.max_body_bytes
+    )
     register_load(LoadCollector(service.role, service.load, service.heartbeat_ages))
     app.add_routes(
         [

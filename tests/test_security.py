@@ -261,3 +261,47 @@ def test_a_kv_push_without_the_routers_token_is_refused_and_the_request_answered
     assert "no handoff token" in refusals[0].error and "not this request" in refusals[1].error
     assert answer.usage.completion_tokens == 16
     assert "refused a KV push for victim-request-1" in stack.procs["decode-0"].output()
+
+
+def test_limits_on_what_arrives_are_named_and_the_router_keeps_serving(
+    stack: Stack, tenants: dict[str, str]
+) -> None:
+    url = stack.router(
+        "router-limits",
+        KVMESH_ROUTER_MAX_BODY_BYTES="4096",
+        KVMESH_ROUTER_MAX_HEADER_BYTES="2048",
+    )
+    auth = {"Authorization": f"Bearer {tenants['a']}", "Content-Type": "application/json"}
+    host = url.removeprefix("http://")
+
+    def post(body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(host, timeout=60)
+        try:
+            conn.request("POST", "/v1/completions", body, headers)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    big = json.dumps({"model": "tiny", "prompt": "x" * 5000, "max_tokens": 1}).encode()
+    status, body = post(big, auth)
+    assert status == 413
+    error = json.loads(body)["error"]
+    assert "at most 4096 bytes" in error["message"] and "MAX_BODY_BYTES" in error["message"]
+    status, _ = post(
+        b'{"model": "tiny", "prompt": "Hi", "max_tokens": 1}', {**auth, "x-pad": "y" * 3000}
+    )
+    assert status == 400
+    ok = post(b'{"model": "tiny", "prompt": "Hi", "max_tokens": 1}', auth)
+    assert ok[0] == 200  # still serving
+    # gRPC: the same bound on a message.
+    req = api_pb2.GenerateRequest(
+        model="tiny", messages=[api_pb2.ChatMessage(role="user", content="x" * 5000)]
+    )
+    metadata = (("authorization", f"Bearer {tenants['a']}"),)
+    with (
+        grpc.insecure_channel(stack.grpc_of("router-limits")) as channel,
+        pytest.raises(grpc.RpcError) as err,
+    ):
+        api_pb2_grpc.GenerationStub(channel).Generate(req, timeout=30, metadata=metadata)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -56,7 +56,7 @@ class HttpApi:
                 caller = self.frontend.identify(request.headers)
                 with self.frontend.admitted(caller):
                     kv = KvOptions.from_headers(request.headers, caller)
-                    body = await request.read()
+                    body = await self._body(request)
                     p = await self.frontend.prepare(body, chat, rid, kv, caller)
                     handled.prepared = p
                     resp = await (self._stream(request, p) if p.stream else self._whole(p))
@@ -65,6 +65,17 @@ class HttpApi:
             except ApiError as err:
                 handled.status = err.status
                 return api_error(err, rid)
+
+    async def _body(self, request: web.Request) -> bytes:
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            limit = self.frontend.settings.max_body_bytes
+            raise ApiError(
+                413,
+                f"request body: at most {limit} bytes (KVMESH_ROUTER_MAX_BODY_BYTES)",
+                code="body_too_large",
+            ) from None
 
     async def _whole(self, p: Prepared) -> web.Response:
         deltas = self.frontend.deltas(p)

@@ -103,7 +103,13 @@ class RouterService(Service):
                 "auth off: no keys file (KVMESH_ROUTER_KEYS_FILE); every request is let in "
                 "and names its own tenant (x-kvmesh-tenant)"
             )
-        server = grpc.aio.server()
+        size = s.max_body_bytes  # a gRPC message carries what an HTTP body would
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", size),
+                ("grpc.max_send_message_length", size),
+            ]
+        )
         api_pb2_grpc.add_GenerationServicer_to_server(GrpcApi(self.frontend), server)
         port = server.add_insecure_port(f"{s.http_host}:{s.grpc_port}")
         if not port:

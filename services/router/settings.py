@@ -22,6 +22,11 @@ class RouterSettings(ServiceSettings):
     missed_heartbeats: int = Field(
         default=3, ge=1, le=100, description="a service that misses this many beats is dropped"
     )
+    max_body_bytes: int = Field(
+        default=16 << 20,
+        ge=1024,
+        description="a request body at most (more: 413); images come in the body, base64",
+    )
     keys_file: Path | None = Field(
         default=None,
         description="the API keys file (JSON, or TOML by its name; `kvmesh keys` writes it): "
