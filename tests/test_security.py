@@ -83,7 +83,9 @@ def raw(stack: Stack, path: str, headers: dict[str, str], body: dict | None = No
         method = "POST" if body is not None else "GET"
         conn.request(method, path, json.dumps(body) if body else None, headers)
         resp = conn.getresponse()
-        return resp.status, dict(resp.headers), json.loads(resp.read())
+        data = resp.read()
+        json_body = resp.headers.get("Content-Type", "").startswith("application/json")
+        return resp.status, dict(resp.headers), json.loads(data) if json_body else data
     finally:
         conn.close()
 
@@ -305,3 +307,20 @@ def test_limits_on_what_arrives_are_named_and_the_router_keeps_serving(
     ):
         api_pb2_grpc.GenerationStub(channel).Generate(req, timeout=30, metadata=metadata)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_openapi_describes_every_route_as_it_is(stack: Stack) -> None:
+    status, _, doc = raw(stack, "/openapi.json", {})
+    assert status == 200 and doc["openapi"].startswith("3.1")
+    paths = doc["paths"]
+    assert set(paths) >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
+    chat = paths["/v1/chat/completions"]["post"]
+    assert chat["security"] and "401" in chat["responses"] and "413" in chat["responses"]
+    schemas = doc["components"]["schemas"]
+    assert "messages" in schemas["ChatRequest"]["properties"]
+    refs = json.dumps(doc).split('"$ref": "')[1:]
+    assert all(r.split('"')[0].removeprefix("#/components/schemas/") in schemas for r in refs)
+    for path, ops in paths.items():  # each documented operation exists: no 404 or 405
+        for method in ops:
+            status, _, _ = raw(stack, path, {}, {} if method == "post" else None)
+            assert status not in (404, 405), (method, path, status)

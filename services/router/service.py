@@ -17,11 +17,13 @@ from services.router.grpc_api import GrpcApi
 from services.router.http_api import HttpApi, api_error
 from services.router.images import ImageLimits
 from services.router.openai_api import ApiError
+from services.router.openapi import document
 from services.router.policies import POLICIES
 from services.router.registry import WorkerRegistry
 from services.router.scoring import CostDefaults
 from services.router.settings import RouterSettings
 from services.router.stats import DAY_S, RollingStats, StatsMinute
+from shared import __version__
 from shared.bus import Bus, subjects
 from shared.messages.heartbeat import (
     ROLES,
@@ -182,8 +184,14 @@ class RouterService(Service):
         return [
             web.get("/v1/models", self.list_models),
             web.get("/v1/stats", self.operator_stats),
+            web.get("/openapi.json", self.openapi),
             *HttpApi(self.frontend).routes(),
         ]
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The HTTP API as it is (services/router/openapi.py)."""
+        auth = self.settings.keys_file is not None
+        return web.json_response(document(request.app.router.routes(), __version__, auth))
 
     async def operator_stats(self, request: web.Request) -> web.Response:
         """The operator's summary (services/router/stats.py), overall and per traffic class.

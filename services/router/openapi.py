@@ -1,0 +1,100 @@
+"""GET /openapi.json: the router's HTTP API as it is, built from its route table and the
+request models the handlers parse (a route without a description here fails the build, so
+the document cannot fall behind the routes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from services.router.openai_api import ChatRequest, CompletionRequest
+
+# path → (summary, the body's model or None, the error statuses it can answer with)
+ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
+    "/v1/chat/completions": (
+        "A chat completion, whole or as server-sent events (OpenAI's Chat Completions)",
+        ChatRequest,
+        (400, 401, 404, 413, 429, 503, 504),
+    ),
+    "/v1/completions": (
+        "A text completion, whole or as server-sent events (OpenAI's Completions)",
+        CompletionRequest,
+        (400, 401, 404, 413, 429, 503, 504),
+    ),
+    "/v1/models": ("The models a ready prefill and decode worker both serve", None, (401,)),
+    "/v1/stats": ("The operator's summary, overall and per traffic class", None, (401, 403)),
+    "/health": ("Each role with its services; 503 while a role has none ready", None, (503,)),
+    "/metrics": ("Prometheus metrics", None, ()),
+    "/openapi.json": ("This document", None, ()),
+}
+
+_ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+            "required": ["message", "type"],
+        }
+    },
+    "required": ["error"],
+}
+
+
+def document(routes: Iterable[web.AbstractRoute], version: str, auth: bool) -> dict:
+    schemas: dict = {"Error": _ERROR}
+    paths: dict = {}
+    for route in routes:
+        info = route.resource.get_info() if route.resource else {}
+        path = info.get("path") or info.get("formatter")
+        if route.method == "HEAD" or not path:
+            continue
+        assert path in ROUTES, f"{route.method} {path}: describe it in services/router/openapi.py"
+        summary, model, errors = ROUTES[path]
+        op: dict = {
+            "summary": summary,
+            "responses": {"200": {"description": "OK"}}
+            | {
+                str(code): {
+                    "description": "an OpenAI-style error",
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                    },
+                }
+                for code in errors
+            },
+        }
+        if model is not None:
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            op["requestBody"] = {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}
+                    }
+                },
+            }
+        if auth and path.startswith("/v1/"):
+            op["security"] = [{"bearer": []}, {"apiKey": []}]
+        paths.setdefault(path, {})[route.method.lower()] = op
+    components: dict = {"schemas": schemas}
+    if auth:
+        components["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvmesh router", "version": version},
+        "paths": dict(sorted(paths.items())),
+        "components": components,
+    }
