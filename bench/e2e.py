@@ -81,11 +81,13 @@ class Stack:
         )
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout_s: float = 120) -> None:
+    def wait_ready(self, timeout_s: float = 120, key: str = "") -> None:
         deadline = time.monotonic() + timeout_s
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+                req = urllib.request.Request(f"{self.url}/v1/models", headers=headers)
+                with urllib.request.urlopen(req, timeout=2) as r:
                     if json.loads(r.read())["data"]:
                         return
             except OSError:
