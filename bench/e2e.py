@@ -148,9 +148,12 @@ async def one_request(
     }
 
 
-async def drive(url: str, model: str, clients: int, per_client: int, max_tokens: int) -> dict:
+async def drive(
+    url: str, model: str, clients: int, per_client: int, max_tokens: int, key: str = ""
+) -> dict:
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
 
         async def worker(c: int) -> list[dict]:
             return [
@@ -188,6 +191,11 @@ def main() -> None:
     ap.add_argument("--skip-real", action="store_true", help="only the tiny model")
     ap.add_argument("--requests", type=int, default=3, help="requests per client (tiny model)")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--auth",
+        action="store_true",
+        help="also compare TTFT at 1 client with API keys off and on (tiny model, same run)",
+    )
     args = ap.parse_args()
     runs = [("tiny", 1, args.requests)]
     if not args.skip_real:
@@ -225,7 +233,36 @@ def main() -> None:
             f"{f['ttft_p99_ms']:>8.1f}ms{f['tpot_p50_ms'] or 0:>8.1f}ms{f['rps']:>8.1f}"
             f"{f['kv_transfer_mb_s'] or 0:>9.1f}{f['mesh_overhead_p50_ms']:>17.1f}ms"
         )
+    if args.auth:
+        summary.update(auth_comparison(args.max_tokens))
     print(json.dumps(summary))
+
+
+def auth_comparison(max_tokens: int, requests: int = 60) -> dict:
+    """TTFT p50 at 1 client, tiny model, with API keys off and on, one stack after the other."""
+    keys_file = Path(tempfile.mkdtemp(prefix="kvmesh-bench-keys-")) / "keys.json"
+    key = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "keys", "--file", str(keys_file), "add", "--tenant", "b"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    out = {}
+    for name, extra, k in (
+        ("auth_off", {}, ""),
+        ("auth_on", {"KVMESH_ROUTER_KEYS_FILE": str(keys_file)}, key),
+    ):
+        say(f"tiny: 1 client x {requests} requests, {name.replace('_', ' ')}")
+        stack = Stack("tiny", 1, extra)
+        try:
+            stack.wait_ready(key=k)
+            fig = asyncio.run(drive(stack.url, "tiny", 1, requests, max_tokens, k))
+        finally:
+            stack.stop()
+        out[f"{name}_ttft_p50_ms"] = fig["ttft_p50_ms"]
+        print(f"1 client, {name.replace('_', ' ')}: TTFT p50 {fig['ttft_p50_ms']:.2f} ms")
+    return out
 
 
 if __name__ == "__main__":
