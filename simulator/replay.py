@@ -123,38 +123,36 @@ class _Lru:
         return new, evicted
 
 
-def infinite_cache_hit_ratio(requests: list[TraceRequest], block_size: int) -> float:
-    """Prompt tokens whose leading blocks appeared in an earlier request: the best any
-    router and cache could do."""
+def infinite_cache_tokens(requests: list[TraceRequest], block_size: int) -> list[int]:
+    """Per request, its prompt tokens whose leading blocks appeared in an earlier request:
+    what an infinite cache would hold for it."""
     seen: set[str] = set()
-    hit = total = 0
+    cached = []
     for r in requests:
         n = 0
         for h in r.hashes:
             if h not in seen:
                 break
             n += 1
-        hit += min(r.n_in, n * block_size)
-        total += r.n_in
+        cached.append(min(r.n_in, n * block_size))
         seen.update(r.hashes)
-    return hit / max(1, total)
+    return cached
+
+
+def infinite_cache_hit_ratio(requests: list[TraceRequest], block_size: int) -> float:
+    """The share of prompt tokens an infinite cache holds: the best any router and cache
+    could do."""
+    hit = sum(infinite_cache_tokens(requests, block_size))
+    return hit / max(1, sum(r.n_in for r in requests))
 
 
 def request_work_s(requests: list[TraceRequest], block_size: int, cfg: SimConfig) -> list[float]:
     """Each request's prefill time with an infinite cache: every block computed once, the
     first time it is seen, and loaded from the storage tier after (the reference work)."""
-    seen: set[str] = set()
-    work = []
-    for r in requests:
-        n = 0
-        for h in r.hashes:
-            if h not in seen:
-                break
-            n += 1
-        cached = min(r.n_in, n * block_size)
-        work.append((r.n_in - cached) / cfg.prefill_tok_s + cached / cfg.load_tok_s)
-        seen.update(r.hashes)
-    return work
+    return [
+        (r.n_in - cached) / cfg.prefill_tok_s + cached / cfg.load_tok_s
+        for r, cached in zip(requests, infinite_cache_tokens(requests, block_size), strict=True)
+    ]
 
 
 def prefill_work_s(requests: list[TraceRequest], block_size: int, cfg: SimConfig) -> float:
