@@ -33,10 +33,6 @@ class Caller:
     tenant: str = ""
     key: ApiKey | None = None
 
-    @property
-    def key_id(self) -> str:
-        return self.key.id if self.key else ""
-
 
 ANONYMOUS = Caller()  # auth off
 
