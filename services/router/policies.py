@@ -255,7 +255,8 @@ class SglangCacheAware(RoutingPolicy):
         loads = {s: self.state(s).inflight for s in candidates}
         hi, lo = max(loads.values()), min(loads.values())
         imbalanced = hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
-        match = {s: self._match(s, req.hashes) for s in candidates}
+        head = req.hashes[0] if req.hashes else None
+        match = {s: self._match(s, req.hashes) if head in self._tree(s) else 0 for s in candidates}
         n = max(1, len(req.hashes))
         if imbalanced:
             key = lambda s: (loads[s], s)  # noqa: E731
