@@ -38,11 +38,12 @@ ANONYMOUS = Caller()  # auth off
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
-    auth = headers.get("authorization") or headers.get("Authorization") or ""
-    scheme, _, value = auth.partition(" ")
+    """The key in a request's headers (aiohttp's are case-insensitive; gRPC metadata keys
+    are lower-case)."""
+    scheme, _, value = headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         return value.strip()
-    return headers.get("x-api-key") or headers.get("X-Api-Key") or None
+    return headers.get("x-api-key") or None
 
 
 def unauthorized(message: str) -> ApiError:
@@ -53,10 +54,8 @@ class KeyRing:
     """The keys file as the router sees it now."""
 
     def __init__(self, path: Path) -> None:
-        """Raises KeysFileError when the file is missing or malformed: a router that was
-        told to require keys does not start without them."""
-        if not path.is_file():
-            raise KeysFileError(f"{path}: no such file (make one with `kvmesh keys add`)")
+        """Raises KeysFileError when the file is malformed (RouterSettings has checked that
+        it is there and reads at start)."""
         self.path = path
         self._by_hash = {k.sha256: k for k in KeysFile.read(path).keys}
         self._stamp = self._file_stamp()
@@ -82,7 +81,6 @@ class KeyRing:
             log.error("keys file not read again, the keys read before stay: %s", err)
             return
         self._by_hash = {k.sha256: k for k in keys}
-        self._stamp = stamp
         revoked = sum(k.revoked for k in keys)
         log.info("keys file %s read: %d keys (%d revoked)", self.path, len(keys), revoked)
 
