@@ -9,7 +9,11 @@ tpot_p50_ms, rps, kv_transfer_mb_s, mesh_overhead_p50_ms.
 mesh overhead = what the client waited (request sent → last chunk) minus the time the
 engines computed for the request (prefill + its decode steps, reported by the workers).
 
-    .venv/bin/python bench/e2e.py [--skip-real] [--requests 3]
+--auth / --tls: also TTFT p50 at 1 client on stacks without and with API keys / TLS
+(`kvmesh up --tls`: HTTPS, mutual TLS on NATS and the KV handoff), up side by side and asked
+in turn; the JSON gains <variant>_ttft_p50_ms and security_added_p50_ms.
+
+    .venv/bin/python bench/e2e.py [--skip-real] [--requests 3] [--auth] [--tls]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import json
 import os
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
@@ -52,7 +57,9 @@ def free_port() -> int:
 class Stack:
     """`kvmesh up` in a subprocess, on free ports and a scratch state dir."""
 
-    def __init__(self, model: str, threads: int, extra: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, model: str, threads: int, extra: dict[str, str] | None = None, tls: bool = False
+    ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
@@ -73,13 +80,19 @@ class Stack:
         env.update(extra or {})
         self.log = open(self.dir / "up.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh", "up"],
+            [sys.executable, "-m", "kvmesh", "up", *(["--tls"] if tls else [])],
             env=env,
             cwd=REPO,
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.tls = tls
+
+    @property
+    def ssl(self) -> ssl.SSLContext | None:
+        """What a client trusts: the stack's local CA (made by `kvmesh up --tls`)."""
+        return ssl.create_default_context(cafile=self.dir / "tls" / "ca.crt") if self.tls else None
 
     def wait_ready(self, timeout_s: float = 120, key: str = "") -> None:
         deadline = time.monotonic() + timeout_s
@@ -87,7 +100,7 @@ class Stack:
         while time.monotonic() < deadline:
             try:
                 req = urllib.request.Request(f"{self.url}/v1/models", headers=headers)
-                with urllib.request.urlopen(req, timeout=2) as r:
+                with urllib.request.urlopen(req, timeout=2, context=self.ssl) as r:
                     if json.loads(r.read())["data"]:
                         return
             except OSError:
@@ -149,7 +162,12 @@ async def one_request(
 
 
 async def drive(
-    url: str, model: str, clients: int, per_client: int, max_tokens: int, key: str = ""
+    url: str,
+    model: str,
+    clients: int,
+    per_client: int,
+    max_tokens: int,
+    key: str = "",
 ) -> dict:
     connector = aiohttp.TCPConnector(limit=0)
     headers = {"Authorization": f"Bearer {key}"} if key else None
@@ -196,6 +214,11 @@ def main() -> None:
         action="store_true",
         help="also compare TTFT at 1 client with API keys off and on (tiny model, same run)",
     )
+    ap.add_argument(
+        "--tls",
+        action="store_true",
+        help="also compare TTFT at 1 client with TLS off and on (with --auth: both at once)",
+    )
     args = ap.parse_args()
     runs = [("tiny", 1, args.requests)]
     if not args.skip_real:
@@ -233,13 +256,15 @@ def main() -> None:
             f"{f['ttft_p99_ms']:>8.1f}ms{f['tpot_p50_ms'] or 0:>8.1f}ms{f['rps']:>8.1f}"
             f"{f['kv_transfer_mb_s'] or 0:>9.1f}{f['mesh_overhead_p50_ms']:>17.1f}ms"
         )
-    if args.auth:
-        summary.update(auth_comparison(args.max_tokens))
+    if args.auth or args.tls:
+        summary.update(security_comparison(args.auth, args.tls, args.max_tokens))
     print(json.dumps(summary))
 
 
-def auth_comparison(max_tokens: int, requests: int = 60) -> dict:
-    """TTFT p50 at 1 client, tiny model, with API keys off and on, one stack after the other."""
+def security_comparison(auth: bool, tls: bool, max_tokens: int, rounds: int = 60) -> dict:
+    """TTFT p50 at 1 client, tiny model: a stack with neither, one per feature asked for and
+    one with both. All are up at once and take one request each in turn, so a slower minute
+    of the machine falls on every variant alike."""
     keys_file = Path(tempfile.mkdtemp(prefix="kvmesh-bench-keys-")) / "keys.json"
     key = subprocess.run(
         [sys.executable, "-m", "kvmesh", "keys", "--file", str(keys_file), "add", "--tenant", "b"],
@@ -248,21 +273,57 @@ def auth_comparison(max_tokens: int, requests: int = 60) -> dict:
         text=True,
         check=True,
     ).stdout.strip()
-    out = {}
-    for name, extra, k in (
-        ("auth_off", {}, ""),
-        ("auth_on", {"KVMESH_ROUTER_KEYS_FILE": str(keys_file)}, key),
-    ):
-        say(f"tiny: 1 client x {requests} requests, {name.replace('_', ' ')}")
-        stack = Stack("tiny", 1, extra)
-        try:
+    variants = [("off", False, False)]
+    if auth:
+        variants.append(("auth", True, False))
+    if tls:
+        variants.append(("tls", False, True))
+    if auth and tls:
+        variants.append(("auth_tls", True, True))
+    stacks = {}
+    try:
+        for name, with_auth, with_tls in variants:
+            say(f"starting a tiny stack: {name}")
+            extra = {"KVMESH_ROUTER_KEYS_FILE": str(keys_file)} if with_auth else {}
+            stacks[name] = (Stack("tiny", 1, extra, tls=with_tls), key if with_auth else "")
+        for stack, k in stacks.values():
             stack.wait_ready(key=k)
-            fig = asyncio.run(drive(stack.url, "tiny", 1, requests, max_tokens, k))
-        finally:
+        ttft = asyncio.run(in_turn(stacks, rounds, max_tokens))
+    finally:
+        for stack, _ in stacks.values():
             stack.stop()
-        out[f"{name}_ttft_p50_ms"] = fig["ttft_p50_ms"]
-        print(f"1 client, {name.replace('_', ' ')}: TTFT p50 {fig['ttft_p50_ms']:.2f} ms")
+    out = {f"{name}_ttft_p50_ms": round(statistics.median(v) * 1e3, 2) for name, v in ttft.items()}
+    on = variants[-1][0]
+    out["security_added_p50_ms"] = round(out[f"{on}_ttft_p50_ms"] - out["off_ttft_p50_ms"], 2)
+    print(f"1 client, {rounds} requests each, turn by turn:")
+    for name in ttft:
+        print(f"  {name:<9} TTFT p50 {out[f'{name}_ttft_p50_ms']:.2f} ms")
+    print(f"  {on} adds {out['security_added_p50_ms']:.2f} ms at p50")
     return out
+
+
+async def in_turn(
+    stacks: dict[str, tuple[Stack, str]], rounds: int, max_tokens: int
+) -> dict[str, list[float]]:
+    """One request to each stack in turn, ``rounds`` times; each stack's client keeps its
+    connection (as real clients do: a TLS handshake is not paid per request)."""
+    sessions = {}
+    for name, (stack, key) in stacks.items():
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        connector = aiohttp.TCPConnector(ssl=stack.ssl if stack.tls else True)
+        sessions[name] = aiohttp.ClientSession(connector=connector, headers=headers)
+    ttft: dict[str, list[float]] = {name: [] for name in stacks}
+    try:
+        for r in range(rounds):
+            for name, (stack, _) in stacks.items():
+                fig = await one_request(sessions[name], stack.url, "tiny", r, max_tokens)
+                ttft[name].append(fig["ttft"])
+            if (r + 1) % 10 == 0:
+                say(f"  {r + 1}/{rounds} rounds")
+    finally:
+        for session in sessions.values():
+            await session.close()
+    return ttft
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ async def bench_lookup(state: Path, n_blocks: int, n_hashes: int, rounds: int) -
     )
     bus = await Bus.connect(nats.url, "bench")
     try:
-        await bus.ensure_stream(subjects.KV_EVENTS_STREAM, [subjects.KV_EVENTS])
+        await bus.ensure_stream(subjects.KV_EVENTS_STREAM, [subjects.KV_EVENTS_ALL])
         # Requests are chains of blocks: n_blocks / n_hashes conversations of n_hashes each.
         chains = [
             [f"{c:08x}{i:024x}" for i in range(n_hashes)] for c in range(n_blocks // n_hashes)
@@ -144,7 +144,7 @@ async def bench_lookup(state: Path, n_blocks: int, n_hashes: int, rounds: int) -
                     sizes=[2_949_120] * len(part),
                     at=time.time(),
                 )
-                await bus.publish_durable(subjects.KV_EVENTS, event)
+                await bus.publish_durable(subjects.kv_events("prefill"), event)
             if c % 100 == 0:
                 say(f"  {c * n_hashes:,} blocks published")
         probe = LookupRequest.of(chains[-1])

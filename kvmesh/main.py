@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvmesh import keys, sim, status, trace, up
+from kvmesh import init, keys, sim, status, trace, up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_parser(commands)
     trace.add_parser(commands)
     keys.add_parser(commands)
+    init.add_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-CONFIG = Path(__file__).with_name("nats.conf")  # also docker-compose's
+CONFIG = Path(__file__).with_name("nats.conf")  # what every configuration starts with
 
 
 def die_with_parent() -> None:
@@ -58,17 +58,29 @@ def is_nats(url: str, timeout_s: float = 1.0) -> bool:
 
 
 class NatsServer:
-    """A nats-server child process bound to ``host:port`` with JetStream stored in ``store_dir``."""
+    """A nats-server child process bound to ``host:port`` with JetStream stored in ``store_dir``,
+    configured by ``config`` (kvmesh/natsconf.py writes a mesh's: identities, permissions,
+    TLS; the bare kvmesh/nats.conf lets anyone in). ``tls``: clients must speak TLS."""
 
-    def __init__(self, host: str, port: int, store_dir: Path, log_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        store_dir: Path,
+        log_file: Path | None = None,
+        config: Path = CONFIG,
+        tls: bool = False,
+    ) -> None:
         self.host, self.port = host, port
         self.store_dir = store_dir
         self.log_file = log_file
+        self.config = config
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> str:
         if port_in_use(self.host, self.port):
@@ -77,7 +89,8 @@ class NatsServer:
                 "stop what holds it, or set KVMESH_NATS_URL to a running NATS server"
             )
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [str(nats_server_binary()), "-c", str(CONFIG), "-a", self.host, "-p", str(self.port)]
+        cmd = [str(nats_server_binary()), "-c", str(self.config), "-a", self.host]
+        cmd += ["-p", str(self.port)]
         cmd += ["-js", "-sd", str(self.store_dir)]
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(

@@ -8,6 +8,7 @@ import sys
 import uvloop
 
 from shared.bus import Bus, BusError, subjects
+from shared.bus.auth import connect_options
 from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot, WorkerEntry
 from shared.settings import CommonSettings, SettingsError, load_settings
 
@@ -49,7 +50,9 @@ def format_table(snapshot: RegistrySnapshot) -> str:
 
 
 async def fetch(common: CommonSettings, timeout_s: float) -> RegistrySnapshot:
-    bus = await Bus.connect(common.nats_url, "kvmesh-status", timeout_s)
+    bus = await Bus.connect(
+        common.nats_url, "kvmesh-status", timeout_s, connect_options(common, "cli")
+    )
     try:
         return await bus.request(
             subjects.ROUTER_REGISTRY, RegistryQuery(), RegistrySnapshot, timeout_s

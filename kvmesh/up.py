@@ -20,11 +20,14 @@ from urllib.parse import urlsplit
 
 import uvloop
 
+from kvmesh.init import prepare
 from kvmesh.natsserver import NatsServer, NatsServerError, die_with_parent, is_nats
 from services.router.settings import RouterSettings
 from shared.bus import Bus, BusError, subjects
+from shared.bus.auth import connect_options
 from shared.logs import setup_logging
 from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot
+from shared.security.tls import client_context
 from shared.settings import CommonSettings, SettingsError, load_settings
 
 log = logging.getLogger("kvmesh.up")
@@ -37,6 +40,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     for role in ("prefill", "decode", "encoder"):
         p.add_argument(f"--{role}", type=int, default=1, metavar="N", help=f"{role} workers")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every service")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS everywhere: a local CA and certificates under the state dir (mutual TLS "
+        "between services and with NATS; clients trust <state_dir>/tls/ca.crt)",
+    )
     p.set_defaults(run=run)
 
 
@@ -51,9 +60,12 @@ class Child:
 class Stack:
     """The processes of one local stack and the order in which they start and stop."""
 
-    def __init__(self, common: CommonSettings, api_url: str, counts: dict[str, int]) -> None:
+    def __init__(
+        self, common: CommonSettings, api_url: str, counts: dict[str, int], tls: bool = False
+    ) -> None:
         self.common = common
         self.api_url = api_url
+        self.prepared = prepare(common, tls)
         self.children = [Child("cachemeta-0", "cachemeta"), Child("router-0", "router")]
         for role in ("prefill", "decode", "encoder"):
             self.children += [Child(f"{role}-{i}", role) for i in range(counts[role])]
@@ -62,12 +74,13 @@ class Stack:
         self.logs_dir = common.state_dir / "logs"
 
     def start_nats(self) -> None:
-        """Use the NATS at nats_url when one answers there, else start one on that port."""
+        """Use the NATS at nats_url when one answers there, else start one on that port,
+        configured with the mesh's identities (and TLS)."""
         url = self.common.nats_url
-        if is_nats(url):
+        if any(is_nats(u) for u in self.common.nats_servers):
             log.info("using the NATS server at %s", url)
             return
-        parts = urlsplit(url)
+        parts = urlsplit(self.common.nats_servers[0])
         if parts.hostname not in LOCAL_HOSTS:
             raise NatsServerError(f"KVMESH_NATS_URL={url}: no NATS server answers there")
         self.nats = NatsServer(
@@ -75,13 +88,22 @@ class Stack:
             parts.port or 4222,
             self.common.state_dir / "nats",
             log_file=self.logs_dir / "nats.log",
+            config=self.prepared.nats_config,
+            tls=self.prepared.tls is not None,
         )
         self.nats_url = self.nats.start()
-        log.info("started nats-server at %s (JetStream in %s)", self.nats_url, self.nats.store_dir)
+        log.info(
+            "started nats-server at %s (JetStream in %s; clients need a role's identity%s)",
+            self.nats_url,
+            self.nats.store_dir,
+            ", TLS and a certificate" if self.prepared.tls else "",
+        )
 
     async def spawn(self, child: Child) -> None:
         env = dict(os.environ)
         env.update(KVMESH_NATS_URL=self.nats_url, KVMESH_SERVICE_ID=child.name)
+        if self.prepared.tls is not None:
+            env.update(self.prepared.tls.env(child.role))
         child.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -93,6 +115,14 @@ class Stack:
             preexec_fn=die_with_parent,
         )
         child.pump = asyncio.create_task(self.pump_logs(child))
+
+    def cli_options(self) -> dict:
+        """This command's own NATS connection: the cli role's identity (and certificate)."""
+        options = connect_options(self.common, "cli")
+        if self.prepared.tls is not None:
+            cert = self.prepared.tls.certs["cli"]
+            options["tls"] = client_context(self.prepared.tls.ca, cert.cert, cert.key)
+        return options
 
     async def pump_logs(self, child: Child) -> None:
         """Echo the child's lines with its name in front, and append them to its log file."""
@@ -169,7 +199,7 @@ class Stack:
         try:
             for child in self.children:
                 await self.spawn(child)
-            bus = await Bus.connect(self.nats_url, "kvmesh-up", 10)
+            bus = await Bus.connect(self.nats_url, "kvmesh-up", 10, self.cli_options())
             registered = asyncio.ensure_future(self.wait_registered(bus, timeout_s))
             stopping = asyncio.ensure_future(stop.wait())
             await asyncio.wait([registered, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -219,9 +249,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvmesh up: {err}", file=sys.stderr)
         return 2
     setup_logging(common.log_level)
-    api_url = f"http://{router.http_host}:{router.http_port}"
+    scheme = "https" if args.tls else "http"
+    api_url = f"{scheme}://{router.http_host}:{router.http_port}"
     try:
-        return uvloop.run(Stack(common, api_url, counts).run(args.timeout))
+        return uvloop.run(Stack(common, api_url, counts, args.tls).run(args.timeout))
     except NatsServerError as err:
         print(f"kvmesh up: {err}", file=sys.stderr)
         return 1

@@ -27,9 +27,11 @@ from pydantic import Field
 
 from shared import __version__
 from shared.bus import Bus, BusError, subjects
+from shared.bus.auth import connect_options
 from shared.httperrors import openai_errors
 from shared.logs import setup_logging
 from shared.messages.heartbeat import Heartbeat, Load, Role, Status
+from shared.security.tls import server_context
 from shared.settings import CommonSettings, KvmeshSettings, SettingsError, load_settings
 from shared.telemetry.metrics import LoadCollector, metrics_handler, register_load
 from shared.telemetry.tracing import setup_tracing
@@ -117,8 +119,11 @@ class Service(ABC):
         return web.json_response(self.heartbeat().model_dump(mode="json"), status=status)
 
 
-async def serve_http(stack: AsyncExitStack, app: web.Application, settings: ServiceSettings) -> str:
-    """Serve ``app`` until the stack closes; returns its advertised URL (the real port)."""
+async def serve_http(
+    stack: AsyncExitStack, app: web.Application, common: CommonSettings, settings: ServiceSettings
+) -> str:
+    """Serve ``app`` until the stack closes (over TLS when the mesh has it); returns its
+    advertised URL (the real port)."""
     host, port = settings.http_host, settings.http_port
     # handler_cancellation: a handler whose client went away is cancelled (and so, for the
     # router, is the request on its workers).
@@ -132,13 +137,15 @@ async def serve_http(stack: AsyncExitStack, app: web.Application, settings: Serv
     )
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    tls = server_context(common)
+    site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=tls)
     try:
         await site.start()
     except OSError as err:
         raise SettingsError(f"cannot listen on {host}:{port}: {err.strerror}") from None
     bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
-    return f"http://{settings.advertised_host()}:{bound[1]}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://{settings.advertised_host()}:{bound[1]}"
 
 
 def build_app(service: Service) -> web.Application:
@@ -171,7 +178,12 @@ async def _publish_heartbeats(service: Service, bus: Bus) -> None:
 async def _connect_unless_stopped(service: Service, stop: asyncio.Event) -> Bus | None:
     common = service.common
     connecting = asyncio.ensure_future(
-        Bus.connect(common.nats_url, service.service_id, common.nats_connect_timeout_s)
+        Bus.connect(
+            common.nats_url,
+            service.service_id,
+            common.nats_connect_timeout_s,
+            connect_options(common, service.role),
+        )
     )
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -203,7 +215,9 @@ async def _run(service: Service) -> None:
             return
         stack.push_async_callback(bus.close)
         await service.start(stack, bus)
-        service.http_url = await serve_http(stack, build_app(service), service.settings)
+        service.http_url = await serve_http(
+            stack, build_app(service), service.common, service.settings
+        )
         beats = asyncio.create_task(_publish_heartbeats(service, bus))
         log.info("%s ready: %s (http %s)", service.role, service.service_id, service.http_url)
 

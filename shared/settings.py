@@ -15,7 +15,7 @@ import socket
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, FilePath, SecretStr, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -63,9 +63,33 @@ class CommonSettings(KvmeshSettings):
 
     nats_url: str = Field(
         default="nats://127.0.0.1:4222",
-        pattern=r"^(nats|tls)://[^\s/]+:\d+$",
-        description="NATS server; `kvmesh up` starts one here unless this names a running server",
+        pattern=r"^(nats|tls)://[^\s/,]+:\d+(,\s*(nats|tls)://[^\s/,]+:\d+)*$",
+        description="NATS server, or a cluster's servers comma-separated; `kvmesh up` starts "
+        "one here unless this names a running server",
     )
+    # How a service proves who it is to NATS. Unset: its role's NKey from the secrets dir
+    # (what `kvmesh up` and docker-compose configure nats-server with). For another NATS:
+    nats_creds_file: FilePath | None = Field(
+        default=None, description="NATS credentials file (a user JWT and its NKey seed)"
+    )
+    nats_user: str = Field(default="", description="NATS user (with KVMESH_NATS_PASSWORD)")
+    nats_password: SecretStr = SecretStr("")
+    nats_token: SecretStr = Field(default=SecretStr(""), description="NATS token")
+    nats_tls_ca_file: FilePath | None = Field(
+        default=None, description="CA that signs NATS's certificate; unset: KVMESH_TLS_CA_FILE"
+    )
+    nats_tls_cert_file: FilePath | None = Field(
+        default=None, description="certificate shown to NATS (mutual TLS); unset: the mesh's"
+    )
+    nats_tls_key_file: FilePath | None = None
+
+    # The mesh's TLS: services' listeners (the router's HTTP and gRPC APIs, the KV handoff)
+    # serve this certificate; services verify each other (and NATS) against the CA and show
+    # their certificate to each other (mutual TLS). Unset: plain TCP. `kvmesh up --tls` makes
+    # a local CA and certificates under <state_dir>/tls.
+    tls_ca_file: FilePath | None = Field(default=None, description="CA of the mesh's certificates")
+    tls_cert_file: FilePath | None = Field(default=None, description="this service's certificate")
+    tls_key_file: FilePath | None = Field(default=None, description="its private key")
     state_dir: Path = Field(default=Path(".kvmesh"), description="local state: NATS store, logs")
     service_id: str = Field(
         default="",
@@ -129,6 +153,36 @@ class CommonSettings(KvmeshSettings):
             self.image_patch_size, self.image_merge, self.image_min_tokens, self.image_max_tokens
         )
 
+    @model_validator(mode="after")
+    def _pairs(self) -> CommonSettings:
+        for cert, key, prefix in (
+            (self.tls_cert_file, self.tls_key_file, "KVMESH_TLS"),
+            (self.nats_tls_cert_file, self.nats_tls_key_file, "KVMESH_NATS_TLS"),
+        ):
+            if (cert is None) != (key is None):
+                raise ValueError(f"{prefix}_CERT_FILE and {prefix}_KEY_FILE go together")
+        if self.tls_cert_file is not None and self.tls_ca_file is None:
+            raise ValueError("KVMESH_TLS_CERT_FILE needs KVMESH_TLS_CA_FILE (the mesh's CA)")
+        if self.nats_user and not self.nats_password.get_secret_value():
+            raise ValueError("KVMESH_NATS_USER needs KVMESH_NATS_PASSWORD")
+        return self
+
+    @property
+    def nats_servers(self) -> list[str]:
+        return [u.strip() for u in self.nats_url.split(",")]
+
+    @property
+    def nats_tls_files(self) -> tuple[Path | None, Path | None, Path | None]:
+        """CA, certificate and key for NATS: its own settings, else the mesh's."""
+        if self.nats_tls_ca_file or self.nats_tls_cert_file:
+            return self.nats_tls_ca_file, self.nats_tls_cert_file, self.nats_tls_key_file
+        return self.tls_ca_file, self.tls_cert_file, self.tls_key_file
+
+    @property
+    def tls(self) -> bool:
+        """The mesh's services talk TLS to each other."""
+        return self.tls_ca_file is not None
+
     @property
     def resolved_kv_store_dir(self) -> Path:
         return self.kv_store_dir or self.state_dir / "kvstore"
@@ -160,7 +214,10 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
     except ValidationError as err:
         lines = []
         for e in err.errors():
-            field = str(e["loc"][0]) if e["loc"] else "?"
+            if not e["loc"]:  # a rule across fields: its message names them
+                lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
+                continue
+            field = str(e["loc"][0])
             if field in cls.model_fields:
                 name = env_name(cls, field)
             else:  # only the settings file can name an unknown key

@@ -184,7 +184,9 @@ class WorkerService(Service):
             stats.block_size,
         )
         store = FileStore(self.common.resolved_kv_store_dir) if s.kv_store else None
-        self.tiers = KvTiers(bus, self.service_id, s.memory_tier_bytes, store, s.write_queue_blocks)
+        self.tiers = KvTiers(
+            bus, self.role, self.service_id, s.memory_tier_bytes, store, s.write_queue_blocks
+        )
         await self.tiers.start(stack)
         await bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
 

@@ -10,15 +10,35 @@ import pytest
 
 from kvmesh.natsserver import NatsServer
 from shared.model.text import TextModel, load_text_model
-from tests.procs import free_port
+from tests.procs import free_port, mesh_nats
 from tests.stack import LIVE, Stack, start_stack
 
 REAL = "smollm2-135m-instruct"
 
 
+@pytest.fixture(scope="session")
+def mesh_secrets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The secrets every stack of the run reads (tests.procs.secrets_dir of its state dir)."""
+    return tmp_path_factory.getbasetemp() / "secrets"
+
+
 @pytest.fixture(scope="module")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    store = tmp_path_factory.mktemp("nats")
+def nats_server(
+    tmp_path_factory: pytest.TempPathFactory, mesh_secrets: Path
+) -> Iterator[NatsServer]:
+    """The module's nats-server, configured as `kvmesh up` configures one (identities and
+    permissions per role): every stack test runs with the bus's permissions on."""
+    server = mesh_nats(tmp_path_factory.mktemp("nats"), mesh_secrets)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def open_nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """A nats-server that lets anyone in (kvmesh/nats.conf alone), for tests of the bus
+    itself and for those that do what no role may (purge a stream)."""
+    store = tmp_path_factory.mktemp("open-nats")
     server = NatsServer("127.0.0.1", free_port(), store / "js", log_file=store / "nats.log")
     server.start()
     yield server
@@ -30,11 +50,16 @@ def nats_url(nats_server: NatsServer) -> str:
     return nats_server.url
 
 
+@pytest.fixture(scope="module")
+def open_nats_url(open_nats_server: NatsServer) -> str:
+    return open_nats_server.url
+
+
 @pytest.fixture
-def state_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "state"
-    path.mkdir()
-    return path
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh state dir beside the run's others, so its processes read the run's secrets
+    (``mesh_secrets``: the identities the module's nats-server knows)."""
+    return tmp_path_factory.mktemp("state")
 
 
 StackFactory = Callable[..., Stack]

@@ -14,7 +14,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvmesh.natsserver import die_with_parent
+from kvmesh.natsconf import write_server_config
+from kvmesh.natsserver import NatsServer, die_with_parent
+from shared.bus import Bus
+from shared.bus.auth import identity
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,6 +30,20 @@ def free_port() -> int:
 
 def secrets_dir(state_dir: Path) -> Path:
     return state_dir.parent / "secrets"
+
+
+def mesh_nats(dir: Path, secrets: Path) -> NatsServer:
+    """A nats-server (not started) configured as `kvmesh up` configures one: every role's
+    identity from ``secrets`` with its permissions, nobody else let in."""
+    config = write_server_config(dir / "nats-server.conf", secrets)
+    return NatsServer(
+        "127.0.0.1", free_port(), dir / "js", log_file=dir / "nats.log", config=config
+    )
+
+
+async def connect_as(url: str, role: str, secrets: Path) -> Bus:
+    """A bus connection with ``role``'s identity on a mesh's NATS."""
+    return await Bus.connect(url, f"test-{role}", 10, identity(secrets, role))
 
 
 def service_env(nats_url: str, state_dir: Path, **extra: str) -> dict[str, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 
 from kvmesh.natsserver import NatsServer
-from shared.bus import Bus, BusError, subjects
+from shared.bus import BusError, subjects
 from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
 from shared.messages.kvevents import LookupReply, LookupRequest
@@ -30,8 +30,10 @@ from shared.security.salt import SALT_SECRET, tenant_salt
 from shared.security.secret import load_or_create
 from tests.procs import (
     Proc,
+    connect_as,
     free_port,
     get_json,
+    mesh_nats,
     secrets_dir,
     service_env,
     start_service,
@@ -113,7 +115,7 @@ class Stack:
         """Cachemeta's answer (location → leading blocks held); None while none answers."""
 
         async def ask() -> dict[str, int] | None:
-            bus = await Bus.connect(self.nats_url, "test-lookup")
+            bus = await connect_as(self.nats_url, "router", secrets_dir(self.dir))
             try:
                 reply = await bus.request(
                     subjects.CACHEMETA_LOOKUP, LookupRequest.of(hashes), LookupReply, 5.0
@@ -242,7 +244,7 @@ def start_stack(
     dir.mkdir(parents=True, exist_ok=True)
     nats = None
     if nats_url is None:
-        nats = NatsServer("127.0.0.1", free_port(), dir / "js", log_file=dir / "nats.log")
+        nats = mesh_nats(dir, secrets_dir(dir))
         nats_url = nats.start()
     stack = Stack(name, nats_url, dir, nats, **settings)
     try:

@@ -35,6 +35,22 @@ def test_nats_has_jetstream_and_jaeger_takes_otlp() -> None:
     assert "4317:4317" in services["jaeger"].ports
 
 
+def test_nats_runs_with_the_identities_kvmesh_init_writes() -> None:
+    """NATS starts after `kvmesh init` wrote its configuration (the roles' identities and
+    permissions) into the state dir every service mounts, and reads it from there."""
+    services = load().services
+    init = services["init"]
+    assert init.command == ["python", "-m", "kvmesh", "init"]
+    state = init.environment["KVMESH_STATE_DIR"]
+    nats = services["nats"]
+    assert nats.depends_on["init"].condition == "service_completed_successfully"
+    assert nats.command[nats.command.index("-c") + 1] == f"{state}/nats/server.conf"
+    assert any(str(v).startswith(f"kvstore:{state}") for v in nats.volumes)
+    for role in ROLES:
+        assert services[role].environment["KVMESH_STATE_DIR"] == state
+        assert f"kvstore:{state}" in [str(v) for v in services[role].volumes]
+
+
 def test_router_publishes_the_api_port() -> None:
     router = load().services["router"]
     assert router.environment["KVMESH_ROUTER_HTTP_HOST"] == "0.0.0.0"

@@ -14,10 +14,9 @@ import time
 import openai
 import pytest
 
-from shared.bus import Bus
 from shared.bus.subjects import KV_EVENTS_STREAM
 from shared.messages.kvevents import STORE
-from tests.procs import wait_until
+from tests.procs import connect_as, secrets_dir, wait_until
 from tests.stack import Stack
 
 BLOCK = 64
@@ -108,7 +107,7 @@ def snapshot(stack: Stack) -> dict:
 
 def purge_events_before(stack: Stack, seq: int) -> None:
     async def purge() -> None:
-        bus = await Bus.connect(stack.nats_url, "test-purge")
+        bus = await connect_as(stack.nats_url, "cachemeta", secrets_dir(stack.dir))
         try:
             await bus.js.purge_stream(KV_EVENTS_STREAM, seq=seq)
         finally:

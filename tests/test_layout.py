@@ -211,6 +211,7 @@ ROUTER_WITHOUT_TORCH = textwrap.dedent(
     from services.router.service import RouterService
     from services.router.settings import RouterSettings
     from shared.bus import Bus
+    from shared.bus.auth import connect_options
     from shared.service import build_app
     from shared.settings import CommonSettings, load_settings
 
@@ -219,7 +220,9 @@ ROUTER_WITHOUT_TORCH = textwrap.dedent(
         common = load_settings(CommonSettings)
         service = RouterService(common, load_settings(RouterSettings))
         async with AsyncExitStack() as stack:
-            bus = await Bus.connect(common.nats_url, service.service_id, 10)
+            bus = await Bus.connect(
+                common.nats_url, service.service_id, 10, connect_options(common, "router")
+            )
             stack.push_async_callback(bus.close)
             await service.start(stack, bus)
             runner = web.AppRunner(build_app(service))

@@ -1,14 +1,16 @@
 """Security through real processes (tiny model, official `openai` client): 401 without a valid
 key, keys added and revoked while the router runs, 429 per key while other keys are served,
 the tenant taken from the key (a spoofed tenant header gets nothing of another tenant's cache,
-whose salt the server derives), admin-only endpoints, gRPC metadata, `kvmesh keys`, and KV
-pushes refused without the router's handoff token."""
+whose salt the server derives), admin-only endpoints, gRPC metadata, `kvmesh keys`, KV
+pushes refused without the router's handoff token, and a bus (the module's nats-server, set up
+as `kvmesh up` sets it up) that refuses strangers and holds each role to its subjects."""
 
 from __future__ import annotations
 
 import asyncio
 import http.client
 import json
+import os
 import random
 import subprocess
 import sys
@@ -17,15 +19,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import nats
+import nkeys
 import openai
 import pytest
 
-from shared.bus import Bus, subjects
+from shared.bus import Bus, BusError, subjects
+from shared.bus.auth import identity
+from shared.bus.subjects import KV_EVENTS_STREAM
 from shared.messages.generate import GenerateTask, Sampling
 from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot
+from shared.messages.kvevents import KvEvent
 from shared.proto import api_pb2, api_pb2_grpc, kv_pb2, kv_pb2_grpc
 from shared.security.keys import KeysFile
-from tests.procs import REPO, secrets_dir, start_with, wait_until
+from tests.procs import REPO, connect_as, secrets_dir, start_with, until, wait_until
 from tests.stack import Stack
 
 
@@ -211,7 +218,7 @@ def kv_address(stack: Stack, sid: str) -> str:
     """A worker's KV handoff address, from the router's registry."""
 
     async def ask() -> str:
-        bus = await Bus.connect(stack.nats_url, "test-registry")
+        bus = await connect_as(stack.nats_url, "cli", secrets_dir(stack.dir))
         try:
             snap = await bus.request(
                 subjects.ROUTER_REGISTRY, RegistryQuery(role="decode"), RegistrySnapshot, 5.0
@@ -264,6 +271,58 @@ def test_a_kv_push_without_the_routers_token_is_refused_and_the_request_answered
     assert "no handoff token" in refusals[0].error and "not this request" in refusals[1].error
     assert answer.usage.completion_tokens == 16
     assert "refused a KV push for victim-request-1" in stack.procs["decode-0"].output()
+
+
+def test_the_bus_refuses_strangers_and_holds_each_role_to_its_subjects(stack: Stack) -> None:
+    secrets = secrets_dir(stack.dir)
+
+    async def check() -> list[str]:
+        # No credentials, or an identity nats-server was not configured with: refused.
+        for options in ({}, {"nkeys_seed_str": new_seed()}):
+            with pytest.raises(BusError, match="refused this client: .*Authorization Violation"):
+                await Bus.connect(stack.nats_url, "stranger", 5, options)
+        # A prefill worker's identity (what a compromised worker holds).
+        errors: list[str] = []
+
+        async def on_error(err: Exception) -> None:
+            errors.append(str(err))
+
+        nc = await nats.connect(stack.nats_url, error_cb=on_error, **identity(secrets, "prefill"))
+        try:
+            await nc.publish(subjects.kv_events("cachemeta"), b"{}")  # cachemeta's KV events
+            await nc.publish(subjects.tasks("decode", "decode-0"), b"{}")  # the router's tasks
+            await nc.subscribe(subjects.CACHEMETA_LOOKUP)  # posing as cachemeta
+            await nc.subscribe("_INBOX.router.>")  # reading the router's replies
+
+            async def refused_four() -> bool:
+                return len(errors) >= 4
+
+            await until(refused_four, 10, "four refusals")
+            # What a prefill worker does is let through: its own KV events are stored.
+            own = KvEvent(kind="stored", location="worker:prefill-0", hashes=[], at=time.time())
+            ack = await nc.jetstream().publish(subjects.kv_events("prefill"), own.to_bytes())
+            assert ack.stream == KV_EVENTS_STREAM
+        finally:
+            await nc.close()
+        return errors
+
+    errors = asyncio.run(check())
+    assert sorted(errors) == sorted(  # as nats-py reports them (in lower case)
+        e.lower()
+        for e in [
+            'nats: permissions violation for publish to "kvmesh.kv.events.cachemeta"',
+            'nats: permissions violation for publish to "kvmesh.decode.decode-0.tasks"',
+            'nats: permissions violation for subscription to "kvmesh.cachemeta.lookup"',
+            'nats: permissions violation for subscription to "_INBOX.router.>"',
+        ]
+    )
+    # The mesh ran on these permissions all along and was refused nothing.
+    for proc in stack.procs.values():
+        assert "NATS refused" not in proc.output(), proc.log_path
+
+
+def new_seed() -> str:
+    return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
 
 
 def test_limits_on_what_arrives_are_named_and_the_router_keeps_serving(

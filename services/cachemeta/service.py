@@ -57,7 +57,7 @@ class CachemetaService(Service):
         self.bus = bus
         await bus.ensure_stream(
             subjects.KV_EVENTS_STREAM,
-            [subjects.KV_EVENTS],
+            [subjects.KV_EVENTS_ALL],
             max_age_s=max(self.settings.ttls().values()) + 86400,
         )
         self._load_snapshot()
@@ -104,7 +104,7 @@ class CachemetaService(Service):
             max_ack_pending=100_000,
         )
         sub = await js.subscribe(
-            subjects.KV_EVENTS,
+            subjects.KV_EVENTS_ALL,
             durable=CONSUMER,
             stream=subjects.KV_EVENTS_STREAM,
             cb=self._on_event_msg,
@@ -223,7 +223,7 @@ class CachemetaService(Service):
         await asyncio.to_thread(lambda: [self.store.delete(h) for h in doomed])
         assert self.bus is not None
         removal = KvEvent(kind="removed", location=STORE, hashes=doomed, at=time.time())
-        await self.bus.publish_durable(subjects.KV_EVENTS, removal)
+        await self.bus.publish_durable(subjects.kv_events("cachemeta"), removal)
         log.info(
             "storage tier: %d expired and %d evicted blocks deleted (%d bytes indexed)",
             len(stored),

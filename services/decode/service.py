@@ -23,6 +23,7 @@ from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.security.handoff import HANDOFF_SECRET, handoff_refusal
 from shared.security.secret import load_or_create
+from shared.security.tls import add_port
 from shared.settings import CommonSettings
 from shared.telemetry.metrics import BYTES
 from shared.telemetry.tracing import attached, extract, tracer
@@ -61,7 +62,8 @@ class DecodeService(WorkerService):
         await self.start_engine(stack, bus)
         server = grpc.aio.server()
         kv_pb2_grpc.add_KvHandoffServicer_to_server(KvReceiver(self), server)
-        port = server.add_insecure_port(f"{self.settings.http_host}:{self.settings.kv_port}")
+        address = f"{self.settings.http_host}:{self.settings.kv_port}"
+        port = add_port(server, address, self.common, mutual=True)  # only the mesh pushes KV
         await server.start()
         stack.push_async_callback(server.stop, 1.0)
         self.kv_address = f"{self.settings.advertised_host()}:{port}"

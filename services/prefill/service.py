@@ -28,6 +28,7 @@ from shared.kvstore.tiers import CachedPrefix
 from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
+from shared.security import tls
 from shared.settings import CommonSettings
 from shared.telemetry.metrics import BYTES
 from shared.telemetry.tracing import inject, tracer
@@ -215,7 +216,7 @@ class PrefillService(WorkerService):
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self.channels:
-            self.channels[address] = grpc.aio.insecure_channel(address)
+            self.channels[address] = tls.channel(address, self.common)
         return self.channels[address]
 
     async def prefill(

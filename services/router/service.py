@@ -35,6 +35,7 @@ from shared.messages.heartbeat import (
 from shared.proto import api_pb2_grpc
 from shared.security.handoff import HANDOFF_SECRET
 from shared.security.secret import load_or_create
+from shared.security.tls import add_port
 from shared.service import Service
 from shared.settings import CommonSettings, SettingsError
 
@@ -113,7 +114,7 @@ class RouterService(Service):
             ]
         )
         api_pb2_grpc.add_GenerationServicer_to_server(GrpcApi(self.frontend), server)
-        port = server.add_insecure_port(f"{s.http_host}:{s.grpc_port}")
+        port = add_port(server, f"{s.http_host}:{s.grpc_port}", self.common, mutual=False)
         if not port:
             raise SettingsError(f"cannot listen for gRPC on {s.http_host}:{s.grpc_port}")
         await server.start()

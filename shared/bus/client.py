@@ -10,15 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import DeliverPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError
 
 from shared.messages import Message
 from shared.messages.encode import frame, unframe
@@ -61,10 +62,16 @@ class Bus:
         self.closing = False
 
     @classmethod
-    async def connect(cls, url: str, name: str, timeout_s: float = 30.0) -> Bus:
-        """Connect, retrying until ``timeout_s`` so services may start before NATS is up."""
+    async def connect(
+        cls, url: str, name: str, timeout_s: float = 30.0, options: dict[str, Any] | None = None
+    ) -> Bus:
+        """Connect, retrying until ``timeout_s`` so services may start before NATS is up.
+        ``url``: one server or several, comma-separated (a cluster's). ``options``: nats-py's
+        credentials and TLS arguments (``shared.bus.auth.connect_options``). Credentials the
+        server refuses fail at once, not after ``timeout_s``."""
 
         waiting_logged = False
+        refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
         closing: list[Bus] = []  # filled with the Bus, so a disconnect by close() is quiet
 
@@ -77,6 +84,14 @@ class Bus:
 
         async def on_error(err: Exception) -> None:
             nonlocal waiting_logged
+            text = str(err)
+            if "permissions violation" in text.lower():  # this identity may not do that
+                log.warning("NATS refused: %s", text)
+                return
+            if "authorization violation" in text.lower() and not closing:
+                if not refused.done():
+                    refused.set_result(text)
+                return
             if closing or waiting_logged:  # after the first connect, disconnects say it all
                 log.debug("NATS: %s", err)
             else:
@@ -85,22 +100,28 @@ class Bus:
 
         # With max_reconnect_attempts=-1 nats-py also retries the first connect forever,
         # so the wait is bounded here; afterwards it reconnects forever (NATS restarts).
-        try:
-            nc = await asyncio.wait_for(
-                nats.connect(
-                    url,
-                    name=name,
-                    connect_timeout=2,
-                    reconnect_time_wait=0.25,
-                    max_reconnect_attempts=-1,
-                    disconnected_cb=on_disconnect,
-                    reconnected_cb=on_reconnect,
-                    error_cb=on_error,
-                ),
-                timeout_s,
+        connecting = asyncio.ensure_future(
+            nats.connect(
+                [u.strip() for u in url.split(",")],
+                name=name,
+                connect_timeout=2,
+                reconnect_time_wait=0.25,
+                max_reconnect_attempts=-1,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                error_cb=on_error,
+                **(options or {}),
             )
-        except TimeoutError:
-            raise BusError(f"cannot reach NATS at {url} within {timeout_s:g} s") from None
+        )
+        await asyncio.wait([connecting, refused], timeout=timeout_s, return_when=FIRST_COMPLETED)
+        if not connecting.done():
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
+            if refused.done():
+                raise BusError(f"NATS at {url} refused this client: {refused.result()}")
+            raise BusError(f"cannot reach NATS at {url} within {timeout_s:g} s")
+        nc = connecting.result()
         bus = cls(nc)
         closing.append(bus)
         return bus
@@ -218,9 +239,11 @@ class Bus:
         max_bytes: int = -1,
         memory: bool = False,
         last_per_subject: bool = False,
+        create_only: bool = False,
     ) -> None:
         """Create the stream (file-backed unless ``memory``), or update it to this config if it
-        exists. ``last_per_subject``: keep one message per subject, readable directly."""
+        exists (unless ``create_only``: a stream someone else configures).
+        ``last_per_subject``: keep one message per subject, readable directly."""
         config = StreamConfig(
             name=name,
             subjects=subjects,
@@ -233,9 +256,14 @@ class Bus:
         try:
             await self.js.stream_info(name)
         except NotFoundError:
-            await self.js.add_stream(config)
+            try:
+                await self.js.add_stream(config)
+            except BadRequestError:  # made in between, by another process
+                if not create_only:
+                    await self.js.update_stream(config)
         else:
-            await self.js.update_stream(config)
+            if not create_only:
+                await self.js.update_stream(config)
 
     async def publish_durable(self, subject: str, msg: Message) -> int:
         """Publish to a JetStream stream and wait for the store; returns the sequence number."""

@@ -33,6 +33,16 @@ def tasks(role: str, service_id: str) -> str:
     return f"{PREFIX}.{role}.{_token(service_id)}.tasks"
 
 
+def tasks_all(role: str) -> str:
+    """Every worker's task subject of a role."""
+    return f"{PREFIX}.{role}.*.tasks"
+
+
+def reply_all() -> str:
+    """Every router's reply subjects (what the workers that serve requests may publish on)."""
+    return f"{PREFIX}.reply.>"
+
+
 def replies(router_id: str) -> str:
     """All reply subjects of one router (it subscribes once and sorts events by request)."""
     return f"{PREFIX}.reply.{_token(router_id)}.>"
@@ -47,9 +57,16 @@ CANCEL = f"{PREFIX}.cancel"
 
 
 # KV events: every block stored at or removed from a location, on a JetStream stream that
-# cachemeta consumes with a durable consumer (so it loses none across restarts).
+# cachemeta consumes with a durable consumer (so it loses none across restarts). Each role
+# publishes on its own subject (the bus lets it publish on no other): workers their memory
+# tiers' and the storage tier's stores, cachemeta the storage tier's removals.
 KV_EVENTS_STREAM = "KVMESH_KV_EVENTS"
-KV_EVENTS = f"{PREFIX}.kv.events"
+KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
+
+
+def kv_events(role: str) -> str:
+    return f"{PREFIX}.kv.events.{role}"
+
 
 # Request/reply: how many leading blocks of a prompt each location holds (cachemeta answers).
 CACHEMETA_LOOKUP = f"{PREFIX}.cachemeta.lookup"

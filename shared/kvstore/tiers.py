@@ -56,12 +56,14 @@ class KvTiers:
     def __init__(
         self,
         bus: Bus,
+        role: str,
         service_id: str,
         memory_bytes: int,
         store: FileStore | None,
         queue_blocks: int,
     ) -> None:
         self.bus = bus
+        self.events_subject = subjects.kv_events(role)
         self.location = memory_location(service_id)
         self.memory = MemoryStore(memory_bytes)
         self.store = store
@@ -72,7 +74,10 @@ class KvTiers:
         self.written_blocks = 0
 
     async def start(self, stack: AsyncExitStack) -> None:
-        await self.bus.ensure_stream(subjects.KV_EVENTS_STREAM, [subjects.KV_EVENTS])
+        # Cachemeta owns the stream's configuration; a worker that starts first creates it.
+        await self.bus.ensure_stream(
+            subjects.KV_EVENTS_STREAM, [subjects.KV_EVENTS_ALL], create_only=True
+        )
         writer = asyncio.create_task(self._writer())
         stack.callback(writer.cancel)
 
@@ -221,6 +226,6 @@ class KvTiers:
             at=time.time(),
         )
         try:
-            await self.bus.publish_durable(subjects.KV_EVENTS, event)
+            await self.bus.publish_durable(self.events_subject, event)
         except Exception as err:  # cachemeta learns of it later, or the block just ages out
             log.warning("KV event not published: %s", err)

@@ -3,15 +3,25 @@ own nats-server, the status table shows every service, Ctrl-C leaves no process 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from shared.messages.heartbeat import ROLES
+import grpc
+import openai
+import pytest
+
+from shared.bus import Bus, BusError, subjects
+from shared.bus.auth import identity
+from shared.messages.heartbeat import ROLES, RegistryQuery, RegistrySnapshot
+from shared.proto import api_pb2, api_pb2_grpc, kv_pb2, kv_pb2_grpc
+from shared.security.tls import client_context
 from tests.procs import Proc, free_port, get_json, kvmesh_pids, service_env, wait_until
 
 KVMESH = [sys.executable, "-m", "kvmesh"]
@@ -62,6 +72,89 @@ def test_up_status_and_clean_stop(state_dir: Path) -> None:
         assert "stopped nats-server" in up.output()
     finally:
         up.stop()
+
+
+def test_up_tls_everywhere(state_dir: Path) -> None:
+    """`kvmesh up --tls`: HTTPS and gRPC over TLS for clients that trust the local CA, mutual
+    TLS for NATS and the KV handoff; plain clients and clients without the mesh's
+    certificate are refused."""
+    nats_port, http_port = free_port(), free_port()
+    grpc_port = free_port()
+    env = up_env(state_dir, nats_port, http_port)
+    env["KVMESH_ROUTER_GRPC_PORT"] = str(grpc_port)
+    env["KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS"] = "0"  # every prompt crosses the handoff
+    up = Proc([*KVMESH, "up", "--tls", "--encoder", "0"], env, state_dir / "up.log")
+    try:
+        wait_until(lambda: "kvmesh is up" in up.output(), 120, what="kvmesh up --tls ready")
+        api = f"https://127.0.0.1:{http_port}"
+        assert f"API at {api}" in up.output()
+        tls_dir = state_dir / "tls"
+        ca = ssl.create_default_context(cafile=str(tls_dir / "ca.crt"))
+
+        # The official client, given the CA: a completion through prefill, the KV handoff
+        # and decode, every hop over TLS.
+        client = openai.OpenAI(
+            base_url=f"{api}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=60,
+            http_client=openai.DefaultHttpx2Client(verify=ca),
+        )
+        done = client.completions.create(
+            model="tiny", prompt=list(range(100, 300)), max_tokens=8, temperature=0
+        )
+        assert done.usage.completion_tokens == 8
+        # Plain HTTP, and HTTPS from a client that does not trust the mesh's CA: no answer.
+        for base, verify in ((f"http://127.0.0.1:{http_port}", True), (api, True)):
+            plain = openai.OpenAI(
+                base_url=f"{base}/v1",
+                api_key="unused",
+                max_retries=0,
+                timeout=10,
+                http_client=openai.DefaultHttpx2Client(verify=verify),
+            )
+            with pytest.raises(openai.APIConnectionError):
+                plain.models.list()
+
+        # gRPC: TLS with the CA works; a plain channel does not.
+        request = api_pb2.GenerateRequest(model="tiny", prompt="Hi", max_tokens=2)
+        credentials = grpc.ssl_channel_credentials((tls_dir / "ca.crt").read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{grpc_port}", credentials) as channel:
+            reply = api_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60)
+            assert reply.usage.completion_tokens == 2
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                api_pb2_grpc.GenerationStub(channel).Generate(request, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        # NATS: a role's identity with the mesh's certificate gets in; without a certificate
+        # (or without TLS) it does not. The KV handoff asks for the certificate too.
+        nats_url = f"nats://127.0.0.1:{nats_port}"
+        secrets = state_dir.parent / "secrets"
+        cli = identity(secrets, "cli")
+        with_cert = client_context(tls_dir / "ca.crt", tls_dir / "cli.crt", tls_dir / "cli.key")
+        kv = asyncio.run(decode_kv_address(nats_url, {**cli, "tls": with_cert}))
+        for options in ({**cli, "tls": client_context(tls_dir / "ca.crt")}, cli):
+            with pytest.raises(BusError):
+                asyncio.run(Bus.connect(nats_url, "no-cert", 3, options))
+        with grpc.secure_channel(kv, credentials) as channel:  # the CA, no certificate
+            call = kv_pb2_grpc.KvHandoffStub(channel).Handoff(iter([kv_pb2.KvChunk()]), timeout=10)
+            with pytest.raises(grpc.RpcError) as err:
+                next(call)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        up.stop()
+
+
+async def decode_kv_address(nats_url: str, options: dict) -> str:
+    bus = await Bus.connect(nats_url, "test-tls", 10, options)
+    try:
+        snap = await bus.request(
+            subjects.ROUTER_REGISTRY, RegistryQuery(role="decode"), RegistrySnapshot, 5.0
+        )
+    finally:
+        await bus.close()
+    return snap.workers[0].addresses["kv"]
 
 
 def kvmesh(args: list[str], env: dict[str, str], timeout_s: float = 120):

@@ -35,8 +35,8 @@ async def collect(bus: Bus, subject: str) -> asyncio.Queue[Ping]:
     return got
 
 
-async def test_publish_subscribe_typed_and_malformed_dropped(nats_url: str) -> None:
-    bus = await Bus.connect(nats_url, "t-pubsub")
+async def test_publish_subscribe_typed_and_malformed_dropped(open_nats_url: str) -> None:
+    bus = await Bus.connect(open_nats_url, "t-pubsub")
     try:
         got = await collect(bus, "test.pings")
         await bus.nc.publish("test.pings", b'{"n": "not a number"}')  # dropped, not fatal
@@ -48,8 +48,8 @@ async def test_publish_subscribe_typed_and_malformed_dropped(nats_url: str) -> N
         await bus.close()
 
 
-async def test_request_reply_error_and_no_responders(nats_url: str) -> None:
-    bus = await Bus.connect(nats_url, "t-req")
+async def test_request_reply_error_and_no_responders(open_nats_url: str) -> None:
+    bus = await Bus.connect(open_nats_url, "t-req")
     try:
 
         async def double(ping: Ping) -> Pong:
@@ -72,8 +72,8 @@ async def test_connect_gives_up_with_a_clear_error() -> None:
         await Bus.connect("nats://127.0.0.1:1", "t-none", timeout_s=0.5)
 
 
-async def test_jetstream_durable_consumer_resumes(nats_url: str) -> None:
-    bus = await Bus.connect(nats_url, "t-js")
+async def test_jetstream_durable_consumer_resumes(open_nats_url: str) -> None:
+    bus = await Bus.connect(open_nats_url, "t-js")
     try:
         await bus.ensure_stream("TEST_EVENTS", ["test.events.>"])
         await bus.ensure_stream("TEST_EVENTS", ["test.events.>"])  # idempotent
@@ -104,10 +104,10 @@ async def test_jetstream_durable_consumer_resumes(nats_url: str) -> None:
         await bus.close()
 
 
-async def test_stored_data_larger_than_a_nats_message_goes_in_parts(nats_url: str) -> None:
+async def test_stored_data_larger_than_a_nats_message_goes_in_parts(open_nats_url: str) -> None:
     """Image embeddings of a large model outgrow NATS's max_payload: put_last splits them,
     wait_last joins them, whether the reader comes before or after."""
-    bus = await Bus.connect(nats_url, "t-parts")
+    bus = await Bus.connect(open_nats_url, "t-parts")
     try:
         await bus.ensure_stream("TEST_PARTS", ["test.parts.>"], memory=True, last_per_subject=True)
         big = os.urandom(2 * bus.nc.max_payload + 12345)  # three parts
@@ -132,11 +132,11 @@ async def test_stored_data_larger_than_a_nats_message_goes_in_parts(nats_url: st
         await bus.close()
 
 
-async def test_reconnects_after_nats_restart(nats_server: NatsServer) -> None:
-    bus = await Bus.connect(nats_server.url, "t-reconnect")
+async def test_reconnects_after_nats_restart(open_nats_server: NatsServer) -> None:
+    bus = await Bus.connect(open_nats_server.url, "t-reconnect")
     try:
         got = await collect(bus, "test.after")
-        nats_server.stop()
+        open_nats_server.stop()
 
         async def connected() -> bool:
             return bus.connected
@@ -145,7 +145,7 @@ async def test_reconnects_after_nats_restart(nats_server: NatsServer) -> None:
             return not bus.connected
 
         await until(disconnected, 10, "the bus to notice")
-        nats_server.start()
+        open_nats_server.start()
         await until(connected, 30, "the bus to reconnect")
         await bus.publish("test.after", Ping(n=1))  # the subscription was restored too
         assert await asyncio.wait_for(got.get(), 3) == Ping(n=1)

@@ -8,10 +8,9 @@ import threading
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-from shared.bus import Bus
 from shared.kvstore.backend import FileStore
 from shared.kvstore.tiers import KvTiers
-from tests.procs import until
+from tests.procs import connect_as, until
 
 
 class GatedStore(FileStore):
@@ -31,13 +30,13 @@ def keys(n: int, seed: int) -> list[str]:
 
 
 async def test_queueing_never_waits_for_the_disk_and_overflow_is_counted(
-    nats_url: str, tmp_path: Path
+    nats_url: str, mesh_secrets: Path, tmp_path: Path
 ) -> None:
     store = GatedStore(tmp_path)
     async with AsyncExitStack() as stack:
-        bus = await Bus.connect(nats_url, "t-tiers")
+        bus = await connect_as(nats_url, "prefill", mesh_secrets)
         stack.push_async_callback(bus.close)
-        tiers = KvTiers(bus, "w-0", memory_bytes=0, store=store, queue_blocks=6)
+        tiers = KvTiers(bus, "prefill", "w-0", memory_bytes=0, store=store, queue_blocks=6)
         await tiers.start(stack)
         first, second = keys(4, 1), keys(4, 2)
         # The disk is stuck: queueing returns at once all the same (the first token is sent
