@@ -4,7 +4,6 @@ continuous batch, and publishes each new token to the request's reply subject.""
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import logging
 import time
@@ -303,9 +302,8 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                 yield kv_pb2.HandoffStatus(ok=False, code="cancelled", error="cancelled")
                 return
             took = time.perf_counter() - (started or time.perf_counter())
-            state = base64.b64decode(done.generator_state)
             try:
-                await svc.runner.call(svc.engine.receive, rid, bytes(data), done.first_token, state)
+                await svc.runner.call(svc.engine.receive, rid, bytes(data), done.first_token)
             except KVFormatError as err:
                 yield kv_pb2.HandoffStatus(ok=False, code="internal", error=str(err))
                 return

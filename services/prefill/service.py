@@ -4,7 +4,6 @@ decode worker the router chose, over gRPC."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import time
 from collections.abc import Awaitable
@@ -264,13 +263,11 @@ class PrefillService(WorkerService):
                 handoff = not out.finish_reason  # else a one-token answer: nothing to ship
                 if not handoff:
                     self.close_span(rid)
-                blob, state, new = await self.runner.call(
-                    self._export, rid, len(hit.blobs), handoff
-                )
+                blob, new = await self.runner.call(self._export, rid, len(hit.blobs), handoff)
                 self.store_blocks(task, len(hit.blobs), new, task.token_ids)
                 if not handoff:
                     continue  # decode's reservation goes with the call
-                done = HandoffDone(first_token=out.token_id, generator_state=state)
+                done = HandoffDone(first_token=out.token_id)
                 ships.append((task, self._ship(task, calls[rid], blob, done)))
                 shipping.add(rid)
             return ships
@@ -374,13 +371,12 @@ class PrefillService(WorkerService):
             msg = f"decode did not answer within {timeout_s:g} s"
             raise HandoffFailed(msg, "unavailable") from None
 
-    def _export(self, rid: str, first_new: int, handoff: bool) -> tuple[bytes, str, list[bytes]]:
-        """On the engine thread: the prompt's KV for decode (when it goes on there), the
-        sampler state, the new full blocks for the tiers; then the blocks are freed."""
+    def _export(self, rid: str, first_new: int, handoff: bool) -> tuple[bytes, list[bytes]]:
+        """On the engine thread: the prompt's KV for decode (when it goes on there) and the
+        new full blocks for the tiers; then the blocks are freed."""
         seq = self.engine.sequence(rid)
         n_full = seq.n_cached // self.engine.block_size
         new = self.engine.export_blocks(rid, first_new, n_full, self.store_dtype)
         blob = self.engine.export_kv(rid, partial=True) if handoff else b""
-        state = base64.b64encode(seq.generator_state).decode()
         self.engine.free(rid)
-        return blob, state, new
+        return blob, new

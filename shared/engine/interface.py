@@ -107,12 +107,6 @@ class SequenceState(Protocol):
     @property
     def finish_reason(self) -> FinishReason | None: ...
 
-    @property
-    def generator_state(self) -> bytes:
-        """The sampler's random state (empty when unseeded), so that another engine can
-        continue a seeded answer where this one stopped (``receive``)."""
-        ...
-
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -158,9 +152,9 @@ class Engine(ABC):
       block: K then V, [block_size, kv_heads, head_dim]), checking every cell's CRC32 on the
       way in; a model with latent attention (MLA) keeps one latent tensor per layer instead
       of K and V, and needs its own cell layout in kvformat and its fingerprint.
-    - ``sequence().generator_state``: a seeded answer continued on another worker must give
-      the same tokens; where the backend cannot hand over its sampler state, it must derive
-      each step's randomness from (seed, position) so that both sides agree.
+    - seeded sampling: a seeded answer continued on another worker (handed off, or resumed
+      after a failure with ``answer_offset`` tokens already sent) must give the same tokens,
+      so each token's randomness is derived from (seed, position in the answer) alone.
     - ``stats``: page counts of its pools; ``cleanup``: abort everything, free device memory.
     """
 
@@ -224,9 +218,7 @@ class Engine(ABC):
         Raises PoolExhausted (or ValueError for a prompt too long) when it cannot."""
 
     @abstractmethod
-    def receive(
-        self, seq_id: str, source: bytes | BinaryIO, first_token: int, generator_state: bytes = b""
-    ) -> None:
+    def receive(self, seq_id: str, source: bytes | BinaryIO, first_token: int) -> None:
         """Write a reserved sequence's prompt KV (from ``export_kv(partial=True)``) and its first
         token (sampled by the prefill side), and join it to the decode batch. Raises
         KVFormatError for KV of another model or layout, or damaged."""

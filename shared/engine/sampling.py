@@ -16,6 +16,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Answer tokens produced before this engine's first (a request resumed on another worker
+    # after a failure): its first token is answer token #answer_offset for the seeded sampler.
+    answer_offset: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -24,6 +27,7 @@ class SamplingParams:
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be 0 (no limit) or more"),
             ("stop", len(self.stop) <= 4 and all(self.stop), "at most 4 non-empty strings"),
+            ("answer_offset", self.answer_offset >= 0, "must be 0 or more"),
         ]
         for name, ok, rule in checks:
             if not ok:

@@ -24,6 +24,9 @@ class Sampling(Message):
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
+    answer_offset: int = Field(
+        default=0, ge=0, description="answer tokens sent before (a resumed request)"
+    )
 
     def params(self) -> SamplingParams:
         return SamplingParams(
@@ -33,6 +36,7 @@ class Sampling(Message):
             seed=self.seed,
             stop=tuple(self.stop),
             ignore_eos=self.ignore_eos,
+            answer_offset=self.answer_offset,
         )
 
 
@@ -111,7 +115,6 @@ class Cancel(Message):
 
 class HandoffDone(Message):
     """The end of a KV handoff (prefill → decode, in the last gRPC chunk): the first token,
-    sampled by prefill, and the sampler's state so a seeded answer continues the same stream."""
+    sampled by prefill (a seeded answer goes on the same: its randomness is per position)."""
 
     first_token: int
-    generator_state: str = ""  # base64 of torch.Generator.get_state(); empty when unseeded

@@ -18,13 +18,12 @@ def hand_off(prefill_model, decode_model, ids: list[int], params: SamplingParams
     first = a.prefill("r", ids, params, handoff=True)
     assert "r" not in a.running, "a handed-off sequence never decodes where it was prefilled"
     blob = a.export_kv("r", partial=True)
-    state = a.sequence("r").generator_state
     a.free("r")
     assert a.pool.used_blocks == 0
     b.reserve("r", ids, params)
     reserved = b.pool.used_blocks
     assert reserved == b.pool.blocks_for(len(ids) + params.max_tokens)
-    b.receive("r", blob, first.token_id, state)
+    b.receive("r", blob, first.token_id)
     out = [first.token_id]
     while b.running:
         out += [o.token_id for o in b.step()]
@@ -73,3 +72,24 @@ def test_cancelled_prefill_stops_between_chunks_and_frees(tiny_models) -> None:
     with pytest.raises(Cancelled, match="at token 32 of 100"):
         engine.prefill("r", prompt(100), SamplingParams(max_tokens=4), cancelled=cancelled)
     assert engine.pool.used_blocks == 0 and not engine.seqs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_answer_resumed_from_its_sent_tokens_goes_on_identically(
+    tiny_models, temperature: float
+) -> None:
+    """A request resumed on another engine after a failure (its prompt plus the tokens already
+    sent, ``answer_offset`` of them) continues the answer token for token, seeded too."""
+    model = tiny_models["tiny"]
+    ids = prompt(30, seed=5)
+    params = SamplingParams(max_tokens=14, temperature=temperature, seed=11, ignore_eos=True)
+    whole = run_alone(model, ids, params)
+    for sent in (1, 6, 13):
+        resumed = SamplingParams(
+            max_tokens=params.max_tokens - sent,
+            temperature=temperature,
+            seed=11,
+            ignore_eos=True,
+            answer_offset=sent,
+        )
+        assert run_alone(model, ids + whole[:sent], resumed) == whole[sent:]

@@ -197,8 +197,6 @@ class TorchEngine(Engine):
         seq = Sequence(req.seq_id, list(req.token_ids), params)
         seq.block_table = [*(prefix.block_ids if prefix else ()), *new_blocks]
         seq.n_cached = n_cached
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
         self.seqs[req.seq_id] = seq
         return seq
 
@@ -215,9 +213,7 @@ class TorchEngine(Engine):
         seq.block_table = self.pool.allocate(self._blocks_needed(len(token_ids), params, None))
         self.seqs[seq_id] = seq
 
-    def receive(
-        self, seq_id: str, source: bytes | BinaryIO, first_token: int, generator_state: bytes = b""
-    ) -> None:
+    def receive(self, seq_id: str, source: bytes | BinaryIO, first_token: int) -> None:
         seq = self.seqs[seq_id]
         assert seq.n_cached == 0 and not seq.output_ids, f"sequence {seq_id} already has KV"
         f = kvformat.as_reader(source)
@@ -228,13 +224,6 @@ class TorchEngine(Engine):
             )
         self.kv.write_cells(f, header, data_start, seq.block_table)
         seq.n_cached = header.n_tokens
-        if seq.params.seed is not None:
-            seq.generator = torch.Generator()
-            if generator_state:
-                state = torch.frombuffer(bytearray(generator_state), dtype=torch.uint8)
-                seq.generator.set_state(state)
-            else:
-                seq.generator.manual_seed(seq.params.seed)
         seq.output_ids.append(first_token)
         self.running.append(seq_id)
 
@@ -258,7 +247,7 @@ class TorchEngine(Engine):
         return outputs
 
     def _append(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        token = sample(logits, seq.params, seq.generator)
+        token = sample(logits, seq.params, seq.params.answer_offset + len(seq.output_ids))
         seq.output_ids.append(token)
         p = seq.params
         if (token in self.config.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:

@@ -1,4 +1,10 @@
-"""Sampling a token from logits, with a sequence's parameters and random generator."""
+"""Sampling a token from logits, with a sequence's parameters.
+
+A seeded answer's randomness is a function of (seed, position in the answer) alone: each
+token draws from a generator seeded with both, so an answer continued elsewhere (handed off
+after prefill, or resumed on another worker after a failure) gives the same tokens with no
+sampler state carried over.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,19 @@ import torch
 
 from shared.engine.sampling import SamplingParams
 
+_MASK = (1 << 64) - 1
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from fp32 logits [V]."""
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for one position of a seeded answer (SplitMix64 of both)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) >> 1
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """One token id from fp32 logits [V], as answer token ``position`` (0: the first)."""
     if params.greedy:
         return int(logits.argmax())
     logits = logits / params.temperature
@@ -22,4 +38,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator().manual_seed(position_seed(params.seed, position))
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -19,7 +19,6 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     n_cached: int = 0  # leading tokens whose KV is in the cache
     finish_reason: FinishReason | None = None
-    generator: torch.Generator | None = None
     stop_string: str | None = None
     last_logits: torch.Tensor | None = None  # of the prompt's last token, [V] fp32
 
@@ -34,11 +33,6 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def generator_state(self) -> bytes:
-        """The sampler's random state, so another process can continue the same stream."""
-        return self.generator.get_state().numpy().tobytes() if self.generator else b""
 
     def slots(self, block_size: int, n: int) -> torch.Tensor:
         """Cache slots of the first n tokens, [n] int64."""
