@@ -299,11 +299,14 @@ class WorkerService(Service):
         blobs: list[bytes],
         token_ids: list[int],
         context: otel_context.Context | None = None,
-    ) -> None:
+        known: list[str] | None = None,
+    ) -> list[str]:
         """Blocks ``first`` .. of ``token_ids`` computed here: to both tiers, behind the path
-        (their span goes under the request's)."""
+        (their span goes under the request's). ``known``: hashes of leading blocks already
+        computed. Returns the hashes known after it (those of ``token_ids``' full blocks when
+        it stored any)."""
         if not blobs or self.tiers is None:
-            return
+            return list(known or [])
         if len(token_ids) == len(task.token_ids) and task.block_hashes:
             hashes = task.block_hashes
         else:
@@ -312,6 +315,7 @@ class WorkerService(Service):
                 self.engine.block_size,
                 self.engine.config.fingerprint,
                 task.salt,
+                known=known or task.block_hashes,
                 images=task.images,
             )
         self.tiers.write_behind(
@@ -320,6 +324,7 @@ class WorkerService(Service):
             task.retention,
             context or self.span_context(task.request_id),
         )
+        return hashes
 
     @property
     def store_dtype(self) -> str | None:

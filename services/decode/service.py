@@ -8,7 +8,7 @@ import functools
 import logging
 import time
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import context as otel_context
@@ -42,6 +42,15 @@ class Active:
     kv_transfer_s: float | None = None
     cancelled: bool = False
     joined_at: float = 0.0  # perf_counter when it joined the batch (for its time per token)
+    # Leading full blocks of prompt + answer sent to the tiers (the prompt's by whoever
+    # prefilled it; the answer's here, each as it fills), and their hashes so far.
+    stored_blocks: int = 0
+    hashes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, task: GenerateTask, block_size: int) -> Active:
+        n = len(task.token_ids) // block_size
+        return cls(task, next_index=1, stored_blocks=n, hashes=list(task.block_hashes[:n]))
 
 
 class DecodeService(WorkerService):
@@ -118,7 +127,7 @@ class DecodeService(WorkerService):
         cached prefix loaded from the tiers); its first token is published here, the rest by
         the steps (index 1 on)."""
         rid = task.request_id
-        self.active[rid] = active = Active(task, next_index=1)
+        self.active[rid] = active = Active.of(task, self.engine.block_size)
         try:
             images = await self.fetch_images(task) if task.images else ()
         except ImagesMissing as err:
@@ -169,24 +178,41 @@ class DecodeService(WorkerService):
         )
         return out, time.perf_counter() - started
 
-    def _finish(self, rid: str) -> tuple[int, list[bytes], list[int]]:
-        """On the engine thread: the answer's full blocks (for the next turn), then free."""
+    def _export_blocks(
+        self, rid: str, first: int, n_full: int | None, free: bool
+    ) -> tuple[list[bytes], list[int]]:
+        """On the engine thread: blocks ``first`` .. ``n_full`` of the sequence (None: all
+        its full blocks) and its tokens up to there; then free it when ``free``."""
         seq = self.engine.sequence(rid)
         bs = self.engine.block_size
-        first, n_full = len(seq.prompt_ids) // bs, seq.n_cached // bs
+        n_full = seq.n_cached // bs if n_full is None else n_full
         blobs = self.engine.export_blocks(rid, first, n_full, self.store_dtype)
         tokens = seq.tokens[: n_full * bs]
-        self.engine.free(rid)
-        return first, blobs, tokens
+        if free:
+            self.engine.free(rid)
+        return blobs, tokens
+
+    def _store_filled(self, rid: str, active: Active) -> None:
+        """The answer's blocks that filled in this step, to the tiers now (not only when it
+        ends): a request resumed on another worker after this one fails loads them and
+        recomputes only the tail."""
+        full = (len(active.task.token_ids) + active.next_index - 1) // self.engine.block_size
+        if full <= active.stored_blocks or self.tiers is None:
+            return
+        first, active.stored_blocks = active.stored_blocks, full
+        done = self.runner.call(self._export_blocks, rid, first, full, False)
+        store = functools.partial(self._store_answer, active, first, self.span_context(rid))
+        done.add_done_callback(store)
 
     def _store_answer(
-        self, task: GenerateTask, context: otel_context.Context, done: asyncio.Future
+        self, active: Active, first: int, context: otel_context.Context, done: asyncio.Future
     ) -> None:
-        if done.cancelled() or done.exception() is not None:
-            log.warning("answer blocks of %s not stored: %s", task.request_id, done.exception())
+        rid = active.task.request_id
+        if done.cancelled() or done.exception() is not None:  # dropped meanwhile
+            log.debug("answer blocks of %s not stored: %s", rid, done.exception())
             return
-        first, blobs, tokens = done.result()
-        self.store_blocks(task, first, blobs, tokens, context)
+        blobs, tokens = done.result()
+        active.hashes = self.store_blocks(active.task, first, blobs, tokens, context, active.hashes)
 
     def publish(self, outputs: list[StepOutput], took: float) -> None:
         """A step's tokens as events, sent in order behind the previous step's."""
@@ -232,10 +258,13 @@ class DecodeService(WorkerService):
                 )
                 if finish == "abort":
                     self.runner.submit(self.engine.abort, out.seq_id)
-                else:  # the answer's blocks are kept, so the next turn reuses them too
-                    done = self.runner.call(self._finish, out.seq_id)
-                    store = functools.partial(self._store_answer, active.task, context)
+                else:  # the answer's last blocks are kept, so the next turn reuses them too
+                    first = active.stored_blocks
+                    done = self.runner.call(self._export_blocks, out.seq_id, first, None, True)
+                    store = functools.partial(self._store_answer, active, first, context)
                     done.add_done_callback(store)
+            else:
+                self._store_filled(out.seq_id, active)
         previous = self._publishing
         self._publishing = asyncio.create_task(self._send_all(previous, events))
 
@@ -278,7 +307,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
             code = "busy" if isinstance(err, PoolExhausted) else "internal"
             yield kv_pb2.HandoffStatus(ok=False, code=code, error=str(err))
             return
-        svc.active[rid] = active = Active(task, next_index=1)
+        svc.active[rid] = active = Active.of(task, svc.engine.block_size)
         with attached(extract(dict(context.invocation_metadata() or ()))):
             svc.open_span(rid, "decode", prompt_tokens=len(task.token_ids))
         joined = False

@@ -1,9 +1,13 @@
-"""Sending a request to workers and getting its tokens back, with retry and cancellation.
+"""Sending a request to workers and getting its tokens back, with moves and cancellation.
 
 The router picks a prefill and a decode worker (a policy ranks them), sends the GenerateTask
 with NATS request/reply (the reply only says "queued" or "busy"), then reads TokenEvents from
-its reply subject. A worker that does not answer, or that disappears from the registry before
-the first token, costs one retry on other workers; after that the request fails with 503.
+its reply subject. When the request's workers fail (no answer to the task, gone from the
+registry, an error event, or no token within the progress bounds), the request moves to other
+workers, at most ``migration_limit`` times, then fails with 503: before its first token it is
+sent again; mid-answer it resumes from the tokens already sent (its prompt plus them, on a
+decode worker that loads the blocks the failed one stored as they filled, the same sampler
+positions), so the client's stream goes on with no token missing or repeated.
 A busy worker is skipped for the next one; when every candidate is busy: 429.
 """
 
@@ -30,6 +34,7 @@ from shared.kvstore.hashing import block_hashes
 from shared.messages.generate import Cancel, GenerateTask, ImageRef, Sampling, TaskAck, TokenEvent
 from shared.messages.kvevents import STORE, LookupReply, LookupRequest, memory_location
 from shared.security.handoff import handoff_token
+from shared.telemetry.metrics import MOVES
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
@@ -45,6 +50,14 @@ def route_attributes(policy: str, ranked: list[Ranked]) -> dict:
         "candidate_count": len(ranked),
         "candidates": json.dumps(terms, separators=(",", ":")),
     }
+
+
+def resumed_event(event: TokenEvent, offset: int) -> TokenEvent:
+    """An event of a resumed request as its client sees it: after the ``offset`` tokens sent
+    before the move; the reuse figures stay the first attempt's."""
+    return event.model_copy(
+        update={"index": event.index + offset, "cached_tokens": None, "cached_by_tier": None}
+    )
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,9 @@ class DispatchLimits:
     local_prefill_max_tokens: int  # uncached prompt at most this: the decode worker prefills it
     liveness_check_s: float = 0.25  # how often a waiting request checks its workers still live
     lookup_timeout_s: float = 0.25  # cachemeta must answer a lookup within this
+    migration_limit: int = 3  # moves to other workers when a request's workers fail
+    first_token_timeout_s: float = 120.0  # no first token within this: its workers failed
+    token_timeout_s: float = 30.0  # no next token within this: its decode worker failed
 
 
 @dataclass
@@ -99,13 +115,14 @@ class Attempt:
 
     workers: tuple[str, ...] = ()
     prefill: str = ""  # the prefill worker the policy chose ("" when decode prefills)
+    decode: str = ""
     route: RouteRequest | None = None
     decision: dict = field(default_factory=dict)  # what the router says about its choice
     prefilled: bool = False
 
 
 class _Failed(Exception):
-    """This attempt failed before any token: the workers named are not tried again."""
+    """This attempt failed: the workers named are not tried again."""
 
     def __init__(self, reason: str, *service_ids: str) -> None:
         super().__init__(reason)
@@ -162,28 +179,29 @@ class Dispatcher:
         Leaving early (the client went away, a stop string) cancels the request on its workers.
         """
         job = await self._with_cache_plan(job)
+        wire = job
         excluded: set[str] = set()
-        first_failure = ""
-        for attempt in (1, 2):
-            # A retry has an id of its own: a worker that wakes up late with the first
-            # attempt (and is told to cancel it) can never mix its tokens into the answer.
-            wire = job if attempt == 1 else replace(job, request_id=f"{job.request_id}-retry")
+        sent: list[int] = []  # answer tokens yielded so far
+        failures: list[str] = []
+        for move in range(self.limits.migration_limit + 1):
             queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
             self._queues[wire.request_id] = queue
             attempt_ = Attempt()
-            started = finished = False
+            finished = False
             # Not the current span across the yields below (the consumer may step this
             # generator from other tasks): current only while the task is sent.
             span = tracer.start_span(
-                "generate", kind=SpanKind.CLIENT, attributes={"attempt": attempt}
+                "generate",
+                kind=SpanKind.CLIENT,
+                attributes={"attempt": move + 1, "resumed_tokens": len(sent)},
             )
             try:
                 with trace.use_span(span, end_on_exit=False):
                     try:
                         await self._send(wire, excluded, attempt_)  # counted in outstanding
                     except ApiError as err:
-                        if first_failure:  # no worker left to retry on: say why it failed
-                            err.message += f" (first attempt: {first_failure})"
+                        if failures:  # no worker left to move to: say why it had to move
+                            err.message += f" (after: {'; '.join(failures)})"
                         raise
                 span.set_attributes(
                     {
@@ -191,34 +209,73 @@ class Dispatcher:
                         "chosen": str(attempt_.decision.get("chosen", "")),
                     }
                 )
-                if decision is not None:
+                if decision is not None and not sent:
                     decision.clear()
                     decision.update(attempt_.decision)
-                async for event in self._events(wire, queue, attempt_.workers):
-                    started = True
+                async for event in self._events(wire, queue, attempt_):
                     if not attempt_.prefilled and event.worker_id == attempt_.prefill:
-                        self._prefilled(attempt_, event, len(job.prompt_ids))
+                        self._prefilled(attempt_, event, len(wire.prompt_ids))
+                    if sent:  # a resumed answer: its events continue the first's
+                        if event.cached_tokens is not None:
+                            span.set_attribute("reused_tokens", event.cached_tokens)
+                        event = resumed_event(event, len(sent))
+                    sent.extend(event.token_ids)
                     yield event
                     if event.finish_reason:
                         finished = True
                         return
             except _Failed as failure:
                 span.set_status(StatusCode.ERROR, str(failure))
-                if started or attempt == 2:
-                    raise ApiError(503, f"request failed: {failure}", code="unavailable") from None
-                log.warning("%s: %s; retrying on other workers", job.request_id, failure)
+                failures.append(str(failure))
                 excluded.update(failure.service_ids)
-                first_failure = str(failure)
+                if move == self.limits.migration_limit:
+                    raise ApiError(
+                        503,
+                        f"request failed after {move} moves: {'; '.join(failures)}",
+                        code="unavailable",
+                    ) from None
+                log.warning(
+                    "%s: %s; %s on other workers",
+                    job.request_id,
+                    failure,
+                    f"resuming after {len(sent)} tokens" if sent else "retrying",
+                )
+                MOVES.labels("resumed" if sent else "retried").inc()
             finally:
                 span.end()
                 for w in attempt_.workers:
                     self.outstanding.done(w)
                 if attempt_.prefill and not attempt_.prefilled:  # failed or cancelled first
-                    self._prefilled(attempt_, None, len(job.prompt_ids))
+                    self._prefilled(attempt_, None, len(wire.prompt_ids))
                 self._queues.pop(wire.request_id, None)
                 if not finished:
                     with contextlib.suppress(Exception):
                         await self.bus.publish(subjects.CANCEL, Cancel(request_id=wire.request_id))
+            # The next move has an id of its own: a worker that wakes up late with this one
+            # (and is told to cancel it) can never mix its tokens into the answer.
+            wire = await self._resumed(job, sent, move + 1)
+
+    async def _resumed(self, job: Job, sent: list[int], move: int) -> Job:
+        """The request again, for its ``move``-th move: its prompt plus the answer tokens
+        already sent, the answer's remaining length, the sampler at the next position."""
+        if not sent:
+            return replace(job, request_id=f"{job.request_id}-retry{move}")
+        sampling = job.sampling.model_copy(
+            update={
+                "max_tokens": job.sampling.max_tokens - len(sent),
+                "answer_offset": job.sampling.answer_offset + len(sent),
+            }
+        )
+        resumed = replace(
+            job,
+            request_id=f"{job.request_id}-resume{move}",
+            prompt_ids=[*job.prompt_ids, *sent],
+            sampling=sampling,
+            segments=(),
+            block_hashes=[],
+            cached_blocks={},
+        )
+        return await self._with_cache_plan(resumed)
 
     def _prefilled(self, attempt: Attempt, first: TokenEvent | None, n_prompt: int) -> None:
         """The prefill worker is done with the request: the policy learns what it took."""
@@ -376,7 +433,7 @@ class Dispatcher:
                     f"{role} {worker.service_id} did not answer: {err}", worker.service_id
                 ) from None
             if ack.accepted:
-                attempt.workers = involved
+                attempt.workers, attempt.decode = involved, decode.service_id
                 attempt.decision["chosen"] = worker.service_id
                 attempt.decision["decode"] = decode.service_id
                 if role == "prefill":
@@ -394,7 +451,7 @@ class Dispatcher:
         )
 
     async def _events(
-        self, job: Job, queue: asyncio.Queue[TokenEvent], workers: tuple[str, ...]
+        self, job: Job, queue: asyncio.Queue[TokenEvent], attempt: Attempt
     ) -> AsyncIterator[TokenEvent]:
         """Events in answer order (prefill and decode publish on separate connections)."""
         next_index = 0
@@ -403,7 +460,7 @@ class Dispatcher:
             if next_index in early:
                 event = early.pop(next_index)
             else:
-                event = await self._next(job, queue, workers)
+                event = await self._next(job, queue, attempt, started=next_index > 0)
                 if event.error:
                     if event.error_code in ("busy", "unavailable"):
                         raise _Failed(event.error, *([event.worker_id] if event.worker_id else []))
@@ -419,18 +476,31 @@ class Dispatcher:
                 return
 
     async def _next(
-        self, job: Job, queue: asyncio.Queue[TokenEvent], workers: tuple[str, ...]
+        self, job: Job, queue: asyncio.Queue[TokenEvent], attempt: Attempt, started: bool
     ) -> TokenEvent:
+        """The next event; _Failed when a worker of the attempt is gone from the registry, or
+        none came within the progress bound (a frozen worker is given up on, not waited for
+        until the request's deadline)."""
+        limits = self.limits
+        bound = limits.token_timeout_s if started else limits.first_token_timeout_s
+        stalled_at = time.monotonic() + bound
         while True:
             left = job.deadline - time.time()
             if left <= 0:
                 raise ApiError(504, "request deadline passed", code="timeout")
+            wait = min(left, limits.liveness_check_s, max(0.0, stalled_at - time.monotonic()))
             try:
-                return await asyncio.wait_for(queue.get(), min(left, self.limits.liveness_check_s))
+                return await asyncio.wait_for(queue.get(), wait)
             except TimeoutError:
-                gone = [w for w in workers if not self._alive(w)]
+                gone = [w for w in attempt.workers if not self._alive(w)]
                 if gone:
                     raise _Failed(f"worker {gone[0]} went away", *gone) from None
+                if time.monotonic() >= stalled_at:
+                    blamed = (attempt.decode,) if started else attempt.workers
+                    which = "next" if started else "first"
+                    raise _Failed(
+                        f"no {which} token within {bound:g} s from {', '.join(blamed)}", *blamed
+                    ) from None
 
     def _alive(self, service_id: str) -> bool:
         record = self.registry.get(service_id)

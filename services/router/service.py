@@ -73,6 +73,9 @@ class RouterService(Service):
             ack_timeout_s=s.ack_timeout_s,
             local_prefill_max_tokens=s.local_prefill_max_tokens,
             lookup_timeout_s=s.lookup_timeout_s,
+            migration_limit=s.migration_limit,
+            first_token_timeout_s=s.first_token_timeout_s,
+            token_timeout_s=s.token_timeout_s,
         )
         policy = POLICIES[s.routing_policy](
             CostDefaults(prefill_tok_s=s.prefill_tok_s, load_tok_s=s.load_tok_s)

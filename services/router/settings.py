@@ -61,6 +61,25 @@ class RouterSettings(ServiceSettings):
     lookup_timeout_s: float = Field(
         default=0.25, gt=0, description="cachemeta must answer a lookup within this"
     )
+    migration_limit: int = Field(
+        default=3,
+        ge=0,
+        le=10,
+        description="times a request moves to other workers when its workers fail (before its "
+        "first token: retried; mid-answer: resumed from the tokens sent); then an error",
+    )
+    first_token_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="no first token within this: the request's workers are given up on and it "
+        "moves (a frozen worker is not waited on until the request's timeout)",
+    )
+    token_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="no next token within this: the decode worker is given up on and the "
+        "request resumes elsewhere",
+    )
     stats_share_s: float = Field(
         default=5.0, gt=0, description="how often this router shares its statistics' minutes"
     )

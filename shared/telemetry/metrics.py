@@ -35,6 +35,11 @@ INPUT_TOKENS = Counter(
     "kvmesh_input_tokens", "prompt tokens by where their KV came from", ["source"]
 )  # computed, memory, storage
 OUTPUT_TOKENS = Counter("kvmesh_output_tokens", "tokens generated")
+MOVES = Counter(
+    "kvmesh_request_moves",
+    "requests moved off failed workers: retried before their first token, or resumed mid-answer",
+    ["kind"],
+)
 
 # Bytes over each link: handoff (prefill → decode KV), store_write / store_read (storage
 # tier), image (router → encoder), embeds (encoder → stream → prefill).

@@ -1,0 +1,162 @@
+"""No request lost (real processes, tiny model, the official `openai` client): a decode worker
+killed or frozen mid-stream, and the client's stream goes on with the same answer, resumed on
+the other decode worker from the blocks the first stored as they filled."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+from kvmesh.trace import read_spans, request_trace
+from tests.procs import get_json, wait_until
+from tests.stack import Stack
+
+ANSWER = 1200  # tokens: long enough that a worker stopped after the first chunks was mid-answer
+PROMPT = "Tell the long story of a lighthouse keeper and the ships she guided home. " * 3
+
+
+@pytest.fixture(scope="module")
+def stack(stacks) -> Stack:
+    return stacks(
+        ("router-0", "cachemeta-0", "prefill-0", "decode-0", "decode-1"),
+        KVMESH_ROUTER_MISSED_HEARTBEATS="3",  # a killed worker is gone within 3 s
+        KVMESH_ROUTER_TOKEN_TIMEOUT_S="3",  # a frozen one is given up on within 3 s
+    )
+
+
+def serving_decode(stack: Stack) -> str:
+    """The decode worker holding a request now (its own /health says so)."""
+
+    def busy() -> list[str]:
+        return [
+            sid
+            for sid in ("decode-0", "decode-1")
+            if get_json(f"{stack.advertised(sid)}/health")[1]["load"]["inflight"]
+        ]
+
+    return wait_until(busy, 30, interval_s=0.02, what="a decode worker serving")[0]
+
+
+def stream(client: openai.OpenAI, rid: str, **sampling: object):
+    return client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=ANSWER,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"x-request-id": rid},
+        **sampling,
+    )
+
+
+def read_with(chunks, during=None, after: int = 300) -> tuple[str, int, str | None]:
+    """The streamed text, the completion tokens counted, the finish reason; ``during()`` is
+    called once ``after`` chunks have come."""
+    text, usage, finish = [], 0, None
+    for i, chunk in enumerate(chunks):
+        if i == after and during is not None:
+            during()
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage.completion_tokens
+    return "".join(text), usage, finish
+
+
+def attempts(stack: Stack, rid: str, n: int) -> list[dict]:
+    """The request's "generate" spans (one per attempt), in order, once ``n`` are written."""
+
+    def written() -> list[dict]:
+        spans = request_trace(read_spans(stack.dir / "traces"), rid)
+        found = [s for s in spans if s["name"] == "generate"]
+        return sorted(found, key=lambda s: s["attributes"]["attempt"]) if len(found) >= n else []
+
+    return wait_until(written, 30, what=f"{n} attempts in the request's trace")
+
+
+@pytest.mark.parametrize(
+    "sampling, stop",
+    [
+        ({"temperature": 0}, signal.SIGKILL),
+        ({"temperature": 1.0, "seed": 1234}, signal.SIGKILL),
+        ({"temperature": 0}, signal.SIGSTOP),
+    ],
+    ids=["greedy-killed", "seeded-killed", "greedy-frozen"],
+)
+def test_a_decode_worker_lost_mid_stream_and_the_answer_goes_on_unchanged(
+    stack: Stack, sampling: dict, stop: signal.Signals
+) -> None:
+    """Killed: its heartbeats stop (3 missed: gone). Frozen: asked through a router that
+    would wait 30 missed heartbeats, so what moves it is the progress bound (3 s)."""
+    client = stack.client()
+    if stop == signal.SIGSTOP:
+        url = stack.router("router-patient", KVMESH_ROUTER_MISSED_HEARTBEATS="30")
+        client = stack.client(url, timeout=120)
+    tag = f"{stop.name}-{sampling.get('seed', 'greedy')}"
+    reference = read_with(stream(client, f"ref-{tag}", **sampling))
+    assert reference[1] == ANSWER, "the reference answer ran to its length"
+
+    lost: list[str] = []
+    resumed_at: list[float] = []
+
+    def stop_its_decode_worker() -> None:
+        sid = serving_decode(stack)
+        os.kill(stack.procs[sid].pid, stop)
+        lost.append(sid)
+        resumed_at.append(time.monotonic())
+
+    rid = f"moved-{tag}"
+    try:
+        answer = read_with(stream(client, rid, **sampling), during=stop_its_decode_worker)
+        took = time.monotonic() - resumed_at[0]
+    finally:
+        (sid,) = lost
+        if stop == signal.SIGSTOP:
+            os.kill(stack.procs[sid].pid, signal.SIGCONT)
+        else:
+            stack.procs[sid].reap(10)
+            stack.start(sid)
+        stack.wait_ready([sid])
+    # The client saw one answer, token for token the uninterrupted one.
+    assert answer == reference
+    # The trace shows the move: a second attempt that went on from the tokens sent, having
+    # loaded most of them (stored by the lost worker as its blocks filled).
+    first, second = attempts(stack, rid, 2)[:2]
+    assert first["status"] == "error" and sid in first["error"]
+    resumed = second["attributes"]["resumed_tokens"]
+    assert 64 < resumed < ANSWER
+    # The blocks the lost worker had filled, the answer's too, were loaded, not computed
+    # again (but for the last one or two, which it may not have written when it stopped).
+    n_prompt = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1)
+    full_blocks = (n_prompt.usage.prompt_tokens + resumed) // 64
+    assert second["attributes"]["reused_tokens"] >= 64 * (full_blocks - 2) > 64
+    if stop == signal.SIGSTOP:  # the progress bound (3 s) moved it, not the request timeout
+        assert "no next token within 3 s" in first["error"]
+        assert took < 30
+        stack.procs["router-patient"].stop()
+
+
+def test_past_the_migration_limit_the_stream_ends_with_a_clear_error(stack: Stack) -> None:
+    url = stack.router("router-nomove", KVMESH_ROUTER_MIGRATION_LIMIT="0")
+    client = stack.client(url, timeout=60)
+    lost: list[str] = []
+
+    def kill_its_decode_worker() -> None:
+        sid = serving_decode(stack)
+        stack.procs[sid].popen.kill()
+        lost.append(sid)
+
+    try:
+        with pytest.raises(openai.APIError) as err:
+            read_with(stream(client, "nomove", temperature=0), during=kill_its_decode_worker)
+        assert "after 0 moves" in str(err.value) and lost[0] in str(err.value)
+    finally:
+        stack.procs[lost[0]].reap(10)
+        stack.start(lost[0])
+        stack.wait_ready([lost[0]])
+        stack.procs["router-nomove"].stop()
