@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -22,23 +23,23 @@ PROMPT = "Tell the long story of a lighthouse keeper and the ships she guided ho
 @pytest.fixture(scope="module")
 def stack(stacks) -> Stack:
     return stacks(
-        ("router-0", "cachemeta-0", "prefill-0", "decode-0", "decode-1"),
+        ("router-0", "cachemeta-0", "prefill-0", "prefill-1", "decode-0", "decode-1"),
         KVMESH_ROUTER_MISSED_HEARTBEATS="3",  # a killed worker is gone within 3 s
         KVMESH_ROUTER_TOKEN_TIMEOUT_S="3",  # a frozen one is given up on within 3 s
     )
 
 
-def serving_decode(stack: Stack) -> str:
-    """The decode worker holding a request now (its own /health says so)."""
+def load(stack: Stack, sid: str) -> dict:
+    return get_json(f"{stack.advertised(sid)}/health")[1]["load"]
+
+
+def serving(stack: Stack, role: str = "decode") -> str:
+    """The worker of ``role`` holding a request now (its own /health says so)."""
 
     def busy() -> list[str]:
-        return [
-            sid
-            for sid in ("decode-0", "decode-1")
-            if get_json(f"{stack.advertised(sid)}/health")[1]["load"]["inflight"]
-        ]
+        return [sid for sid in (f"{role}-0", f"{role}-1") if load(stack, sid)["inflight"]]
 
-    return wait_until(busy, 30, interval_s=0.02, what="a decode worker serving")[0]
+    return wait_until(busy, 30, interval_s=0.01, what=f"a {role} worker serving")[0]
 
 
 def stream(client: openai.OpenAI, rid: str, **sampling: object):
@@ -105,7 +106,7 @@ def test_a_decode_worker_lost_mid_stream_and_the_answer_goes_on_unchanged(
     resumed_at: list[float] = []
 
     def stop_its_decode_worker() -> None:
-        sid = serving_decode(stack)
+        sid = serving(stack)
         os.kill(stack.procs[sid].pid, stop)
         lost.append(sid)
         resumed_at.append(time.monotonic())
@@ -147,7 +148,7 @@ def test_past_the_migration_limit_the_stream_ends_with_a_clear_error(stack: Stac
     lost: list[str] = []
 
     def kill_its_decode_worker() -> None:
-        sid = serving_decode(stack)
+        sid = serving(stack)
         stack.procs[sid].popen.kill()
         lost.append(sid)
 
@@ -160,3 +161,48 @@ def test_past_the_migration_limit_the_stream_ends_with_a_clear_error(stack: Stac
         stack.start(lost[0])
         stack.wait_ready([lost[0]])
         stack.procs["router-nomove"].stop()
+
+
+def test_a_prefill_worker_killed_mid_prompt_and_the_request_is_answered_once(
+    stack: Stack,
+) -> None:
+    """Frozen as soon as it holds the prompt, then killed: decode frees what it reserved for
+    the handoff, the other prefill worker computes the prompt, one answer comes back."""
+    client = stack.client()
+    prompt = [100 + (i * 37) % 30000 for i in range(3800)]  # long: its prefill takes a while
+    lost: list[str] = []
+
+    def ask(rid: str) -> openai.types.Completion:
+        return client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            extra_headers={"x-request-id": rid},
+        )
+
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(ask, "prefill-lost")
+        sid = serving(stack, "prefill")
+        os.kill(stack.procs[sid].pid, signal.SIGSTOP)
+        os.kill(stack.procs[sid].pid, signal.SIGKILL)
+        lost.append(sid)
+        moved = answer.result(timeout=120)
+    try:
+        first, second = attempts(stack, "prefill-lost", 2)[:2]
+        assert sid in first["error"] and second["attributes"]["resumed_tokens"] == 0
+        assert sid not in moved.model_extra["kvmesh"]["workers"]
+        # The same answer as a request nobody interrupted (its prompt now cached).
+        again = ask("prefill-again")
+        assert moved.choices[0].text == again.choices[0].text
+        assert moved.usage.completion_tokens == 16
+        # Nothing half-sent was decoded, and no reservation was left behind.
+        wait_until(
+            lambda: all(load(stack, d)["kv_blocks_used"] == 0 for d in ("decode-0", "decode-1")),
+            30,
+            what="decode's KV blocks freed",
+        )
+    finally:
+        stack.procs[sid].reap(10)
+        stack.start(sid)
+        stack.wait_ready([sid])
