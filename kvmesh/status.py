@@ -12,7 +12,7 @@ from shared.bus.auth import connect_options
 from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot, WorkerEntry
 from shared.settings import CommonSettings, SettingsError, load_settings
 
-COLUMNS = ("ROLE", "ID", "STATUS", "ADDRESS", "HEARTBEAT AGE", "LOAD")
+COLUMNS = ("ROLE", "ID", "STATUS", "ADDRESS", "HEARTBEAT AGE", "LOAD", "BREAKER")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -37,6 +37,7 @@ def format_table(snapshot: RegistrySnapshot) -> str:
             e.addresses.get("http", ""),
             f"{e.age_s:.1f} s",
             load_text(e),
+            e.breaker.replace("_", "-"),
         )
         for e in snapshot.workers
     ]

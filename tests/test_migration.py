@@ -1,12 +1,15 @@
 """No request lost (real processes, tiny model, the official `openai` client): a decode worker
 killed or frozen mid-stream, and the client's stream goes on with the same answer, resumed on
-the other decode worker from the blocks the first stored as they filled."""
+the other decode worker from the blocks the first stored as they filled; a prefill worker
+killed mid-prompt; circuit breakers that skip failing workers and ignore clients' mistakes."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -206,3 +209,63 @@ def test_a_prefill_worker_killed_mid_prompt_and_the_request_is_answered_once(
         stack.procs[sid].reap(10)
         stack.start(sid)
         stack.wait_ready([sid])
+
+
+def breaker_gauges(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = re.findall(r'kvmesh_router_breaker_open\{worker="([^"]+)"\} (\S+)', text)
+    return {worker: float(value) for worker, value in found}
+
+
+def test_failing_workers_are_skipped_by_their_breakers_and_bad_requests_open_none(
+    stack: Stack,
+) -> None:
+    """Both prefill workers frozen (a router that would wait 30 missed heartbeats, 1 s for an
+    ack): each request costs both a fault; two requests open both breakers, and the next is
+    refused at once instead of waiting on them. A storm of bad requests opened nothing."""
+    url = stack.router(
+        "router-breaker",
+        KVMESH_ROUTER_MISSED_HEARTBEATS="30",
+        KVMESH_ROUTER_ACK_TIMEOUT_S="1",
+        KVMESH_ROUTER_BREAKER_FAULTS="2",
+        KVMESH_ROUTER_BREAKER_COOLDOWN_S="4",
+    )
+    client = stack.client(url, timeout=60)
+    for i in range(40):  # a client's 4xx is no worker's fault
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny", prompt=f"bad {i}", max_tokens=-1)
+    assert set(breaker_gauges(url).values()) <= {0.0}
+
+    def ask(i: int) -> openai.types.Completion:
+        words = f"request {i}: " + "harbour lights at dawn " * 30  # prefilled off decode
+        return client.completions.create(model="tiny", prompt=words, max_tokens=2)
+
+    frozen = [stack.procs["prefill-0"], stack.procs["prefill-1"]]
+    for proc in frozen:
+        os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        for i in range(2):
+            with pytest.raises(openai.InternalServerError):
+                ask(i)
+        assert breaker_gauges(url) == {"prefill-0": 1.0, "prefill-1": 1.0}
+        started = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as err:
+            ask(2)
+        assert time.monotonic() - started < 1.0  # no ack waited for
+        assert "every prefill worker serving 'tiny' is failing (breakers open)" in str(err.value)
+    finally:
+        for proc in frozen:
+            os.kill(proc.pid, signal.SIGCONT)
+    # After the cool-down a trial goes through, and its success closes the breaker.
+    answered = wait_until(lambda: try_ask(ask), 30, interval_s=1, what="a trial answered")
+    assert answered.usage.completion_tokens == 2
+    wait_until(lambda: 0.0 in breaker_gauges(url).values(), 10, what="a breaker closed")
+    stack.procs["router-breaker"].stop()
+
+
+def try_ask(ask) -> openai.types.Completion | None:  # noqa: ANN001
+    try:
+        return ask(99)
+    except openai.InternalServerError:
+        return None

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
+from services.router.breaker import Breakers
 from services.router.openai_api import ApiError
 from services.router.policies import Ranked, RouteRequest, RoutingPolicy
 from services.router.registry import WorkerRecord, WorkerRegistry
@@ -122,11 +123,13 @@ class Attempt:
 
 
 class _Failed(Exception):
-    """This attempt failed: the workers named are not tried again."""
+    """This attempt failed: the workers named are not tried again for this request, and
+    (unless it was no fault of theirs: busy) their circuit breakers count it."""
 
-    def __init__(self, reason: str, *service_ids: str) -> None:
+    def __init__(self, reason: str, *service_ids: str, fault: bool = True) -> None:
         super().__init__(reason)
         self.service_ids = service_ids
+        self.fault = fault
 
 
 class Dispatcher:
@@ -138,8 +141,10 @@ class Dispatcher:
         policy: RoutingPolicy,
         limits: DispatchLimits,
         handoff_secret: bytes,
+        breakers: Breakers | None = None,
     ) -> None:
         self.bus = bus
+        self.breakers = breakers or Breakers()
         self.handoff_secret = handoff_secret
         self.router_id = router_id
         self.registry = registry
@@ -158,18 +163,26 @@ class Dispatcher:
             queue.put_nowait(event)
 
     def check_servable(self, model: str) -> None:
-        """503 unless a ready prefill and a ready decode worker serve the model."""
+        """503 unless a ready prefill and a ready decode worker serve the model, and one of
+        each is not skipped by its circuit breaker."""
         for role in ("prefill", "decode"):
-            if not self._candidates(role, model, set()):
-                raise ApiError(
-                    503, f"no live {role} worker serves {model!r}; retry later", code="unavailable"
-                )
+            if self._candidates(role, model, set()):
+                continue
+            if self._candidates(role, model, set(), breakers=False):
+                why = f"every {role} worker serving {model!r} is failing (breakers open)"
+            else:
+                why = f"no live {role} worker serves {model!r}"
+            raise ApiError(503, f"{why}; retry later", code="unavailable")
 
-    def _candidates(self, role: str, model: str, excluded: set[str]) -> list[WorkerRecord]:
+    def _candidates(
+        self, role: str, model: str, excluded: set[str], breakers: bool = True
+    ) -> list[WorkerRecord]:
         return [
             w
             for w in self.registry.ready(role)
-            if model in w.heartbeat.models and w.service_id not in excluded
+            if model in w.heartbeat.models
+            and w.service_id not in excluded
+            and (not breakers or self.breakers.allows(w.service_id))
         ]
 
     async def generate(self, job: Job, decision: dict | None = None) -> AsyncIterator[TokenEvent]:
@@ -220,14 +233,19 @@ class Dispatcher:
                             span.set_attribute("reused_tokens", event.cached_tokens)
                         event = resumed_event(event, len(sent))
                     sent.extend(event.token_ids)
-                    yield event
                     if event.finish_reason:
                         finished = True
+                        for w in attempt_.workers:
+                            self.breakers.success(w)
+                    yield event
+                    if finished:
                         return
             except _Failed as failure:
                 span.set_status(StatusCode.ERROR, str(failure))
                 failures.append(str(failure))
                 excluded.update(failure.service_ids)
+                for w in failure.service_ids if failure.fault else ():
+                    self.breakers.fault(w, str(failure))
                 if move == self.limits.migration_limit:
                     raise ApiError(
                         503,
@@ -415,6 +433,7 @@ class Dispatcher:
             # Counted from now: requests routed meanwhile see this one (before its ack).
             for w in involved:
                 self.outstanding.add(w)
+                self.breakers.trying(w)
             if role == "prefill":
                 self.policy.dispatched(worker.service_id, route)
             try:
@@ -463,7 +482,13 @@ class Dispatcher:
                 event = await self._next(job, queue, attempt, started=next_index > 0)
                 if event.error:
                     if event.error_code in ("busy", "unavailable"):
-                        raise _Failed(event.error, *([event.worker_id] if event.worker_id else []))
+                        raise _Failed(
+                            event.error,
+                            *([event.worker_id] if event.worker_id else []),
+                            fault=event.error_code == "unavailable",
+                        )
+                    if event.worker_id:
+                        self.breakers.fault(event.worker_id, event.error)
                     raise ApiError(500, f"worker error: {event.error}", code="internal")
                 if event.index > next_index:
                     early[event.index] = event

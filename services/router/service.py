@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 
+from services.router.breaker import Breakers
 from services.router.dispatch import Dispatcher, DispatchLimits
 from services.router.frontend import Frontend
 from services.router.grpc_api import GrpcApi
@@ -49,6 +50,7 @@ class RouterService(Service):
         super().__init__(common, settings)
         self.settings: RouterSettings = settings
         self.registry = WorkerRegistry(missed_beats=settings.missed_heartbeats)
+        self.breakers = Breakers(settings.breaker_faults, settings.breaker_cooldown_s)
         self.stats = RollingStats(self.service_id, self.started_at)
         self.frontend: Frontend | None = None
         self.grpc_address = ""
@@ -82,7 +84,9 @@ class RouterService(Service):
         )
         secrets_dir = self.common.resolved_secrets_dir
         handoff = load_or_create(secrets_dir, HANDOFF_SECRET)
-        dispatcher = Dispatcher(bus, self.service_id, self.registry, policy, limits, handoff)
+        dispatcher = Dispatcher(
+            bus, self.service_id, self.registry, policy, limits, handoff, self.breakers
+        )
         await dispatcher.start()
         image_limits = ImageLimits(
             max_bytes=s.image_max_bytes,
@@ -179,9 +183,11 @@ class RouterService(Service):
     async def on_registry_query(self, query: RegistryQuery) -> RegistrySnapshot:
         now = time.monotonic()
         self.expire(now)
-        return RegistrySnapshot(
-            router_id=self.service_id, workers=self.registry.entries(now, query.role)
-        )
+        entries = [
+            e.model_copy(update={"breaker": self.breakers.state(e.service_id)})
+            for e in self.registry.entries(now, query.role)
+        ]
+        return RegistrySnapshot(router_id=self.service_id, workers=entries)
 
     def routes(self) -> list[web.RouteDef]:
         assert self.frontend is not None

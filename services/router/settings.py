@@ -80,6 +80,15 @@ class RouterSettings(ServiceSettings):
         description="no next token within this: the decode worker is given up on and the "
         "request resumes elsewhere",
     )
+    breaker_faults: int = Field(
+        default=3,
+        ge=1,
+        description="a worker's faults in a row (no ack, gone mid-request, no token within "
+        "the bounds, an error) that open its circuit breaker: it gets no request for a while",
+    )
+    breaker_cooldown_s: float = Field(
+        default=10.0, gt=0, description="how long an open breaker skips its worker"
+    )
     stats_share_s: float = Field(
         default=5.0, gt=0, description="how often this router shares its statistics' minutes"
     )

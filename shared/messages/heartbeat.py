@@ -59,6 +59,9 @@ class WorkerEntry(Message):
     load: Load
     age_s: float = Field(description="seconds since the last heartbeat, at the router")
     uptime_s: float
+    breaker: Literal["closed", "open", "half_open"] = Field(
+        default="closed", description="the answering router's circuit breaker for it"
+    )
 
 
 class RegistrySnapshot(Message):

@@ -63,6 +63,9 @@ def test_up_status_and_clean_stop(state_dir: Path) -> None:
             "encoder-0",
         }
         assert all(row[2] == "ready" for row in rows.values())
+        # The answering router's circuit breaker for each: nothing has failed.
+        assert lines[0].split()[-1] == "BREAKER"
+        assert all(row[-1] == "closed" for row in rows.values())
         assert lines[-1] == "6 services, as seen by router router-0"
 
         assert len(kvmesh_pids(str(state_dir))) >= 7  # six services and nats-server
