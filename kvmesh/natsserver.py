@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -57,6 +58,28 @@ def is_nats(url: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """A node's place in a local NATS cluster: routes to every other node's route port."""
+
+    name: str
+    node: int  # this node's index
+    route_ports: tuple[int, ...]  # every node's, by index
+
+    def args(self, host: str) -> list[str]:
+        others = [f"nats://{host}:{p}" for i, p in enumerate(self.route_ports) if i != self.node]
+        return [
+            "--server_name",
+            f"{self.name}-{self.node}",
+            "--cluster_name",
+            self.name,
+            "--cluster",
+            f"nats://{host}:{self.route_ports[self.node]}",
+            "--routes",
+            ",".join(others),
+        ]
+
+
 class NatsServer:
     """A nats-server child process bound to ``host:port`` with JetStream stored in ``store_dir``,
     configured by ``config`` (kvmesh/natsconf.py writes a mesh's: identities, permissions,
@@ -70,28 +93,40 @@ class NatsServer:
         log_file: Path | None = None,
         config: Path = CONFIG,
         tls: bool = False,
+        cluster: Cluster | None = None,
     ) -> None:
         self.host, self.port = host, port
         self.store_dir = store_dir
         self.log_file = log_file
         self.config = config
         self.tls = tls
+        self.cluster = cluster
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
 
     @property
     def url(self) -> str:
         return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> str:
-        if port_in_use(self.host, self.port):
-            raise NatsServerError(
-                f"cannot start NATS: port {self.port} on {self.host} is already in use; "
-                "stop what holds it, or set KVMESH_NATS_URL to a running NATS server"
-            )
+        ports = [self.port]
+        if self.cluster is not None:
+            ports.append(self.cluster.route_ports[self.cluster.node])
+        for port in ports:
+            if port_in_use(self.host, port):
+                raise NatsServerError(
+                    f"cannot start NATS: port {port} on {self.host} is already in use; "
+                    "stop what holds it, or set KVMESH_NATS_URL to a running NATS server"
+                )
         self.store_dir.mkdir(parents=True, exist_ok=True)
         cmd = [str(nats_server_binary()), "-c", str(self.config), "-a", self.host]
         cmd += ["-p", str(self.port)]
         cmd += ["-js", "-sd", str(self.store_dir)]
+        if self.cluster is not None:
+            cmd += self.cluster.args(self.host)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd,

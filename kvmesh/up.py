@@ -1,6 +1,7 @@
-"""`kvmesh up`: NATS, one cachemeta, one router and N of each worker role, as child processes.
+"""`kvmesh up`: NATS (one node or a cluster), one cachemeta, N routers and N of each worker
+role, as child processes.
 
-It waits until the router has registered every child, prints the API URL, shows each child's
+It waits until a router has registered every child, prints the API URLs, shows each child's
 log lines prefixed by its name (and keeps them under the state dir's logs/), and on Ctrl-C or
 SIGTERM stops the children, then NATS, leaving no process behind.
 """
@@ -21,7 +22,7 @@ from urllib.parse import urlsplit
 import uvloop
 
 from kvmesh.init import prepare
-from kvmesh.natsserver import NatsServer, NatsServerError, die_with_parent, is_nats
+from kvmesh.natsserver import Cluster, NatsServer, NatsServerError, die_with_parent, is_nats
 from services.router.settings import RouterSettings
 from shared.bus import Bus, BusError, subjects
 from shared.bus.auth import connect_options
@@ -39,6 +40,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("up", help="start a local stack and stream its logs")
     for role in ("prefill", "decode", "encoder"):
         p.add_argument(f"--{role}", type=int, default=1, metavar="N", help=f"{role} workers")
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="routers, serving the API on consecutive ports from the router's port",
+    )
+    p.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="NATS nodes: N > 1 starts a cluster on consecutive ports (routes on the client "
+        "port + 2000), streams kept on min(N, 3) nodes",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every service")
     p.add_argument(
         "--tls",
@@ -53,29 +69,46 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 class Child:
     name: str  # also its service id: role-index
     role: str
+    env: dict[str, str] = field(default_factory=dict)  # its own settings
     proc: asyncio.subprocess.Process | None = None
     pump: asyncio.Task | None = field(default=None, repr=False)
+
+
+ROUTE_PORT_OFFSET = 2000  # a cluster node's route port: its client port + this (6222 for 4222)
 
 
 class Stack:
     """The processes of one local stack and the order in which they start and stop."""
 
     def __init__(
-        self, common: CommonSettings, api_url: str, counts: dict[str, int], tls: bool = False
+        self,
+        common: CommonSettings,
+        router: RouterSettings,
+        counts: dict[str, int],
+        tls: bool = False,
+        nats_nodes: int = 1,
     ) -> None:
         self.common = common
-        self.api_url = api_url
         self.prepared = prepare(common, tls)
-        self.children = [Child("cachemeta-0", "cachemeta"), Child("router-0", "router")]
+        scheme = "https" if tls else "http"
+        self.children = [Child("cachemeta-0", "cachemeta")]
+        self.api_urls = []
+        for i in range(counts["router"]):
+            env = {"KVMESH_ROUTER_HTTP_PORT": str(router.http_port + i)}
+            if router.grpc_port:
+                env["KVMESH_ROUTER_GRPC_PORT"] = str(router.grpc_port + i)
+            self.children.append(Child(f"router-{i}", "router", env))
+            self.api_urls.append(f"{scheme}://{router.http_host}:{router.http_port + i}")
         for role in ("prefill", "decode", "encoder"):
             self.children += [Child(f"{role}-{i}", role) for i in range(counts[role])]
-        self.nats: NatsServer | None = None
+        self.nats_nodes = nats_nodes
+        self.nats: list[NatsServer] = []
         self.nats_url = common.nats_url
         self.logs_dir = common.state_dir / "logs"
 
     def start_nats(self) -> None:
-        """Use the NATS at nats_url when one answers there, else start one on that port,
-        configured with the mesh's identities (and TLS)."""
+        """Use the NATS at nats_url when one answers there, else start one on that port (or
+        a cluster on consecutive ports), configured with the mesh's identities (and TLS)."""
         url = self.common.nats_url
         if any(is_nats(u) for u in self.common.nats_servers):
             log.info("using the NATS server at %s", url)
@@ -83,25 +116,46 @@ class Stack:
         parts = urlsplit(self.common.nats_servers[0])
         if parts.hostname not in LOCAL_HOSTS:
             raise NatsServerError(f"KVMESH_NATS_URL={url}: no NATS server answers there")
-        self.nats = NatsServer(
-            "127.0.0.1",
-            parts.port or 4222,
-            self.common.state_dir / "nats",
-            log_file=self.logs_dir / "nats.log",
-            config=self.prepared.nats_config,
-            tls=self.prepared.tls is not None,
-        )
-        self.nats_url = self.nats.start()
+        port = parts.port or 4222
+        ports = [port + i for i in range(self.nats_nodes)]
+        routes = tuple(p + ROUTE_PORT_OFFSET for p in ports)
+        for i, node_port in enumerate(ports):
+            one = self.nats_nodes == 1
+            self.nats.append(
+                NatsServer(
+                    "127.0.0.1",
+                    node_port,
+                    self.common.state_dir / "nats" / ("" if one else f"node-{i}"),
+                    log_file=self.logs_dir / ("nats.log" if one else f"nats-{i}.log"),
+                    config=self.prepared.nats_config,
+                    tls=self.prepared.tls is not None,
+                    cluster=None if one else Cluster("kvmesh", i, routes),
+                )
+            )
+        try:
+            self.nats_url = ",".join(node.start() for node in self.nats)
+        except NatsServerError:
+            self.stop_nats()
+            raise
         log.info(
-            "started nats-server at %s (JetStream in %s; clients need a role's identity%s)",
+            "started %s at %s (JetStream in %s; clients need a role's identity%s)",
+            "nats-server" if self.nats_nodes == 1 else f"a {self.nats_nodes}-node NATS cluster",
             self.nats_url,
-            self.nats.store_dir,
+            self.common.state_dir / "nats",
             ", TLS and a certificate" if self.prepared.tls else "",
         )
 
+    def stop_nats(self) -> None:
+        for node in self.nats:
+            node.stop()
+        if self.nats:
+            log.info("stopped nats-server")
+
     async def spawn(self, child: Child) -> None:
         env = dict(os.environ)
-        env.update(KVMESH_NATS_URL=self.nats_url, KVMESH_SERVICE_ID=child.name)
+        env.update(KVMESH_NATS_URL=self.nats_url, KVMESH_SERVICE_ID=child.name, **child.env)
+        if self.nats_nodes > 1 and "KVMESH_JETSTREAM_REPLICAS" not in env:
+            env["KVMESH_JETSTREAM_REPLICAS"] = str(min(3, self.nats_nodes))
         if self.prepared.tls is not None:
             env.update(self.prepared.tls.env(child.role))
         child.proc = await asyncio.create_subprocess_exec(
@@ -184,9 +238,7 @@ class Stack:
             if child.pump is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(child.pump, 2)
-        if self.nats is not None:
-            self.nats.stop()
-            log.info("stopped nats-server")
+        self.stop_nats()
 
     async def run(self, timeout_s: float) -> int:
         stop = asyncio.Event()
@@ -209,8 +261,8 @@ class Stack:
             stopping.cancel()
             registered.result()
             print(
-                f"kvmesh is up: {len(self.children)} services, API at {self.api_url} "
-                "(Ctrl-C stops it)",
+                f"kvmesh is up: {len(self.children)} services, API at "
+                f"{', '.join(self.api_urls)} (Ctrl-C stops it)",
                 flush=True,
             )
             await self.watch(stop)
@@ -242,6 +294,18 @@ def run(args: argparse.Namespace) -> int:
         if not 0 <= n <= 64:
             print(f"kvmesh up: --{role} must be between 0 and 64 (got {n})", file=sys.stderr)
             return 2
+    if not 1 <= args.routers <= 16:
+        print(
+            f"kvmesh up: --routers must be between 1 and 16 (got {args.routers})", file=sys.stderr
+        )
+        return 2
+    if not 1 <= args.nats_cluster <= 5:
+        print(
+            f"kvmesh up: --nats-cluster must be between 1 and 5 (got {args.nats_cluster})",
+            file=sys.stderr,
+        )
+        return 2
+    counts["router"] = args.routers
     try:
         common = load_settings(CommonSettings)
         router = load_settings(RouterSettings)
@@ -249,10 +313,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvmesh up: {err}", file=sys.stderr)
         return 2
     setup_logging(common.log_level)
-    scheme = "https" if args.tls else "http"
-    api_url = f"{scheme}://{router.http_host}:{router.http_port}"
     try:
-        return uvloop.run(Stack(common, api_url, counts, args.tls).run(args.timeout))
+        stack = Stack(common, router, counts, args.tls, args.nats_cluster)
+        return uvloop.run(stack.run(args.timeout))
     except NatsServerError as err:
         print(f"kvmesh up: {err}", file=sys.stderr)
         return 1

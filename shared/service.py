@@ -191,7 +191,9 @@ async def _connect_unless_stopped(service: Service, stop: asyncio.Event) -> Bus 
     if not connecting.done():
         connecting.cancel()
         return None
-    return connecting.result()
+    bus = connecting.result()
+    bus.replicas = common.jetstream_replicas
+    return bus
 
 
 async def _run(service: Service) -> None:

@@ -102,6 +102,13 @@ class CommonSettings(KvmeshSettings):
     nats_connect_timeout_s: float = Field(
         default=30.0, gt=0, le=600, description="how long to wait for NATS at start"
     )
+    jetstream_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="copies of each JetStream stream (KV events, statistics, embeddings) on "
+        "a NATS cluster's nodes: 3 on a cluster of three or more, so losing a node loses none",
+    )
 
     kv_store_dir: Path | None = Field(
         default=None,

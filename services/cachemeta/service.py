@@ -223,7 +223,7 @@ class CachemetaService(Service):
         await asyncio.to_thread(lambda: [self.store.delete(h) for h in doomed])
         assert self.bus is not None
         removal = KvEvent(kind="removed", location=STORE, hashes=doomed, at=time.time())
-        await self.bus.publish_durable(subjects.kv_events("cachemeta"), removal)
+        await self.bus.publish_durable(subjects.kv_events("cachemeta"), removal, retry_s=30)
         log.info(
             "storage tier: %d expired and %d evicted blocks deleted (%d bytes indexed)",
             len(stored),

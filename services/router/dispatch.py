@@ -156,6 +156,21 @@ class Dispatcher:
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.replies(self.router_id), TokenEvent, self._on_event)
+        self.bus.on_reconnect.append(self._reconnected)
+
+    def _reconnected(self) -> None:
+        """Token events published while this router was away from NATS are lost (its
+        subscription was gone from the cluster): every answer in flight moves on from the
+        tokens it sent (no fault of its workers)."""
+        for rid, queue in self._queues.items():
+            queue.put_nowait(
+                TokenEvent(
+                    request_id=rid,
+                    index=-1,
+                    error="this router's connection to NATS was lost meanwhile",
+                    error_code="unavailable",
+                )
+            )
 
     async def _on_event(self, event: TokenEvent) -> None:
         queue = self._queues.get(event.request_id)

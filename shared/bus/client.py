@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+import uuid
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -19,7 +21,13 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import DeliverPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError as JsApiError
+from nats.js.errors import (
+    BadRequestError,
+    NotFoundError,
+    ServerError,
+    ServiceUnavailableError,
+)
 
 from shared.messages import Message
 from shared.messages.encode import frame, unframe
@@ -33,6 +41,7 @@ R = TypeVar("R", bound=Message)
 # A reply carrying this header is an error raised by the responder; the value is its text.
 ERROR_HEADER = "Kvmesh-Error"
 PARTS_HEADER = "Kvmesh-Parts"  # a stored message in parts (put_last)
+MSG_ID = "Nats-Msg-Id"  # JetStream stores a message once per id (within its window)
 PART_MARGIN = 64 << 10  # room in a message for headers beside a part
 
 
@@ -60,6 +69,10 @@ class Bus:
         self.nc = nc
         self.js = nc.jetstream()
         self.closing = False
+        self.replicas = 1  # of the streams this connection creates (a cluster's: 3)
+        # Called after each reconnect: what was published to this client while it was away
+        # from NATS is lost (its subscriptions were gone from the cluster meanwhile).
+        self.on_reconnect: list[Callable[[], None]] = []
 
     @classmethod
     async def connect(
@@ -81,6 +94,8 @@ class Bus:
 
         async def on_reconnect() -> None:
             log.info("reconnected to NATS at %s", url)
+            for listener in closing[0].on_reconnect if closing else ():
+                listener()
 
         async def on_error(err: Exception) -> None:
             nonlocal waiting_logged
@@ -240,10 +255,39 @@ class Bus:
         memory: bool = False,
         last_per_subject: bool = False,
         create_only: bool = False,
+        ready_s: float = 30.0,
     ) -> None:
         """Create the stream (file-backed unless ``memory``), or update it to this config if it
         exists (unless ``create_only``: a stream someone else configures).
-        ``last_per_subject``: keep one message per subject, readable directly."""
+        ``last_per_subject``: keep one message per subject, readable directly. JetStream not
+        ready yet (a cluster electing its leaders) is waited for up to ``ready_s``."""
+        deadline = time.monotonic() + ready_s
+        while True:
+            try:
+                return await self._ensure_stream(
+                    name, subjects, max_age_s, max_bytes, memory, last_per_subject, create_only
+                )
+            except (
+                nats.errors.TimeoutError,
+                nats.errors.NoRespondersError,
+                ServiceUnavailableError,
+                ServerError,
+            ) as err:
+                if time.monotonic() > deadline:
+                    raise BusError(f"stream {name}: JetStream not ready: {err!r}") from None
+                log.info("stream %s: JetStream not ready (%r); waiting", name, err)
+                await asyncio.sleep(0.5)
+
+    async def _ensure_stream(
+        self,
+        name: str,
+        subjects: list[str],
+        max_age_s: float,
+        max_bytes: int,
+        memory: bool,
+        last_per_subject: bool,
+        create_only: bool,
+    ) -> None:
         config = StreamConfig(
             name=name,
             subjects=subjects,
@@ -252,6 +296,7 @@ class Bus:
             max_bytes=max_bytes,
             max_msgs_per_subject=1 if last_per_subject else -1,
             allow_direct=last_per_subject,
+            num_replicas=self.replicas,
         )
         try:
             await self.js.stream_info(name)
@@ -265,10 +310,22 @@ class Bus:
             if not create_only:
                 await self.js.update_stream(config)
 
-    async def publish_durable(self, subject: str, msg: Message) -> int:
-        """Publish to a JetStream stream and wait for the store; returns the sequence number."""
-        ack = await self.js.publish(subject, msg.to_bytes())
-        return ack.seq
+    async def publish_durable(self, subject: str, msg: Message, retry_s: float = 0.0) -> int:
+        """Publish to a JetStream stream and wait for the store; returns the sequence number.
+        ``retry_s``: keep trying that long when no store answers (a NATS node lost, a stream
+        electing its leader); the message is stored once (a message id the stream dedupes)."""
+        data, msg_id = msg.to_bytes(), uuid.uuid4().hex
+        deadline = time.monotonic() + retry_s
+        wait = 0.1
+        while True:
+            try:
+                ack = await self.js.publish(subject, data, timeout=2.0, headers={MSG_ID: msg_id})
+                return ack.seq
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, JsApiError) as err:
+                if time.monotonic() + wait > deadline:
+                    raise BusError(f"{subject}: not stored: {err!r}") from None
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, 1.0)
 
     async def put_last(
         self, subject: str, data: bytes, headers: dict[str, str] | None = None

@@ -25,6 +25,10 @@ from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
 
+# How long a KV event is retried when no store answers (a NATS node lost, a stream electing
+# its leader): cachemeta must learn of every block, or routing misses it until it ages out.
+EVENT_RETRY_S = 30.0
+
 MEMORY, STORAGE = "memory", "storage"
 
 
@@ -226,6 +230,6 @@ class KvTiers:
             at=time.time(),
         )
         try:
-            await self.bus.publish_durable(self.events_subject, event)
+            await self.bus.publish_durable(self.events_subject, event, retry_s=EVENT_RETRY_S)
         except Exception as err:  # cachemeta learns of it later, or the block just ages out
             log.warning("KV event not published: %s", err)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import ssl
@@ -158,6 +159,82 @@ async def decode_kv_address(nats_url: str, options: dict) -> str:
     finally:
         await bus.close()
     return snap.workers[0].addresses["kv"]
+
+
+def test_up_with_a_nats_cluster_and_two_routers_loses_nothing_to_a_node_or_a_router(
+    state_dir: Path,
+) -> None:
+    """`kvmesh up --nats-cluster 3 --routers 2`: a NATS node killed while requests stream
+    through both routers costs none of them, and every block stored meanwhile is indexed (the
+    same prompts again come from the cache); a router killed, the other serves on."""
+    nats_port, http_port = free_port_run(3), free_port_run(2)
+    env = up_env(state_dir, nats_port, http_port)
+    cmd = [*KVMESH, "up", "--nats-cluster", "3", "--routers", "2", "--encoder", "0"]
+    up = Proc(cmd, env, state_dir / "up.log")
+    try:
+        wait_until(lambda: "kvmesh is up" in up.output(), 120, what="kvmesh up to be ready")
+        urls = [f"http://127.0.0.1:{http_port + i}" for i in (0, 1)]
+        assert f"API at {urls[0]}, {urls[1]}" in up.output()
+        clients = [
+            openai.OpenAI(base_url=f"{u}/v1", api_key="unused", max_retries=0, timeout=60)
+            for u in urls
+        ]
+        prompts = [f"({i}) " + "the keeper lit the lamp at dusk " * 20 for i in range(24)]
+
+        def ask(i: int) -> openai.types.Completion:
+            return clients[i % 2].completions.create(
+                model="tiny", prompt=prompts[i], max_tokens=6, temperature=0
+            )
+
+        answers = []
+        for i in range(len(prompts)):
+            if i == 8:  # one node of three, with whatever it held, gone mid-run
+                (node,) = pids_with(state_dir, "kvmesh-1")
+                os.kill(node, signal.SIGKILL)
+            answers.append(ask(i))
+        assert all(a.usage.completion_tokens == 6 for a in answers)
+        # Every prompt's blocks were indexed, those stored while the node was down too.
+        for i in range(len(prompts)):
+            full = answers[i].usage.prompt_tokens // 64 * 64
+            again = wait_until(
+                lambda i=i, full=full: (
+                    (a := ask(i)).usage.prompt_tokens_details.cached_tokens == full and a
+                ),
+                20,
+                what=f"prompt {i} from the cache",
+            )
+            assert again.choices[0].text == answers[i].choices[0].text
+
+        (router,) = pids_with(state_dir, "KVMESH_SERVICE_ID=router-0\0")
+        os.kill(router, signal.SIGKILL)
+        after = clients[1].completions.create(model="tiny", prompt="still there?", max_tokens=3)
+        assert after.usage.completion_tokens == 3
+    finally:
+        up.stop()
+
+
+def free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive free ports (and their route ports, + 2000)."""
+    for _ in range(100):
+        first = free_port()
+        ports = [first + i for i in range(n)] + [first + 2000 + i for i in range(n)]
+        if all(port_free(p) for p in ports):
+            return first
+    raise AssertionError("no run of free ports")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def pids_with(state_dir: Path, marker: str) -> list[int]:
+    """The stack's processes (its state dir in their environment) that also carry ``marker``."""
+    return sorted(set(kvmesh_pids(str(state_dir))) & set(kvmesh_pids(marker)))
 
 
 def kvmesh(args: list[str], env: dict[str, str], timeout_s: float = 120):
