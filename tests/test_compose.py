@@ -22,15 +22,23 @@ def test_every_role_runs_from_the_repo_image() -> None:
         svc = services[role]
         assert svc.build == "."
         assert svc.command == ["python", "-m", f"services.{role}"]
-        assert svc.environment["KVMESH_NATS_URL"] == "nats://nats:4222"
-        assert "nats" in svc.depends_on
+        urls = svc.environment["KVMESH_NATS_URL"].split(",")
+        assert urls == [f"nats://nats-{i}:4222" for i in range(3)]  # every node of the cluster
+        assert svc.environment["KVMESH_JETSTREAM_REPLICAS"] == "3"
+        assert {"nats-0", "nats-1", "nats-2"} <= set(svc.depends_on)
     assert (REPO / "Dockerfile").is_file()
 
 
-def test_nats_has_jetstream_and_jaeger_takes_otlp() -> None:
+def test_nats_is_a_three_node_jetstream_cluster_and_jaeger_takes_otlp() -> None:
     services = load().services
-    assert services["nats"].image.startswith("nats:")
-    assert "-js" in services["nats"].command
+    for i in range(3):
+        node = services[f"nats-{i}"]
+        assert node.image.startswith("nats:") and "-js" in node.command
+        cmd = node.command
+        flags = {a: cmd[k + 1] for k, a in enumerate(cmd[:-1]) if a.startswith("--")}
+        assert flags["--cluster_name"] == "kvmesh" and flags["--server_name"] == f"nats-{i}"
+        routes = flags["--routes"].split(",")
+        assert routes == [f"nats://nats-{j}:6222" for j in range(3) if j != i]
     assert services["jaeger"].environment["COLLECTOR_OTLP_ENABLED"] == "true"
     assert "4317:4317" in services["jaeger"].ports
 
@@ -42,10 +50,11 @@ def test_nats_runs_with_the_identities_kvmesh_init_writes() -> None:
     init = services["init"]
     assert init.command == ["python", "-m", "kvmesh", "init"]
     state = init.environment["KVMESH_STATE_DIR"]
-    nats = services["nats"]
-    assert nats.depends_on["init"].condition == "service_completed_successfully"
-    assert nats.command[nats.command.index("-c") + 1] == f"{state}/nats/server.conf"
-    assert any(str(v).startswith(f"kvstore:{state}") for v in nats.volumes)
+    for i in range(3):
+        nats = services[f"nats-{i}"]
+        assert nats.depends_on["init"].condition == "service_completed_successfully"
+        assert nats.command[nats.command.index("-c") + 1] == f"{state}/nats/server.conf"
+        assert any(str(v).startswith(f"kvstore:{state}") for v in nats.volumes)
     for role in ROLES:
         assert services[role].environment["KVMESH_STATE_DIR"] == state
         assert f"kvstore:{state}" in [str(v) for v in services[role].volumes]
