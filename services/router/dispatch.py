@@ -221,7 +221,11 @@ class Dispatcher:
             span = tracer.start_span(
                 "generate",
                 kind=SpanKind.CLIENT,
-                attributes={"attempt": move + 1, "resumed_tokens": len(sent)},
+                attributes={
+                    "attempt": move + 1,
+                    "resumed_tokens": len(sent),
+                    "prompt_tokens": len(wire.prompt_ids),
+                },
             )
             try:
                 with trace.use_span(span, end_on_exit=False):
