@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kvmesh.natsconf import write_server_config  # noqa: E402
-from kvmesh.natsserver import Cluster, NatsServer  # noqa: E402
+from kvmesh.natsserver import Cluster, NatsServer, port_in_use  # noqa: E402
 from kvmesh.trace import read_spans  # noqa: E402
 
 HUNG_S = 60.0  # an answer not complete within this is hung
@@ -72,18 +72,9 @@ def say(msg: str) -> None:
 
 def free_ports(n: int, gap: int = 2000, start: int = 21000) -> int:
     """The first of ``n`` consecutive free ports whose route ports (+ ``gap``) are free too."""
-    import socket
-
-    def free(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-        return True
-
     for first in range(start, 40000, 7):
-        if all(free(first + i) and free(first + gap + i) for i in range(n)):
+        ports = [first + i for i in range(n)] + [first + gap + i for i in range(n)]
+        if not any(port_in_use("127.0.0.1", p) for p in ports):
             return first
     raise SystemExit("no free ports")
 

@@ -18,6 +18,7 @@ import grpc
 import openai
 import pytest
 
+from kvmesh.natsserver import port_in_use
 from shared.bus import Bus, BusError, subjects
 from shared.bus.auth import identity
 from shared.messages.heartbeat import ROLES, RegistryQuery, RegistrySnapshot
@@ -218,18 +219,9 @@ def free_port_run(n: int) -> int:
     for _ in range(100):
         first = free_port()
         ports = [first + i for i in range(n)] + [first + 2000 + i for i in range(n)]
-        if all(port_free(p) for p in ports):
+        if not any(port_in_use("127.0.0.1", p) for p in ports):
             return first
     raise AssertionError("no run of free ports")
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def pids_with(state_dir: Path, marker: str) -> list[int]:
