@@ -15,7 +15,11 @@ Per fault, of the requests that overlapped it: how many, identical to the refere
 (completed but different), failed with an error, hung (no answer within the bound); p99
 latency before the faults and during this one; recovery (from the fault to the first success
 of the kind it touched: an image request for the encoder, any request otherwise). Resumed
-requests' reuse comes from the routers' traces: prompt tokens loaded vs computed again.
+requests' reuse comes from the routers' traces: of a resumed request's prompt (the original
+plus the tokens already sent), the tokens loaded rather than computed again, over all of it
+(resume_reuse_ratio) and over its full blocks (resume_block_ratio: the trailing partial block
+is never stored, so this is what the tiers could have given). Every prompt starts with the
+same few-hundred-token system prompt, as chat and agent requests do.
 
 Prints a table; the last line is one JSON object: requests, identical, wrong, errors, hung,
 router_cut (open streams of the killed router, counted apart), image_503_without_encoder
@@ -50,10 +54,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kvmesh.natsconf import write_server_config  # noqa: E402
-from kvmesh.natsserver import Cluster, NatsServer, port_in_use  # noqa: E402
+from kvmesh.natsserver import Cluster, NatsServer, die_with_parent, port_in_use  # noqa: E402
 from kvmesh.trace import read_spans  # noqa: E402
 
 HUNG_S = 60.0  # an answer not complete within this is hung
+BLOCK = 64  # the workers' KV block size (tokens)
 SERVICES = (
     "cachemeta-0",
     "router-0",
@@ -96,23 +101,40 @@ class Prompt:
         return self.name.startswith("image")
 
 
+# What chat and agent requests start with: a system prompt of several hundred tokens, the
+# same for every request (as an application's is).
+SYSTEM = {
+    "role": "system",
+    "content": (
+        "You are the storyteller of a travel magazine. Write in plain, concrete sentences; "
+        "name places, weather, sounds and the people met; never invent statistics; keep a "
+        "warm tone without flattery; end with one line the reader can remember. "
+    )
+    * 12,
+}
+
+
 def prompts() -> list[Prompt]:
     topics = ["a lighthouse", "a harbour", "a mountain pass", "an old library", "a night train"]
     text = [
-        Prompt(f"text-{i}", [{"role": "user", "content": f"Tell a long story about {t}. " * 4}])
+        Prompt(
+            f"text-{i}",
+            [SYSTEM, {"role": "user", "content": f"Tell a long story about {t}. " * 4}],
+        )
         for i, t in enumerate(topics)
     ]
     images = [
         Prompt(
             f"image-{i}",
             [
+                SYSTEM,
                 {
                     "role": "user",
                     "content": [
                         {"type": "text", "text": "Describe this picture in detail."},
                         {"type": "image_url", "image_url": {"url": png(i)}},
                     ],
-                }
+                },
             ],
         )
         for i in range(2)
@@ -183,6 +205,7 @@ class Mesh:
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,  # none outlives the benchmark
         )
 
     def pid(self, sid: str) -> int:
@@ -374,7 +397,7 @@ def run(mesh: Mesh, args: argparse.Namespace) -> None:
     threads = [threading.Thread(target=load.client, args=(c,)) for c in range(args.clients)]
     for t in threads:
         t.start()
-    windows: list[tuple[Fault, float, float, float | None]] = []  # fault, start, end, recovery
+    windows: list[tuple[Fault, float, float]] = []  # fault, from its injection to its calm's end
     try:
         time.sleep(args.calm)
         baseline_end = time.monotonic()
@@ -395,11 +418,16 @@ def run(mesh: Mesh, args: argparse.Namespace) -> None:
             load.dead_routers.discard(int(target[-1]) if target.startswith("router-") else -1)
             time.sleep(args.calm)
             end = time.monotonic()
-            windows.append((fault, at, end, recovery(load.results, at, fault)))
+            windows.append((fault, at, end))
     finally:
         load.stop.set()
         for t in threads:
             t.join(HUNG_S + 10)
+    with open(mesh.dir / "results.jsonl", "w") as f:  # every request, for a closer look
+        for r in load.results:
+            f.write(json.dumps(r.__dict__) + "\n")
+        for fault, at, end in windows:
+            f.write(json.dumps({"fault": fault.name, "at": at, "end": end}) + "\n")
     report(mesh, load.results, reference, baseline_end, windows)
 
 
@@ -422,7 +450,12 @@ def report(
     baseline_end: float,
     windows: list,
 ) -> None:
-    no_encoder = [(at, end) for f, at, end, _ in windows if f.touches_images]
+    no_encoder = [(at, end) for f, at, end in windows if f.touches_images]
+
+    def window_of(r: Result) -> int | None:
+        """The last fault whose window the request overlapped (each is counted once)."""
+        hit = [k for k, (_, at, end) in enumerate(windows) if r.started < end and r.ended > at]
+        return hit[-1] if hit else None
 
     def verdict(r: Result) -> str:
         if r.ended - r.started >= HUNG_S:
@@ -455,8 +488,9 @@ def report(
     totals = {"identical": 0, "wrong": 0, "error": 0, "hung": 0, "cut": 0, "expected": 0}
     recoveries = {}
     errors_seen = []
-    for fault, at, end, rec in windows:
-        during = [r for r in results if r.started < end and r.ended > at]
+    for k, (fault, at, _end) in enumerate(windows):
+        during = [r for r in results if window_of(r) == k]
+        rec = recovery(results, at, fault)
         counts = {k: 0 for k in totals}
         for r in during:
             counts[verdict(r)] += 1
@@ -474,22 +508,25 @@ def report(
         totals[verdict(r)] += 1
     for line in errors_seen[:20]:
         say(f"  error: {line}")
-    reused = prompt = resumed = 0
+    reused = prompt = whole = resumed = 0
     for span in read_spans(mesh.dir / "state" / "traces"):
         a = span["attributes"]
         if span["name"] == "generate" and a.get("resumed_tokens"):
             resumed += 1
             reused += a.get("reused_tokens", 0)
             prompt += a.get("prompt_tokens", 0)
+            whole += a.get("prompt_tokens", 0) // BLOCK * BLOCK  # a partial block is never stored
     lost = sum(
         (mesh.dir / f"{sid}.log").read_text(errors="replace").count("KV event not published")
         for sid in SERVICES
         if (mesh.dir / f"{sid}.log").exists()
     )
     ratio = round(reused / prompt, 3) if prompt else None
+    block_ratio = round(reused / whole, 3) if whole else None
     print(
-        f"{len(results)} requests; {resumed} resumed mid-answer, prompt tokens loaded "
-        f"{reused} of {prompt} ({ratio}); KV events lost {lost}"
+        f"{len(results)} requests; {resumed} resumed mid-answer, prompt tokens loaded {reused} "
+        f"of {prompt} ({ratio}; of the {whole} in full blocks: {block_ratio}); "
+        f"KV events lost {lost}"
     )
     print(
         json.dumps(
@@ -504,6 +541,7 @@ def report(
                 "lost_kv_events": lost,
                 "resumed": resumed,
                 "resume_reuse_ratio": ratio,
+                "resume_block_ratio": block_ratio,
                 "recovery_s": recoveries,
                 "p99_before_s": round(p99(before), 3),
                 "latency_p50_s": round(
