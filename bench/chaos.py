@@ -13,8 +13,9 @@ these faults come one after another, each followed by a restart and a calm spell
 
 Per fault, of the requests that overlapped it: how many, identical to the reference, wrong
 (completed but different), failed with an error, hung (no answer within the bound); p99
-latency before the faults and during this one; recovery (from the fault to the first success
-of the kind it touched: an image request for the encoder, any request otherwise). Resumed
+latency before the faults and during this one; recovery (from the fault to the first answer
+to a probe of the kind it touched, asked every 0.25 s from the fault on: an image request for
+the encoder, a text one otherwise). Resumed
 requests' reuse comes from the routers' traces: of a resumed request's prompt (the original
 plus the tokens already sent), the tokens loaded rather than computed again, over all of it
 (resume_reuse_ratio) and over its full blocks (resume_block_ratio: the trailing partial block
@@ -398,6 +399,7 @@ def run(mesh: Mesh, args: argparse.Namespace) -> None:
     for t in threads:
         t.start()
     windows: list[tuple[Fault, float, float]] = []  # fault, from its injection to its calm's end
+    recoveries: dict[str, float | None] = {}
     try:
         time.sleep(args.calm)
         baseline_end = time.monotonic()
@@ -408,6 +410,8 @@ def run(mesh: Mesh, args: argparse.Namespace) -> None:
             if target.startswith("router-"):
                 load.dead_routers.add(int(target[-1]))
             mesh.signal(target, fault.sig)
+            probe = Probe(load, ps[-1] if fault.touches_images else ps[0], at)
+            probe.start()
             time.sleep(fault.hold_s)
             if fault.sig == signal.SIGSTOP:
                 mesh.signal(target, signal.SIGCONT)
@@ -419,6 +423,7 @@ def run(mesh: Mesh, args: argparse.Namespace) -> None:
             time.sleep(args.calm)
             end = time.monotonic()
             windows.append((fault, at, end))
+            recoveries[fault.name] = probe.finish()
     finally:
         load.stop.set()
         for t in threads:
@@ -428,19 +433,46 @@ def run(mesh: Mesh, args: argparse.Namespace) -> None:
             f.write(json.dumps(r.__dict__) + "\n")
         for fault, at, end in windows:
             f.write(json.dumps({"fault": fault.name, "at": at, "end": end}) + "\n")
-    report(mesh, load.results, reference, baseline_end, windows)
+    report(mesh, load.results, reference, baseline_end, windows, recoveries)
 
 
-def recovery(results: list[Result], at: float, fault: Fault) -> float | None:
-    """From the fault to the first success of the kind it touched, started after it."""
-    done = [
-        r.ended - at
-        for r in results
-        if r.started >= at
-        and not r.error
-        and (r.prompt.startswith("image") or not fault.touches_images)
-    ]
-    return round(min(done), 2) if done else None
+class Probe(threading.Thread):
+    """After a fault: the request it touched (an image one for the encoder, a text one
+    otherwise), short, asked every 0.25 s through a live router until one is answered; the
+    recovery is the time from the fault to that answer."""
+
+    def __init__(self, load: Load, prompt: Prompt, at: float) -> None:
+        super().__init__(daemon=True)
+        self.load, self.prompt, self.at = load, prompt, at
+        self.answered: float | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        k = 0
+        while not self.done.is_set():
+            router = k % 2
+            if router in self.load.dead_routers:
+                router = 1 - router
+            client = openai.OpenAI(
+                base_url=f"{self.load.mesh.urls[router]}/v1",
+                api_key="-",
+                max_retries=0,
+                timeout=HUNG_S,
+            )
+            try:
+                client.chat.completions.create(
+                    model="tiny", messages=self.prompt.messages, max_tokens=2, temperature=0
+                )
+                self.answered = time.monotonic() - self.at
+                return
+            except openai.APIError:
+                k += 1
+                time.sleep(0.25)
+
+    def finish(self) -> float | None:
+        self.done.set()
+        self.join(HUNG_S + 5)
+        return round(self.answered, 2) if self.answered is not None else None
 
 
 def report(
@@ -449,6 +481,7 @@ def report(
     reference: dict[str, str],
     baseline_end: float,
     windows: list,
+    recoveries: dict[str, float | None],
 ) -> None:
     no_encoder = [(at, end) for f, at, end in windows if f.touches_images]
 
@@ -486,18 +519,16 @@ def report(
     )
     print("{:<28}{:>6}{:>10}{:>7}{:>8}{:>6}{:>5}{:>9}{:>12}{:>12}{:>10}".format(*head))
     totals = {"identical": 0, "wrong": 0, "error": 0, "hung": 0, "cut": 0, "expected": 0}
-    recoveries = {}
     errors_seen = []
-    for k, (fault, at, _end) in enumerate(windows):
+    for k, (fault, *_) in enumerate(windows):
         during = [r for r in results if window_of(r) == k]
-        rec = recovery(results, at, fault)
+        rec = recoveries[fault.name]
         counts = {k: 0 for k in totals}
         for r in during:
             counts[verdict(r)] += 1
             if verdict(r) == "error":
                 errors_seen.append(f"{fault.name}: {r.prompt}: {r.error[:160]}")
         lat = [r.ended - r.started for r in during if not r.error]
-        recoveries[fault.name] = rec
         print(
             f"{fault.name:<28}{len(during):>6}{counts['identical']:>10}{counts['wrong']:>7}"
             f"{counts['error']:>8}{counts['hung']:>6}{counts['cut']:>5}{counts['expected']:>9}"

@@ -183,6 +183,7 @@ class EncoderService(Service):
             subjects.embeds(req.model, req.image_hash),
             embeds,
             headers={EMBEDS_SHAPE_HEADER: f"{tokens},{hidden}"},
+            retry_s=10.0,  # a NATS node lost: the stream's next leader stores them
         )
         BYTES.labels("embeds", "out").inc(len(embeds))
         return EncodeReply(

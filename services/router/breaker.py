@@ -2,10 +2,12 @@
 
 Only the worker's own faults count: a task it did not acknowledge, leaving the registry with a
 request, no token within the progress bounds, an error event from it. A client's bad request
-never reaches a worker, and a busy worker (it says so at once) is not failing. After
-``threshold`` faults in a row the breaker opens: the worker gets no request for ``cooldown_s``;
-then one request may try it (half open): its success closes the breaker, its fault opens it
-again for another cool-down.
+never reaches a worker, and a busy worker (it says so at once) is not failing; faults within
+half a second of each other are one incident (a dying worker fails all it holds at once).
+After ``threshold`` faults in a row the breaker opens: the worker gets no request for
+``cooldown_s``; then one request may try it (half open): its success closes the breaker, its
+fault opens it again for another cool-down. A new process under the worker's id (restarted)
+starts closed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ log = logging.getLogger(__name__)
 
 State = Literal["closed", "open", "half_open"]
 
+INCIDENT_S = 0.5  # faults closer together than this are one
+
 OPEN = Gauge(
     "kvmesh_router_breaker_open",
     "1 while a worker's circuit breaker is open (this router skips it)",
@@ -34,6 +38,7 @@ class _Breaker:
     faults: int = 0  # in a row
     opened_at: float | None = None
     trial_at: float | None = None  # half open: when a request went to try the worker
+    last_fault_at: float | None = None
 
 
 class Breakers:
@@ -71,7 +76,13 @@ class Breakers:
             self._by_worker[worker].trial_at = self.clock()
 
     def fault(self, worker: str, why: str) -> None:
+        """A fault of the worker. Faults within ``INCIDENT_S`` of the one before are one
+        incident (a worker that dies fails every request it holds at once): they count once."""
         b = self._by_worker.setdefault(worker, _Breaker())
+        now = self.clock()
+        if b.last_fault_at is not None and now - b.last_fault_at < INCIDENT_S:
+            return
+        b.last_fault_at = now
         b.faults += 1
         b.trial_at = None
         if b.opened_at is not None or b.faults >= self.threshold:
@@ -83,7 +94,7 @@ class Breakers:
                     why,
                     self.cooldown_s,
                 )
-            b.opened_at = self.clock()
+            b.opened_at = now
             OPEN.labels(worker).set(1)
 
     def success(self, worker: str) -> None:

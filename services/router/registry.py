@@ -41,13 +41,16 @@ class WorkerRegistry:
         return len(self._by_id)
 
     def observe(self, hb: Heartbeat, now: float) -> bool:
-        """Record a heartbeat; returns True when it registers a new service."""
+        """Record a heartbeat; returns True when it registers a new service, or a new
+        process under a known id (restarted before its old one was dropped)."""
         if hb.status == "stopped":
             self.remove(hb.service_id)
             return False
         old = self._by_id.get(hb.service_id)
-        if old is not None and old.heartbeat.role != hb.role:
-            self.remove(hb.service_id)  # an id reused by another role: start over
+        if old is not None and (
+            old.heartbeat.role != hb.role or old.heartbeat.started_at != hb.started_at
+        ):
+            self.remove(hb.service_id)  # another process under this id: start over
             old = None
         first_seen = now if old is None else old.first_seen_at
         self._by_id[hb.service_id] = WorkerRecord(hb, seen_at=now, first_seen_at=first_seen)

@@ -127,6 +127,14 @@ class RouterService(Service):
         await server.start()
         stack.push_async_callback(server.stop, 1.0)
         self.grpc_address = f"{s.advertised_host()}:{port}"
+        # A router joining a running mesh learns its workers from their next heartbeats:
+        # it opens its API once it knows a ready prefill and decode worker, or after a beat
+        # and a half (a mesh without them answers 503 as before).
+        deadline = time.monotonic() + 1.5 * self.common.heartbeat_interval_s
+        while time.monotonic() < deadline and not all(
+            self.registry.ready(role) for role in ("prefill", "decode")
+        ):
+            await asyncio.sleep(0.05)
 
     def addresses(self) -> dict[str, str]:
         return {**super().addresses(), "grpc": self.grpc_address}
@@ -145,6 +153,7 @@ class RouterService(Service):
     async def on_heartbeat(self, hb: Heartbeat) -> None:
         if self.registry.observe(hb, time.monotonic()):
             log.info("registered %s %s", hb.role, hb.service_id)
+            self.breakers.success(hb.service_id)  # a new process: its breaker starts closed
         elif hb.status == "stopped":
             log.info("%s %s stopped", hb.role, hb.service_id)
 

@@ -24,6 +24,7 @@ from nats.js.api import DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError as JsApiError
 from nats.js.errors import (
     BadRequestError,
+    NoStreamResponseError,
     NotFoundError,
     ServerError,
     ServiceUnavailableError,
@@ -43,6 +44,15 @@ ERROR_HEADER = "Kvmesh-Error"
 PARTS_HEADER = "Kvmesh-Parts"  # a stored message in parts (put_last)
 MSG_ID = "Nats-Msg-Id"  # JetStream stores a message once per id (within its window)
 PART_MARGIN = 64 << 10  # room in a message for headers beside a part
+
+
+# What a publish to a stream meets while no node stores it for a moment.
+STORE_UNAVAILABLE = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    NoStreamResponseError,
+    JsApiError,
+)
 
 
 class BusError(Exception):
@@ -312,23 +322,34 @@ class Bus:
 
     async def publish_durable(self, subject: str, msg: Message, retry_s: float = 0.0) -> int:
         """Publish to a JetStream stream and wait for the store; returns the sequence number.
-        ``retry_s``: keep trying that long when no store answers (a NATS node lost, a stream
-        electing its leader); the message is stored once (a message id the stream dedupes)."""
-        data, msg_id = msg.to_bytes(), uuid.uuid4().hex
+        ``retry_s``: keep trying that long when no store answers (see ``_store``)."""
+        return await self._store(subject, msg.to_bytes(), None, retry_s)
+
+    async def _store(
+        self, subject: str, data: bytes, headers: dict[str, str] | None, retry_s: float
+    ) -> int:
+        """Publish to a stream and wait for its ack, trying again for ``retry_s`` while no
+        store answers (a NATS node lost, a stream electing its leader); a message id the
+        stream dedupes makes it stored once however many tries it took."""
+        headers = {**(headers or {}), MSG_ID: uuid.uuid4().hex}
         deadline = time.monotonic() + retry_s
         wait = 0.1
         while True:
             try:
-                ack = await self.js.publish(subject, data, timeout=2.0, headers={MSG_ID: msg_id})
+                ack = await self.js.publish(subject, data, timeout=2.0, headers=headers)
                 return ack.seq
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, JsApiError) as err:
+            except STORE_UNAVAILABLE as err:
                 if time.monotonic() + wait > deadline:
                     raise BusError(f"{subject}: not stored: {err!r}") from None
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 1.0)
 
     async def put_last(
-        self, subject: str, data: bytes, headers: dict[str, str] | None = None
+        self,
+        subject: str,
+        data: bytes,
+        headers: dict[str, str] | None = None,
+        retry_s: float = 0.0,
     ) -> None:
         """Store ``data`` as the message of ``subject`` on a last-per-subject stream (it
         replaces the one before). Data larger than a NATS message can hold goes in parts:
@@ -338,10 +359,10 @@ class Bus:
         view = memoryview(data)
         parts = [view[i : i + size] for i in range(0, len(data), size)] or [view]
         for k in range(1, len(parts)):
-            await self.js.publish(f"{subject}.part{k}", bytes(parts[k]))
+            await self._store(f"{subject}.part{k}", bytes(parts[k]), None, retry_s)
         if len(parts) > 1:
             headers = {**(headers or {}), PARTS_HEADER: str(len(parts))}
-        await self.js.publish(subject, bytes(parts[0]), headers=headers)
+        await self._store(subject, bytes(parts[0]), headers, retry_s)
 
     async def wait_last(
         self, stream: str, subject: str, timeout_s: float

@@ -21,16 +21,34 @@ def gauge(worker: str) -> float:
 def test_faults_in_a_row_open_it_and_a_success_between_them_resets_the_count() -> None:
     clock = Clock()
     b = Breakers(threshold=3, cooldown_s=10, clock=clock)
-    b.fault("w", "no ack")
-    b.fault("w", "no ack")
+
+    def fault(why: str) -> None:
+        clock.now += 1
+        b.fault("w", why)
+
+    fault("no ack")
+    fault("no ack")
     b.success("w")  # not in a row: counting starts again
-    b.fault("w", "no ack")
-    b.fault("w", "no ack")
+    fault("no ack")
+    fault("no ack")
     assert b.state("w") == "closed" and b.allows("w")
-    b.fault("w", "gone")
+    fault("gone")
     assert b.state("w") == "open" and not b.allows("w")
     assert gauge("w") == 1
     assert b.allows("other")  # one worker's breaker only
+
+
+def test_faults_at_once_are_one_incident() -> None:
+    """A worker that dies fails every request it holds in the same instant: one fault."""
+    clock = Clock()
+    b = Breakers(threshold=2, cooldown_s=10, clock=clock)
+    for _ in range(5):
+        b.fault("w", "went away")
+        clock.now += 0.01
+    assert b.state("w") == "closed"
+    clock.now += 1
+    b.fault("w", "went away")
+    assert b.state("w") == "open"
 
 
 def test_after_the_cool_down_one_trial_decides() -> None:
@@ -43,6 +61,7 @@ def test_after_the_cool_down_one_trial_decides() -> None:
     assert b.state("w") == "half_open" and b.allows("w")
     b.trying("w")
     assert not b.allows("w")  # one trial at a time
+    clock.now += 1
     b.fault("w", "gone again")  # the trial failed: open for another cool-down
     assert b.state("w") == "open"
     clock.now += 10

@@ -37,6 +37,16 @@ def test_registers_once_and_refreshes() -> None:
     reg.check_integrity()
 
 
+def test_a_process_restarted_under_a_known_id_registers_anew() -> None:
+    """Restarted before its old process was dropped: another process, registered afresh (its
+    circuit breaker starts closed, its first-seen time is now)."""
+    reg = WorkerRegistry()
+    reg.observe(beat("p0"), now=0.0)
+    assert reg.observe(Heartbeat(**{**beat("p0").model_dump(), "started_at": 5.0}), 6.0)
+    assert reg.get("p0").first_seen_at == 6.0
+    reg.check_integrity()
+
+
 @pytest.mark.parametrize("interval_s", [0.2, 1.0, 5.0])
 @pytest.mark.parametrize("missed", [1, 3])
 def test_expires_after_missed_beats(interval_s: float, missed: int) -> None:
