@@ -1,6 +1,11 @@
-"""From a request body to a running generation: checks, chat template, tokens, limits.
+"""From a conversation to a running generation: images, rendering, limits, the job.
 
-Shared by the HTTP and the gRPC API, which only differ in how bytes come and go.
+The request path is a straight line: a format's adapter (``openai_api.conversation``) turns
+the body into a ``Conversation``; ``Frontend.prepare`` reads its images, renders it
+(``render.Renderer``), checks it against the model's context and the caller's limits and
+makes the job; ``deltas`` runs it (``generation.stream_text``); the adapter writes the answer
+back in its format. Shared by the HTTP and the gRPC API, which only differ in how bytes come
+and go.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.router.auth import ANONYMOUS, Caller, KeyLimiter, KeyRing
+from services.router.conversation import Conversation
 from services.router.dispatch import Dispatcher, Job
 from services.router.generation import Delta, Prepared, Timing, stream_text
 from services.router.images import (
@@ -22,29 +28,22 @@ from services.router.images import (
     ImageInput,
     ImageLimits,
     check_encoders,
-    join_prompt,
     read_image,
 )
 from services.router.openai_api import (
     ApiError,
-    ChatRequest,
-    CompletionRequest,
     Shape,
     Usage,
-    chat_messages,
-    completion_prompt,
-    parse,
 )
 from services.router.recorder import RequestRecorder
+from services.router.render import Renderer
 from services.router.settings import RouterSettings
 from services.router.stats import RollingStats
-from services.router.tokens import PromptTokenizer, Segments
-from shared.messages.generate import ImageRef, Sampling
+from shared.messages.generate import Sampling
 from shared.messages.kvevents import RETENTIONS
 from shared.model.text import MODEL_NAMES, TextModel, load_text_model
 from shared.security.salt import SALT_SECRET, tenant_salt
 from shared.security.secret import load_or_create
-from shared.telemetry.tracing import tracer
 
 LONG_TEXT_CHARS = 8192  # above this, tokenizing takes milliseconds: off the event loop
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -109,7 +108,7 @@ class Frontend:
         self.limiter = KeyLimiter()
         self.inflight = 0
         self._models: dict[str, TextModel] = {}
-        self._tokenizers: dict[str, PromptTokenizer] = {}
+        self.renderer = Renderer(settings.token_cache_tokens)
         self._model_lock = asyncio.Lock()
 
     def identify(self, headers: Mapping[str, str], role: str = "user") -> Caller:
@@ -147,51 +146,33 @@ class Frontend:
                 if name not in self._models:
                     loop = asyncio.get_running_loop()
                     model = await loop.run_in_executor(None, load_text_model, name, self.state_dir)
-                    self._tokenizers[name] = PromptTokenizer(
-                        model.tokenizer, self.settings.token_cache_tokens
-                    )
+                    self.renderer.add(name, model)
                     self._models[name] = model
         return self._models[name]
 
-    async def _encode(self, model: str, text: str) -> tuple[list[int], Segments]:
-        """Token ids and their segments; a long text is tokenized on a thread, so other
-        requests keep moving."""
-        with tracer.start_as_current_span("tokenize") as span:
-            ids, segments = await self._encode_text(model, text)
-            span.set_attributes({"chars": len(text), "tokens": len(ids)})
-        return ids, segments
-
-    async def _encode_text(self, model: str, text: str) -> tuple[list[int], Segments]:
-        tokenizer = self._tokenizers[model]
-        if len(text) < LONG_TEXT_CHARS:
-            return tokenizer.encode_segments(text)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, tokenizer.encode_segments, text)
-
     async def prepare(
         self,
-        body: bytes,
-        chat: bool,
+        conv: Conversation,
         rid: str,
         kv: KvOptions = KvOptions(),
         caller: Caller = ANONYMOUS,
     ) -> Prepared:
-        req = parse(body, ChatRequest if chat else CompletionRequest)
-        if req.model not in MODEL_NAMES:
+        """A conversation (from any format's adapter) checked, rendered and ready to run."""
+        if conv.model not in MODEL_NAMES:
             raise ApiError(
-                404, f"model {req.model!r} does not exist", param="model", code="model_not_found"
+                404, f"model {conv.model!r} does not exist", param="model", code="model_not_found"
             )
-        self.dispatcher.check_servable(req.model)
+        self.dispatcher.check_servable(conv.model)
         salt = tenant_salt(self.salt_secret, kv.tenant)
-        images = await self._read_images(req, salt) if isinstance(req, ChatRequest) else []
+        images = await self._read_images(conv, salt)
         encodes: Encodes | None = None
         if images:
-            check_encoders(self.dispatcher.registry, req.model)
+            check_encoders(self.dispatcher.registry, conv.model)
             encodes = Encodes(images)
             if self.settings.encode_ahead:  # encoding overlaps everything that follows
-                encodes.start(self.dispatcher.bus, req.model, self.image_limits.encode_timeout_s)
+                encodes.start(self.dispatcher.bus, conv.model, self.image_limits.encode_timeout_s)
         try:
-            return await self._prepare(req, chat, rid, kv, salt, caller, encodes)
+            return await self._prepare(conv, rid, kv, salt, caller, encodes)
         except BaseException:
             if encodes is not None:
                 encodes.cancel()
@@ -199,46 +180,26 @@ class Frontend:
 
     async def _prepare(
         self,
-        req: ChatRequest | CompletionRequest,
-        chat: bool,
+        conv: Conversation,
         rid: str,
         kv: KvOptions,
         salt: str,
         caller: Caller,
         encodes: Encodes | None,
     ) -> Prepared:
-        text = await self.text_model(req.model)
+        text = await self.text_model(conv.model)
         config = text.config
-        refs: tuple[ImageRef, ...] = ()
-        if isinstance(req, ChatRequest):
-            images = encodes.images if encodes else []
-            nonce = uuid.uuid4().hex  # a client cannot forge a marker it cannot guess
-            marker = f"\x00kvmesh-image-{nonce}-"
-            rendered = text.chat_template.render(chat_messages(req, lambda k: f"{marker}{k}\x00"))
-            ids, segments, refs = await self._encode_with_images(
-                req.model, rendered, marker, images
-            )
-            if encodes is not None:
-                encodes.starts = [r.start for r in refs]
-            prompt_field = "messages"
-            max_tokens = req.max_completion_tokens or req.max_tokens
-            max_field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        else:
-            prompt = completion_prompt(req)
-            if isinstance(prompt, str):
-                ids, segments = await self._encode(req.model, prompt)
-            else:
-                bad = next((t for t in prompt if not 0 <= t < config.vocab_size), None)
-                if bad is not None:
-                    raise ApiError(
-                        400, f"prompt: token id {bad} is outside the vocabulary", param="prompt"
-                    )
-                ids, segments = list(prompt), ()
-            prompt_field, max_tokens, max_field = "prompt", req.max_tokens, "max_tokens"
+        rendered = await self.renderer.render(conv, text, encodes.images if encodes else [])
+        ids = rendered.ids
+        if encodes is not None:
+            encodes.starts = [r.start for r in rendered.images]
+        prompt_field = conv.prompt_field
         if not ids:
             raise ApiError(400, f"{prompt_field}: the prompt is empty", param=prompt_field)
         self.limiter.charge_tokens(caller, len(ids))
         room = config.max_context - len(ids)
+        asked = conv.asked
+        max_tokens, max_field = asked.max_tokens, asked.max_field
         if max_tokens is None:
             max_tokens = min(self.settings.default_max_tokens, room)
         if room < 1 or len(ids) + max_tokens > config.max_context:
@@ -251,81 +212,58 @@ class Frontend:
             )
         if encodes is not None and not self.settings.encode_ahead:
             # Head start off (for comparison): encode now, and only then route.
-            encodes.start(self.dispatcher.bus, req.model, self.image_limits.encode_timeout_s)
+            encodes.start(self.dispatcher.bus, conv.model, self.image_limits.encode_timeout_s)
             await encodes.wait()
-        stop = req.stop_list()
         sampling = Sampling(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            seed=req.seed,
-            stop=stop,
+            temperature=1.0 if asked.temperature is None else asked.temperature,
+            top_p=1.0 if asked.top_p is None else asked.top_p,
+            seed=asked.seed,
+            stop=list(asked.stop),
         )
         job = Job(
             request_id=rid,
-            model=req.model,
+            model=conv.model,
             prompt_ids=ids,
             sampling=sampling,
             deadline=time.time() + self.settings.request_timeout_s,
             retention=kv.retention,
             salt=salt,
             fingerprint=config.fingerprint,
-            segments=segments,
-            images=refs,
+            segments=rendered.segments,
+            images=rendered.images,
         )
-        prefix = "chatcmpl" if chat else "cmpl"
+        prefix = "chatcmpl" if conv.chat else "cmpl"
         return Prepared(
             job=job,
-            shape=Shape(chat=chat, response_id=f"{prefix}-{rid}", model=req.model),
+            shape=Shape(chat=conv.chat, response_id=f"{prefix}-{rid}", model=conv.model),
             text=text,
-            stop=stop,
-            stream=req.stream,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            stop=list(asked.stop),
+            stream=conv.stream,
+            include_usage=conv.include_usage,
             usage=Usage(prompt_tokens=len(ids)),
             timing=Timing(explain_all=kv.explain),
             encodes=encodes,
         )
 
-    async def _read_images(self, req: ChatRequest, salt: str) -> list[ImageInput]:
-        """The request's images, each checked (400 naming its part), in order."""
-        parts = [(i, j, part) for i, m in enumerate(req.messages) for j, part in m.image_parts()]
+    async def _read_images(self, conv: Conversation, salt: str) -> list[ImageInput]:
+        """The conversation's images, each checked (400 naming its part), in order."""
+        found = conv.images()
         limits = self.image_limits
-        if len(parts) > limits.per_request:
+        if len(found) > limits.per_request:
             raise ApiError(
                 400,
-                f"messages: at most {limits.per_request} images per request (got {len(parts)})",
+                f"messages: at most {limits.per_request} images per request (got {len(found)})",
                 param="messages",
             )
         images = []
-        for i, j, part in parts:
-            param = f"messages[{i}].content[{j}].image_url"
-            if req.messages[i].role != "user":
-                raise ApiError(
-                    400, f"{param}: images are accepted in user messages only", param=param
-                )
+        for role, image in found:
+            if role != "user":
+                why = f"{image.param}: images are accepted in user messages only"
+                raise ApiError(400, why, param=image.param)
             max_payload = self.dispatcher.bus.nc.max_payload
-            images.append(await read_image(part.image_url.url, param, limits, max_payload, salt))
+            images.append(await read_image(image.url, image.param, limits, max_payload, salt))
         return images
-
-    async def _encode_with_images(
-        self, model: str, rendered: str, marker: str, images: list[ImageInput]
-    ) -> tuple[list[int], Segments, tuple[ImageRef, ...]]:
-        """Token ids of a rendered chat whose images are markers: the text between them
-        tokenized, each image as its placeholder tokens (hashed by its content)."""
-        if not images:
-            ids, segments = await self._encode(model, rendered)
-            return ids, segments, ()
-        pieces = re.split(re.escape(marker) + r"(\d+)\x00", rendered)
-        order = [int(k) for k in pieces[1::2]]
-        if order != list(range(len(images))):
-            raise ApiError(500, "the chat template lost or reordered images", code="internal")
-        parts: list = []
-        for n, piece in enumerate(pieces):
-            if n % 2:
-                parts.append(images[int(piece)])
-            elif piece:
-                parts.append(await self._encode(model, piece))
-        return join_prompt(parts)
 
     def deltas(self, p: Prepared) -> AsyncIterator[Delta]:
         return stream_text(

@@ -11,7 +11,7 @@ import grpc
 
 from services.router.frontend import Frontend, KvOptions, request_id
 from services.router.generation import Delta, Prepared
-from services.router.openai_api import ApiError
+from services.router.openai_api import ApiError, conversation
 from services.router.recorder import request_ids
 from shared.proto import api_pb2, api_pb2_grpc
 
@@ -91,7 +91,7 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
                 with self.frontend.admitted(caller):
                     body, chat = _as_body(request)
                     kv = KvOptions.from_headers(metadata, caller)
-                    p = await self.frontend.prepare(body, chat, rid, kv, caller)
+                    p = await self.frontend.prepare(conversation(body, chat), rid, kv, caller)
                     handled.prepared = p
                     deltas = self.frontend.deltas(p)
                     try:

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from services.router.frontend import Frontend, KvOptions, request_id
 from services.router.generation import Prepared
-from services.router.openai_api import ApiError
+from services.router.openai_api import ApiError, conversation
 from services.router.recorder import request_ids
 from shared.httperrors import error_response
 
@@ -57,7 +57,7 @@ class HttpApi:
                 with self.frontend.admitted(caller):
                     kv = KvOptions.from_headers(request.headers, caller)
                     body = await self._body(request)
-                    p = await self.frontend.prepare(body, chat, rid, kv, caller)
+                    p = await self.frontend.prepare(conversation(body, chat), rid, kv, caller)
                     handled.prepared = p
                     resp = await (self._stream(request, p) if p.stream else self._whole(p))
                     handled.status = resp.status

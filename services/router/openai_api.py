@@ -1,17 +1,19 @@
-"""The OpenAI-compatible request bodies, their checks, and the response and chunk shapes.
+"""The OpenAI formats' adapter: Chat Completions and Completions bodies checked and turned
+into a ``Conversation``, and the answer written back in their response and chunk shapes.
 
-Pure: JSON text in, a checked ``Prompt`` out (or ``ApiError`` naming the field); events in,
-OpenAI-shaped dicts out. The HTTP handlers in service.py only move bytes.
+Pure: JSON text in, a ``Conversation`` out (or ``ApiError`` naming the field); events in,
+OpenAI-shaped dicts out. The HTTP and gRPC handlers only move bytes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from services.router import conversation as conv
 
 
 class ApiError(Exception):
@@ -54,24 +56,16 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant"]
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
 
-    def text(self, image_marker: Callable[[int], str] | None = None, first: int = 0) -> str:
-        """The content as text; image ``first + k`` (the k-th here) as ``image_marker(...)``."""
+    def parts(self, i: int) -> tuple[conv.Part, ...]:
+        """The content as the conversation's parts (message ``i``, for errors' names)."""
         if isinstance(self.content, str):
-            return self.content
-        out, k = [], first
-        for part in self.content:
-            if isinstance(part, TextPart):
-                out.append(part.text)
-            else:
-                assert image_marker is not None, "images are read before the text"
-                out.append(image_marker(k))
-                k += 1
-        return "".join(out)
-
-    def image_parts(self) -> list[tuple[int, ImagePart]]:
-        if isinstance(self.content, str):
-            return []
-        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
+            return (conv.Text(self.content),)
+        return tuple(
+            conv.Text(p.text)
+            if isinstance(p, TextPart)
+            else conv.Image(p.image_url.url, f"messages[{i}].content[{j}].image_url")
+            for j, p in enumerate(self.content)
+        )
 
 
 class StreamOptions(_Body):
@@ -130,23 +124,40 @@ def parse(body: bytes, kind: type[_Sampling]) -> _Sampling:
         raise ApiError(400, f"{loc or 'body'}: {msg}", param=loc or None) from None
 
 
-def chat_messages(
-    req: ChatRequest, image_marker: Callable[[int], str] | None = None
-) -> list[dict[str, str]]:
-    """The messages for the chat template; images (numbered in order) as their markers."""
-    out, k = [], 0
-    for m in req.messages:
-        out.append({"role": m.role, "content": m.text(image_marker, k)})
-        k += len(m.image_parts())
-    return out
-
-
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
+def conversation(body: bytes, chat: bool) -> conv.Conversation:
+    """A Chat Completions (``chat``) or Completions body as the conversation it carries."""
+    req = parse(body, ChatRequest if chat else CompletionRequest)
+    common = {
+        "stream": req.stream,
+        "include_usage": bool(req.stream_options and req.stream_options.include_usage),
+    }
+    if isinstance(req, ChatRequest):
+        limit, field = req.max_tokens, "max_tokens"
+        if req.max_completion_tokens:
+            limit, field = req.max_completion_tokens, "max_completion_tokens"
+        messages = tuple(conv.Message(m.role, m.parts(i)) for i, m in enumerate(req.messages))
+        return conv.Conversation(req.model, _asked(req, limit, field), messages, **common)
+    assert isinstance(req, CompletionRequest)
+    prompt: str | tuple[int, ...]
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
         if len(req.prompt) != 1:
             raise ApiError(400, "prompt: one prompt per request", param="prompt")
-        return req.prompt[0]
-    return req.prompt  # type: ignore[return-value]
+        prompt = req.prompt[0]
+    else:
+        prompt = req.prompt if isinstance(req.prompt, str) else tuple(req.prompt)  # type: ignore[arg-type]
+    asked = _asked(req, req.max_tokens, "max_tokens")
+    return conv.Conversation(req.model, asked, prompt=prompt, **common)
+
+
+def _asked(req: _Sampling, max_tokens: int | None, max_field: str) -> conv.Asked:
+    return conv.Asked(
+        max_tokens=max_tokens,
+        max_field=max_field,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop=tuple(req.stop_list()),
+    )
 
 
 # -- responses -----------------------------------------------------------------------------
