@@ -39,6 +39,7 @@ class Asked:
     max_field: str = "max_tokens"  # the field that set it, named in errors
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
 

@@ -24,6 +24,7 @@ class Detokenizer:
         self.text = ""
         self.sent = 0  # characters of self.text released so far
         self.stopped = False
+        self.stop_hit: str | None = None  # the stop string that ended the answer
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -52,6 +53,7 @@ class Detokenizer:
     def _release(self, final: bool) -> str:
         cut = self._stop_at()
         if cut is not None:
+            cut, self.stop_hit = cut
             self.text = self.text[:cut]
             self.stopped = True
             end = len(self.text)
@@ -63,9 +65,11 @@ class Detokenizer:
         self.sent = max(end, self.sent)
         return out
 
-    def _stop_at(self) -> int | None:
-        """Where the earliest stop string begins in the text, if one does."""
-        hits = [i for s in self.stop if (i := self.text.find(s, max(0, self.sent - len(s)))) >= 0]
+    def _stop_at(self) -> tuple[int, str] | None:
+        """Where the earliest stop string begins in the text, and which, if one does."""
+        hits = [
+            (i, s) for s in self.stop if (i := self.text.find(s, max(0, self.sent - len(s)))) >= 0
+        ]
         return min(hits) if hits else None
 
     def _held_back(self) -> int:

@@ -178,6 +178,17 @@ class Frontend:
                 encodes.cancel()
             raise
 
+    async def count(self, conv: Conversation, kv: KvOptions = KvOptions()) -> int:
+        """The prompt's tokens, exactly as ``prepare`` renders them (images read and
+        measured, not encoded; no worker involved)."""
+        if conv.model not in MODEL_NAMES:
+            raise ApiError(
+                404, f"model {conv.model!r} does not exist", param="model", code="model_not_found"
+            )
+        images = await self._read_images(conv, tenant_salt(self.salt_secret, kv.tenant))
+        text = await self.text_model(conv.model)
+        return len((await self.renderer.render(conv, text, images)).ids)
+
     async def _prepare(
         self,
         conv: Conversation,
@@ -218,6 +229,7 @@ class Frontend:
             max_tokens=max_tokens,
             temperature=1.0 if asked.temperature is None else asked.temperature,
             top_p=1.0 if asked.top_p is None else asked.top_p,
+            top_k=asked.top_k or 0,
             seed=asked.seed,
             stop=list(asked.stop),
         )

@@ -83,6 +83,7 @@ class Prepared:
 class Delta:
     text: str
     finish_reason: str | None = None  # on the last: "stop" or "length"
+    stop_sequence: str | None = None  # on the last, when a stop string ended the answer
 
 
 async def stream_text(
@@ -120,7 +121,7 @@ async def stream_text(
             timing.workers.append(event.worker_id)
         text = detok.add(event.token_ids)
         if detok.stopped:  # leaving the loop cancels the rest of the answer on decode
-            yield Delta(text, "stop")
+            yield Delta(text, "stop", detok.stop_hit)
             return
         if event.finish_reason == "abort":
             if time.time() >= job.deadline:  # decode stops a request at its deadline
@@ -128,7 +129,8 @@ async def stream_text(
             raise ApiError(503, "the worker stopped this request", code="aborted")
         if event.finish_reason:
             text += detok.finish()
-            yield Delta(text, "stop" if event.finish_reason == "stop" else "length")
+            finish = "stop" if event.finish_reason == "stop" else "length"
+            yield Delta(text, finish, detok.stop_hit or event.stop_string)
             return
         if text:
             yield Delta(text)

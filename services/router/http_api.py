@@ -1,5 +1,8 @@
-"""POST /v1/chat/completions and /v1/completions: JSON answers or server-sent events.
+"""The generation endpoints: OpenAI's /v1/chat/completions and /v1/completions, Anthropic's
+/v1/messages and /v1/messages/count_tokens; JSON answers or server-sent events.
 
+Each request goes one way: its format's adapter makes the conversation, the frontend prepares
+and runs it, and the same adapter writes the answer (and any error) in the format that came.
 aiohttp cancels a handler whose client disconnected (handler_cancellation); closing the delta
 stream then cancels the request on its workers.
 """
@@ -12,6 +15,7 @@ import time
 
 from aiohttp import web
 
+from services.router import anthropic_api
 from services.router.frontend import Frontend, KvOptions, request_id
 from services.router.generation import Prepared
 from services.router.openai_api import ApiError, conversation
@@ -28,6 +32,18 @@ def api_error(err: ApiError, rid: str = "") -> web.Response:
     return error_response(err.status, err.message, err.param, err.code, headers)
 
 
+def anthropic_error(err: ApiError, rid: str = "") -> web.Response:
+    headers = request_ids(rid) if rid else {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(err.retry_after_s)
+    return web.json_response(anthropic_api.error_body(err), status=err.status, headers=headers)
+
+
+def _event(name: str, obj: dict) -> bytes:
+    """One server-sent event with a name (Anthropic's streams name theirs)."""
+    return f"event: {name}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
 def _sse(obj: dict | str) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
@@ -41,15 +57,25 @@ class HttpApi:
         return [
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
+            web.post("/v1/messages", self.messages),
+            web.post("/v1/messages/count_tokens", self.count_tokens),
         ]
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        return await self._generate(request, lambda body: conversation(body, chat=True))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        return await self._generate(request, lambda body: conversation(body, chat=False))
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, anthropic_api.conversation, anthropic=True)
+
+    async def _generate(
+        self,
+        request: web.Request,
+        adapter,
+        anthropic: bool = False,  # noqa: ANN001
+    ) -> web.StreamResponse:
         rid = request_id(request.headers.get("x-request-id"))
         with self.frontend.recorder.handling(rid, request.path, request.headers) as handled:
             try:
@@ -57,14 +83,132 @@ class HttpApi:
                 with self.frontend.admitted(caller):
                     kv = KvOptions.from_headers(request.headers, caller)
                     body = await self._body(request)
-                    p = await self.frontend.prepare(conversation(body, chat), rid, kv, caller)
+                    p = await self.frontend.prepare(adapter(body), rid, kv, caller)
                     handled.prepared = p
-                    resp = await (self._stream(request, p) if p.stream else self._whole(p))
+                    if anthropic:
+                        write = self._anthropic_stream if p.stream else self._anthropic_whole
+                        resp = await write(request, p)
+                    else:
+                        resp = await (self._stream(request, p) if p.stream else self._whole(p))
                     handled.status = resp.status
                     return resp
             except ApiError as err:
                 handled.status = err.status
+                if anthropic:
+                    return anthropic_error(err, rid)
                 return api_error(err, rid)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's count: the prompt's tokens exactly, by the same renderer."""
+        rid = request_id(request.headers.get("x-request-id"))
+        try:
+            caller = self.frontend.identify(request.headers)
+            kv = KvOptions.from_headers(request.headers, caller)
+            body = await self._body(request)
+            count = await self.frontend.count(anthropic_api.count_conversation(body), kv)
+            return web.json_response({"input_tokens": count}, headers=request_ids(rid))
+        except ApiError as err:
+            return anthropic_error(err, rid)
+
+    # -- Anthropic's shapes ---------------------------------------------------------------
+
+    def _anthropic_usage(self, p: Prepared) -> dict:
+        block_size = self.frontend.dispatcher.block_size(p.job.model)
+        u = p.usage
+        return anthropic_api.usage(
+            u.prompt_tokens, u.cached_tokens, u.completion_tokens, block_size
+        )
+
+    async def _anthropic_whole(self, request: web.Request, p: Prepared) -> web.Response:
+        deltas = self.frontend.deltas(p)
+        parts, last = [], None
+        try:
+            async for delta in deltas:
+                parts.append(delta.text)
+                last = delta
+        finally:
+            await deltas.aclose()
+        assert last is not None and last.finish_reason
+        body = anthropic_api.message(
+            f"msg_{p.job.request_id}",
+            p.job.model,
+            "".join(parts),
+            last.finish_reason,
+            last.stop_sequence,
+            self._anthropic_usage(p),
+        )
+        body["kvmesh"] = self._timing(p)
+        return web.json_response(body, headers=request_ids(p.job.request_id))
+
+    async def _anthropic_stream(self, request: web.Request, p: Prepared) -> web.StreamResponse:
+        """message_start, content_block_start, ping, content_block_delta…, content_block_stop,
+        message_delta (stop reason, usage), message_stop."""
+        deltas = self.frontend.deltas(p)
+        try:
+            first = await anext(deltas)  # errors before the first token: plain HTTP errors
+            resp = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    **request_ids(p.job.request_id),
+                }
+            )
+            await resp.prepare(request)
+            msg_id = f"msg_{p.job.request_id}"
+            start = anthropic_api.message(
+                msg_id, p.job.model, "", None, None, self._anthropic_usage(p)
+            )
+            await resp.write(_event("message_start", {"type": "message_start", "message": start}))
+            block = {"type": "text", "text": ""}
+            await resp.write(
+                _event(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": 0, "content_block": block},
+                )
+            )
+            await resp.write(_event("ping", {"type": "ping"}))
+            delta = first
+            while True:
+                if delta.text:
+                    body = {"type": "text_delta", "text": delta.text}
+                    await resp.write(
+                        _event(
+                            "content_block_delta",
+                            {"type": "content_block_delta", "index": 0, "delta": body},
+                        )
+                    )
+                if delta.finish_reason:
+                    break
+                try:
+                    delta = await anext(deltas)
+                except ApiError as err:  # mid-stream: the error goes in the stream
+                    await resp.write(_event("error", anthropic_api.error_body(err)))
+                    await resp.write_eof()
+                    return resp
+            await resp.write(
+                _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            )
+            reason = anthropic_api.stop_reason(delta.finish_reason, delta.stop_sequence)
+            stop_sequence = delta.stop_sequence if reason == "stop_sequence" else None
+            await resp.write(
+                _event(
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
+                        "usage": self._anthropic_usage(p),
+                        "kvmesh": self._timing(p),
+                    },
+                )
+            )
+            await resp.write(_event("message_stop", {"type": "message_stop"}))
+            await resp.write_eof()
+            return resp
+        except ConnectionResetError:
+            log.info("%s: client went away", p.job.request_id)
+            raise
+        finally:
+            await deltas.aclose()
 
     async def _body(self, request: web.Request) -> bytes:
         try:

@@ -107,7 +107,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
 
 
-def parse(body: bytes, kind: type[_Sampling]) -> _Sampling:
+def parse_body(body: bytes, kind: type[BaseModel]) -> BaseModel:
     """The request body, checked; ApiError(400) names the first bad field."""
     try:
         return kind.model_validate_json(body)
@@ -118,6 +118,8 @@ def parse(body: bytes, kind: type[_Sampling]) -> _Sampling:
             raise ApiError(400, f"request body is not valid JSON: {first['msg']}") from None
         if first["type"] == "model_type" and not loc:
             raise ApiError(400, "request body must be a JSON object") from None
+        if first["type"] == "extra_forbidden":
+            raise ApiError(400, f"{loc}: not a field this API accepts", param=loc) from None
         msg = first["msg"].removeprefix("Value error, ")
         if loc and msg.startswith(loc + ":"):
             msg = msg[len(loc) + 1 :].strip()
@@ -126,7 +128,8 @@ def parse(body: bytes, kind: type[_Sampling]) -> _Sampling:
 
 def conversation(body: bytes, chat: bool) -> conv.Conversation:
     """A Chat Completions (``chat``) or Completions body as the conversation it carries."""
-    req = parse(body, ChatRequest if chat else CompletionRequest)
+    req = parse_body(body, ChatRequest if chat else CompletionRequest)
+    assert isinstance(req, _Sampling)
     common = {
         "stream": req.stream,
         "include_usage": bool(req.stream_options and req.stream_options.include_usage),

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from aiohttp import web
 from pydantic import BaseModel
 
+from services.router.anthropic_api import CountRequest, MessagesRequest
 from services.router.openai_api import ChatRequest, CompletionRequest
 
 # path → (summary, the body's model or None, the error statuses it can answer with)
@@ -22,6 +23,16 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
         "A text completion, whole or as server-sent events (OpenAI's Completions)",
         CompletionRequest,
         (400, 401, 404, 413, 429, 503, 504),
+    ),
+    "/v1/messages": (
+        "A message, whole or as Anthropic's stream of events (Anthropic's Messages)",
+        MessagesRequest,
+        (400, 401, 404, 413, 429, 503, 504),
+    ),
+    "/v1/messages/count_tokens": (
+        "The exact prompt tokens of a Messages request (the same renderer)",
+        CountRequest,
+        (400, 401, 404, 413),
     ),
     "/v1/models": ("The models a ready prefill and decode worker both serve", None, (401,)),
     "/v1/stats": ("The operator's summary, overall and per traffic class", None, (401, 403)),

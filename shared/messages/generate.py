@@ -21,6 +21,7 @@ class Sampling(Message):
     max_tokens: int = Field(ge=1)
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = Field(default=0, ge=0)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -33,6 +34,7 @@ class Sampling(Message):
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=self.top_k,
             seed=self.seed,
             stop=tuple(self.stop),
             ignore_eos=self.ignore_eos,

@@ -1,0 +1,246 @@
+"""The Anthropic Messages format's adapter: `POST /v1/messages` and its `count_tokens`.
+
+A body is checked (every field Anthropic's API defines either works or is refused with a 400
+naming it; unknown fields are refused too) and turned into the same ``Conversation`` the
+OpenAI formats make, so a conversation renders to the same tokens whichever way it arrives.
+The answer is written back as Anthropic's message, or its stream of events; errors in
+Anthropic's shape.
+
+Cache-safe normalisation: system blocks are joined with one fixed separator; `cache_control`
+is accepted anywhere Anthropic allows it and changes no token (kvmesh caches every block
+anyway); a system block that is an agent client's volatile attribution line
+(``x-anthropic-billing-header: ...``) is dropped, since it changes on every request and would
+break the prompt's cache from its first token.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from services.router import conversation as conv
+from services.router.openai_api import ApiError, parse_body
+
+SYSTEM_SEPARATOR = "\n"  # between system blocks: one, always (peers differ: "" or "\n")
+VOLATILE_SYSTEM_PREFIXES = ("x-anthropic-billing-header:",)
+MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+# HTTP status → Anthropic's error type.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+class _Body(BaseModel):
+    # Strict, and nothing silently ignored: a field this server does not know is refused.
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class CacheControl(_Body):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: list | None = None
+
+
+class Base64Source(_Body):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str = Field(min_length=1)
+
+
+class UrlSource(_Body):
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+
+
+class ImageBlock(_Body):
+    type: Literal["image"]
+    source: Annotated[Base64Source | UrlSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+
+Block = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]
+
+
+class Message(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Metadata(_Body):
+    user_id: str | None = Field(default=None, max_length=256)
+
+
+class MessagesRequest(_Body):
+    model: str = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    metadata: Metadata | None = None
+    cache_control: CacheControl | None = None  # top-level automatic caching: a no-op here
+    service_tier: Literal["auto", "standard_only"] | None = None
+    # Defined by Anthropic, not served (yet): refused with a 400 naming them.
+    thinking: dict | None = None
+    output_config: dict | None = None
+    tools: list | None = None
+    tool_choice: dict | None = None
+    mcp_servers: list | None = None
+    container: str | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _check_stops(cls, stops: list[str] | None) -> list[str] | None:
+        if stops is not None and (len(stops) > 4 or not all(stops)):
+            raise ValueError("at most 4 non-empty strings")
+        return stops
+
+
+class CountRequest(_Body):
+    """`count_tokens`: what renders the prompt, nothing about the answer."""
+
+    model: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    cache_control: CacheControl | None = None
+    thinking: dict | None = None
+    tools: list | None = None
+    tool_choice: dict | None = None
+
+
+NOT_SERVED = {
+    "thinking": "extended thinking is not served by this model",
+    "output_config": "output_config is not served yet",
+    "tools": "tool use arrives with a later release",
+    "tool_choice": "tool use arrives with a later release",
+    "mcp_servers": "MCP servers are not served",
+    "container": "containers are not served",
+}
+
+
+def _refuse_unserved(req: BaseModel) -> None:
+    for name, why in NOT_SERVED.items():
+        if getattr(req, name, None) is not None:
+            raise ApiError(400, f"{name}: {why}", param=name)
+
+
+def _system(system: str | list[TextBlock] | None) -> conv.Message | None:
+    if system is None:
+        return None
+    blocks = [system] if isinstance(system, str) else [b.text for b in system]
+    kept = [b for b in blocks if not b.lstrip().lower().startswith(VOLATILE_SYSTEM_PREFIXES)]
+    if not kept:
+        return None
+    return conv.Message("system", (conv.Text(SYSTEM_SEPARATOR.join(kept)),))
+
+
+def _parts(m: Message, i: int) -> tuple[conv.Part, ...]:
+    if isinstance(m.content, str):
+        return (conv.Text(m.content),)
+    parts: list[conv.Part] = []
+    for j, b in enumerate(m.content):
+        if isinstance(b, TextBlock):
+            parts.append(conv.Text(b.text))
+        else:
+            source = b.source
+            if isinstance(source, Base64Source):
+                url = f"data:{source.media_type};base64,{source.data}"
+            else:
+                url = source.url
+            parts.append(conv.Image(url, f"messages[{i}].content[{j}].source"))
+    return tuple(parts)
+
+
+def _messages(req: MessagesRequest | CountRequest) -> tuple[conv.Message, ...]:
+    system = _system(req.system)
+    turns = tuple(conv.Message(m.role, _parts(m, i)) for i, m in enumerate(req.messages))
+    return ((system,) if system else ()) + turns
+
+
+def conversation(body: bytes) -> conv.Conversation:
+    """A Messages body as the conversation it carries."""
+    req = parse_body(body, MessagesRequest)
+    assert isinstance(req, MessagesRequest)
+    _refuse_unserved(req)
+    asked = conv.Asked(
+        max_tokens=req.max_tokens,
+        max_field="max_tokens",
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        stop=tuple(req.stop_sequences or ()),
+    )
+    return conv.Conversation(req.model, asked, _messages(req), stream=req.stream)
+
+
+def count_conversation(body: bytes) -> conv.Conversation:
+    """A count_tokens body: the conversation whose prompt is counted."""
+    req = parse_body(body, CountRequest)
+    assert isinstance(req, CountRequest)
+    _refuse_unserved(req)
+    return conv.Conversation(req.model, conv.Asked(max_tokens=1), _messages(req))
+
+
+# -- the answer ------------------------------------------------------------------------------
+
+
+def error_body(err: ApiError) -> dict:
+    kind = ERROR_TYPES.get(err.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def stop_reason(finish: str, stop_sequence: str | None) -> str:
+    if finish == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_sequence else "end_turn"
+
+
+def usage(prompt_tokens: int, cached: int, output: int, block_size: int) -> dict:
+    """Anthropic's counts from kvmesh's one count: tokens read from the cache, tokens this
+    request newly stored (its prompt's full blocks not cached before), and the rest."""
+    stored = max(0, prompt_tokens // block_size * block_size - cached) if block_size else 0
+    return {
+        "input_tokens": prompt_tokens - cached - stored,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": stored,
+        "output_tokens": output,
+    }
+
+
+def message(
+    msg_id: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    stop_sequence: str | None,
+    counts: dict,
+) -> dict:
+    """The whole message (``finish`` None: the one ``message_start`` carries, before any)."""
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": text}] if finish else [],
+        "stop_reason": stop_reason(finish, stop_sequence) if finish else None,
+        "stop_sequence": stop_sequence if finish else None,
+        "usage": counts,
+    }
