@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
-from services.router import anthropic_api
+from services.router import anthropic_api, responses_api
+from services.router.conversation import Conversation
 from services.router.frontend import Frontend, KvOptions, request_id
-from services.router.generation import Prepared
+from services.router.generation import Delta, Prepared
 from services.router.openai_api import ApiError, conversation
 from services.router.recorder import request_ids
 from shared.httperrors import error_response
@@ -58,6 +60,7 @@ class HttpApi:
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
             web.post("/v1/messages", self.messages),
+            web.post("/v1/responses", self.responses),
             web.post("/v1/messages/count_tokens", self.count_tokens),
         ]
 
@@ -68,14 +71,19 @@ class HttpApi:
         return await self._generate(request, lambda body: conversation(body, chat=False))
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, anthropic_api.conversation, anthropic=True)
+        return await self._generate(request, anthropic_api.conversation, "anthropic")
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, responses_api.conversation, "responses")
 
     async def _generate(
         self,
         request: web.Request,
-        adapter,
-        anthropic: bool = False,  # noqa: ANN001
+        adapter: Callable[[bytes], Conversation],
+        fmt: str = "openai",
     ) -> web.StreamResponse:
+        """``adapter``: the body → its conversation; ``fmt``: how the answer is written."""
+        anthropic = fmt == "anthropic"
         rid = request_id(request.headers.get("x-request-id"))
         with self.frontend.recorder.handling(rid, request.path, request.headers) as handled:
             try:
@@ -87,6 +95,9 @@ class HttpApi:
                     handled.prepared = p
                     if anthropic:
                         write = self._anthropic_stream if p.stream else self._anthropic_whole
+                        resp = await write(request, p)
+                    elif fmt == "responses":
+                        write = self._responses_stream if p.stream else self._responses_whole
                         resp = await write(request, p)
                     else:
                         resp = await (self._stream(request, p) if p.stream else self._whole(p))
@@ -110,6 +121,92 @@ class HttpApi:
         except ApiError as err:
             return anthropic_error(err, rid)
 
+    # -- OpenAI Responses' shapes -----------------------------------------------------------
+
+    async def _responses_whole(self, request: web.Request, p: Prepared) -> web.Response:
+        text, last = await self._collect(p)
+        body = responses_api.response(
+            f"resp_{p.job.request_id}", p.job.model, text, last.finish_reason, p.usage
+        )
+        body["kvmesh"] = self._timing(p)
+        return web.json_response(body, headers=request_ids(p.job.request_id))
+
+    async def _responses_stream(self, request: web.Request, p: Prepared) -> web.StreamResponse:
+        deltas = self.frontend.deltas(p)
+        seq = iter(range(1 << 30))
+        resp_id, model = f"resp_{p.job.request_id}", p.job.model
+
+        def event(kind: str, **fields: object) -> bytes:
+            return _event(kind, {"type": kind, "sequence_number": next(seq), **fields})
+
+        try:
+            first = await anext(deltas)  # errors before the first token: plain HTTP errors
+            resp = await self._open_stream(request, p)
+            item = responses_api.message_item(resp_id, "", "in_progress")
+            where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+            started = responses_api.response(resp_id, model, None, None, None)
+            await resp.write(event("response.created", response=started))
+            await resp.write(event("response.in_progress", response=started))
+            await resp.write(event("response.output_item.added", output_index=0, item=item))
+            part = {"type": "output_text", "text": "", "annotations": []}
+            await resp.write(event("response.content_part.added", **where, part=part))
+            parts, delta = [], first
+            while True:
+                if delta.text:
+                    parts.append(delta.text)
+                    await resp.write(event("response.output_text.delta", **where, delta=delta.text))
+                if delta.finish_reason:
+                    break
+                try:
+                    delta = await anext(deltas)
+                except ApiError as err:  # mid-stream: the error goes in the stream
+                    await resp.write(event("error", code=err.code, message=err.message))
+                    await resp.write_eof()
+                    return resp
+            text = "".join(parts)
+            await resp.write(event("response.output_text.done", **where, text=text))
+            part = {**part, "text": text}
+            await resp.write(event("response.content_part.done", **where, part=part))
+            done_item = responses_api.message_item(resp_id, text, "completed")
+            await resp.write(event("response.output_item.done", output_index=0, item=done_item))
+            final = responses_api.response(resp_id, model, text, delta.finish_reason, p.usage)
+            final["kvmesh"] = self._timing(p)
+            kind = (
+                "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+            )
+            await resp.write(event(kind, response=final))
+            await resp.write_eof()
+            return resp
+        except ConnectionResetError:
+            log.info("%s: client went away", p.job.request_id)
+            raise
+        finally:
+            await deltas.aclose()
+
+    async def _collect(self, p: Prepared) -> tuple[str, Delta]:
+        """The whole answer's text, and its last delta (why it ended)."""
+        deltas = self.frontend.deltas(p)
+        parts, last = [], None
+        try:
+            async for delta in deltas:
+                parts.append(delta.text)
+                last = delta
+        finally:
+            await deltas.aclose()  # on a disconnect: cancels the request on its workers
+        assert last is not None and last.finish_reason
+        return "".join(parts), last
+
+    async def _open_stream(self, request: web.Request, p: Prepared) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **request_ids(p.job.request_id),
+            }
+        )
+        await resp.prepare(request)
+        return resp
+
     # -- Anthropic's shapes ---------------------------------------------------------------
 
     def _anthropic_usage(self, p: Prepared) -> dict:
@@ -120,19 +217,11 @@ class HttpApi:
         )
 
     async def _anthropic_whole(self, request: web.Request, p: Prepared) -> web.Response:
-        deltas = self.frontend.deltas(p)
-        parts, last = [], None
-        try:
-            async for delta in deltas:
-                parts.append(delta.text)
-                last = delta
-        finally:
-            await deltas.aclose()
-        assert last is not None and last.finish_reason
+        text, last = await self._collect(p)
         body = anthropic_api.message(
             f"msg_{p.job.request_id}",
             p.job.model,
-            "".join(parts),
+            text,
             last.finish_reason,
             last.stop_sequence,
             self._anthropic_usage(p),
@@ -146,14 +235,7 @@ class HttpApi:
         deltas = self.frontend.deltas(p)
         try:
             first = await anext(deltas)  # errors before the first token: plain HTTP errors
-            resp = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    **request_ids(p.job.request_id),
-                }
-            )
-            await resp.prepare(request)
+            resp = await self._open_stream(request, p)
             msg_id = f"msg_{p.job.request_id}"
             start = anthropic_api.message(
                 msg_id, p.job.model, "", None, None, self._anthropic_usage(p)
@@ -282,7 +364,11 @@ class HttpApi:
 
     @staticmethod
     def _timing(p: Prepared) -> dict:
+        """The `kvmesh` extension: where the time went, and the prompt's cache hits and
+        misses as DeepSeek's API names them."""
         return {
             **p.timing.to_dict(),
             "router_ms": round((time.perf_counter() - p.received_at) * 1e3, 3),
+            "prompt_cache_hit_tokens": p.usage.cached_tokens,
+            "prompt_cache_miss_tokens": p.usage.prompt_tokens - p.usage.cached_tokens,
         }

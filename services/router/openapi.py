@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from services.router.anthropic_api import CountRequest, MessagesRequest
 from services.router.openai_api import ChatRequest, CompletionRequest
+from services.router.responses_api import ResponsesRequest
 
 # path → (summary, the body's model or None, the error statuses it can answer with)
 ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
@@ -33,6 +34,11 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
         "The exact prompt tokens of a Messages request (the same renderer)",
         CountRequest,
         (400, 401, 404, 413),
+    ),
+    "/v1/responses": (
+        "A response, whole or as its stream of events (OpenAI's Responses; stateless)",
+        ResponsesRequest,
+        (400, 401, 404, 413, 429, 503, 504),
     ),
     "/v1/models": ("The models a ready prefill and decode worker both serve", None, (401,)),
     "/v1/stats": ("The operator's summary, overall and per traffic class", None, (401, 403)),

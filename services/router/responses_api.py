@@ -1,0 +1,177 @@
+"""The OpenAI Responses format's adapter: `POST /v1/responses`, stateless.
+
+``input`` (a string, or message items with text and image parts) and ``instructions`` become
+the same ``Conversation`` the other formats make; the answer is written back as a response
+object, or its stream of events. kvmesh keeps no responses: ``previous_response_id`` and
+``store: true`` are refused with a 400 saying so, as is every field it does not serve.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.router import conversation as conv
+from services.router.openai_api import ApiError, Usage, parse_body
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class InputText(_Body):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list | None = None
+
+
+class InputImage(_Body):
+    type: Literal["input_image"]
+    image_url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class Item(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
+    id: str | None = None
+    status: str | None = None
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class TextOptions(_Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Body):
+    model: str = Field(min_length=1)
+    input: str | list[Item] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    text: TextOptions | None = None
+    # Defined by OpenAI, not served (yet): refused with a 400 naming them.
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    reasoning: dict | None = None
+    include: list | None = None
+    background: bool | None = None
+
+
+NOT_SERVED = {
+    "tools": "tool use arrives with a later release",
+    "tool_choice": "tool use arrives with a later release",
+    "reasoning": "reasoning is not served by this model",
+    "include": "no extra output is served",
+    "background": "background responses are not served (kvmesh keeps no responses)",
+}
+
+
+def conversation(body: bytes) -> conv.Conversation:
+    req = parse_body(body, ResponsesRequest)
+    assert isinstance(req, ResponsesRequest)
+    if req.previous_response_id is not None:
+        raise ApiError(
+            400,
+            "previous_response_id: kvmesh keeps no responses (stateless); send the whole "
+            "conversation as input",
+            param="previous_response_id",
+        )
+    if req.store:
+        raise ApiError(
+            400,
+            "store: kvmesh keeps no responses (stateless); leave store unset or false",
+            param="store",
+        )
+    for name, why in NOT_SERVED.items():
+        if getattr(req, name) is not None:
+            raise ApiError(400, f"{name}: {why}", param=name)
+    messages: list[conv.Message] = []
+    if req.instructions:
+        messages.append(conv.Message("system", (conv.Text(req.instructions),)))
+    if isinstance(req.input, str):
+        messages.append(conv.Message("user", (conv.Text(req.input),)))
+    else:
+        messages += [_message(item, i) for i, item in enumerate(req.input)]
+    asked = conv.Asked(
+        max_tokens=req.max_output_tokens,
+        max_field="max_output_tokens",
+        temperature=req.temperature,
+        top_p=req.top_p,
+    )
+    return conv.Conversation(req.model, asked, tuple(messages), stream=req.stream)
+
+
+def _message(item: Item, i: int) -> conv.Message:
+    role = "system" if item.role == "developer" else item.role
+    if isinstance(item.content, str):
+        return conv.Message(role, (conv.Text(item.content),))
+    parts: list[conv.Part] = []
+    for j, part in enumerate(item.content):
+        if isinstance(part, InputText):
+            parts.append(conv.Text(part.text))
+        else:
+            parts.append(conv.Image(part.image_url, f"input[{i}].content[{j}].image_url"))
+    return conv.Message(role, tuple(parts))
+
+
+# -- the answer ------------------------------------------------------------------------------
+
+
+def usage(u: Usage) -> dict:
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
+
+
+def response(
+    resp_id: str, model: str, text: str | None, finish: str | None, u: Usage | None
+) -> dict:
+    """The response object (``finish`` None: in progress, as ``response.created`` shows it)."""
+    done = finish is not None
+    output = []
+    if done:
+        output = [message_item(resp_id, text or "", "completed")]
+    return {
+        "id": resp_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": ("incomplete" if finish == "length" else "completed") if done else "in_progress",
+        "model": model,
+        "output": output,
+        "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+        "error": None,
+        "instructions": None,
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+        "text": {"format": {"type": "text"}},
+        "store": False,
+        "usage": usage(u) if done and u is not None else None,
+    }
+
+
+def message_item(resp_id: str, text: str, status: str) -> dict:
+    return {
+        "type": "message",
+        "id": f"msg_{resp_id.removeprefix('resp_')}",
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}] if text else [],
+    }
