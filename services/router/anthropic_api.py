@@ -15,12 +15,17 @@ break the prompt's cache from its first token.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.router import conversation as conv
+from services.router import sse
 from services.router.openai_api import ApiError, parse_body
+
+if TYPE_CHECKING:
+    from services.router.generation import Delta, Prepared
 
 SYSTEM_SEPARATOR = "\n"  # between system blocks: one, always (peers differ: "" or "\n")
 VOLATILE_SYSTEM_PREFIXES = ("x-anthropic-billing-header:",)
@@ -244,3 +249,67 @@ def message(
         "stop_sequence": stop_sequence if finish else None,
         "usage": counts,
     }
+
+
+class MessageWriter:
+    """The answer as Anthropic's message, or its events: message_start, content_block_start,
+    ping, content_block_delta…, content_block_stop, message_delta (stop reason, usage),
+    message_stop."""
+
+    def __init__(self, p: Prepared, kvmesh: Callable[[], dict], block_size: int) -> None:
+        self.p, self.kvmesh, self.block_size = p, kvmesh, block_size
+        self.msg_id = f"msg_{p.job.request_id}"
+
+    def _usage(self) -> dict:
+        u = self.p.usage
+        return usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens, self.block_size)
+
+    def whole(self, text: str, last: Delta) -> dict:
+        body = message(
+            self.msg_id,
+            self.p.job.model,
+            text,
+            last.finish_reason,
+            last.stop_sequence,
+            self._usage(),
+        )
+        return {**body, "kvmesh": self.kvmesh()}
+
+    def start(self) -> list[bytes]:
+        start = message(self.msg_id, self.p.job.model, "", None, None, self._usage())
+        block = {"type": "text", "text": ""}
+        return [
+            sse.event("message_start", {"type": "message_start", "message": start}),
+            sse.event(
+                "content_block_start",
+                {"type": "content_block_start", "index": 0, "content_block": block},
+            ),
+            sse.event("ping", {"type": "ping"}),
+        ]
+
+    def text(self, text: str) -> list[bytes]:
+        delta = {"type": "text_delta", "text": text}
+        body = {"type": "content_block_delta", "index": 0, "delta": delta}
+        return [sse.event("content_block_delta", body)]
+
+    def end(self, last: Delta) -> list[bytes]:
+        assert last.finish_reason is not None
+        reason = stop_reason(last.finish_reason, last.stop_sequence)
+        delta = {
+            "stop_reason": reason,
+            "stop_sequence": last.stop_sequence if reason == "stop_sequence" else None,
+        }
+        body = {
+            "type": "message_delta",
+            "delta": delta,
+            "usage": self._usage(),
+            "kvmesh": self.kvmesh(),
+        }
+        return [
+            sse.event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            sse.event("message_delta", body),
+            sse.event("message_stop", {"type": "message_stop"}),
+        ]
+
+    def error(self, err: ApiError) -> list[bytes]:
+        return [sse.event("error", error_body(err))]

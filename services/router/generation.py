@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tokenizers import Tokenizer
 
@@ -77,6 +78,21 @@ class Prepared:
     timing: Timing = field(default_factory=Timing)
     received_at: float = field(default_factory=time.perf_counter)
     encodes: Encodes | None = None  # the images' encode requests, in flight
+
+
+class Writer(Protocol):
+    """How a format writes an answer back: a whole body, or its stream as server-sent events
+    (what comes before the first text, each text, the end, an error mid-stream)."""
+
+    def whole(self, text: str, last: Delta) -> dict: ...
+
+    def start(self) -> list[bytes]: ...
+
+    def text(self, text: str) -> list[bytes]: ...
+
+    def end(self, last: Delta) -> list[bytes]: ...
+
+    def error(self, err: ApiError) -> list[bytes]: ...
 
 
 @dataclass

@@ -8,13 +8,19 @@ object, or its stream of events. kvmesh keeps no responses: ``previous_response_
 
 from __future__ import annotations
 
+import itertools
 import time
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.router import conversation as conv
+from services.router import sse
 from services.router.openai_api import ApiError, Usage, parse_body
+
+if TYPE_CHECKING:
+    from services.router.generation import Delta, Prepared
 
 
 class _Body(BaseModel):
@@ -175,3 +181,57 @@ def message_item(resp_id: str, text: str, status: str) -> dict:
         "role": "assistant",
         "content": [{"type": "output_text", "text": text, "annotations": []}] if text else [],
     }
+
+
+class ResponseWriter:
+    """The answer as a response object, or its events: response.created, .in_progress,
+    .output_item.added, .content_part.added, .output_text.delta…, .output_text.done,
+    .content_part.done, .output_item.done, then .completed (or .incomplete)."""
+
+    def __init__(self, p: Prepared, kvmesh: Callable[[], dict]) -> None:
+        self.p, self.kvmesh = p, kvmesh
+        self.resp_id = f"resp_{p.job.request_id}"
+        self.item = message_item(self.resp_id, "", "in_progress")
+        self.where = {"item_id": self.item["id"], "output_index": 0, "content_index": 0}
+        self.parts: list[str] = []
+        self._seq = itertools.count()
+
+    def _event(self, kind: str, **fields: object) -> bytes:
+        return sse.event(kind, {"type": kind, "sequence_number": next(self._seq), **fields})
+
+    def _final(self, text: str, finish: str | None) -> dict:
+        body = response(self.resp_id, self.p.job.model, text, finish, self.p.usage)
+        return {**body, "kvmesh": self.kvmesh()}
+
+    def whole(self, text: str, last: Delta) -> dict:
+        return self._final(text, last.finish_reason)
+
+    def start(self) -> list[bytes]:
+        started = response(self.resp_id, self.p.job.model, None, None, None)
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [
+            self._event("response.created", response=started),
+            self._event("response.in_progress", response=started),
+            self._event("response.output_item.added", output_index=0, item=self.item),
+            self._event("response.content_part.added", **self.where, part=part),
+        ]
+
+    def text(self, text: str) -> list[bytes]:
+        self.parts.append(text)
+        return [self._event("response.output_text.delta", **self.where, delta=text)]
+
+    def end(self, last: Delta) -> list[bytes]:
+        text = "".join(self.parts)
+        part = {"type": "output_text", "text": text, "annotations": []}
+        final = self._final(text, last.finish_reason)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        done = message_item(self.resp_id, text, "completed")
+        return [
+            self._event("response.output_text.done", **self.where, text=text),
+            self._event("response.content_part.done", **self.where, part=part),
+            self._event("response.output_item.done", output_index=0, item=done),
+            self._event(kind, response=final),
+        ]
+
+    def error(self, err: ApiError) -> list[bytes]:
+        return [self._event("error", code=err.code, message=err.message)]
