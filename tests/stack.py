@@ -50,6 +50,13 @@ SLACK = {
     "KVMESH_ROUTER_ENCODE_TIMEOUT_S": "30",
 }
 
+# An encoder for tests about the mesh, not the vision tower: the tiny model's, one layer.
+TINY_ENCODER = {
+    "KVMESH_ENCODER_MODELS": '["tiny"]',
+    "KVMESH_ENCODER_THREADS": "1",
+    "KVMESH_ENCODER_LAYERS": "1",
+}
+
 LIVE: list[Stack] = []  # stacks up now, whose logs a failing test's report shows
 
 

@@ -11,7 +11,7 @@ import anthropic
 import pytest
 
 from tests.images import png
-from tests.stack import Stack
+from tests.stack import TINY_ENCODER, Stack
 
 SYSTEM = "You are a careful assistant for a harbour office. Answer plainly. " * 8
 
@@ -20,9 +20,7 @@ SYSTEM = "You are a careful assistant for a harbour office. Answer plainly. " * 
 def stack(stacks) -> Stack:
     return stacks(
         ("router-0", "cachemeta-0", "prefill-0", "decode-0", "encoder-0"),
-        KVMESH_ENCODER_MODELS='["tiny"]',
-        KVMESH_ENCODER_THREADS="1",
-        KVMESH_ENCODER_LAYERS="1",
+        **TINY_ENCODER,
     )
 
 

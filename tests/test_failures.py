@@ -19,7 +19,7 @@ from services.router.policies import POLICIES
 from shared.proto import api_pb2, api_pb2_grpc
 from tests.images import ask, data_url, image, png
 from tests.procs import get_json, wait_until
-from tests.stack import Stack
+from tests.stack import TINY_ENCODER, Stack
 
 IMAGE_EMBEDS = 7 * 11 * 64 * 4  # a 300 × 200 image: 77 tokens of the tiny model's 64 floats
 
@@ -28,9 +28,7 @@ IMAGE_EMBEDS = 7 * 11 * 64 * 4  # a 300 × 200 image: 77 tokens of the tiny mode
 def stack(stacks) -> Stack:
     return stacks(
         ("router-0", "cachemeta-0", "prefill-0", "decode-0", "encoder-0"),
-        KVMESH_ENCODER_MODELS='["tiny"]',
-        KVMESH_ENCODER_THREADS="1",
-        KVMESH_ENCODER_LAYERS="1",
+        **TINY_ENCODER,
         KVMESH_ENCODER_CACHE_BYTES=str(IMAGE_EMBEDS * 3 // 2),  # room for one image's
     )
 

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh.trace import read_spans, request_trace
 from tests.images import ask, data_url, image, png
 from tests.procs import REPO, get_json, wait_until
-from tests.stack import Stack
+from tests.stack import TINY_ENCODER, Stack
 
 ROLES = ("router", "encoder", "cachemeta", "prefill", "decode")
 
@@ -28,9 +28,7 @@ def stack(stacks) -> Stack:
         own_nats=True,
         KVMESH_ROUTER_STATS_SHARE_S="0.3",
         KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",
-        KVMESH_ENCODER_MODELS='["tiny"]',
-        KVMESH_ENCODER_THREADS="1",
-        KVMESH_ENCODER_LAYERS="1",
+        **TINY_ENCODER,
         KVMESH_TRACE_EXPORTER="file",
         OTEL_BSP_SCHEDULE_DELAY="100",  # spans on disk within a tenth of a second
     )

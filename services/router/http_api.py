@@ -19,7 +19,8 @@ from services.router import anthropic_api, responses_api
 from services.router.conversation import Conversation
 from services.router.frontend import Frontend, KvOptions, request_id
 from services.router.generation import Prepared, Writer
-from services.router.openai_api import ApiError, OpenAIWriter, conversation
+from services.router.openai_api import ApiError, conversation
+from services.router.openai_writer import OpenAIWriter
 from services.router.recorder import request_ids
 from shared.httperrors import error_response
 
