@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -106,18 +105,15 @@ def test_a_decode_worker_lost_mid_stream_and_the_answer_goes_on_unchanged(
     assert reference[1] == ANSWER, "the reference answer ran to its length"
 
     lost: list[str] = []
-    resumed_at: list[float] = []
 
     def stop_its_decode_worker() -> None:
         sid = serving(stack)
         os.kill(stack.procs[sid].pid, stop)
         lost.append(sid)
-        resumed_at.append(time.monotonic())
 
     rid = f"moved-{tag}"
     try:
         answer = read_with(stream(client, rid, **sampling), during=stop_its_decode_worker)
-        took = time.monotonic() - resumed_at[0]
     finally:
         (sid,) = lost
         if stop == signal.SIGSTOP:
@@ -141,7 +137,6 @@ def test_a_decode_worker_lost_mid_stream_and_the_answer_goes_on_unchanged(
     assert second["attributes"]["reused_tokens"] >= 64 * (full_blocks - 2) > 64
     if stop == signal.SIGSTOP:  # the progress bound (3 s) moved it, not the request timeout
         assert "no next token within 3 s" in first["error"]
-        assert took < 30
         stack.procs["router-patient"].stop()
 
 
@@ -249,11 +244,11 @@ def test_failing_workers_are_skipped_by_their_breakers_and_bad_requests_open_non
             with pytest.raises(openai.InternalServerError):
                 ask(i)
         assert breaker_gauges(url) == {"prefill-0": 1.0, "prefill-1": 1.0}
-        started = time.monotonic()
         with pytest.raises(openai.InternalServerError) as err:
             ask(2)
-        assert time.monotonic() - started < 1.0  # no ack waited for
+        # Refused without a task sent to either (no ack waited for): both are skipped.
         assert "every prefill worker serving 'tiny' is failing (breakers open)" in str(err.value)
+        assert "did not answer" not in str(err.value)
     finally:
         for proc in frozen:
             os.kill(proc.pid, signal.SIGCONT)

@@ -30,7 +30,7 @@ from services.router.policies import Ranked, RouteRequest, RoutingPolicy
 from services.router.registry import WorkerRecord, WorkerRegistry
 from services.router.scoring import DecodeScore, rank_decode
 from services.router.tokens import PrefixHashes, Segments
-from shared.bus import Bus, BusError, subjects
+from shared.bus import Bus, BusError, NoResponders, subjects
 from shared.kvstore.hashing import block_hashes
 from shared.messages.generate import Cancel, GenerateTask, ImageRef, Sampling, TaskAck, TokenEvent
 from shared.messages.kvevents import STORE, LookupReply, LookupRequest, memory_location
@@ -39,6 +39,8 @@ from shared.telemetry.metrics import MOVES
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
+
+NO_RESPONDERS_RETRY_S = 0.1  # between asks of a worker not subscribed at the moment
 
 
 def route_attributes(policy: str, ranked: list[Ranked]) -> dict:
@@ -456,12 +458,7 @@ class Dispatcher:
             if role == "prefill":
                 self.policy.dispatched(worker.service_id, route)
             try:
-                ack = await self.bus.request(
-                    subjects.tasks(role, worker.service_id),
-                    task,
-                    TaskAck,
-                    self.limits.ack_timeout_s,
-                )
+                ack = await self._ask(subjects.tasks(role, worker.service_id), task)
             except BusError as err:
                 for w in involved:
                     self.outstanding.done(w)
@@ -487,6 +484,20 @@ class Dispatcher:
         raise ApiError(
             429, f"all {busy} workers are busy; retry shortly", code="overloaded", retry_after_s=1
         )
+
+    async def _ask(self, subject: str, task: GenerateTask) -> TaskAck:
+        """The worker's ack within the ack timeout. Nobody subscribed is asked again within
+        it: a worker whose NATS node was lost is reconnecting (a dead one is not, and is
+        given up on when the timeout ends)."""
+        deadline = time.monotonic() + self.limits.ack_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await self.bus.request(subject, task, TaskAck, max(0.05, left))
+            except NoResponders:
+                if left <= NO_RESPONDERS_RETRY_S:
+                    raise
+                await asyncio.sleep(NO_RESPONDERS_RETRY_S)
 
     async def _events(
         self, job: Job, queue: asyncio.Queue[TokenEvent], attempt: Attempt

@@ -59,6 +59,10 @@ class BusError(Exception):
     """NATS could not be reached, or a request got no reply in time."""
 
 
+class NoResponders(BusError):
+    """Nobody subscribes to the subject now (gone, or its connection to NATS coming back)."""
+
+
 class RemoteError(BusError):
     """The responder to a request raised; the message is its error text."""
 
@@ -247,7 +251,7 @@ class Bus:
         try:
             raw = await self.nc.request(subject, payload, timeout=timeout_s, headers=inject())
         except nats.errors.NoRespondersError as err:
-            raise BusError(f"nobody serves {subject}") from err
+            raise NoResponders(f"nobody serves {subject}") from err
         except nats.errors.TimeoutError as err:
             raise BusError(f"no reply on {subject} within {timeout_s:g} s") from err
         if raw.headers and ERROR_HEADER in raw.headers:
