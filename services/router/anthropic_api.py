@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.router import conversation as conv
 from services.router import sse
-from services.router.openai_api import ApiError, parse_body
+from services.router.openai_api import ApiError, parse_body, refuse_unserved
 
 if TYPE_CHECKING:
     from services.router.generation import Delta, Prepared
@@ -141,12 +141,6 @@ NOT_SERVED = {
 }
 
 
-def _refuse_unserved(req: BaseModel) -> None:
-    for name, why in NOT_SERVED.items():
-        if getattr(req, name, None) is not None:
-            raise ApiError(400, f"{name}: {why}", param=name)
-
-
 def _system(system: str | list[TextBlock] | None) -> conv.Message | None:
     if system is None:
         return None
@@ -184,7 +178,7 @@ def conversation(body: bytes) -> conv.Conversation:
     """A Messages body as the conversation it carries."""
     req = parse_body(body, MessagesRequest)
     assert isinstance(req, MessagesRequest)
-    _refuse_unserved(req)
+    refuse_unserved(req, NOT_SERVED)
     asked = conv.Asked(
         max_tokens=req.max_tokens,
         max_field="max_tokens",
@@ -200,7 +194,7 @@ def count_conversation(body: bytes) -> conv.Conversation:
     """A count_tokens body: the conversation whose prompt is counted."""
     req = parse_body(body, CountRequest)
     assert isinstance(req, CountRequest)
-    _refuse_unserved(req)
+    refuse_unserved(req, NOT_SERVED)
     return conv.Conversation(req.model, conv.Asked(max_tokens=1), _messages(req))
 
 

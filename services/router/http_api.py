@@ -27,18 +27,21 @@ from shared.httperrors import error_response
 log = logging.getLogger(__name__)
 
 
-def api_error(err: ApiError, rid: str = "") -> web.Response:
+def _error_headers(err: ApiError, rid: str) -> dict[str, str]:
     headers = request_ids(rid) if rid else {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(err.retry_after_s)
+    return headers
+
+
+def api_error(err: ApiError, rid: str = "") -> web.Response:
+    headers = _error_headers(err, rid)
     return error_response(err.status, err.message, err.param, err.code, headers)
 
 
 def anthropic_error(err: ApiError, rid: str = "") -> web.Response:
-    headers = request_ids(rid) if rid else {}
-    if err.retry_after_s is not None:
-        headers["Retry-After"] = str(err.retry_after_s)
-    return web.json_response(anthropic_api.error_body(err), status=err.status, headers=headers)
+    body = anthropic_api.error_body(err)
+    return web.json_response(body, status=err.status, headers=_error_headers(err, rid))
 
 
 class HttpApi:

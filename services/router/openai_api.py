@@ -126,6 +126,13 @@ def parse_body(body: bytes, kind: type[BaseModel]) -> BaseModel:
         raise ApiError(400, f"{loc or 'body'}: {msg}", param=loc or None) from None
 
 
+def refuse_unserved(req: BaseModel, not_served: dict[str, str]) -> None:
+    """400 naming the first field the format defines that this server does not serve."""
+    for name, why in not_served.items():
+        if getattr(req, name, None) is not None:
+            raise ApiError(400, f"{name}: {why}", param=name)
+
+
 def conversation(body: bytes, chat: bool) -> conv.Conversation:
     """A Chat Completions (``chat``) or Completions body as the conversation it carries."""
     req = parse_body(body, ChatRequest if chat else CompletionRequest)

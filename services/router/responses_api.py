@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.router import conversation as conv
 from services.router import sse
-from services.router.openai_api import ApiError, Usage, parse_body
+from services.router.openai_api import ApiError, Usage, parse_body, refuse_unserved
 
 if TYPE_CHECKING:
     from services.router.generation import Delta, Prepared
@@ -101,9 +101,7 @@ def conversation(body: bytes) -> conv.Conversation:
             "store: kvmesh keeps no responses (stateless); leave store unset or false",
             param="store",
         )
-    for name, why in NOT_SERVED.items():
-        if getattr(req, name) is not None:
-            raise ApiError(400, f"{name}: {why}", param=name)
+    refuse_unserved(req, NOT_SERVED)
     messages: list[conv.Message] = []
     if req.instructions:
         messages.append(conv.Message("system", (conv.Text(req.instructions),)))
