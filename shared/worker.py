@@ -31,7 +31,7 @@ from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
 from shared.kvstore.tiers import MEMORY, STORAGE, CachedPrefix, KvTiers
 from shared.messages.encode import EMBEDS_SHAPE_HEADER
-from shared.messages.generate import Cancel, GenerateTask, ImageRef, TokenEvent
+from shared.messages.generate import Cancel, GenerateTask, ImageRef, Logprobs, TokenEvent
 from shared.messages.heartbeat import Load
 from shared.model.text import MODEL_NAMES
 from shared.runner import EngineRunner
@@ -342,6 +342,7 @@ class WorkerService(Service):
             request_id=rid,
             index=0,
             token_ids=[out.token_id],
+            logprobs=None if out.logprobs is None else [Logprobs.of(out.logprobs)],
             finish_reason=out.finish_reason,
             stop_string=out.stop_string,
             cached_tokens=len(cached.blobs) * bs,

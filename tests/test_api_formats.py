@@ -226,3 +226,148 @@ def test_responses_refuses_what_it_does_not_serve_naming_it(
     with pytest.raises(openai.BadRequestError) as err:
         stack.client().responses.create(model="tiny", input="hi", extra_body={field: value})
     assert says in str(err.value) and err.value.body["param"] == field
+
+
+# -- Chat Completions and Completions: every parameter served or refused by name ---------------
+
+
+def test_chat_logprobs_whole_and_streamed_are_the_engines(stack: Stack) -> None:
+    oai = stack.client()
+    ask = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Name three harbour cranes."}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    whole = oai.chat.completions.create(**ask)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 8
+    answer = b"".join(bytes(t.bytes) for t in content).decode()
+    assert answer == whole.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        assert t.top_logprobs[0].token == t.token  # greedy: the most likely token
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+    streamed = [
+        t
+        for chunk in oai.chat.completions.create(**ask, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for t in chunk.choices[0].logprobs.content
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    plain = oai.chat.completions.create(**{**ask, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_completions_logprobs_name_each_token_and_its_offset(stack: Stack) -> None:
+    out = stack.client().completions.create(
+        model="tiny", prompt="The tide tables say", max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    assert all(
+        len(top) <= 2 and max(top.values()) >= v
+        for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )
+
+
+def test_logit_bias_and_penalties_reach_the_engine(stack: Stack) -> None:
+    oai = stack.client()
+    ask = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Say anything."}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    forced = oai.chat.completions.create(**ask, logit_bias={"77": 100})
+    assert {t.token for t in forced.choices[0].logprobs.content} == {
+        forced.choices[0].logprobs.content[0].token
+    }
+    assert len(forced.choices[0].logprobs.content) == 6
+    both = {"77": 100, "78": 100}  # the tiny model prefers 77 of the two, every time
+    free = oai.chat.completions.create(**{**ask, "max_tokens": 30}, logit_bias=both)
+    spread = oai.chat.completions.create(
+        **{**ask, "max_tokens": 30}, logit_bias=both, frequency_penalty=2
+    )
+
+    def distinct(r) -> int:
+        return len({t.token for t in r.choices[0].logprobs.content})
+
+    tokens = [t.token for t in free.choices[0].logprobs.content]
+    assert max(tokens.count(t) for t in set(tokens)) >= 25
+    spread_tokens = [t.token for t in spread.choices[0].logprobs.content]
+    assert distinct(spread) == 2 and max(spread_tokens.count(t) for t in set(spread_tokens)) <= 22
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
+        ("tool_choice", "auto", "tool_choice"),
+        ("response_format", {"type": "json_object"}, "response_format"),
+        ("top_logprobs", 2, "top_logprobs"),  # without logprobs: true
+        ("top_logprobs", 21, "top_logprobs"),
+        ("logit_bias", {"999999": 5}, "logit_bias"),
+        ("logit_bias", {"77": 500}, "logit_bias"),
+        ("frequency_penalty", 3, "frequency_penalty"),
+        ("n", 2, "n"),
+        ("store", True, "store"),
+        ("reasoning_effort", "high", "reasoning_effort"),
+        ("modalities", ["text", "audio"], "modalities"),
+        ("service_tier", "priority", "service_tier"),
+        ("min_p", 0.1, "min_p"),  # not an OpenAI field at all
+    ],
+)
+def test_chat_refuses_what_it_does_not_serve_naming_it(
+    stack: Stack, field: str, value: object, says: str
+) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        stack.client().chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            extra_body={field: value},
+        )
+    assert says in err.value.body["message"] and err.value.body["param"].startswith(field)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("echo", True), ("suffix", "end"), ("best_of", 3), ("logprobs", 6)]
+)
+def test_completions_refuse_what_they_do_not_serve_naming_it(
+    stack: Stack, field: str, value: object
+) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        stack.client().completions.create(
+            model="tiny", prompt="hi", max_tokens=2, extra_body={field: value}
+        )
+    assert err.value.body["param"] == field
+
+
+def test_identifiers_and_cache_hints_are_accepted(stack: Stack) -> None:
+    out = stack.client().chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        user="u-1",
+        metadata={"ticket": "42"},
+        service_tier="auto",
+        extra_body={
+            "prompt_cache_key": "harbour",
+            "prompt_cache_retention": "24h",
+            "safety_identifier": "s-1",
+            "top_k": 5,
+            "presence_penalty": 0.5,
+        },
+    )
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 2

@@ -17,7 +17,14 @@ from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
 from shared.engine.interface import ImageEmbeds, PoolExhausted, Prefix, StepOutput
 from shared.engine.kvformat import KVFormatError
-from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck, TokenEvent
+from shared.messages.generate import (
+    Cancel,
+    GenerateTask,
+    HandoffDone,
+    Logprobs,
+    TaskAck,
+    TokenEvent,
+)
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.security.handoff import HANDOFF_SECRET, handoff_refusal
@@ -233,6 +240,7 @@ class DecodeService(WorkerService):
                         request_id=out.seq_id,
                         index=active.next_index,
                         token_ids=[out.token_id],
+                        logprobs=None if out.logprobs is None else [Logprobs.of(out.logprobs)],
                         finish_reason=finish,
                         stop_string=out.stop_string,
                         decode_s=active.decode_s if finish else None,

@@ -258,13 +258,13 @@ class MessageWriter:
         u = self.p.usage
         return usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens, self.block_size)
 
-    def whole(self, text: str, last: Delta) -> dict:
+    def whole(self, answer: Delta) -> dict:
         body = message(
             self.msg_id,
             self.p.job.model,
-            text,
-            last.finish_reason,
-            last.stop_sequence,
+            answer.text,
+            answer.finish_reason,
+            answer.stop_sequence,
             self._usage(),
         )
         return {**body, "kvmesh": self.kvmesh()}
@@ -281,8 +281,8 @@ class MessageWriter:
             sse.event("ping", {"type": "ping"}),
         ]
 
-    def text(self, text: str) -> list[bytes]:
-        delta = {"type": "text_delta", "text": text}
+    def text(self, delta: Delta) -> list[bytes]:
+        delta = {"type": "text_delta", "text": delta.text}
         body = {"type": "content_block_delta", "index": 0, "delta": delta}
         return [sse.event("content_block_delta", body)]
 

@@ -42,6 +42,10 @@ class Asked:
     top_k: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias): checked by the frontend
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; else the chosen token's and this many top ones
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,6 @@ from shared.model.text import MODEL_NAMES, TextModel, load_text_model
 from shared.security.salt import SALT_SECRET, tenant_salt
 from shared.security.secret import load_or_create
 
-LONG_TEXT_CHARS = 8192  # above this, tokenizing takes milliseconds: off the event loop
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -225,6 +224,10 @@ class Frontend:
             # Head start off (for comparison): encode now, and only then route.
             encodes.start(self.dispatcher.bus, conv.model, self.image_limits.encode_timeout_s)
             await encodes.wait()
+        bad = next((t for t, _ in asked.logit_bias if not 0 <= t < config.vocab_size), None)
+        if bad is not None:
+            why = f"logit_bias: token id {bad} is outside the vocabulary ({config.vocab_size})"
+            raise ApiError(400, why, param="logit_bias")
         sampling = Sampling(
             max_tokens=max_tokens,
             temperature=1.0 if asked.temperature is None else asked.temperature,
@@ -232,6 +235,10 @@ class Frontend:
             top_k=asked.top_k or 0,
             seed=asked.seed,
             stop=list(asked.stop),
+            logit_bias=list(asked.logit_bias),
+            presence_penalty=asked.presence_penalty,
+            frequency_penalty=asked.frequency_penalty,
+            logprobs=asked.logprobs,
         )
         job = Job(
             request_id=rid,

@@ -14,6 +14,7 @@ from services.router.detokenizer import Detokenizer
 from services.router.dispatch import Dispatcher, Job
 from services.router.images import Encodes
 from services.router.openai_api import ApiError, Shape, Usage
+from shared.messages.generate import Logprobs
 from shared.model.text import TextModel
 
 EXPLAINED = 4  # candidates listed in a response (all with the header x-kvmesh-explain: all)
@@ -84,11 +85,13 @@ class Writer(Protocol):
     """How a format writes an answer back: a whole body, or its stream as server-sent events
     (what comes before the first text, each text, the end, an error mid-stream)."""
 
-    def whole(self, text: str, last: Delta) -> dict: ...
+    def whole(self, answer: Delta) -> dict:
+        """The body of the whole answer (all its deltas in one)."""
+        ...
 
     def start(self) -> list[bytes]: ...
 
-    def text(self, text: str) -> list[bytes]: ...
+    def text(self, delta: Delta) -> list[bytes]: ...
 
     def end(self, last: Delta) -> list[bytes]: ...
 
@@ -100,6 +103,19 @@ class Delta:
     text: str
     finish_reason: str | None = None  # on the last: "stop" or "length"
     stop_sequence: str | None = None  # on the last, when a stop string ended the answer
+    # When asked for: (token id, its log-probabilities) of the tokens this text came from.
+    logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
+
+    @classmethod
+    def joined(cls, deltas: list[Delta]) -> Delta:
+        """A whole answer as one delta: every text and token, the last one's ending."""
+        last = deltas[-1]
+        return cls(
+            "".join(d.text for d in deltas),
+            last.finish_reason,
+            last.stop_sequence,
+            [lp for d in deltas for lp in d.logprobs],
+        )
 
 
 async def stream_text(
@@ -115,6 +131,7 @@ async def stream_text(
     filled in as events arrive (complete once the last delta is out). With ``encodes``, the
     answer starts only once every image is encoded, and a failed encode ends it."""
     detok = Detokenizer(tokenizer, stop)
+    logprobs: list[tuple[int, Logprobs]] = []  # the tokens' not yet sent with a text
     events = dispatcher.generate(job, timing.route)
     if encodes is not None:
         events = encodes.guard(events)
@@ -135,9 +152,11 @@ async def stream_text(
         timing.kv_transfer_ms += (event.kv_transfer_s or 0.0) * 1e3
         if event.worker_id and event.worker_id not in timing.workers:
             timing.workers.append(event.worker_id)
+        if event.logprobs:
+            logprobs += zip(event.token_ids, event.logprobs, strict=True)
         text = detok.add(event.token_ids)
         if detok.stopped:  # leaving the loop cancels the rest of the answer on decode
-            yield Delta(text, "stop", detok.stop_hit)
+            yield Delta(text, "stop", detok.stop_hit, logprobs)
             return
         if event.finish_reason == "abort":
             if time.time() >= job.deadline:  # decode stops a request at its deadline
@@ -146,7 +165,8 @@ async def stream_text(
         if event.finish_reason:
             text += detok.finish()
             finish = "stop" if event.finish_reason == "stop" else "length"
-            yield Delta(text, finish, detok.stop_hit or event.stop_string)
+            yield Delta(text, finish, detok.stop_hit or event.stop_string, logprobs)
             return
         if text:
-            yield Delta(text)
+            yield Delta(text, logprobs=logprobs)
+            logprobs = []

@@ -18,7 +18,7 @@ from aiohttp import web
 from services.router import anthropic_api, responses_api
 from services.router.conversation import Conversation
 from services.router.frontend import Frontend, KvOptions, request_id
-from services.router.generation import Prepared, Writer
+from services.router.generation import Delta, Prepared, Writer
 from services.router.openai_api import ApiError, conversation
 from services.router.openai_writer import OpenAIWriter
 from services.router.recorder import request_ids
@@ -127,15 +127,12 @@ class HttpApi:
 
     async def _whole(self, p: Prepared, writer: Writer) -> web.Response:
         deltas = self.frontend.deltas(p)
-        parts, last = [], None
         try:
-            async for delta in deltas:
-                parts.append(delta.text)
-                last = delta
+            answer = Delta.joined([delta async for delta in deltas])
         finally:
             await deltas.aclose()  # on a disconnect: cancels the request on its workers
-        assert last is not None and last.finish_reason
-        body = writer.whole("".join(parts), last)
+        assert answer.finish_reason
+        body = writer.whole(answer)
         return web.json_response(body, headers=request_ids(p.job.request_id))
 
     async def _stream(
@@ -155,7 +152,7 @@ class HttpApi:
             out = writer.start()
             while True:
                 if delta.text:
-                    out += writer.text(delta.text)
+                    out += writer.text(delta)
                 if delta.finish_reason:
                     out += writer.end(delta)
                     break

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from services.router import conversation as conv
+from shared.engine.sampling import MAX_TOP_LOGPROBS
 
 
 class ApiError(Exception):
@@ -33,8 +34,9 @@ class ApiError(Exception):
 
 
 class _Body(BaseModel):
-    # Strict: "5" is not a number. Unknown fields are ignored, as most OpenAI servers do.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Strict: "5" is not a number. A field the API does not define is refused (as OpenAI
+    # does), so nothing a client sends is silently ignored.
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class TextPart(_Body):
@@ -70,6 +72,32 @@ class ChatMessage(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: Literal[False] = False
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+
+# Fields the formats define that this server does not serve yet: a 400 naming them.
+NOT_YET = "not served yet (tool calls and structured outputs arrive in a later release)"
+NOT_SERVED_CHAT = {
+    "tools": NOT_YET,
+    "tool_choice": NOT_YET,
+    "parallel_tool_calls": NOT_YET,
+    "functions": NOT_YET,
+    "function_call": NOT_YET,
+    "audio": "audio output is not served (the models answer in text)",
+    "prediction": "predicted outputs are not served",
+    "web_search_options": "web search is not served",
+    "reasoning_effort": "the models served do not reason before answering",
+    "verbosity": "the models served do not take a verbosity",
+}
+NOT_SERVED_COMPLETIONS = {
+    "suffix": "insertion (a suffix) is not served",
+}
+MAX_LOGIT_BIAS = 300
 
 
 class _Sampling(_Body):
@@ -79,10 +107,14 @@ class _Sampling(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0, description="kvmesh (as vLLM): 0 for no limit")
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1, description="only one choice per request")
-    user: str | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(default=None, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -91,6 +123,20 @@ class _Sampling(_Body):
         if len(stops) > 4 or not all(stops):
             raise ValueError("at most 4 non-empty strings")
         return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens")
+        for key, value in bias.items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (got {key[:20]!r})")
+            if not -100 <= value <= 100:
+                raise ValueError(f"values are in [-100, 100] (got {value} for {key})")
+        return bias
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -101,10 +147,36 @@ class _Sampling(_Body):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text"]] | None = None
+    store: Literal[False] | None = Field(default=None, description="stateless: nothing is stored")
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    service_tier: Literal["auto", "default"] | None = None
+    # Accepted: kvmesh already routes each prompt by its own blocks' hashes, which is what
+    # the key stands in for; every retention asked for is met (blocks stay days on storage).
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    tools: object = None
+    tool_choice: object = None
+    parallel_tool_calls: object = None
+    functions: object = None
+    function_call: object = None
+    audio: object = None
+    prediction: object = None
+    web_search_options: object = None
+    reasoning_effort: object = None
+    verbosity: object = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: Literal[False] = Field(default=False, description="the prompt is not echoed")
+    best_of: int | None = Field(default=None, ge=1, le=1, description="one candidate per request")
+    suffix: str | None = None
 
 
 def parse_body(body: bytes, kind: type[BaseModel]) -> BaseModel:
@@ -142,12 +214,21 @@ def conversation(body: bytes, chat: bool) -> conv.Conversation:
         "include_usage": bool(req.stream_options and req.stream_options.include_usage),
     }
     if isinstance(req, ChatRequest):
+        refuse_unserved(req, NOT_SERVED_CHAT)
+        if req.response_format is not None and req.response_format.type != "text":
+            why = f"{req.response_format.type} is {NOT_YET}"
+            raise ApiError(400, f"response_format: {why}", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
         limit, field = req.max_tokens, "max_tokens"
         if req.max_completion_tokens:
             limit, field = req.max_completion_tokens, "max_completion_tokens"
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
         messages = tuple(conv.Message(m.role, m.parts(i)) for i, m in enumerate(req.messages))
-        return conv.Conversation(req.model, _asked(req, limit, field), messages, **common)
+        asked = _asked(req, limit, field, logprobs)
+        return conv.Conversation(req.model, asked, messages, **common)
     assert isinstance(req, CompletionRequest)
+    refuse_unserved(req, NOT_SERVED_COMPLETIONS)
     prompt: str | tuple[int, ...]
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
         if len(req.prompt) != 1:
@@ -155,18 +236,25 @@ def conversation(body: bytes, chat: bool) -> conv.Conversation:
         prompt = req.prompt[0]
     else:
         prompt = req.prompt if isinstance(req.prompt, str) else tuple(req.prompt)  # type: ignore[arg-type]
-    asked = _asked(req, req.max_tokens, "max_tokens")
+    asked = _asked(req, req.max_tokens, "max_tokens", req.logprobs)
     return conv.Conversation(req.model, asked, prompt=prompt, **common)
 
 
-def _asked(req: _Sampling, max_tokens: int | None, max_field: str) -> conv.Asked:
+def _asked(
+    req: _Sampling, max_tokens: int | None, max_field: str, logprobs: int | None
+) -> conv.Asked:
     return conv.Asked(
         max_tokens=max_tokens,
         max_field=max_field,
         temperature=req.temperature,
         top_p=req.top_p,
+        top_k=req.top_k,
         seed=req.seed,
         stop=tuple(req.stop_list()),
+        logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logprobs=logprobs,
     )
 
 
@@ -209,21 +297,26 @@ class Shape:
             "model": self.model,
         }
 
-    def _choice(self, text: str | None, finish: str | None, chunk: bool, first: bool) -> dict:
+    def _choice(
+        self, text: str | None, finish: str | None, chunk: bool, first: bool, logprobs: dict | None
+    ) -> dict:
+        end = {"logprobs": logprobs, "finish_reason": finish}
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", **end}
         if chunk:
             delta = {"role": "assistant", "content": text or ""} if first else {}
             if text and not first:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": delta, **end}
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "message": message, **end}
 
-    def response(self, text: str, finish: str, usage: Usage, timing: dict) -> dict:
+    def response(
+        self, text: str, finish: str, usage: Usage, timing: dict, logprobs: dict | None = None
+    ) -> dict:
         return {
             **self._envelope(chunk=False),
-            "choices": [self._choice(text, finish, chunk=False, first=False)],
+            "choices": [self._choice(text, finish, False, False, logprobs)],
             "usage": usage.to_dict(),
             "kvmesh": timing,
         }
@@ -234,8 +327,10 @@ class Shape:
         finish: str | None = None,
         first: bool = False,
         with_usage_field: bool = False,
+        logprobs: dict | None = None,
     ) -> dict:
-        out = {**self._envelope(chunk=True), "choices": [self._choice(text, finish, True, first)]}
+        choice = self._choice(text, finish, True, first, logprobs)
+        out = {**self._envelope(chunk=True), "choices": [choice]}
         if with_usage_field:  # with include_usage, every chunk carries "usage": null
             out["usage"] = None
         return out

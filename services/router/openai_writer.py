@@ -1,13 +1,32 @@
 """The OpenAI formats' writer: the answer as a Chat Completions or Completions body, or as
-their chunks (``data:`` lines ending with ``[DONE]``)."""
+their chunks (``data:`` lines ending with ``[DONE]``), with log-probabilities when asked."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from tokenizers import Tokenizer
+
 from services.router import sse
 from services.router.generation import Delta, Prepared
 from services.router.openai_api import ApiError
+from shared.messages.generate import Logprobs
+from shared.model.tokenizer import token_bytes
+
+
+class TokenNames:
+    """A token id as OpenAI's logprobs name it: its text, and its bytes (a token may hold
+    part of a character, whose text then has U+FFFD)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._seen: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        if token_id not in self._seen:
+            raw = token_bytes(self.tokenizer, token_id)
+            self._seen[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return self._seen[token_id]
 
 
 class OpenAIWriter:
@@ -17,23 +36,34 @@ class OpenAIWriter:
         self.p, self.kvmesh = p, kvmesh
         self.shape = p.shape
         self.usage_field = p.include_usage  # with include_usage, chunks carry "usage": null
+        self.with_logprobs = p.job.sampling.logprobs is not None
+        self.names = TokenNames(p.text.tokenizer)
+        self.text_offset = 0  # Completions' text_offset: characters of answer before a token
 
-    def whole(self, text: str, last: Delta) -> dict:
-        return self.shape.response(text, last.finish_reason or "stop", self.p.usage, self.kvmesh())
+    def whole(self, answer: Delta) -> dict:
+        finish = answer.finish_reason or "stop"
+        logprobs = self._logprobs(answer)
+        return self.shape.response(answer.text, finish, self.p.usage, self.kvmesh(), logprobs)
 
     def start(self) -> list[bytes]:
         if not self.shape.chat:
             return []
         return [sse.data(self.shape.chunk("", first=True, with_usage_field=self.usage_field))]
 
-    def text(self, text: str) -> list[bytes]:
-        return [sse.data(self.shape.chunk(text, with_usage_field=self.usage_field))]
+    def text(self, delta: Delta) -> list[bytes]:
+        chunk = self.shape.chunk(
+            delta.text, with_usage_field=self.usage_field, logprobs=self._logprobs(delta)
+        )
+        return [sse.data(chunk)]
 
     def end(self, last: Delta) -> list[bytes]:
-        out = [
-            sse.data(self.shape.chunk(None, last.finish_reason, with_usage_field=self.usage_field))
-        ]
-        return out + self._closing()
+        # The last delta's text went out already (text() is called before end()); a token
+        # that came with it but made no text of its own (end of answer) goes here.
+        logprobs = self._logprobs(last) if not last.text else None
+        chunk = self.shape.chunk(
+            None, last.finish_reason, with_usage_field=self.usage_field, logprobs=logprobs
+        )
+        return [sse.data(chunk), *self._closing()]
 
     def error(self, err: ApiError) -> list[bytes]:
         body = {"error": {"message": err.message, "type": "server_error", "code": err.code}}
@@ -44,3 +74,33 @@ class OpenAIWriter:
         if self.p.include_usage:
             out.append(sse.data(self.shape.usage_chunk(self.p.usage, self.kvmesh())))
         return [*out, sse.data("[DONE]")]
+
+    def _logprobs(self, delta: Delta) -> dict | None:
+        """The logprobs object of a delta's tokens, in the endpoint's shape."""
+        if not self.with_logprobs:
+            return None
+        if self.shape.chat:
+            return {"content": [self._chat_entry(t, lp) for t, lp in delta.logprobs]}
+        tokens, offsets = [], []
+        for t, _ in delta.logprobs:
+            text = self.names(t)[0]
+            tokens.append(text)
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for _, lp in delta.logprobs],
+            "top_logprobs": [
+                {self.names(t)[0]: v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+                for _, lp in delta.logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, token_id: int, lp: Logprobs) -> dict:
+        text, raw = self.names(token_id)
+        top = []
+        for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True):
+            top_text, top_raw = self.names(t)
+            top.append({"token": top_text, "logprob": v, "bytes": top_raw})
+        return {"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top}

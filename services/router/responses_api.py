@@ -68,6 +68,11 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
     text: TextOptions | None = None
+    # Accepted, as in Chat Completions (openai_api.ChatRequest says why).
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    service_tier: Literal["auto", "default"] | None = None
     # Defined by OpenAI, not served (yet): refused with a 400 naming them.
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -201,8 +206,8 @@ class ResponseWriter:
         body = response(self.resp_id, self.p.job.model, text, finish, self.p.usage)
         return {**body, "kvmesh": self.kvmesh()}
 
-    def whole(self, text: str, last: Delta) -> dict:
-        return self._final(text, last.finish_reason)
+    def whole(self, answer: Delta) -> dict:
+        return self._final(answer.text, answer.finish_reason)
 
     def start(self) -> list[bytes]:
         started = response(self.resp_id, self.p.job.model, None, None, None)
@@ -214,9 +219,9 @@ class ResponseWriter:
             self._event("response.content_part.added", **self.where, part=part),
         ]
 
-    def text(self, text: str) -> list[bytes]:
-        self.parts.append(text)
-        return [self._event("response.output_text.delta", **self.where, delta=text)]
+    def text(self, delta: Delta) -> list[bytes]:
+        self.parts.append(delta.text)
+        return [self._event("response.output_text.delta", **self.where, delta=delta.text)]
 
     def end(self, last: Delta) -> list[bytes]:
         text = "".join(self.parts)

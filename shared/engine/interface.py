@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol
 
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling import SamplingParams, TokenLogprobs
 from shared.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -85,6 +85,7 @@ class StepOutput:
     token_id: int
     finish_reason: FinishReason | None = None
     stop_string: str | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 class SequenceState(Protocol):

@@ -1,9 +1,21 @@
 """Per-request sampling parameters: greedy, temperature, top-k, top-p, seed, stop tokens and
-strings. Plain values, checked here, so they can travel (``shared/messages/generate.py``)."""
+strings, logit bias, presence and frequency penalties, log-probabilities asked for. Plain
+values, checked here, so they can travel (``shared/messages/generate.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability under the model, and the most likely tokens' (id,
+    log-probability), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -19,6 +31,12 @@ class SamplingParams:
     # Answer tokens produced before this engine's first (a request resumed on another worker
     # after a failure): its first token is answer token #answer_offset for the seeded sampler.
     answer_offset: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it is in the answer
+    frequency_penalty: float = 0.0  # ... times the number of times it is in the answer
+    # Log-probabilities with each token: None for none, else the chosen token's and this
+    # many of the most likely ones (0 to MAX_TOP_LOGPROBS).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -28,10 +46,22 @@ class SamplingParams:
             ("top_k", self.top_k >= 0, "must be 0 (no limit) or more"),
             ("stop", len(self.stop) <= 4 and all(self.stop), "at most 4 non-empty strings"),
             ("answer_offset", self.answer_offset >= 0, "must be 0 or more"),
+            ("logit_bias", all(-100 <= b <= 100 for _, b in self.logit_bias), "in [-100, 100]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                f"None or 0 to {MAX_TOP_LOGPROBS}",
+            ),
         ]
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"{name} {rule} (got {getattr(self, name)!r})")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from shared.messages import Message
 from shared.messages.kvevents import Retention
 
@@ -28,6 +28,10 @@ class Sampling(Message):
     answer_offset: int = Field(
         default=0, ge=0, description="answer tokens sent before (a resumed request)"
     )
+    logit_bias: list[tuple[int, float]] = Field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def params(self) -> SamplingParams:
         return SamplingParams(
@@ -39,6 +43,10 @@ class Sampling(Message):
             stop=tuple(self.stop),
             ignore_eos=self.ignore_eos,
             answer_offset=self.answer_offset,
+            logit_bias=tuple(self.logit_bias),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logprobs=self.logprobs,
         )
 
 
@@ -87,6 +95,22 @@ class TaskAck(Message):
 ErrorCode = Literal["", "busy", "unavailable", "internal", "cancelled"]
 
 
+class Logprobs(Message):
+    """A token's log-probability, and the most likely tokens' ids and log-probabilities."""
+
+    logprob: float
+    top_ids: list[int] = Field(default_factory=list)
+    top_logprobs: list[float] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, lp: TokenLogprobs) -> Logprobs:
+        return cls(
+            logprob=lp.logprob,
+            top_ids=[t for t, _ in lp.top],
+            top_logprobs=[v for _, v in lp.top],
+        )
+
+
 class TokenEvent(Message):
     """New tokens of a request, in order: ``index`` is the position of the first of them in
     the answer. The last event has ``finish_reason`` (or ``error``)."""
@@ -94,6 +118,7 @@ class TokenEvent(Message):
     request_id: str
     index: int
     token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[Logprobs] | None = None  # one per token, when the request asked for them
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_string: str | None = None
     cached_tokens: int | None = None  # on the first event: prompt tokens whose KV was reused

@@ -25,6 +25,28 @@ def _byte_alphabet() -> set[str]:
     return set(pre_tokenizers.ByteLevel.alphabet())
 
 
+def _byte_of() -> dict[str, int]:
+    """The byte-level alphabet reversed: each of its 256 characters → the byte it stands
+    for (printable Latin-1 bytes stand for themselves, the rest for 256, 257, ...)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    char_of = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in char_of:
+            char_of[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in char_of.items()}
+
+
+_BYTE_OF = _byte_of()
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+    """The bytes one token stands for (a token may hold part of a character)."""
+    piece = tokenizer.id_to_token(token_id) or ""
+    return bytes(_BYTE_OF[c] for c in piece if c in _BYTE_OF)
+
+
 def build_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     """A byte-level BPE tokenizer equal to transformers' GGUF conversion of the same file."""
     assert meta["tokenizer.ggml.model"] == "gpt2", "only byte-level BPE vocabularies"

@@ -27,7 +27,7 @@ from shared.engine.torch.blocks import BlockPool
 from shared.engine.torch.kvio import KvIO
 from shared.engine.torch.loader import LoadedModel, load_model
 from shared.engine.torch.model import KVCache, Segment, Transformer
-from shared.engine.torch.sampler import sample
+from shared.engine.torch.sampler import logprobs_of, sample
 from shared.engine.torch.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -247,16 +247,21 @@ class TorchEngine(Engine):
         return outputs
 
     def _append(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        token = sample(logits, seq.params, seq.params.answer_offset + len(seq.output_ids))
-        seq.output_ids.append(token)
         p = seq.params
+        answer: list[int] = []
+        if p.penalized:  # the whole answer: a resumed one's earlier tokens end its prompt
+            earlier = seq.prompt_ids[len(seq.prompt_ids) - p.answer_offset :]
+            answer = earlier + seq.output_ids
+        token = sample(logits, p, p.answer_offset + len(seq.output_ids), answer)
+        logprobs = None if p.logprobs is None else logprobs_of(logits, token, p.logprobs)
+        seq.output_ids.append(token)
         if (token in self.config.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             seq.finish_reason = "stop"
         elif p.stop and (hit := self._stop_string(seq)):
             seq.finish_reason, seq.stop_string = "stop", hit
         elif len(seq.output_ids) >= p.max_tokens or seq.n_tokens >= self.config.max_context:
             seq.finish_reason = "length"
-        return StepOutput(seq.seq_id, token, seq.finish_reason, seq.stop_string)
+        return StepOutput(seq.seq_id, token, seq.finish_reason, seq.stop_string, logprobs)
 
     def _stop_string(self, seq: Sequence) -> str | None:
         """A stop string that the text ends with now (it may span several tokens)."""

@@ -1,4 +1,8 @@
-"""Sampling a token from logits, with a sequence's parameters.
+"""Sampling a token from logits, with a sequence's parameters; its log-probabilities.
+
+Logit bias and presence/frequency penalties (OpenAI's definitions) change the logits first;
+temperature, top-k and top-p then shape the distribution drawn from. Log-probabilities are
+the model's own (log-softmax of the unchanged logits), as vLLM reports them by default.
 
 A seeded answer's randomness is a function of (seed, position in the answer) alone: each
 token draws from a generator seeded with both, so an answer continued elsewhere (handed off
@@ -10,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling import SamplingParams, TokenLogprobs
 
 _MASK = (1 << 64) - 1
 
@@ -23,8 +27,40 @@ def position_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """One token id from fp32 logits [V], as answer token ``position`` (0: the first)."""
+def adjusted(logits: torch.Tensor, params: SamplingParams, answer: list[int]) -> torch.Tensor:
+    """The logits with the request's bias and penalties; ``answer``: its tokens so far."""
+    if params.logit_bias:
+        logits = logits.clone()
+        ids, bias = zip(*params.logit_bias, strict=True)
+        logits[torch.tensor(ids)] += torch.tensor(bias, dtype=logits.dtype)
+    if params.penalized and answer:
+        counts = torch.bincount(torch.tensor(answer), minlength=logits.numel())[: logits.numel()]
+        counts = counts.to(logits.dtype)
+        logits = (
+            logits
+            - counts * params.frequency_penalty
+            - (counts > 0).to(logits.dtype) * params.presence_penalty
+        )
+    return logits
+
+
+def logprobs_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """The model's log-probability of ``token`` and of its ``top`` most likely tokens."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    best: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = logp.topk(top)
+        best = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(float(logp[token]), best)
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, position: int, answer: list[int] = ()
+) -> int:
+    """One token id from fp32 logits [V], as answer token ``position`` (0: the first);
+    ``answer``: the tokens before it (for the penalties)."""
+    if params.logit_bias or params.penalized:
+        logits = adjusted(logits, params, list(answer))
     if params.greedy:
         return int(logits.argmax())
     logits = logits / params.temperature
