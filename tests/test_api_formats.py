@@ -6,6 +6,9 @@ conversation renders the same tokens, and hits the same cache, in every format."
 from __future__ import annotations
 
 import base64
+import json
+import urllib.request
+import uuid
 
 import anthropic
 import pytest
@@ -18,8 +21,11 @@ SYSTEM = "You are a careful assistant for a harbour office. Answer plainly. " * 
 
 @pytest.fixture(scope="module")
 def stack(stacks) -> Stack:
+    # Keep-alives after 2 ms without a token: every stream here has some before its first
+    # token, and every SDK must read through them.
     return stacks(
         ("router-0", "cachemeta-0", "prefill-0", "decode-0", "encoder-0"),
+        KVMESH_ROUTER_STREAM_PING_S="0.002",
         **TINY_ENCODER,
     )
 
@@ -371,3 +377,31 @@ def test_identifiers_and_cache_hints_are_accepted(stack: Stack) -> None:
         },
     )
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 2
+
+
+def stream_lines(url: str, body: dict) -> list[str]:
+    """A streamed answer's non-empty lines, as sent."""
+    ask = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(ask, timeout=60) as resp:
+        return [line for line in resp.read().decode().splitlines() if line]
+
+
+def test_a_slow_first_token_opens_the_stream_with_keep_alives(stack: Stack) -> None:
+    long_prompt = "Cargo manifest line, checked and signed. " * 300  # prefill takes a while
+    body = {
+        "model": "tiny",
+        "max_tokens": 3,
+        "stream": True,
+        "messages": [{"role": "user", "content": long_prompt + uuid.uuid4().hex}],
+    }
+    events = [x[7:] for x in stream_lines(f"{stack.url}/v1/messages", body) if x[:7] == "event: "]
+    first_delta = events.index("content_block_delta")
+    assert events[:2] == ["message_start", "content_block_start"]
+    assert "ping" in events[2:first_delta] and events[-1] == "message_stop"
+    body["messages"][0]["content"] = long_prompt + uuid.uuid4().hex
+    lines = stream_lines(f"{stack.url}/v1/chat/completions", body)
+    # The opening chunk (the role), keep-alives, then the answer's chunks.
+    assert lines[1] == ": ping" and '"role":"assistant"' in lines[0]
+    assert lines[-1] == "data: [DONE]"

@@ -305,5 +305,8 @@ class MessageWriter:
             sse.event("message_stop", {"type": "message_stop"}),
         ]
 
+    def ping(self) -> bytes:
+        return sse.event("ping", {"type": "ping"})
+
     def error(self, err: ApiError) -> list[bytes]:
         return [sse.event("error", error_body(err))]

@@ -95,6 +95,10 @@ class Writer(Protocol):
 
     def end(self, last: Delta) -> list[bytes]: ...
 
+    def ping(self) -> bytes:
+        """A keep-alive while the first token is long in coming."""
+        ...
+
     def error(self, err: ApiError) -> list[bytes]: ...
 
 

@@ -9,6 +9,7 @@ stream then cancels the request on its workers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -138,18 +139,27 @@ class HttpApi:
     async def _stream(
         self, request: web.Request, p: Prepared, writer: Writer
     ) -> web.StreamResponse:
+        """The answer as server-sent events. An error before the first token is a plain HTTP
+        error, unless the first token is so long in coming (a long prefill) that the stream
+        opened to keep the client's connection alive; after that, errors go in the stream."""
         deltas = self.frontend.deltas(p)
+        first = asyncio.ensure_future(anext(deltas))
+        resp: web.StreamResponse | None = None
+        ping_s = self.frontend.settings.stream_ping_s
         try:
-            delta = await anext(deltas)  # errors before the first token: plain HTTP errors
-            resp = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    **request_ids(p.job.request_id),
-                }
-            )
-            await resp.prepare(request)
-            out = writer.start()
+            while not (await asyncio.wait({first}, timeout=ping_s))[0]:
+                if resp is None:
+                    resp = await self._open(request, p, writer.start())
+                await resp.write(writer.ping())
+            try:
+                delta = first.result()
+            except ApiError as err:
+                if resp is None:
+                    raise
+                return await self._close(resp, writer.error(err))
+            if resp is None:
+                resp = await self._open(request, p, writer.start())
+            out: list[bytes] = []
             while True:
                 if delta.text:
                     out += writer.text(delta)
@@ -164,15 +174,36 @@ class HttpApi:
                 except ApiError as err:  # mid-stream: the error goes in the stream
                     out = writer.error(err)
                     break
-            for chunk in out:
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
+            return await self._close(resp, out)
         except ConnectionResetError:
             log.info("%s: client went away", p.job.request_id)
             raise
         finally:
+            if not first.done():
+                first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
             await deltas.aclose()
+
+    @staticmethod
+    async def _open(request: web.Request, p: Prepared, start: list[bytes]) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **request_ids(p.job.request_id),
+            }
+        )
+        await resp.prepare(request)
+        for chunk in start:
+            await resp.write(chunk)
+        return resp
+
+    @staticmethod
+    async def _close(resp: web.StreamResponse, last: list[bytes]) -> web.StreamResponse:
+        for chunk in last:
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
 
     async def _body(self, request: web.Request) -> bytes:
         try:

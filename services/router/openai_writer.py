@@ -65,6 +65,9 @@ class OpenAIWriter:
         )
         return [sse.data(chunk), *self._closing()]
 
+    def ping(self) -> bytes:
+        return sse.COMMENT_PING
+
     def error(self, err: ApiError) -> list[bytes]:
         body = {"error": {"message": err.message, "type": "server_error", "code": err.code}}
         return [sse.data(body), *self._closing()]

@@ -236,5 +236,8 @@ class ResponseWriter:
             self._event(kind, response=final),
         ]
 
+    def ping(self) -> bytes:
+        return sse.COMMENT_PING
+
     def error(self, err: ApiError) -> list[bytes]:
         return [self._event("error", code=err.code, message=err.message)]

@@ -92,6 +92,13 @@ class RouterSettings(ServiceSettings):
     stats_share_s: float = Field(
         default=5.0, gt=0, description="how often this router shares its statistics' minutes"
     )
+    stream_ping_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="a streamed answer with no token for this long (a long prefill) opens its "
+        "stream and sends a keep-alive (Anthropic's ping event, an SSE comment in OpenAI's "
+        "formats), and again every interval; errors after that arrive in the stream",
+    )
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="a request still unanswered after this fails (504)"
     )

@@ -13,3 +13,6 @@ def data(obj: dict | str) -> bytes:
 
 def event(name: str, obj: dict) -> bytes:
     return f"event: {name}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+COMMENT_PING = b": ping\n\n"  # a comment line: clients skip it, proxies see traffic
