@@ -13,7 +13,7 @@ import uuid
 import anthropic
 import pytest
 
-from tests.images import png
+from tests.images import data_url, png
 from tests.stack import TINY_ENCODER, Stack
 
 SYSTEM = "You are a careful assistant for a harbour office. Answer plainly. " * 8
@@ -405,3 +405,115 @@ def test_a_slow_first_token_opens_the_stream_with_keep_alives(stack: Stack) -> N
     # The opening chunk (the role), keep-alives, then the answer's chunks.
     assert lines[1] == ": ping" and '"role":"assistant"' in lines[0]
     assert lines[-1] == "data: [DONE]"
+
+
+# -- cache-miss explanations ---------------------------------------------------------------
+
+
+def history(tag: str, picture: bytes | None = None) -> list[dict]:
+    """Five messages of a conversation, each several blocks long, unique to ``tag``."""
+    first: str | list = "Berth request for the morning tide, three ships waiting. " * 8
+    if picture is not None:
+        first = [
+            {"type": "text", "text": first},
+            {"type": "image_url", "image_url": {"url": data_url(picture)}},
+        ]
+    return [
+        {"role": "system", "content": f"[{tag}] " + SYSTEM},
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": "Berth 4 is free from five until noon. " * 7},
+        {"role": "user", "content": "Book it and tell the pilot what to expect. " * 7},
+        {"role": "assistant", "content": "Booked; the pilot boards at the outer mark. " * 7},
+    ]
+
+
+NEXT_TURN = [{"role": "user", "content": "And the tugs?"}]
+
+
+def edited(messages: list[dict], i: int, at: int) -> list[dict]:
+    out = [dict(m) for m in messages]
+    text = out[i]["content"]
+    out[i]["content"] = text[:at] + "#" + text[at + 1 :]
+    return out
+
+
+def turn(stack: Stack, messages: list[dict], tenant: str) -> tuple[dict | None, str | None]:
+    """The explanation in the `kvmesh` extension, and the x-kvmesh-cache header."""
+    raw = stack.client().chat.completions.with_raw_response.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=2,
+        temperature=0,
+        extra_headers={"x-kvmesh-tenant": tenant},
+    )
+    return raw.parse().model_extra["kvmesh"].get("cache_miss"), raw.headers.get("x-kvmesh-cache")
+
+
+@pytest.mark.parametrize(
+    "case, change, kind, message, part, char",
+    [
+        ("system", lambda h: edited(h, 0, 150), "system_changed", 0, 0, 150),
+        ("middle", lambda h: edited(h, 2, 101), "message_edited", 2, 0, 101),
+        ("swapped", lambda h: [h[0], h[3], h[2], h[1], h[4]], "messages_reordered", 1, 0, 0),
+        ("removed", lambda h: [h[0], h[1], h[4]], "message_removed", 2, 0, 0),
+    ],
+)
+def test_a_cache_miss_says_where_the_prompt_broke_from_the_last_turn(
+    stack: Stack, case: str, change, kind: str, message: int, part: int, char: int
+) -> None:
+    """Every kind a client's history can break in, found where it broke."""
+    tenant = f"explain-{case}-{uuid.uuid4().hex[:6]}"
+    before = history(tenant)
+    assert turn(stack, before, tenant) == (None, None)  # the first turn: nothing to compare
+    explained, header = turn(stack, change(before) + NEXT_TURN, tenant)
+    assert explained is not None, "a broken history must be explained"
+    assert (explained["kind"], explained["message"], explained["part"], explained["char"]) == (
+        kind,
+        message,
+        part,
+        char,
+    )
+    assert explained["field"] == f"messages[{message}]"  # as the request named it
+    assert explained["cached_tokens"] < explained["allowed_tokens"]
+    assert explained["first_uncached_block"] == explained["cached_tokens"] // 64
+    assert f"kind={kind}" in header and f"field=messages[{message}]; char={char}" in header
+
+
+def test_a_break_is_named_in_the_format_the_turn_came_in(
+    client: anthropic.Anthropic, stack: Stack
+) -> None:
+    """Turn one as Chat Completions, turn two as Messages with an edited history: the
+    explanation names Anthropic's field (its system prompt is not in `messages`)."""
+    tenant = f"explain-format-{uuid.uuid4().hex[:6]}"
+    before = history(tenant)
+    turn(stack, before, tenant)
+    after = edited(before, 3, 57) + NEXT_TURN
+    raw = client.messages.with_raw_response.create(
+        model="tiny",
+        max_tokens=2,
+        system=after[0]["content"],
+        messages=after[1:],
+        extra_headers={"x-kvmesh-tenant": tenant},
+    )
+    explained = raw.parse().model_extra["kvmesh"]["cache_miss"]
+    assert (explained["kind"], explained["field"], explained["char"]) == (
+        "message_edited",
+        "messages[2]",
+        57,
+    )
+    assert "field=messages[2]; char=57" in raw.headers["x-kvmesh-cache"]
+
+
+def test_a_replaced_image_is_named_and_a_kept_history_says_nothing(stack: Stack) -> None:
+    tenant = f"explain-image-{uuid.uuid4().hex[:6]}"
+    before = history(tenant, picture=png(11))
+    assert turn(stack, before, tenant) == (None, None)
+    # The next turn, history kept: the whole prefix is cached, nothing to say.
+    kept = before + [{"role": "assistant", "content": "Two tugs."}] + NEXT_TURN
+    assert turn(stack, kept, tenant) == (None, None)
+    explained, _ = turn(stack, history(tenant, picture=png(12)) + NEXT_TURN, tenant)
+    assert explained is not None
+    assert (explained["kind"], explained["message"], explained["part"]) == ("image_changed", 1, 1)
+    assert explained["field"] == "messages[1].content[1]"
+    # Another tenant's conversation with the same words is not this one's to explain.
+    assert turn(stack, edited(before, 2, 40), f"{tenant}-other") == (None, None)

@@ -197,6 +197,36 @@ def test_chat_blocks_expire_after_the_chat_ttl(small: Stack) -> None:
     assert small.lookup(hashes) == {}
 
 
+def test_a_conversation_whose_blocks_expired_is_told_so(small: Stack) -> None:
+    messages = [
+        {"role": "system", "content": "You answer for the harbour master. " * 12},
+        {"role": "user", "content": "Which berths are free on the morning tide? " * 5},
+    ]
+    client = small.client()
+    store = small.dir / "kvstore"
+    earlier = set(store.glob("*/*.kvb"))
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert first.model_extra["kvmesh"].get("cache_miss") is None
+    full_blocks = first.usage.prompt_tokens // 64
+    rid = first.id.removeprefix("chatcmpl-")
+
+    def stored() -> set:
+        return set(store.glob("*/*.kvb")) - earlier
+
+    wait_until(lambda: len(stored()) >= full_blocks, 30, what="blocks stored")
+    wait_until(lambda: not stored(), 30, what="chat TTL passed")
+    messages += [
+        {"role": "assistant", "content": "Berths 2 and 4."},
+        {"role": "user", "content": "Book 4."},
+    ]
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    explained = again.model_extra["kvmesh"]["cache_miss"]
+    assert explained["kind"] == "evicted_or_expired" and explained["cached_tokens"] == 0
+    assert explained["allowed_tokens"] == full_blocks * 64 > 0
+    assert explained["earlier_request_id"] == rid
+    assert (explained["first_uncached_block"], explained["message"], explained["char"]) == (0, 0, 0)
+
+
 def test_a_full_write_behind_queue_skips_blocks_and_says_so(small: Stack) -> None:
     small.restart("prefill-0", KVMESH_PREFILL_WRITE_QUEUE_BLOCKS="0")
     small.wait_ready(["prefill-0"])

@@ -182,12 +182,15 @@ def test_stats_match_a_known_workload(stack: Stack) -> None:
             prompt=prompt,
             max_tokens=6,
             temperature=0,
-            extra_headers={"x-kvmesh-retention": "agent"},
+            extra_headers={"x-kvmesh-retention": "agent", "x-kvmesh-tenant": "stats-tenant"},
         )
         for _ in range(2)
     ]
     assert [o.usage.prompt_tokens_details.cached_tokens for o in outs] == [0, 256]
     _, stats = get_json(f"{stack.url}/v1/stats")
+    tenant = stats["by_tenant"]["stats-tenant"]
+    assert tenant["requests"] == 2 and tenant["input_tokens"] == 600
+    assert tenant["input_cache_hit_ratio"] == pytest.approx(256 / 600, abs=1e-6)
     agent = stats["by_class"]["agent"]
     output = sum(o.usage.completion_tokens for o in outs)
     assert agent["requests"] == 2 and agent["input_tokens"] == 600

@@ -148,7 +148,7 @@ def _system(system: str | list[TextBlock] | None) -> conv.Message | None:
     kept = [b for b in blocks if not b.lstrip().lower().startswith(VOLATILE_SYSTEM_PREFIXES)]
     if not kept:
         return None
-    return conv.Message("system", (conv.Text(SYSTEM_SEPARATOR.join(kept)),))
+    return conv.Message("system", (conv.Text(SYSTEM_SEPARATOR.join(kept)),), "system")
 
 
 def _parts(m: Message, i: int) -> tuple[conv.Part, ...]:
@@ -170,7 +170,10 @@ def _parts(m: Message, i: int) -> tuple[conv.Part, ...]:
 
 def _messages(req: MessagesRequest | CountRequest) -> tuple[conv.Message, ...]:
     system = _system(req.system)
-    turns = tuple(conv.Message(m.role, _parts(m, i)) for i, m in enumerate(req.messages))
+    turns = tuple(
+        conv.Message(m.role, _parts(m, i), f"messages[{i}]", not isinstance(m.content, str))
+        for i, m in enumerate(req.messages)
+    )
     return ((system,) if system else ()) + turns
 
 

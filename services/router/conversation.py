@@ -29,6 +29,8 @@ Part = Text | Image
 class Message:
     role: str  # system, user or assistant
     parts: tuple[Part, ...]
+    param: str = ""  # where it was in the request ("messages[2]", "system"), for explanations
+    listed: bool = False  # its content came as a list of parts (else one string)
 
 
 @dataclass(frozen=True)

@@ -359,15 +359,21 @@ class Dispatcher:
             span.set_attribute("held", json.dumps(reply.counts, sort_keys=True))
         return reply.counts
 
-    async def _with_cache_plan(self, job: Job) -> Job:
-        """The prompt's block hashes, and which locations hold how many of them."""
+    def prompt_hashes(self, job: Job) -> tuple[int, list[str]]:
+        """The block size of the job's model (0 while no worker of it is known) and the
+        hashes of the prompt's full blocks."""
         bs = self.block_size(job.model)
         if not bs:
-            return job
+            return 0, []
         if job.segments:
-            hashes = self.hash_cache.hashes(job.segments, bs, job.fingerprint, job.salt)
-        else:
-            hashes = block_hashes(job.prompt_ids, bs, job.fingerprint, job.salt, images=job.images)
+            return bs, self.hash_cache.hashes(job.segments, bs, job.fingerprint, job.salt)
+        return bs, block_hashes(job.prompt_ids, bs, job.fingerprint, job.salt, images=job.images)
+
+    async def _with_cache_plan(self, job: Job) -> Job:
+        """The prompt's block hashes, and which locations hold how many of them."""
+        bs, hashes = self.prompt_hashes(job)
+        if not bs:
+            return job
         counts = await self.lookup(hashes)
         return replace(job, block_size=bs, block_hashes=hashes, cached_blocks=counts)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.router.auth import ANONYMOUS, Caller, KeyLimiter, KeyRing
+from services.router.cachemiss import CacheMisses, Prompt, Seen
 from services.router.conversation import Conversation
 from services.router.dispatch import Dispatcher, Job
 from services.router.generation import Delta, Prepared, Timing, stream_text
@@ -108,6 +109,7 @@ class Frontend:
         self.inflight = 0
         self._models: dict[str, TextModel] = {}
         self.renderer = Renderer(settings.token_cache_tokens)
+        self.misses = CacheMisses(settings.cache_explain_bytes)
         self._model_lock = asyncio.Lock()
 
     def identify(self, headers: Mapping[str, str], role: str = "user") -> Caller:
@@ -263,6 +265,12 @@ class Frontend:
             usage=Usage(prompt_tokens=len(ids)),
             timing=Timing(explain_all=kv.explain),
             encodes=encodes,
+            tenant=kv.tenant,
+            seen=(
+                Seen.of(kv.tenant, conv, [i.image_hash for i in encodes.images] if encodes else [])
+                if self.settings.cache_explain_bytes
+                else None
+            ),
         )
 
     async def _read_images(self, conv: Conversation, salt: str) -> list[ImageInput]:
@@ -284,7 +292,35 @@ class Frontend:
             images.append(await read_image(image.url, image.param, limits, max_payload, salt))
         return images
 
-    def deltas(self, p: Prepared) -> AsyncIterator[Delta]:
-        return stream_text(
+    async def deltas(self, p: Prepared) -> AsyncIterator[Delta]:
+        """The answer's deltas; before the last, why the prompt missed the cache (if it did
+        and it can be told), and the prompt is remembered for the next turn's."""
+        inner = stream_text(
             self.dispatcher, p.job, p.text.tokenizer, p.stop, p.usage, p.timing, p.encodes
         )
+        try:
+            async for delta in inner:
+                if delta.finish_reason and p.seen is not None:
+                    self._explain(p, p.seen)
+                yield delta
+        finally:
+            await inner.aclose()  # closing these deltas cancels the request on its workers
+
+    def _explain(self, p: Prepared, seen: Seen) -> None:
+        bs, hashes = self.dispatcher.prompt_hashes(p.job)
+        if not bs:
+            return
+        job = p.job
+        prompt = Prompt(
+            job.request_id, job.model, seen.parts, len(job.prompt_ids), bs, "".join(hashes)
+        )
+        p.timing.cache_miss = self.misses.explain(
+            seen.tenant,
+            prompt,
+            seen.texts,
+            p.usage.cached_tokens,
+            seen.conversation,
+            job.segments,
+            p.text.tokenizer,
+        )
+        self.misses.remember(seen.tenant, prompt, seen.texts)

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from tokenizers import Tokenizer
 
+from services.router.cachemiss import Seen
 from services.router.detokenizer import Detokenizer
 from services.router.dispatch import Dispatcher, Job
 from services.router.images import Encodes
@@ -35,6 +36,7 @@ class Timing:
     first_token_at: float = 0.0  # perf_counter when the first token came, and the last
     last_token_at: float = 0.0
     explain_all: bool = False  # else only the best EXPLAINED candidates are listed
+    cache_miss: dict | None = None  # why the prompt missed the cache (services/router/cachemiss)
 
     @property
     def engine_ms(self) -> float:
@@ -51,6 +53,7 @@ class Timing:
             "cached_tokens_by_tier": self.cached_tokens_by_tier,
             "route": self._route(),
             **({"images": self.images} if self.images else {}),
+            **({"cache_miss": self.cache_miss} if self.cache_miss else {}),
         }
 
     def _route(self) -> dict:
@@ -79,6 +82,8 @@ class Prepared:
     timing: Timing = field(default_factory=Timing)
     received_at: float = field(default_factory=time.perf_counter)
     encodes: Encodes | None = None  # the images' encode requests, in flight
+    seen: Seen | None = None  # what explains its cache misses, and is remembered after
+    tenant: str = ""  # whose request (the key's tenant, or the tenant header with auth off)
 
 
 class Writer(Protocol):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from services.router import anthropic_api, responses_api
+from services.router import anthropic_api, cachemiss, responses_api
 from services.router.conversation import Conversation
 from services.router.frontend import Frontend, KvOptions, request_id
 from services.router.generation import Delta, Prepared, Writer
@@ -26,6 +26,8 @@ from services.router.recorder import request_ids
 from shared.httperrors import error_response
 
 log = logging.getLogger(__name__)
+
+CACHE_HEADER = "x-kvmesh-cache"  # why the prompt missed the cache (a whole answer's)
 
 
 def _error_headers(err: ApiError, rid: str) -> dict[str, str]:
@@ -134,7 +136,10 @@ class HttpApi:
             await deltas.aclose()  # on a disconnect: cancels the request on its workers
         assert answer.finish_reason
         body = writer.whole(answer)
-        return web.json_response(body, headers=request_ids(p.job.request_id))
+        headers = request_ids(p.job.request_id)
+        if p.timing.cache_miss:
+            headers[CACHE_HEADER] = cachemiss.header(p.timing.cache_miss)
+        return web.json_response(body, headers=headers)
 
     async def _stream(
         self, request: web.Request, p: Prepared, writer: Writer

@@ -224,7 +224,10 @@ def conversation(body: bytes, chat: bool) -> conv.Conversation:
         if req.max_completion_tokens:
             limit, field = req.max_completion_tokens, "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        messages = tuple(conv.Message(m.role, m.parts(i)) for i, m in enumerate(req.messages))
+        messages = tuple(
+            conv.Message(m.role, m.parts(i), f"messages[{i}]", not isinstance(m.content, str))
+            for i, m in enumerate(req.messages)
+        )
         asked = _asked(req, limit, field, logprobs)
         return conv.Conversation(req.model, asked, messages, **common)
     assert isinstance(req, CompletionRequest)

@@ -41,7 +41,11 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
         (400, 401, 404, 413, 429, 503, 504),
     ),
     "/v1/models": ("The models a ready prefill and decode worker both serve", None, (401,)),
-    "/v1/stats": ("The operator's summary, overall and per traffic class", None, (401, 403)),
+    "/v1/stats": (
+        "The operator's summary, overall, per traffic class and per tenant",
+        None,
+        (401, 403),
+    ),
     "/health": ("Each role with its services; 503 while a role has none ready", None, (503,)),
     "/metrics": ("Prometheus metrics", None, ()),
     "/openapi.json": ("This document", None, ()),

@@ -116,4 +116,5 @@ class RequestRecorder:
             u.completion_tokens,
             ttft,
             generation_s,
+            p.tenant,
         )

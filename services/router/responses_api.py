@@ -109,9 +109,9 @@ def conversation(body: bytes) -> conv.Conversation:
     refuse_unserved(req, NOT_SERVED)
     messages: list[conv.Message] = []
     if req.instructions:
-        messages.append(conv.Message("system", (conv.Text(req.instructions),)))
+        messages.append(conv.Message("system", (conv.Text(req.instructions),), "instructions"))
     if isinstance(req.input, str):
-        messages.append(conv.Message("user", (conv.Text(req.input),)))
+        messages.append(conv.Message("user", (conv.Text(req.input),), "input"))
     else:
         messages += [_message(item, i) for i, item in enumerate(req.input)]
     asked = conv.Asked(
@@ -126,14 +126,14 @@ def conversation(body: bytes) -> conv.Conversation:
 def _message(item: Item, i: int) -> conv.Message:
     role = "system" if item.role == "developer" else item.role
     if isinstance(item.content, str):
-        return conv.Message(role, (conv.Text(item.content),))
+        return conv.Message(role, (conv.Text(item.content),), f"input[{i}]")
     parts: list[conv.Part] = []
     for j, part in enumerate(item.content):
         if isinstance(part, InputText):
             parts.append(conv.Text(part.text))
         else:
             parts.append(conv.Image(part.image_url, f"input[{i}].content[{j}].image_url"))
-    return conv.Message(role, tuple(parts))
+    return conv.Message(role, tuple(parts), f"input[{i}]", True)
 
 
 # -- the answer ------------------------------------------------------------------------------

@@ -92,6 +92,13 @@ class RouterSettings(ServiceSettings):
     stats_share_s: float = Field(
         default=5.0, gt=0, description="how often this router shares its statistics' minutes"
     )
+    cache_explain_bytes: int = Field(
+        default=64 * 2**20,
+        ge=0,
+        description="memory for explaining cache misses: each tenant's recent conversations "
+        "(their parts' digests and texts, their blocks' hashes), the least recent dropped "
+        "first; 0 turns explanations off",
+    )
     stream_ping_s: float = Field(
         default=5.0,
         gt=0,

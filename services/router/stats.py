@@ -1,6 +1,8 @@
 """The operator's figures, as DeepInfer publishes them: over a rolling 24 hours, tokens per
 day, input tokens per request, mean TTFT, generation speed per request, input cache hit ratio,
-and requests and tokens per worker-hour; overall and per traffic class. Pure: requests, worker
+and requests and tokens per worker-hour; overall and per traffic class; and each tenant's
+requests, input tokens and cache hit ratio (the TENANTS_PER_MINUTE busiest in a router's
+minute by name, the rest together as OTHER_TENANTS, so memory stays fixed). Pure: requests, worker
 counts and other routers' minutes in, figures out.
 
 Kept in one-minute buckets (1,440 a day per router), so memory is fixed and old minutes drop
@@ -61,6 +63,34 @@ class Totals(BaseModel):
         }
 
 
+class TenantTotals(BaseModel):
+    """One tenant's sums over some minutes."""
+
+    requests: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, other: TenantTotals) -> None:
+        self.requests += other.requests
+        self.input_tokens += other.input_tokens
+        self.cached_tokens += other.cached_tokens
+
+    def figures(self) -> dict:
+        n = self.input_tokens
+        return {
+            "requests": self.requests,
+            "input_tokens": n,
+            "cached_tokens": self.cached_tokens,
+            "input_cache_hit_ratio": round(self.cached_tokens / n, 6) if n else None,
+        }
+
+
+TENANTS_PER_MINUTE = 64
+TENANTS_REPORTED = 100
+OTHER_TENANTS = "(other)"  # tenants past a minute's first TENANTS_PER_MINUTE, together
+NO_TENANT = "(none)"  # requests with no tenant (auth off and no tenant header)
+
+
 class StatsMinute(Message):
     """One router's minute, as it shares it (subject: subjects.stats(router_id, minute))."""
 
@@ -69,6 +99,7 @@ class StatsMinute(Message):
     minute: int  # unix time // 60
     worker_s: float = 0.0  # prefill and decode workers live × seconds, as that router saw
     by_class: dict[str, Totals] = Field(default_factory=dict)
+    by_tenant: dict[str, TenantTotals] = Field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +107,13 @@ class _Minute:
     started_at: float
     worker_s: float = 0.0
     by_class: dict[str, Totals] = field(default_factory=dict)
+    by_tenant: dict[str, TenantTotals] = field(default_factory=dict)
+
+    def tenant(self, name: str) -> TenantTotals:
+        name = name or NO_TENANT
+        if name not in self.by_tenant and len(self.by_tenant) >= TENANTS_PER_MINUTE:
+            name = OTHER_TENANTS
+        return self.by_tenant.setdefault(name, TenantTotals())
 
 
 class RollingStats:
@@ -110,10 +148,16 @@ class RollingStats:
         output_tokens: int,
         ttft_s: float,
         generation_s: float,
+        tenant: str = "",
     ) -> None:
         """A request that was answered: its tokens, its TTFT, and the time from its first
         token to its last (its generation speed is output_tokens - 1 over that)."""
-        t = self._mine(now).by_class.setdefault(traffic_class, Totals())
+        minute = self._mine(now)
+        mine = minute.tenant(tenant)
+        mine.requests += 1
+        mine.input_tokens += input_tokens
+        mine.cached_tokens += cached_tokens
+        t = minute.by_class.setdefault(traffic_class, Totals())
         t.requests += 1
         t.input_tokens += input_tokens
         t.cached_tokens += cached_tokens
@@ -144,6 +188,7 @@ class RollingStats:
                         minute=minute,
                         worker_s=m.worker_s,
                         by_class={k: t.model_copy() for k, t in m.by_class.items()},
+                        by_tenant={k: t.model_copy() for k, t in m.by_tenant.items()},
                     )
                 )
         self._changed.clear()
@@ -159,7 +204,9 @@ class RollingStats:
         start: afterwards they are the echoes of what it shares)."""
         key = (shared.router_id, shared.minute)
         if shared.router_id != self.router_id:
-            self._minutes[key] = _Minute(shared.started_at, shared.worker_s, shared.by_class)
+            self._minutes[key] = _Minute(
+                shared.started_at, shared.worker_s, shared.by_class, shared.by_tenant
+            )
             return
         if not replaying:
             return
@@ -168,6 +215,8 @@ class RollingStats:
         m.worker_s = max(m.worker_s, shared.worker_s)  # this minute before and after: both
         for name, t in shared.by_class.items():
             m.by_class.setdefault(name, Totals()).add(t)
+        for name, tt in shared.by_tenant.items():
+            m.tenant(name).add(tt)
         self._changed.add(shared.minute)
 
     # -- the report ----------------------------------------------------------------------
@@ -177,12 +226,15 @@ class RollingStats:
         started = min([self.started_at, *(m.started_at for m in self._minutes.values())])
         window_s = min(DAY_S, max(now - started, 1e-9))
         worker_s: dict[int, float] = {}
-        overall, by_class = Totals(), {}
+        overall, by_class, by_tenant = Totals(), {}, {}
         for (_, minute), m in self._minutes.items():
             worker_s[minute] = max(worker_s.get(minute, 0.0), m.worker_s)
             for name, t in m.by_class.items():
                 overall.add(t)
                 by_class.setdefault(name, Totals()).add(t)
+            for name, tt in m.by_tenant.items():
+                by_tenant.setdefault(name, TenantTotals()).add(tt)
+        busiest = sorted(by_tenant.items(), key=lambda kv: (-kv[1].input_tokens, kv[0]))
         worker_hours = sum(worker_s.values()) / 3600
         return {
             "window_s": round(window_s, 3),
@@ -193,4 +245,6 @@ class RollingStats:
             "by_class": {
                 name: t.figures(window_s, worker_hours) for name, t in sorted(by_class.items())
             },
+            # The busiest tenants by input tokens, most first.
+            "by_tenant": {name: t.figures() for name, t in busiest[:TENANTS_REPORTED]},
         }

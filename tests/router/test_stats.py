@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.stats import DAY_S, RollingStats
+from services.router.stats import DAY_S, TENANTS_PER_MINUTE, RollingStats
 
 T0 = 1_800_000_000.0
 
@@ -78,3 +78,22 @@ def test_a_restarted_router_finds_its_earlier_minutes() -> None:
     assert shared.by_class["chat"].requests == 3 and shared.by_class["chat"].cached_tokens == 140
     after.merge(shared, replaying=False)  # its own echo, once caught up: ignored
     assert after.report(T0 + 50)["overall"]["requests"] == 3
+
+
+def test_each_tenant_has_its_hit_ratio_across_routers_and_a_bounded_count() -> None:
+    a, b = RollingStats("a", T0), RollingStats("b", T0)
+    a.record(T0 + 10, "chat", 1000, 900, 5, 0.1, 0.0, tenant="acme")
+    b.record(T0 + 20, "agent", 3000, 1500, 5, 0.1, 0.0, tenant="acme")
+    b.record(T0 + 30, "chat", 500, 0, 5, 0.1, 0.0, tenant="")
+    for m in a.to_share():
+        b.merge(m, replaying=False)
+    tenants = b.report(T0 + 60)["by_tenant"]
+    assert list(tenants) == ["acme", "(none)"]  # busiest first
+    assert tenants["acme"]["requests"] == 2
+    assert tenants["acme"]["input_cache_hit_ratio"] == pytest.approx(2400 / 4000)
+    assert tenants["(none)"]["input_cache_hit_ratio"] == 0
+    many = RollingStats("c", T0)
+    for i in range(TENANTS_PER_MINUTE + 10):  # one minute: the first 64 by name, then "other"
+        many.record(T0 + 1, "chat", 100, 50, 1, 0.1, 0.0, tenant=f"t{i}")
+    report = many.report(T0 + 60)["by_tenant"]
+    assert len(report) == TENANTS_PER_MINUTE + 1 and report["(other)"]["requests"] == 10
