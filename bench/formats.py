@@ -92,33 +92,41 @@ def p50_us(samples: list[float]) -> float:
 
 def conversion(reps: int) -> tuple[dict, float, int]:
     """Per format: p50 µs of adapter + renderer, cold and warm; the explanation's p50 µs; the
-    conversation's tokens."""
+    conversation's tokens. One event loop throughout, as in the router (a long prompt is
+    tokenized on the loop's thread pool)."""
     model = load_text_model("tiny", Path(tempfile.mkdtemp(prefix="kvmesh-formats-")))
     system, turns = agent_conversation(model, TARGET_TOKENS)
+    out, tokens = asyncio.run(_conversion(model, system, turns, reps))
+    return out, explanation_cost(model, system, turns, reps), tokens
+
+
+async def _conversion(
+    model: TextModel, system: str, turns: list, reps: int
+) -> tuple[dict[str, dict[str, float]], int]:
     out: dict[str, dict[str, float]] = {}
     tokens = 0
     for fmt in FORMATS:
         raw = json.dumps(body(fmt, system, turns)).encode()
-        cold, warm = [], []
         warm_renderer = Renderer(8_000_000)
         warm_renderer.add("tiny", model)
-        for i in range(reps):
-            fresh = Renderer(8_000_000)
-            fresh.add("tiny", model)
-            for renderer, samples in ((fresh, cold), (warm_renderer, warm)):
-                if samples is cold and i >= max(3, reps // 5):
-                    continue  # a cold render takes a while: fewer of them
+        cold, warm = [], []
+        for i in range(reps + 1):
+            renderers = [(warm_renderer, warm)]
+            if i < max(3, reps // 5):  # a cold render takes a while: fewer of them
+                fresh = Renderer(8_000_000)
+                fresh.add("tiny", model)
+                renderers.append((fresh, cold))
+            for renderer, samples in renderers:
                 started = time.perf_counter()
                 conv = ADAPTERS[fmt](raw)
-                rendered = asyncio.run(renderer.render(conv, model, []))
+                rendered = await renderer.render(conv, model, [])
                 took = time.perf_counter() - started
-                if renderer is warm_renderer and i == 0:
-                    continue  # the first warm pass fills its cache
-                samples.append(took)
+                if not (renderer is warm_renderer and i == 0):  # that one fills its cache
+                    samples.append(took)
             tokens = len(rendered.ids)
         out[fmt] = {"cold": p50_us(cold), "warm": p50_us(warm)}
         say(f"{fmt}: {tokens} tokens, cold {out[fmt]['cold']} µs, warm {out[fmt]['warm']} µs")
-    return out, explanation_cost(model, system, turns, reps), tokens
+    return out, tokens
 
 
 def explanation_cost(model: TextModel, system: str, turns: list, reps: int) -> float:
