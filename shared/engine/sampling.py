@@ -37,6 +37,8 @@ class SamplingParams:
     # Log-probabilities with each token: None for none, else the chosen token's and this
     # many of the most likely ones (0 to MAX_TOP_LOGPROBS).
     logprobs: int | None = None
+    # What the answer must match (shared/model/grammar.py: llguidance's grammar text), or None.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         checks = [

@@ -32,6 +32,7 @@ class Sampling(Message):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    grammar: str | None = Field(default=None, description="what the answer must match")
 
     def params(self) -> SamplingParams:
         return SamplingParams(
@@ -47,6 +48,7 @@ class Sampling(Message):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=self.logprobs,
+            grammar=self.grammar,
         )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
+from llguidance import LLTokenizer
 
 from shared.engine import kvformat
 from shared.engine.interface import (
@@ -29,6 +30,7 @@ from shared.engine.torch.loader import LoadedModel, load_model
 from shared.engine.torch.model import KVCache, Segment, Transformer
 from shared.engine.torch.sampler import logprobs_of, sample
 from shared.engine.torch.sequence import Sequence
+from shared.model.grammar import GrammarError, Matcher, vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class TorchEngine(Engine):
         self.seqs: dict[str, Sequence] = {}
         self.running: list[str] = []
         self.kv = KvIO(model.config, self.pool, self.cache, options.dtype)
+        self._vocab: LLTokenizer | None = None  # for grammars, built on the first one
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -190,11 +193,12 @@ class TorchEngine(Engine):
         self._check_fits(req.seq_id, n, params)
         n_cached = prefix.n_tokens if prefix else 0
         assert n_cached < n, "a prefix must leave at least one token to compute"
+        matcher = self._matcher(req.token_ids, params)  # (a bad grammar takes no blocks)
         # A handed-off sequence needs KV for its prompt only: the answer is decoded elsewhere.
         new_blocks = self.pool.allocate(self._blocks_needed(n, params, prefix, not req.handoff))
         if prefix:
             self.pool.share(list(prefix.block_ids))
-        seq = Sequence(req.seq_id, list(req.token_ids), params)
+        seq = Sequence(req.seq_id, list(req.token_ids), params, matcher=matcher)
         seq.block_table = [*(prefix.block_ids if prefix else ()), *new_blocks]
         seq.n_cached = n_cached
         self.seqs[req.seq_id] = seq
@@ -209,7 +213,8 @@ class TorchEngine(Engine):
 
     def reserve(self, seq_id: str, token_ids: list[int], params: SamplingParams) -> None:
         self._check_fits(seq_id, len(token_ids), params)
-        seq = Sequence(seq_id, list(token_ids), params)
+        matcher = self._matcher(token_ids, params)
+        seq = Sequence(seq_id, list(token_ids), params, matcher=matcher)
         seq.block_table = self.pool.allocate(self._blocks_needed(len(token_ids), params, None))
         self.seqs[seq_id] = seq
 
@@ -225,6 +230,8 @@ class TorchEngine(Engine):
         self.kv.write_cells(f, header, data_start, seq.block_table)
         seq.n_cached = header.n_tokens
         seq.output_ids.append(first_token)
+        if seq.matcher is not None and first_token not in self.config.eos_ids:
+            seq.matcher.take([first_token])  # prefill's matcher took it; this one follows
         self.running.append(seq_id)
 
     def step(self) -> list[StepOutput]:
@@ -252,7 +259,10 @@ class TorchEngine(Engine):
         if p.penalized:  # the whole answer: a resumed one's earlier tokens end its prompt
             earlier = seq.prompt_ids[len(seq.prompt_ids) - p.answer_offset :]
             answer = earlier + seq.output_ids
-        token = sample(logits, p, p.answer_offset + len(seq.output_ids), answer)
+        allowed = logits if seq.matcher is None else self._constrained(logits, seq.matcher)
+        token = sample(allowed, p, p.answer_offset + len(seq.output_ids), answer)
+        if seq.matcher is not None and token not in self.config.eos_ids:
+            seq.matcher.take([token])  # (an end-of-answer token ends it: nothing to take)
         logprobs = None if p.logprobs is None else logprobs_of(logits, token, p.logprobs)
         seq.output_ids.append(token)
         if (token in self.config.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
@@ -262,6 +272,27 @@ class TorchEngine(Engine):
         elif len(seq.output_ids) >= p.max_tokens or seq.n_tokens >= self.config.max_context:
             seq.finish_reason = "length"
         return StepOutput(seq.seq_id, token, seq.finish_reason, seq.stop_string, logprobs)
+
+    def _matcher(self, token_ids: list[int], params: SamplingParams) -> Matcher | None:
+        """A constrained sequence's matcher, past the answer tokens its prompt ends with (a
+        request resumed here after a failure)."""
+        if params.grammar is None:
+            return None
+        if self._vocab is None:
+            self._vocab = vocabulary(self.tokenizer, tuple(self.config.eos_ids))
+        earlier = list(token_ids[len(token_ids) - params.answer_offset :])
+        try:
+            return Matcher(params.grammar, self._vocab, earlier if params.answer_offset else [])
+        except GrammarError as err:
+            raise ValueError(f"grammar: {err}") from None
+
+    @staticmethod
+    def _constrained(logits: torch.Tensor, matcher: Matcher) -> torch.Tensor:
+        """The logits with every token the grammar does not allow next at -inf."""
+        allowed = torch.zeros(logits.numel(), dtype=torch.bool)
+        mask = torch.from_numpy(matcher.allowed())
+        allowed[: mask.numel()] = mask[: logits.numel()]
+        return logits.masked_fill(~allowed, float("-inf"))
 
     def _stop_string(self, seq: Sequence) -> str | None:
         """A stop string that the text ends with now (it may span several tokens)."""

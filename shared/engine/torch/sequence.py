@@ -8,6 +8,7 @@ import torch
 
 from shared.engine.interface import FinishReason
 from shared.engine.sampling import SamplingParams
+from shared.model.grammar import Matcher
 
 
 @dataclass
@@ -21,6 +22,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_string: str | None = None
     last_logits: torch.Tensor | None = None  # of the prompt's last token, [V] fp32
+    matcher: Matcher | None = None  # where the answer is in its grammar, when it has one
 
     @property
     def tokens(self) -> list[int]:
