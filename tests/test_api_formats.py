@@ -11,6 +11,7 @@ import urllib.request
 import uuid
 
 import anthropic
+import jsonschema
 import pytest
 
 from tests.images import data_url, png
@@ -316,7 +317,12 @@ def test_logit_bias_and_penalties_reach_the_engine(stack: Stack) -> None:
     [
         ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
         ("tool_choice", "auto", "tool_choice"),
-        ("response_format", {"type": "json_object"}, "response_format"),
+        ("response_format", {"type": "json_schema"}, "response_format.json_schema"),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+            "response_format.json_schema.schema",
+        ),
         ("top_logprobs", 2, "top_logprobs"),  # without logprobs: true
         ("top_logprobs", 21, "top_logprobs"),
         ("logit_bias", {"999999": 5}, "logit_bias"),
@@ -517,3 +523,55 @@ def test_a_replaced_image_is_named_and_a_kept_history_says_nothing(stack: Stack)
     assert explained["field"] == "messages[1].content[1]"
     # Another tenant's conversation with the same words is not this one's to explain.
     assert turn(stack, edited(before, 2, 40), f"{tenant}-other") == (None, None)
+
+
+# -- answers constrained to JSON ------------------------------------------------------------
+
+BERTH = {
+    "type": "object",
+    "properties": {
+        "berth": {"enum": [1, 2, 3]},
+        "pilot": {"type": "boolean"},
+    },
+    "required": ["berth", "pilot"],
+    "additionalProperties": False,
+}
+
+
+def test_a_json_schema_answer_matches_whole_and_streamed(stack: Stack) -> None:
+    """The tiny model's weights are random: only the grammar makes its answer JSON."""
+    oai = stack.client()
+    ask = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Which berth, and is a pilot needed?"}],
+        "max_tokens": 40,
+        "temperature": 1.0,
+        "seed": 5,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "berth", "schema": BERTH, "strict": True},
+        },
+    }
+    whole = oai.chat.completions.create(**ask)
+    assert whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.choices[0].message.content), BERTH)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in oai.chat.completions.create(**ask, stream=True)
+        if c.choices
+    )
+    assert streamed == whole.choices[0].message.content
+    free = oai.chat.completions.create(**{**ask, "response_format": {"type": "text"}})
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)  # the same request, unconstrained
+
+
+def test_responses_text_format_json_schema(stack: Stack) -> None:
+    out = stack.client().responses.create(
+        model="tiny",
+        input="Which berth?",
+        max_output_tokens=40,
+        temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "berth", "schema": BERTH}},
+    )
+    jsonschema.validate(json.loads(out.output_text), BERTH)

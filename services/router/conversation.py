@@ -34,6 +34,14 @@ class Message:
 
 
 @dataclass(frozen=True)
+class JsonAnswer:
+    """The answer must be JSON: any object (``schema`` None) or a value of ``schema``."""
+
+    schema: dict | None
+    param: str  # the field that asked, named in errors ("response_format", "text.format")
+
+
+@dataclass(frozen=True)
 class Asked:
     """The sampling a request asked for, before the server's defaults and limits."""
 
@@ -48,6 +56,7 @@ class Asked:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; else the chosen token's and this many top ones
+    json: JsonAnswer | None = None  # constrained to JSON (response_format, text.format)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ OpenAI-shaped dicts out. The HTTP and gRPC handlers only move bytes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -75,9 +75,29 @@ class StreamOptions(_Body):
     include_obfuscation: Literal[False] = False
 
 
+class JsonSchema(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JsonSchema | None = None
+
+    def answer(self) -> conv.JsonAnswer | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return conv.JsonAnswer(None, "response_format")
+        if self.json_schema is None:
+            raise ApiError(
+                400,
+                "response_format.json_schema: required with type json_schema",
+                param="response_format.json_schema",
+            )
+        return conv.JsonAnswer(self.json_schema.schema_, "response_format.json_schema.schema")
 
 
 # Fields the formats define that this server does not serve yet: a 400 naming them.
@@ -215,9 +235,6 @@ def conversation(body: bytes, chat: bool) -> conv.Conversation:
     }
     if isinstance(req, ChatRequest):
         refuse_unserved(req, NOT_SERVED_CHAT)
-        if req.response_format is not None and req.response_format.type != "text":
-            why = f"{req.response_format.type} is {NOT_YET}"
-            raise ApiError(400, f"response_format: {why}", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
         limit, field = req.max_tokens, "max_tokens"
@@ -229,6 +246,8 @@ def conversation(body: bytes, chat: bool) -> conv.Conversation:
             for i, m in enumerate(req.messages)
         )
         asked = _asked(req, limit, field, logprobs)
+        if req.response_format is not None:
+            asked = replace(asked, json=req.response_format.answer())
         return conv.Conversation(req.model, asked, messages, **common)
     assert isinstance(req, CompletionRequest)
     refuse_unserved(req, NOT_SERVED_COMPLETIONS)

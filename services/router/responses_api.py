@@ -48,7 +48,21 @@ class Item(_Body):
 
 
 class TextFormat(_Body):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    schema_: dict | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    def answer(self) -> conv.JsonAnswer | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return conv.JsonAnswer(None, "text.format")
+        if self.schema_ is None or self.name is None:
+            field = "text.format.schema" if self.schema_ is None else "text.format.name"
+            raise ApiError(400, f"{field}: required with type json_schema", param=field)
+        return conv.JsonAnswer(self.schema_, "text.format.schema")
 
 
 class TextOptions(_Body):
@@ -119,6 +133,7 @@ def conversation(body: bytes) -> conv.Conversation:
         max_field="max_output_tokens",
         temperature=req.temperature,
         top_p=req.top_p,
+        json=req.text.format.answer() if req.text and req.text.format else None,
     )
     return conv.Conversation(req.model, asked, tuple(messages), stream=req.stream)
 
