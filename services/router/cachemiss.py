@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import xxhash
 from tokenizers import Tokenizer
 
-from services.router.conversation import Conversation, Image, Text
+from services.router.conversation import Conversation, Image, Text, ToolCall, ToolResult
+from services.router.render import call_text, result_text
 from services.router.tokens import Segments
 
 KINDS = (
@@ -122,11 +123,19 @@ class Seen:
                     k += 1
                     texts.append("")
                 else:
-                    assert isinstance(p, Text)
-                    content, image = p.text, False
-                    texts.append(p.text)
+                    content, image = part_text(p), False
+                    texts.append(content)
                 parts.append(Part(i, j, m.role, image, _digest(m.role, content)))
         return cls(tenant, conv, tuple(parts), texts)
+
+
+def part_text(part: Text | ToolCall | ToolResult) -> str:
+    """A text part's text; a tool call or result as the prompt renders it."""
+    if isinstance(part, ToolCall):
+        return call_text(part)
+    if isinstance(part, ToolResult):
+        return result_text(part)
+    return part.text
 
 
 def _digest(role: str, content: str) -> bytes:
@@ -349,13 +358,13 @@ def locate(conv: Conversation, segments: Segments, tokenizer: Tokenizer, positio
                     return {"message": i, "part": j, "char": 0}
                 k += 1
                 continue
-            assert isinstance(p, Text)
-            at = rendered.find(p.text, cursor)
+            text = part_text(p)
+            at = rendered.find(text, cursor)
             if at < 0:
                 continue
-            if target_char is not None and target_char < at + max(1, len(p.text)):
+            if target_char is not None and target_char < at + max(1, len(text)):
                 return {"message": i, "part": j, "char": max(0, target_char - at)}
-            cursor = at + len(p.text)
+            cursor = at + len(text)
     return {"message": None, "part": None, "char": None}  # past every part: the template's end
 
 

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.router.auth import ANONYMOUS, Caller, KeyLimiter, KeyRing
 from services.router.cachemiss import CacheMisses, Prompt, Seen
-from services.router.conversation import Conversation
+from services.router.conversation import Conversation, ToolError
 from services.router.dispatch import Dispatcher, Job
 from services.router.generation import Delta, Prepared, Timing, stream_text
 from services.router.images import (
@@ -40,9 +41,17 @@ from services.router.recorder import RequestRecorder
 from services.router.render import Renderer
 from services.router.settings import RouterSettings
 from services.router.stats import RollingStats
+from services.router.toolcalls import CallParser
 from shared.messages.generate import Sampling
 from shared.messages.kvevents import RETENTIONS
-from shared.model.grammar import ANY_OBJECT, GrammarError, check, json_grammar, vocabulary
+from shared.model.grammar import (
+    ANY_OBJECT,
+    GrammarError,
+    check,
+    json_grammar,
+    tool_call_grammar,
+    vocabulary,
+)
 from shared.model.text import MODEL_NAMES, TextModel, load_text_model
 from shared.security.salt import SALT_SECRET, tenant_salt
 from shared.security.secret import load_or_create
@@ -82,18 +91,44 @@ class KvOptions:
         return cls(retention, tenant, headers.get(EXPLAIN_HEADER, "") == "all")
 
 
+_CHECKED_SCHEMAS: set[str] = set()  # tool schemas the library compiled (agents resend them)
+
+
+def check_tools(conv: Conversation) -> None:
+    try:
+        conv.check_tools()
+    except ToolError as err:
+        raise ApiError(400, str(err), param=err.param) from None
+
+
 def answer_grammar(conv: Conversation, text: TextModel) -> str | None:
-    """The grammar the answer must match, checked against the model's vocabulary (400 naming
-    the field that asked when the library cannot use the schema); None for a free answer."""
+    """The grammar the answer must match (a forced tool call, or JSON), checked against the
+    model's vocabulary: a 400 naming the field whose schema the library cannot use. None for
+    a free answer."""
+    vocab = vocabulary(text.tokenizer, tuple(text.config.eos_ids))
+    for tool in conv.tools:  # every tool's schema, forced or not: a bad one is the client's
+        key = json.dumps(tool.parameters, sort_keys=True)
+        if key not in _CHECKED_SCHEMAS:
+            _checked(lambda t=tool: json_grammar(t.parameters), vocab, tool.param)
+            if len(_CHECKED_SCHEMAS) >= 4096:
+                _CHECKED_SCHEMAS.clear()
+            _CHECKED_SCHEMAS.add(key)
+    forced = conv.forced_tools
+    if forced:
+        return tool_call_grammar([(t.name, t.parameters) for t in forced])
     wanted = conv.asked.json
     if wanted is None:
         return None
+    schema = wanted.schema if wanted.schema is not None else ANY_OBJECT
+    return _checked(lambda: json_grammar(schema), vocab, wanted.param)
+
+
+def _checked(make, vocab, param: str) -> str:  # noqa: ANN001 (a grammar maker, a vocabulary)
     try:
-        grammar = json_grammar(wanted.schema if wanted.schema is not None else ANY_OBJECT)
-        check(grammar, vocabulary(text.tokenizer, tuple(text.config.eos_ids)))
+        grammar = make()
+        check(grammar, vocab)
     except GrammarError as err:
-        why = f"{wanted.param}: this schema cannot be used: {err}"
-        raise ApiError(400, why, param=wanted.param) from None
+        raise ApiError(400, f"{param}: this schema cannot be used: {err}", param=param) from None
     return grammar
 
 
@@ -182,6 +217,7 @@ class Frontend:
             raise ApiError(
                 404, f"model {conv.model!r} does not exist", param="model", code="model_not_found"
             )
+        check_tools(conv)
         self.dispatcher.check_servable(conv.model)
         salt = tenant_salt(self.salt_secret, kv.tenant)
         images = await self._read_images(conv, salt)
@@ -205,6 +241,7 @@ class Frontend:
             raise ApiError(
                 404, f"model {conv.model!r} does not exist", param="model", code="model_not_found"
             )
+        check_tools(conv)
         images = await self._read_images(conv, tenant_salt(self.salt_secret, kv.tenant))
         text = await self.text_model(conv.model)
         return len((await self.renderer.render(conv, text, images)).ids)
@@ -287,6 +324,7 @@ class Frontend:
             timing=Timing(explain_all=kv.explain),
             encodes=encodes,
             tenant=kv.tenant,
+            conversation=conv,
             seen=(
                 Seen.of(kv.tenant, conv, [i.image_hash for i in encodes.images] if encodes else [])
                 if self.settings.cache_explain_bytes
@@ -319,8 +357,20 @@ class Frontend:
         inner = stream_text(
             self.dispatcher, p.job, p.text.tokenizer, p.stop, p.usage, p.timing, p.encodes
         )
+        conv = p.conversation
+        calls = None
+        if conv is not None and conv.calls_tools:  # forced calls stream as they come
+            calls = CallParser(streamed=bool(conv.forced_tools))
         try:
             async for delta in inner:
+                if calls is not None:
+                    text, events = calls.feed(delta.text)
+                    if delta.finish_reason:
+                        rest, more = calls.finish()
+                        text, events = text + rest, events + more
+                    if not (text or events or delta.finish_reason):
+                        continue
+                    delta = replace(delta, text=text, calls=events)
                 if delta.finish_reason and p.seen is not None:
                     self._explain(p, p.seen)
                 yield delta

@@ -11,10 +11,12 @@ from typing import Protocol
 from tokenizers import Tokenizer
 
 from services.router.cachemiss import Seen
+from services.router.conversation import Conversation
 from services.router.detokenizer import Detokenizer
 from services.router.dispatch import Dispatcher, Job
 from services.router.images import Encodes
 from services.router.openai_api import ApiError, Shape, Usage
+from services.router.toolcalls import CallEvent
 from shared.messages.generate import Logprobs
 from shared.model.text import TextModel
 
@@ -84,6 +86,7 @@ class Prepared:
     encodes: Encodes | None = None  # the images' encode requests, in flight
     seen: Seen | None = None  # what explains its cache misses, and is remembered after
     tenant: str = ""  # whose request (the key's tenant, or the tenant header with auth off)
+    conversation: Conversation | None = None
 
 
 class Writer(Protocol):
@@ -114,6 +117,7 @@ class Delta:
     stop_sequence: str | None = None  # on the last, when a stop string ended the answer
     # When asked for: (token id, its log-probabilities) of the tokens this text came from.
     logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
+    calls: list[CallEvent] = field(default_factory=list)  # tool calls' pieces (toolcalls.py)
 
     @classmethod
     def joined(cls, deltas: list[Delta]) -> Delta:
@@ -124,6 +128,7 @@ class Delta:
             last.finish_reason,
             last.stop_sequence,
             [lp for d in deltas for lp in d.logprobs],
+            [c for d in deltas for c in d.calls],
         )
 
 

@@ -166,7 +166,7 @@ class HttpApi:
                 resp = await self._open(request, p, writer.start())
             out: list[bytes] = []
             while True:
-                if delta.text:
+                if delta.text or delta.calls:
                     out += writer.text(delta)
                 if delta.finish_reason:
                     out += writer.end(delta)

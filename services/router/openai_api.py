@@ -54,20 +54,90 @@ class ImagePart(_Body):
     image_url: ImageUrl
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+class FunctionCall(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
 
-    def parts(self, i: int) -> tuple[conv.Part, ...]:
-        """The content as the conversation's parts (message ``i``, for errors' names)."""
+
+class ToolCallIn(_Body):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+
+    def message(self, i: int) -> conv.Message:
+        """As the conversation's message (``i``: its place, for errors' names)."""
+        where = f"messages[{i}]"
+        role = "system" if self.role == "developer" else self.role
+        listed = isinstance(self.content, list)
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise ApiError(
+                    400,
+                    f"{where}.tool_call_id: required in a tool message",
+                    param=f"{where}.tool_call_id",
+                )
+            text = (
+                self.content
+                if isinstance(self.content, str)
+                else "".join(p.text for p in self.content or () if isinstance(p, TextPart))
+            )
+            result = conv.ToolResult(self.tool_call_id, text, f"{where}.tool_call_id")
+            return conv.Message("tool", (result,), where, listed)
+        if self.tool_calls and self.role != "assistant":
+            raise ApiError(
+                400, f"{where}.tool_calls: only in assistant messages", param=f"{where}.tool_calls"
+            )
+        parts: list[conv.Part] = []
         if isinstance(self.content, str):
-            return (conv.Text(self.content),)
-        return tuple(
-            conv.Text(p.text)
-            if isinstance(p, TextPart)
-            else conv.Image(p.image_url.url, f"messages[{i}].content[{j}].image_url")
-            for j, p in enumerate(self.content)
-        )
+            parts.append(conv.Text(self.content))
+        for j, p in enumerate(self.content if isinstance(self.content, list) else ()):
+            if isinstance(p, TextPart):
+                parts.append(conv.Text(p.text))
+            else:
+                parts.append(conv.Image(p.image_url.url, f"{where}.content[{j}].image_url"))
+        for j, c in enumerate(self.tool_calls or ()):
+            param = f"{where}.tool_calls[{j}].function.arguments"
+            args = conv.arguments_object(c.function.arguments, param)
+            parts.append(conv.ToolCall(c.id, c.function.name, args))
+        return conv.Message(role, tuple(parts), where, listed)
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+def tool_choice(choice: str | None, named: str | None) -> conv.ToolChoice:
+    """OpenAI's tool_choice (``named``: the function a named choice names)."""
+    if named is not None:
+        return conv.ToolChoice("named", named)
+    return conv.ToolChoice(choice or "auto")
+
+
+NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 class StreamOptions(_Body):
@@ -103,11 +173,8 @@ class ResponseFormat(_Body):
 # Fields the formats define that this server does not serve yet: a 400 naming them.
 NOT_YET = "not served yet (tool calls and structured outputs arrive in a later release)"
 NOT_SERVED_CHAT = {
-    "tools": NOT_YET,
-    "tool_choice": NOT_YET,
-    "parallel_tool_calls": NOT_YET,
-    "functions": NOT_YET,
-    "function_call": NOT_YET,
+    "functions": "deprecated by OpenAI: use tools",
+    "function_call": "deprecated by OpenAI: use tool_choice",
     "audio": "audio output is not served (the models answer in text)",
     "prediction": "predicted outputs are not served",
     "web_search_options": "web search is not served",
@@ -179,9 +246,9 @@ class ChatRequest(_Sampling):
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     safety_identifier: str | None = Field(default=None, max_length=256)
-    tools: object = None
-    tool_choice: object = None
-    parallel_tool_calls: object = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # a forced choice makes one call; auto, any
     functions: object = None
     function_call: object = None
     audio: object = None
@@ -241,14 +308,25 @@ def conversation(body: bytes, chat: bool) -> conv.Conversation:
         if req.max_completion_tokens:
             limit, field = req.max_completion_tokens, "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        messages = tuple(
-            conv.Message(m.role, m.parts(i), f"messages[{i}]", not isinstance(m.content, str))
-            for i, m in enumerate(req.messages)
-        )
+        messages = tuple(m.message(i) for i, m in enumerate(req.messages))
         asked = _asked(req, limit, field, logprobs)
         if req.response_format is not None:
             asked = replace(asked, json=req.response_format.answer())
-        return conv.Conversation(req.model, asked, messages, **common)
+        tools = tuple(
+            conv.Tool(
+                t.function.name,
+                t.function.description or "",
+                t.function.parameters if t.function.parameters is not None else NO_PARAMETERS,
+                f"tools[{i}].function.parameters",
+            )
+            for i, t in enumerate(req.tools or ())
+        )
+        choice = req.tool_choice
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        picked = tool_choice(choice if isinstance(choice, str) else None, named)
+        return conv.Conversation(
+            req.model, asked, messages, tools=tools, tool_choice=picked, **common
+        )
     assert isinstance(req, CompletionRequest)
     refuse_unserved(req, NOT_SERVED_COMPLETIONS)
     prompt: str | tuple[int, ...]
@@ -320,25 +398,41 @@ class Shape:
         }
 
     def _choice(
-        self, text: str | None, finish: str | None, chunk: bool, first: bool, logprobs: dict | None
+        self,
+        text: str | None,
+        finish: str | None,
+        chunk: bool,
+        first: bool,
+        logprobs: dict | None,
+        tool_calls: list[dict] | None = None,
     ) -> dict:
         end = {"logprobs": logprobs, "finish_reason": finish}
         if not self.chat:
             return {"index": 0, "text": text or "", **end}
         if chunk:
-            delta = {"role": "assistant", "content": text or ""} if first else {}
+            delta: dict = {"role": "assistant", "content": text or ""} if first else {}
             if text and not first:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             return {"index": 0, "delta": delta, **end}
-        message = {"role": "assistant", "content": text}
+        message: dict = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         return {"index": 0, "message": message, **end}
 
     def response(
-        self, text: str, finish: str, usage: Usage, timing: dict, logprobs: dict | None = None
+        self,
+        text: str | None,
+        finish: str,
+        usage: Usage,
+        timing: dict,
+        logprobs: dict | None = None,
+        tool_calls: list[dict] | None = None,
     ) -> dict:
         return {
             **self._envelope(chunk=False),
-            "choices": [self._choice(text, finish, False, False, logprobs)],
+            "choices": [self._choice(text, finish, False, False, logprobs, tool_calls)],
             "usage": usage.to_dict(),
             "kvmesh": timing,
         }
@@ -350,8 +444,9 @@ class Shape:
         first: bool = False,
         with_usage_field: bool = False,
         logprobs: dict | None = None,
+        tool_calls: list[dict] | None = None,
     ) -> dict:
-        choice = self._choice(text, finish, True, first, logprobs)
+        choice = self._choice(text, finish, True, first, logprobs, tool_calls)
         out = {**self._envelope(chunk=True), "choices": [choice]}
         if with_usage_field:  # with include_usage, every chunk carries "usage": null
             out["usage"] = None

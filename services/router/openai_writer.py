@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 from services.router import sse
 from services.router.generation import Delta, Prepared
 from services.router.openai_api import ApiError
+from services.router.toolcalls import calls_of
 from shared.messages.generate import Logprobs
 from shared.model.tokenizer import token_bytes
 
@@ -39,11 +40,26 @@ class OpenAIWriter:
         self.with_logprobs = p.job.sampling.logprobs is not None
         self.names = TokenNames(p.text.tokenizer)
         self.text_offset = 0  # Completions' text_offset: characters of answer before a token
+        self.called = False  # the answer made a tool call (its finish is "tool_calls")
 
     def whole(self, answer: Delta) -> dict:
-        finish = answer.finish_reason or "stop"
+        calls = [
+            {
+                "id": f"call_{c.id}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for c in calls_of(answer.calls)
+        ]
+        self.called = bool(calls)
+        finish = self._finish(answer.finish_reason or "stop")
         logprobs = self._logprobs(answer)
-        return self.shape.response(answer.text, finish, self.p.usage, self.kvmesh(), logprobs)
+        text = answer.text if answer.text or not calls else None
+        usage, kvmesh = self.p.usage, self.kvmesh()
+        return self.shape.response(text, finish, usage, kvmesh, logprobs, calls or None)
+
+    def _finish(self, finish: str) -> str:
+        return "tool_calls" if self.called and finish == "stop" else finish
 
     def start(self) -> list[bytes]:
         if not self.shape.chat:
@@ -51,18 +67,32 @@ class OpenAIWriter:
         return [sse.data(self.shape.chunk("", first=True, with_usage_field=self.usage_field))]
 
     def text(self, delta: Delta) -> list[bytes]:
-        chunk = self.shape.chunk(
-            delta.text, with_usage_field=self.usage_field, logprobs=self._logprobs(delta)
-        )
-        return [sse.data(chunk)]
+        out = []
+        if delta.text:
+            chunk = self.shape.chunk(
+                delta.text, with_usage_field=self.usage_field, logprobs=self._logprobs(delta)
+            )
+            out.append(sse.data(chunk))
+        for e in delta.calls:
+            self.called = True
+            piece: dict = {"index": e.index}
+            if e.name:  # a call's first piece: its id, type and name
+                piece.update(id=f"call_{e.id}", type="function")
+                piece["function"] = {"name": e.name, "arguments": e.arguments}
+            elif e.arguments:
+                piece["function"] = {"arguments": e.arguments}
+            else:
+                continue  # its end: nothing to say in this format
+            chunk = self.shape.chunk(None, with_usage_field=self.usage_field, tool_calls=[piece])
+            out.append(sse.data(chunk))
+        return out
 
     def end(self, last: Delta) -> list[bytes]:
         # The last delta's text went out already (text() is called before end()); a token
         # that came with it but made no text of its own (end of answer) goes here.
         logprobs = self._logprobs(last) if not last.text else None
-        chunk = self.shape.chunk(
-            None, last.finish_reason, with_usage_field=self.usage_field, logprobs=logprobs
-        )
+        finish = self._finish(last.finish_reason or "stop")
+        chunk = self.shape.chunk(None, finish, with_usage_field=self.usage_field, logprobs=logprobs)
         return [sse.data(chunk), *self._closing()]
 
     def ping(self) -> bytes:

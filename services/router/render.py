@@ -8,15 +8,17 @@ token ids. The same conversation gives the same ids whichever API format carried
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import uuid
 from dataclasses import dataclass
 
-from services.router.conversation import Conversation, Image, Text
+from services.router.conversation import Conversation, Image, Text, Tool, ToolCall, ToolResult
 from services.router.images import ImageInput, join_prompt
 from services.router.openai_api import ApiError
 from services.router.tokens import PromptTokenizer, Segments
 from shared.messages.generate import ImageRef
+from shared.model.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from shared.model.text import TextModel
 from shared.telemetry.tracing import tracer
 
@@ -91,17 +93,71 @@ class Renderer:
         return Rendered(*join_prompt(parts))
 
 
+# Tools in the prompt (the model's own template has no tool syntax): a Hermes-style preamble
+# at the end of the system prompt, each call as <tool_call> JSON, results as <tool_response>
+# in a user turn. One form whichever API carried them, so a tool-heavy conversation keeps its
+# cache hits across formats.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{tools}\n</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def tool_spec(tool: Tool) -> str:
+    spec: dict = {"name": tool.name}
+    if tool.description:
+        spec["description"] = tool.description
+    spec["parameters"] = tool.parameters
+    return json.dumps({"type": "function", "function": spec}, ensure_ascii=False)
+
+
+def call_text(call: ToolCall) -> str:
+    """A call as the model writes it (and as the grammar forces it)."""
+    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
+
+
+def result_text(result: ToolResult) -> str:
+    return f"<tool_response>\n{result.content}\n</tool_response>"
+
+
 def chat_messages(conv: Conversation, marker: str) -> list[dict[str, str]]:
-    """The messages for the chat template; image k (in order) as ``{marker}{k}\\0``."""
-    out, k = [], 0
+    """The messages for the chat template; image k (in order) as ``{marker}{k}\\0``; tool
+    results as user turns (consecutive ones in one), tools described in the system prompt."""
+    out: list[dict[str, str]] = []
+    k = 0
+    last_was_tool = False
     for m in conv.messages:
-        text = []
+        if m.role == "tool":
+            text = "\n".join(result_text(p) for p in m.parts if isinstance(p, ToolResult))
+            if last_was_tool:
+                out[-1]["content"] += "\n" + text
+            else:
+                out.append({"role": "user", "content": text})
+            last_was_tool = True
+            continue
+        last_was_tool = False
+        text, calls = [], []
         for part in m.parts:
             if isinstance(part, Text):
                 text.append(part.text)
-            else:
-                assert isinstance(part, Image)
+            elif isinstance(part, Image):
                 text.append(f"{marker}{k}\x00")
                 k += 1
-        out.append({"role": m.role, "content": "".join(text)})
+            elif isinstance(part, ToolCall):
+                calls.append(call_text(part))
+        content = "".join(text)
+        if calls:
+            sep = "" if not content or content.endswith("\n") else "\n"
+            content += sep + "\n".join(calls)
+        out.append({"role": m.role, "content": content})
+    if conv.tools:
+        preamble = TOOLS_PREAMBLE.format(tools="\n".join(tool_spec(t) for t in conv.tools))
+        if out and out[0]["role"] == "system":
+            out[0]["content"] += "\n\n" + preamble
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
     return out
