@@ -3,6 +3,10 @@ whose second turn, on another prefill worker, reuses the first from the storage 
 
 from __future__ import annotations
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
 import pytest
 
 from tests.conftest import REAL
@@ -23,6 +27,7 @@ def real_stack(stacks) -> Stack:
         KVMESH_PREFILL_MODEL=REAL,
         KVMESH_DECODE_MODEL=REAL,
         KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",  # the KV moves, as for any real prompt
+        KVMESH_DECODE_KV_CACHE_TOKENS="12288",  # room for 8 answers at once (tools below)
     )
 
 
@@ -76,3 +81,139 @@ def test_second_turn_on_another_worker_reuses_the_first_from_storage(real_stack:
     # Asked again on the same worker, turn 2 now comes from its memory tier.
     again = chat(real_stack, turn2)
     assert again.model_extra["kvmesh"]["cached_tokens_by_tier"]["memory"] >= cached
+
+
+# -- tools and structured outputs with the real model ----------------------------------------
+
+TOOLS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+    "search_web": {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string", "maxLength": 80},
+            "results": {"type": "integer", "minimum": 1, "maximum": 10},
+        },
+        "required": ["query"],
+        "additionalProperties": False,
+    },
+    "send_email": {
+        "type": "object",
+        "properties": {
+            "to": {"type": "string", "maxLength": 60},
+            "subject": {"type": "string", "maxLength": 60},
+            "body": {"type": "string", "maxLength": 200},
+        },
+        "required": ["to", "subject", "body"],
+        "additionalProperties": False,
+    },
+}
+ASKS = [
+    "What's the weather like in {city} today?",
+    "Find recent news about {topic}.",
+    "Email {person} that the meeting about {topic} moved to Friday.",
+    "Is it going to rain in {city} tomorrow? Use fahrenheit.",
+    "Look up the population of {city}.",
+]
+CITIES = ["Oslo", "Lima", "Nairobi", "Osaka", "Porto", "Quebec", "Hanoi", "Perth", "Cork", "Tunis"]
+TOPICS = ["solar power", "the harbour strike", "chess", "rail fares", "coral reefs"]
+PEOPLE = ["ana@example.com", "raj@example.com", "li@example.com"]
+
+
+def prompts(n: int) -> list[str]:
+    return [
+        ASKS[i % len(ASKS)].format(
+            city=CITIES[i % len(CITIES)],
+            topic=TOPICS[(i // 2) % len(TOPICS)],
+            person=PEOPLE[i % len(PEOPLE)],
+        )
+        for i in range(n)
+    ]
+
+
+def in_parallel(fn, items: list) -> list:  # noqa: ANN001 (one request per item)
+    with ThreadPoolExecutor(8) as pool:  # the decode worker batches them
+        return list(pool.map(fn, items))
+
+
+def test_fifty_forced_tool_calls_all_parse_and_validate(real_stack: Stack) -> None:
+    client = real_stack.client()
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": s}} for n, s in TOOLS.items()
+    ]
+
+    def ask(i_prompt: tuple[int, str]):
+        i, prompt = i_prompt
+        return client.chat.completions.create(
+            model=REAL,
+            messages=[{"role": "user", "content": prompt}],
+            tools=tools,
+            tool_choice="required",
+            max_tokens=160,
+            temperature=0.7,
+            seed=i,
+        )
+
+    answers = in_parallel(ask, list(enumerate(prompts(50))))
+    valid = 0
+    for a in answers:
+        (call,) = a.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[call.function.name])
+        valid += a.choices[0].finish_reason == "tool_calls"
+    assert valid == 50
+    # Not one tool for every prompt: the model picks among them.
+    assert len({a.choices[0].message.tool_calls[0].function.name for a in answers}) > 1
+
+
+def test_fifty_json_schema_answers_all_validate(real_stack: Stack) -> None:
+    client = real_stack.client()
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "country": {"type": "string", "maxLength": 40},
+            "population_millions": {"type": "number", "minimum": 0, "maximum": 50},
+            "coastal": {"type": "boolean"},
+        },
+        "required": ["city", "country", "population_millions", "coastal"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+
+    def ask(i: int):
+        return client.chat.completions.create(
+            model=REAL,
+            messages=[{"role": "user", "content": f"Describe {CITIES[i % 10]} as JSON."}],
+            response_format=fmt,
+            max_tokens=120,
+            temperature=0.7,
+            seed=i,
+        )
+
+    for a in in_parallel(ask, list(range(50))):
+        assert a.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(a.choices[0].message.content), schema)
+
+
+def test_auto_tool_choice_answers_in_text_when_no_tool_is_needed(real_stack: Stack) -> None:
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": s}} for n, s in TOOLS.items()
+    ]
+    answer = real_stack.client().chat.completions.create(
+        model=REAL,
+        messages=[{"role": "user", "content": "Say hello to me in French, in one word."}],
+        tools=tools,
+        tool_choice="auto",
+        max_tokens=20,
+        temperature=0,
+    )
+    choice = answer.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    assert choice.message.content and "<tool_call>" not in choice.message.content
