@@ -289,10 +289,12 @@ class TorchEngine(Engine):
     @staticmethod
     def _constrained(logits: torch.Tensor, matcher: Matcher) -> torch.Tensor:
         """The logits with every token the grammar does not allow next at -inf."""
-        allowed = torch.zeros(logits.numel(), dtype=torch.bool)
         mask = torch.from_numpy(matcher.allowed())
-        allowed[: mask.numel()] = mask[: logits.numel()]
-        return logits.masked_fill(~allowed, float("-inf"))
+        if mask.numel() != logits.numel():  # a vocabulary padded (or cut) in the weights
+            padded = torch.zeros(logits.numel(), dtype=torch.bool)
+            padded[: mask.numel()] = mask[: logits.numel()]
+            mask = padded
+        return logits.masked_fill(~mask, float("-inf"))
 
     def _stop_string(self, seq: Sequence) -> str | None:
         """A stop string that the text ends with now (it may span several tokens)."""
