@@ -1,0 +1,138 @@
+"""Speculative decoding's parts that need no model: drafting by n-gram lookup, and choosing
+how many drafted tokens each sequence verifies in a step.
+
+Drafts: a sequence's last n tokens (longest n first, ``max_n`` down to 1) looked up in its own
+prompt and output; the tokens that followed their most recent earlier occurrence are the
+draft. Each sequence keeps an index of its n-grams, extended token by token, so drafting costs
+a few dict lookups per step.
+
+Lengths (``adaptive``): each candidate position j of a sequence's draft has an estimated
+probability that it is accepted given the ones before it (the sequence's own running
+acceptance at that position, a prior shaded by the match's length); the probability that the
+draft is accepted up to j is their product. Pairs (sequence, position) are admitted in order
+of that probability while the expected tokens per second still rises, against the engine's
+cost curve: seconds per forward pass by tokens in it, measured at start and updated online.
+Admitting nothing is a valid choice: a step then costs what plain decode costs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+MODES = ("off", "fixed", "adaptive")
+PRIOR_ACCEPT = 0.5  # a position's acceptance before the sequence has shown its own
+PRIOR_WEIGHT = 2.0  # ... worth this many observations
+MATCH_BONUS = 0.08  # per token of match length beyond 1 (a longer match predicts better)
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    match: int  # the n of the n-gram that matched (0: no draft)
+
+
+@dataclass
+class NgramIndex:
+    """Where each n-gram (n ≤ max_n) of a sequence's tokens last ended."""
+
+    max_n: int
+    seen: int = 0  # tokens indexed
+    last: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index up to all but the last token's n-grams (those are the query)."""
+        upto = len(tokens) - 1
+        for end in range(max(self.seen, 1), upto + 1):
+            for n in range(1, min(self.max_n, end) + 1):
+                self.last[tuple(tokens[end - n : end])] = end
+        self.seen = max(self.seen, upto + 1)
+
+    def draft(self, tokens: list[int], length: int) -> Draft:
+        """The tokens that followed the latest earlier occurrence of the longest suffix."""
+        self.extend(tokens)
+        for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
+            end = self.last.get(tuple(tokens[-n:]))
+            if end is not None and end < len(tokens):
+                return Draft(tokens[end : end + length], n)
+        return Draft([], 0)
+
+
+@dataclass
+class Acceptance:
+    """A sequence's acceptance so far, by draft position."""
+
+    tried: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def record(self, verified: int, accepted: int) -> None:
+        while len(self.tried) < verified:
+            self.tried.append(0.0)
+            self.accepted.append(0.0)
+        for j in range(verified):
+            self.tried[j] += 1
+            if j < accepted:
+                self.accepted[j] += 1
+
+    def chance(self, position: int, match: int) -> float:
+        """The chance that draft position ``position`` is accepted if all before it were."""
+        tried = self.tried[position] if position < len(self.tried) else 0.0
+        hits = self.accepted[position] if position < len(self.accepted) else 0.0
+        prior = min(0.95, PRIOR_ACCEPT + MATCH_BONUS * (match - 1))
+        return (hits + prior * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
+
+
+class CostCurve:
+    """Seconds per forward pass by the tokens in it: points measured at start, each kept as
+    a moving average of the passes seen since; linear between points."""
+
+    def __init__(self, points: dict[int, float], alpha: float = 0.05) -> None:
+        self.alpha = alpha
+        self.sizes = sorted(points)
+        self.seconds = [points[n] for n in self.sizes]
+
+    def __call__(self, tokens: int) -> float:
+        sizes, secs = self.sizes, self.seconds
+        if tokens <= sizes[0]:
+            return secs[0] * tokens / sizes[0] if tokens else 0.0
+        if tokens >= sizes[-1]:
+            slope = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0
+            return secs[-1] + slope * (tokens - sizes[-1])
+        i = bisect.bisect_left(sizes, tokens)
+        lo, hi = sizes[i - 1], sizes[i]
+        return secs[i - 1] + (secs[i] - secs[i - 1]) * (tokens - lo) / (hi - lo)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A pass of ``tokens`` took ``seconds``: the nearest point moves toward it."""
+        i = min(range(len(self.sizes)), key=lambda k: abs(self.sizes[k] - tokens))
+        if abs(self.sizes[i] - tokens) <= max(1, self.sizes[i] // 4):
+            self.seconds[i] += self.alpha * (seconds - self.seconds[i])
+
+
+def choose_lengths(candidates: list[tuple[list[float], int]], cost: CostCurve) -> list[int]:
+    """How many drafted tokens each sequence verifies. ``candidates``: per sequence, the
+    chances of its draft positions (each given the ones before) and ... its draft's length.
+    Every sequence decodes at least one token; pairs are admitted in order of the chance
+    that the draft is accepted up to them, while expected tokens per second rises."""
+    pairs = []
+    for seq, (chances, _) in enumerate(candidates):
+        prefix = 1.0
+        for j, c in enumerate(chances):
+            prefix *= c
+            pairs.append((prefix, seq, j))
+    pairs.sort(key=lambda p: -p[0])
+    lengths = [0] * len(candidates)
+    tokens = len(candidates)
+    expected = float(len(candidates))
+    rate = expected / cost(tokens)
+    for prefix, seq, j in pairs:
+        if j != lengths[seq]:  # a position after one not admitted (its prefix chance is lower)
+            continue
+        better = (expected + prefix) / cost(tokens + 1)
+        if better <= rate:
+            break
+        lengths[seq] += 1
+        tokens += 1
+        expected += prefix
+        rate = better
+    return lengths

@@ -1,0 +1,50 @@
+"""Speculation's model-free parts: n-gram drafts, acceptance estimates, the cost curve and
+the choice of each sequence's verification length."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine.torch.speculate import Acceptance, CostCurve, NgramIndex, choose_lengths
+
+
+def test_a_draft_continues_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
+    index = NgramIndex(max_n=3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    draft = index.draft(tokens, 4)
+    assert draft.match == 2  # "2 3": last seen followed by 7 8 5 2
+    assert draft.tokens == [7, 8, 5, 2]
+    tokens += [7, 8]  # extended token by token, the index follows
+    assert index.draft(tokens, 2).tokens == [5, 2] and index.draft(tokens, 2).match == 3
+    assert NgramIndex(max_n=3).draft([4, 5, 6], 4).tokens == []  # nothing repeats
+
+
+def test_acceptance_starts_at_the_prior_and_learns_per_position() -> None:
+    acc = Acceptance()
+    assert acc.chance(0, match=1) == pytest.approx(0.5)
+    assert acc.chance(0, match=4) > acc.chance(0, match=1)  # a longer match predicts better
+    for _ in range(20):
+        acc.record(verified=3, accepted=1)  # the first is right, the second never
+    assert acc.chance(0, 1) > 0.9 and acc.chance(1, 1) < 0.1
+
+
+def test_the_cost_curve_interpolates_and_follows_what_it_sees() -> None:
+    curve = CostCurve({1: 0.030, 8: 0.034, 32: 0.060})
+    assert curve(1) == pytest.approx(0.030) and curve(4) == pytest.approx(0.03171, rel=1e-3)
+    assert curve(64) > curve(32)
+    for _ in range(200):
+        curve.observe(8, 0.050)
+    assert curve(8) == pytest.approx(0.050, rel=0.01)
+
+
+def test_lengths_follow_the_chances_and_the_cost() -> None:
+    flat = CostCurve({1: 0.030, 64: 0.031})  # memory-bound: more tokens cost little
+    steep = CostCurve({1: 0.030, 2: 0.060})  # compute-bound: each token costs a pass
+    sure = ([0.95, 0.95, 0.95, 0.95], 4)
+    unsure = ([0.1, 0.1], 2)
+    assert choose_lengths([sure, unsure], flat) == [4, 2]  # cheap: verify everything
+    assert choose_lengths([sure, unsure], steep) == [0, 0]  # a draft costs more than it gives
+    mid = CostCurve({1: 0.030, 4: 0.036, 16: 0.080})
+    lengths = choose_lengths([sure, unsure], mid)
+    assert lengths[0] >= 2 and lengths[1] == 0  # the sure draft first, the unsure not at all
+    assert choose_lengths([([], 0)], flat) == [0]
