@@ -31,7 +31,7 @@ from shared.security.handoff import HANDOFF_SECRET, handoff_refusal
 from shared.security.secret import load_or_create
 from shared.security.tls import add_port
 from shared.settings import CommonSettings
-from shared.telemetry.metrics import BYTES
+from shared.telemetry.metrics import BYTES, SPEC_TOKENS
 from shared.telemetry.tracing import attached, extract, tracer
 from shared.worker import ImagesMissing, WorkerService
 
@@ -71,6 +71,7 @@ class DecodeService(WorkerService):
         self.prefills: set[asyncio.Task] = set()
         self.kv_address = ""
         self._publishing: asyncio.Task | None = None
+        self._spec_seen = (0, 0)  # the engine's speculation totals already in /metrics
         self.handoff_secret = load_or_create(common.resolved_secrets_dir, HANDOFF_SECRET)
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
@@ -224,6 +225,10 @@ class DecodeService(WorkerService):
     def publish(self, outputs: list[StepOutput], took: float) -> None:
         """A step's tokens as events, sent in order behind the previous step's."""
         now = time.time()
+        stats = self.engine.stats()  # speculation's running totals, into /metrics
+        SPEC_TOKENS.labels("drafted").inc(stats.draft_tokens - self._spec_seen[0])
+        SPEC_TOKENS.labels("accepted").inc(stats.accepted_tokens - self._spec_seen[1])
+        self._spec_seen = (stats.draft_tokens, stats.accepted_tokens)
         events = []
         for out in outputs:
             active = self.active.get(out.seq_id)
@@ -257,12 +262,15 @@ class DecodeService(WorkerService):
                 context = self.span_context(out.seq_id)  # for the answer's "kv.store"
                 tokens = active.next_index
                 per_token = (time.perf_counter() - active.joined_at) / max(1, tokens - 1)
+                seq = self.engine.sequence(out.seq_id) if self.engine.holds(out.seq_id) else None
                 self.close_span(
                     out.seq_id,
                     error="aborted: past its deadline" if finish == "abort" else "",
                     tokens=tokens,
                     tpot_ms=round(per_token * 1e3, 3),
                     finish_reason=finish,
+                    spec_drafted=seq.drafted if seq else 0,
+                    spec_accepted=seq.accepted if seq else 0,
                 )
                 if finish == "abort":
                     self.runner.submit(self.engine.abort, out.seq_id)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import replace
+from typing import ClassVar, Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from shared.engine.interface import EngineOptions
 from shared.worker import WorkerSettings
 
 
@@ -20,3 +22,23 @@ class DecodeSettings(WorkerSettings):
     max_queued: int = Field(
         default=64, ge=0, description="local-prefill tasks waiting at most; more are refused"
     )
+    speculative: Literal["off", "fixed", "adaptive"] = Field(
+        default="adaptive",
+        description="speculative decoding by n-gram drafts: off; fixed (every sequence verifies "
+        "up to fixed_draft drafted tokens a step); adaptive (each sequence as many as pay, by "
+        "its own acceptance and the engine's measured cost)",
+    )
+    max_draft: int = Field(
+        default=8, ge=1, le=32, description="drafted tokens per sequence, at most"
+    )
+    fixed_draft: int = Field(default=5, ge=1, le=32, description="the fixed mode's draft length")
+    max_ngram: int = Field(default=4, ge=1, le=16, description="longest n-gram a draft matches")
+
+    def engine_options(self) -> EngineOptions:
+        return replace(
+            super().engine_options(),
+            speculative=self.speculative,
+            max_draft=self.max_draft,
+            fixed_draft=self.fixed_draft,
+            max_ngram=self.max_ngram,
+        )

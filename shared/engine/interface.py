@@ -52,6 +52,12 @@ class EngineOptions:
     threads: int = 0  # 0: leave the backend's default
     prefill_chunk: int = 512  # tokens per forward pass in prefill (bounds attention memory)
     max_running: int = 64  # sequences decoding together
+    # Speculative decoding (shared/engine/torch/speculate.py): off, fixed (every sequence
+    # verifies up to fixed_draft drafted tokens a step), adaptive (each its own length).
+    speculative: str = "off"
+    max_draft: int = 8
+    fixed_draft: int = 5
+    max_ngram: int = 4
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,14 @@ class SequenceState(Protocol):
     @property
     def finish_reason(self) -> FinishReason | None: ...
 
+    @property
+    def drafted(self) -> int:
+        """Drafted tokens verified over its answer (speculation), and how many accepted."""
+        ...
+
+    @property
+    def accepted(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -118,6 +132,8 @@ class EngineStats:
     block_size: int
     sequences: int  # held: prefilling, reserved, running
     running: int  # in the decode batch
+    draft_tokens: int = 0  # speculation, since start: drafted tokens verified
+    accepted_tokens: int = 0  # ... of which accepted
 
 
 class Engine(ABC):

@@ -35,6 +35,11 @@ INPUT_TOKENS = Counter(
     "kvmesh_input_tokens", "prompt tokens by where their KV came from", ["source"]
 )  # computed, memory, storage
 OUTPUT_TOKENS = Counter("kvmesh_output_tokens", "tokens generated")
+SPEC_TOKENS = Counter(
+    "kvmesh_spec_tokens",
+    "speculative decoding: drafted tokens verified (kind=drafted) and accepted (kind=accepted)",
+    ["kind"],
+)
 MOVES = Counter(
     "kvmesh_request_moves",
     "requests moved off failed workers: retried before their first token, or resumed mid-answer",

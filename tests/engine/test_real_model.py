@@ -74,3 +74,38 @@ def test_logits_match_transformers(real_model) -> None:
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     assert (engine.sequence("x").last_logits - ref).abs().max().item() < 1e-3
+
+
+SPEC_PROMPTS = [
+    "```python\ndef area(width, height):\n    return width * height\n\n\n"
+    "def perimeter(width, height):\n    return 2 * (width + height)\n```\n"
+    "Rename width to w in both functions and show them again.",
+    "Write two sentences about the sea.",
+    "Repeat after me exactly: the quick brown fox jumps over the lazy dog, "
+    "the quick brown fox jumps over the lazy dog.",
+]
+
+
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+def test_speculation_gives_the_real_models_greedy_answer_token_for_token(
+    real_model, real_text, mode: str
+) -> None:
+    def answers(**options) -> tuple[list[list[int]], int]:
+        engine = make_engine(real_model, block_size=64, kv_cache_tokens=4096, **options)
+        outs = []
+        for i, text in enumerate(SPEC_PROMPTS):
+            rendered = real_text.chat_template.render([{"role": "user", "content": text}])
+            ids = real_model.tokenizer.encode(rendered, add_special_tokens=False).ids
+            params = SamplingParams(max_tokens=48, temperature=0)
+            out = [engine.prefill(f"q{i}", ids, params).token_id]
+            while engine.running:
+                out += [o.token_id for o in engine.step()]
+            engine.free(f"q{i}")
+            outs.append(out)
+        engine.check_integrity()
+        return outs, engine.stats().accepted_tokens
+
+    plain, _ = answers()
+    spec, accepted = answers(speculative=mode, fixed_draft=4)
+    assert spec == plain
+    assert accepted > 10  # the copying prompts' drafts were taken

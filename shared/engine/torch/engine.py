@@ -4,10 +4,13 @@ or CUDA, behind the ``Engine`` interface."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import torch
 from llguidance import LLTokenizer
 
@@ -30,6 +33,7 @@ from shared.engine.torch.loader import LoadedModel, load_model
 from shared.engine.torch.model import KVCache, Segment, Transformer
 from shared.engine.torch.sampler import logprobs_of, sample
 from shared.engine.torch.sequence import Sequence
+from shared.engine.torch.speculate import MODES, CostCurve, Draft, NgramIndex, choose_lengths
 from shared.model.grammar import GrammarError, Matcher, vocabulary
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,14 @@ class TorchEngine(Engine):
         self.running: list[str] = []
         self.kv = KvIO(model.config, self.pool, self.cache, options.dtype)
         self._vocab: LLTokenizer | None = None  # for grammars, built on the first one
+        if options.speculative not in MODES:
+            raise ValueError(
+                f"speculative: one of {', '.join(MODES)} (got {options.speculative!r})"
+            )
+        self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.costs: dict[int, CostCurve] = {}  # forward seconds by tokens, per batch size
+        self._base_cost: CostCurve | None = None
+        self.drafted = self.accepted = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -61,6 +73,31 @@ class TorchEngine(Engine):
     def start(self) -> None:
         if self.options.threads:
             torch.set_num_threads(self.options.threads)
+        if self.options.speculative == "adaptive":
+            self._base_cost = self._measure_costs()
+
+    def _measure_costs(self, repeats: int = 2) -> CostCurve:
+        """Seconds per forward pass of 1, 2, 4, … tokens (one sequence), in scratch blocks."""
+        top = min(2 * self.options.max_draft + 2, self.config.max_context)
+        sizes = sorted({1, 2, 4, 8, 16, 32, top} & set(range(1, top + 1)) | {top})
+        blocks = self.pool.allocate(self.pool.blocks_for(top))
+        try:
+            slots = Sequence("", [], SamplingParams(), block_table=blocks).slots(
+                self.block_size, top
+            )
+            points = {}
+            for n in sizes:
+                seg = Segment(0, n, slots[:n])
+                tokens, positions = torch.zeros(n, dtype=torch.long), torch.arange(n)
+                times = []
+                for _ in range(repeats + 1):  # the first warms up
+                    started = time.perf_counter()
+                    self.model.logits(self.model.forward(tokens, positions, [seg], self.cache))
+                    times.append(time.perf_counter() - started)
+                points[n] = min(times[1:])
+        finally:
+            self.pool.free(blocks)
+        return CostCurve(points)
 
     def cleanup(self) -> None:
         for seq_id in list(self.seqs):
@@ -235,31 +272,105 @@ class TorchEngine(Engine):
         self.running.append(seq_id)
 
     def step(self) -> list[StepOutput]:
+        """One decode step for every running sequence: its next token, or, speculating, its
+        drafted tokens verified in the same pass and as many of them as the model agrees
+        with, then one more (the output is token for token what plain decode gives)."""
         if not self.running:
             return []
         seqs = [self.seqs[s] for s in self.running]
-        segments = [
-            Segment(row, 1, seq.slots(self.block_size, seq.n_tokens))
-            for row, seq in enumerate(seqs)
-        ]
-        tokens = torch.tensor([seq.tokens[-1] for seq in seqs])
-        positions = torch.tensor([seq.n_tokens - 1 for seq in seqs])
-        hidden = self.model.forward(tokens, positions, segments, self.cache)
+        drafts = self._drafts(seqs)
+        segments, tokens, positions, row = [], [], [], 0
+        for seq, draft in zip(seqs, drafts, strict=True):
+            n = seq.n_tokens
+            segments.append(
+                Segment(row, 1 + len(draft), seq.slots(self.block_size, n + len(draft)))
+            )
+            tokens += [seq.tokens[-1], *draft]
+            positions += range(n - 1, n + len(draft))
+            row += 1 + len(draft)
+        # The grammars' masks for each sequence's first token are computed on another
+        # thread while the model runs (llguidance lets go of the GIL): off the step's path.
+        bound = [s for s in seqs if s.matcher is not None]
+        masks = self._masker.submit(lambda: [s.matcher.allowed() for s in bound]) if bound else None
+        started = time.perf_counter()
+        hidden = self.model.forward(
+            torch.tensor(tokens), torch.tensor(positions), segments, self.cache
+        )
         logits = self.model.logits(hidden)
+        ahead = dict(zip(map(id, bound), masks.result(), strict=True)) if masks else {}
+        if self._base_cost is not None:
+            self._cost(len(seqs)).observe(len(tokens), time.perf_counter() - started)
         outputs = []
-        for row, seq in enumerate(seqs):
-            seq.n_cached = seq.n_tokens
-            outputs.append(self._append(seq, logits[row]))
+        for seq, seg, draft in zip(seqs, segments, drafts, strict=True):
+            seq.n_cached = seq.n_tokens  # the KV of its last token, and of its drafts
+            accepted = 0
+            for j in range(len(draft) + 1):
+                out = self._append(seq, logits[seg.q_start + j], ahead.pop(id(seq), None))
+                outputs.append(out)
+                if seq.finished or j == len(draft) or out.token_id != draft[j]:
+                    break
+                accepted += 1
+            seq.n_cached = seq.n_tokens - 1  # (a rejected draft's KV is past the end: unread)
+            if draft:
+                seq.acceptance.record(len(draft), accepted)
+                seq.drafted += len(draft)
+                seq.accepted += accepted
+                self.drafted += len(draft)
+                self.accepted += accepted
         self.running = [s for s in self.running if not self.seqs[s].finished]
         return outputs
 
-    def _append(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+    def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Each sequence's drafted tokens to verify this step (none when speculation is off
+        or nothing is worth it)."""
+        mode = self.options.speculative
+        if mode == "off":
+            return [[] for _ in seqs]
+        proposals, caps = [], []
+        for seq in seqs:
+            room = (
+                min(len(seq.prompt_ids) + seq.params.max_tokens, self.config.max_context)
+                - seq.n_tokens
+            )
+            cap = min(self.options.max_draft, room, seq.params.max_tokens - len(seq.output_ids) - 1)
+            if seq.ngrams is None:
+                seq.ngrams = NgramIndex(self.options.max_ngram)
+            proposals.append(seq.ngrams.draft(seq.tokens, max(0, cap)) if cap > 0 else Draft([], 0))
+            caps.append(max(0, cap))
+        if mode == "fixed":
+            k = self.options.fixed_draft
+            return [p.tokens[:k] for p in proposals]
+        candidates = [
+            ([seq.acceptance.chance(j, p.match) for j in range(len(p.tokens))], len(p.tokens))
+            for seq, p in zip(seqs, proposals, strict=True)
+        ]
+        lengths = choose_lengths(candidates, self._cost(len(seqs)))
+        return [p.tokens[:k] for p, k in zip(proposals, lengths, strict=True)]
+
+    def _cost(self, batch: int) -> CostCurve:
+        """The cost curve of passes with ``batch`` sequences: at first the measured one
+        sequence's, plus what ``batch`` single tokens cost more (learned as it runs)."""
+        if batch not in self.costs:
+            assert self._base_cost is not None
+            base = self._base_cost
+            self.costs[batch] = CostCurve(
+                {n + batch - 1: base(n) + base(batch) - base(1) for n in base.sizes}
+            )
+        return self.costs[batch]
+
+    def _append(
+        self, seq: Sequence, logits: torch.Tensor, mask: np.ndarray | None = None
+    ) -> StepOutput:
+        """The sequence's next token from ``logits``; ``mask``: its grammar's allowed tokens,
+        when they were computed ahead (else they are computed here)."""
         p = seq.params
         answer: list[int] = []
         if p.penalized:  # the whole answer: a resumed one's earlier tokens end its prompt
             earlier = seq.prompt_ids[len(seq.prompt_ids) - p.answer_offset :]
             answer = earlier + seq.output_ids
-        allowed = logits if seq.matcher is None else self._constrained(logits, seq.matcher)
+        allowed = logits
+        if seq.matcher is not None:
+            allowed = self._constrained(logits, mask if mask is not None else seq.matcher.allowed())
         token = sample(allowed, p, p.answer_offset + len(seq.output_ids), answer)
         if seq.matcher is not None and token not in self.config.eos_ids:
             seq.matcher.take([token])  # (an end-of-answer token ends it: nothing to take)
@@ -287,9 +398,9 @@ class TorchEngine(Engine):
             raise ValueError(f"grammar: {err}") from None
 
     @staticmethod
-    def _constrained(logits: torch.Tensor, matcher: Matcher) -> torch.Tensor:
+    def _constrained(logits: torch.Tensor, allowed: np.ndarray) -> torch.Tensor:
         """The logits with every token the grammar does not allow next at -inf."""
-        mask = torch.from_numpy(matcher.allowed())
+        mask = torch.from_numpy(allowed)
         if mask.numel() != logits.numel():  # a vocabulary padded (or cut) in the weights
             padded = torch.zeros(logits.numel(), dtype=torch.bool)
             padded[: mask.numel()] = mask[: logits.numel()]
@@ -338,6 +449,8 @@ class TorchEngine(Engine):
             block_size=self.block_size,
             sequences=len(self.seqs),
             running=len(self.running),
+            draft_tokens=self.drafted,
+            accepted_tokens=self.accepted,
         )
 
     # -- KV in the block format -------------------------------------------------------------

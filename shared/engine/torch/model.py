@@ -178,9 +178,14 @@ class Transformer:
     ) -> torch.Tensor:
         """Causal attention of each segment's new tokens over its context. Returns [N, H, E]."""
         window = self.config.window(layer)
-        if len(segments) > 1 and all(s.q_len == 1 for s in segments):
+        singles = [s for s in segments if s.q_len == 1]
+        if len(singles) > 1 and len(singles) == len(segments):
             return self._decode_attention(layer, q, segments, cache, window)
         out = torch.empty_like(q)
+        if len(singles) > 1:  # decoding sequences beside verifying ones: those in one call
+            rows = torch.tensor([s.q_start for s in singles])
+            out[rows] = self._decode_attention(layer, q[rows], singles, cache, window)
+            segments = [s for s in segments if s.q_len > 1]
         for s in segments:
             first_q = s.ctx_len - s.q_len  # absolute position of the first new token
             # A windowed layer never looks further back than the window: those keys are not

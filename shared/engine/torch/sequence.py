@@ -8,6 +8,7 @@ import torch
 
 from shared.engine.interface import FinishReason
 from shared.engine.sampling import SamplingParams
+from shared.engine.torch.speculate import Acceptance, NgramIndex
 from shared.model.grammar import Matcher
 
 
@@ -23,6 +24,10 @@ class Sequence:
     stop_string: str | None = None
     last_logits: torch.Tensor | None = None  # of the prompt's last token, [V] fp32
     matcher: Matcher | None = None  # where the answer is in its grammar, when it has one
+    ngrams: NgramIndex | None = None  # its tokens' n-grams, for drafts (speculation on)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    drafted: int = 0  # drafted tokens verified, and accepted, over its answer
+    accepted: int = 0
 
     @property
     def tokens(self) -> list[int]:

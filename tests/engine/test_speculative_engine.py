@@ -1,0 +1,69 @@
+"""Speculative decoding in the engine: drafted tokens verified in the decode pass give token
+for token what plain decode gives (greedy, and seeded sampling: its randomness is per
+position), in batches mixing speculating and plain sequences, with the pool intact."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine.sampling import SamplingParams
+from tests.engine.conftest import make_engine
+from tests.engine.test_prefix_reuse import prompt
+
+
+def repetitive(n: int, seed: int) -> list[int]:
+    """A prompt that repeats itself (so n-gram drafts find matches)."""
+    base = prompt(12, seed=seed)
+    return (base * (n // len(base) + 1))[:n]
+
+
+def decode(model, prompts: list[list[int]], params: list[SamplingParams], **options):
+    engine = make_engine(model, kv_cache_tokens=16384, **options)
+    outs = [
+        [engine.prefill(f"s{i}", p, q).token_id]
+        for i, (p, q) in enumerate(zip(prompts, params, strict=False))
+    ]
+    while engine.running:
+        for o in engine.step():
+            outs[int(o.seq_id[1:])].append(o.token_id)
+        engine.check_integrity()
+    for i in range(len(prompts)):
+        engine.free(f"s{i}")
+    assert engine.pool.used_blocks == 0
+    return outs, engine
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-swa", "tiny-moe"])
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+def test_speculation_gives_plain_decodes_tokens(tiny_models, name: str, mode: str) -> None:
+    model = tiny_models[name]
+    prompts = [repetitive(60, s) for s in range(3)] + [prompt(30, seed=9)]
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+    # Random weights never repeat themselves; pulled to two tokens, an answer does, and its
+    # drafts are accepted.
+    pulled = SamplingParams(
+        max_tokens=40, temperature=0, ignore_eos=True, logit_bias=((77, 30.0), (78, 30.0))
+    )
+    params = [greedy, sampled, pulled, sampled]
+    plain, _ = decode(model, prompts, params)
+    spec, engine = decode(model, prompts, params, speculative=mode, max_draft=6, fixed_draft=4)
+    assert spec == plain
+    stats = engine.stats()
+    assert stats.draft_tokens > 0 and 0 < stats.accepted_tokens <= stats.draft_tokens
+
+
+def test_a_stop_string_and_max_tokens_end_a_speculating_answer_where_plain_ends(
+    tiny_models,
+) -> None:
+    model = tiny_models["tiny"]
+    ids = repetitive(60, 3)
+    free, _ = decode(model, [ids], [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)])
+    stop = model.tokenizer.decode(free[0][10:12])
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=(stop,))
+    plain, _ = decode(model, [ids], [params])
+    spec, _ = decode(model, [ids], [params], speculative="fixed", fixed_draft=8, max_draft=8)
+    assert spec == plain and len(plain[0]) < 30
+    short = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    spec, _ = decode(model, [ids], [short], speculative="fixed", fixed_draft=8, max_draft=8)
+    assert len(spec[0]) == 7
