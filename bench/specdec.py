@@ -98,11 +98,20 @@ TOPICS = [
 ]
 
 
+def _source(fn) -> str | None:  # noqa: ANN001
+    try:
+        return textwrap.dedent(inspect.getsource(fn))[:2400]
+    except (OSError, TypeError):  # written in C here
+        return None
+
+
+SOURCES = [src for fn in FUNCTIONS if (src := _source(fn))]
+
+
 def code_prompts(n: int) -> list[str]:
     out = []
     for i in range(n):
-        fn = FUNCTIONS[i % len(FUNCTIONS)]
-        src = textwrap.dedent(inspect.getsource(fn))[:2400]
+        src = SOURCES[i % len(SOURCES)]
         change = CHANGES[i % len(CHANGES)]
         out.append(f"```python\n{src}\n```\n{change} Answer with the whole function.")
     return out
@@ -126,8 +135,9 @@ def open_prompts(n: int) -> list[str]:
 
 
 def mix_prompts(n: int) -> list[str]:
-    code, extract, free = code_prompts(n), extract_prompts(n), open_prompts(n)
-    return [(code, extract, free)[i % 3][i // 3 + 5] for i in range(n)]
+    """A third of each kind, other items than the workloads of one kind start with."""
+    kinds = [code_prompts(n + 7), extract_prompts(n + 7), open_prompts(n + 7)]
+    return [kinds[i % 3][i // 3 + 7] for i in range(n)]
 
 
 def say(msg: str) -> None:
@@ -233,6 +243,7 @@ def main() -> None:
                 }
             rows["copy_rate"] = round(copied[0] / max(1, copied[1]), 3)
             results[f"{name}_b{batch}"] = rows
+            say(json.dumps({f"{name}_b{batch}": rows, "identical": identical}))  # as it goes
     print(
         f"\nReal model ({REAL_MODEL}), greedy, up to {args.tokens} new tokens, "
         f"{args.threads} threads"

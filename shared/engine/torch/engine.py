@@ -76,19 +76,20 @@ class TorchEngine(Engine):
         if self.options.speculative == "adaptive":
             self._base_cost = self._measure_costs()
 
-    def _measure_costs(self, repeats: int = 2) -> CostCurve:
-        """Seconds per forward pass of 1, 2, 4, … tokens (one sequence), in scratch blocks."""
-        top = min(2 * self.options.max_draft + 2, self.config.max_context)
-        sizes = sorted({1, 2, 4, 8, 16, 32, top} & set(range(1, top + 1)) | {top})
-        blocks = self.pool.allocate(self.pool.blocks_for(top))
+    def _measure_costs(self, repeats: int = 2, context: int = 256) -> CostCurve:
+        """Seconds per forward pass of 1, 2, 4, … new tokens of one sequence after a
+        ``context``-token context (in scratch blocks, freed after)."""
+        top = min(2 * self.options.max_draft + 2, self.config.max_context - context)
+        sizes = sorted({n for n in (1, 2, 4, 8, 16, 32) if n < top} | {top})
+        blocks = self.pool.allocate(self.pool.blocks_for(context + top))
         try:
-            slots = Sequence("", [], SamplingParams(), block_table=blocks).slots(
-                self.block_size, top
-            )
+            scratch = Sequence("", [], SamplingParams(), block_table=blocks)
+            slots = scratch.slots(self.block_size, context + top)
             points = {}
             for n in sizes:
-                seg = Segment(0, n, slots[:n])
-                tokens, positions = torch.zeros(n, dtype=torch.long), torch.arange(n)
+                seg = Segment(0, n, slots[: context + n])
+                tokens = torch.zeros(n, dtype=torch.long)
+                positions = torch.arange(context, context + n)
                 times = []
                 for _ in range(repeats + 1):  # the first warms up
                     started = time.perf_counter()

@@ -83,15 +83,21 @@ class Acceptance:
 
 
 class CostCurve:
-    """Seconds per forward pass by the tokens in it: points measured at start, each kept as
-    a moving average of the passes seen since; linear between points."""
+    """Seconds per forward pass by the tokens in it: the shape measured at start (linear
+    between points), times a scale every pass seen since moves (a moving average of seen ÷
+    shape). One scale for all sizes: a step without drafts corrects the cost of one with
+    them too, so a curve that once looked too steep to draft on cannot stay wrong."""
 
     def __init__(self, points: dict[int, float], alpha: float = 0.05) -> None:
         self.alpha = alpha
         self.sizes = sorted(points)
         self.seconds = [points[n] for n in self.sizes]
+        self.scale = 1.0
 
     def __call__(self, tokens: int) -> float:
+        return self.scale * self.shape(tokens)
+
+    def shape(self, tokens: int) -> float:
         sizes, secs = self.sizes, self.seconds
         if tokens <= sizes[0]:
             return secs[0] * tokens / sizes[0] if tokens else 0.0
@@ -103,10 +109,10 @@ class CostCurve:
         return secs[i - 1] + (secs[i] - secs[i - 1]) * (tokens - lo) / (hi - lo)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A pass of ``tokens`` took ``seconds``: the nearest point moves toward it."""
-        i = min(range(len(self.sizes)), key=lambda k: abs(self.sizes[k] - tokens))
-        if abs(self.sizes[i] - tokens) <= max(1, self.sizes[i] // 4):
-            self.seconds[i] += self.alpha * (seconds - self.seconds[i])
+        """A pass of ``tokens`` took ``seconds``."""
+        expected = self.shape(tokens)
+        if expected > 0:
+            self.scale += self.alpha * (seconds / expected - self.scale)
 
 
 def choose_lengths(candidates: list[tuple[list[float], int]], cost: CostCurve) -> list[int]:
