@@ -168,6 +168,9 @@ def test_metrics_parse_on_every_service_and_move_with_traffic(stack: Stack) -> N
     assert moved("decode", "kvmesh_bytes_total", link="handoff", direction="in") > 0
     assert moved("prefill", "kvmesh_bytes_total", link="store", direction="write") > 0
     assert after["decode"][("kvmesh_kv_blocks_total", (("role", "decode"),))] > 0
+    drafted = ("kvmesh_spec_tokens_total", (("kind", "drafted"),))
+    accepted = ("kvmesh_spec_tokens_total", (("kind", "accepted"),))
+    assert 0 <= after["decode"][accepted] <= after["decode"][drafted]  # speculation's counts
     age = ("kvmesh_heartbeat_age_seconds", (("role", "prefill"), ("service_id", "prefill-0")))
     assert after["router"][age] >= 0
     assert ("kvmesh_queued_requests", (("role", "encoder"),)) in after["encoder"]

@@ -50,7 +50,9 @@ def test_speculation_gives_plain_decodes_tokens(tiny_models, name: str, mode: st
     spec, engine = decode(model, prompts, params, speculative=mode, max_draft=6, fixed_draft=4)
     assert spec == plain
     stats = engine.stats()
-    assert stats.draft_tokens > 0 and 0 < stats.accepted_tokens <= stats.draft_tokens
+    assert 0 <= stats.accepted_tokens <= stats.draft_tokens
+    if mode == "fixed":  # (adaptive drafts only what pays on this machine: timing decides)
+        assert stats.draft_tokens > 0 and stats.accepted_tokens > 0
 
 
 def test_a_stop_string_and_max_tokens_end_a_speculating_answer_where_plain_ends(
@@ -67,3 +69,8 @@ def test_a_stop_string_and_max_tokens_end_a_speculating_answer_where_plain_ends(
     short = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
     spec, _ = decode(model, [ids], [short], speculative="fixed", fixed_draft=8, max_draft=8)
     assert len(spec[0]) == 7
+
+
+def test_adaptive_speculation_starts_on_a_pool_smaller_than_its_measuring(tiny_models) -> None:
+    engine = make_engine(tiny_models["tiny"], kv_cache_tokens=16, speculative="adaptive")
+    assert engine.pool.used_blocks == 0 and engine.stats().kv_blocks_total == 2

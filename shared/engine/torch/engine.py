@@ -79,7 +79,9 @@ class TorchEngine(Engine):
     def _measure_costs(self, repeats: int = 2, context: int = 256) -> CostCurve:
         """Seconds per forward pass of 1, 2, 4, … new tokens of one sequence after a
         ``context``-token context (in scratch blocks, freed after)."""
-        top = min(2 * self.options.max_draft + 2, self.config.max_context - context)
+        room = self.pool.free_blocks * self.block_size  # a small pool: a shorter context
+        top = max(1, min(2 * self.options.max_draft + 2, self.config.max_context, room))
+        context = max(0, min(context, room - top, self.config.max_context - top))
         sizes = sorted({n for n in (1, 2, 4, 8, 16, 32) if n < top} | {top})
         blocks = self.pool.allocate(self.pool.blocks_for(context + top))
         try:
