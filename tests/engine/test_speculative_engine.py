@@ -74,3 +74,23 @@ def test_a_stop_string_and_max_tokens_end_a_speculating_answer_where_plain_ends(
 def test_adaptive_speculation_starts_on_a_pool_smaller_than_its_measuring(tiny_models) -> None:
     engine = make_engine(tiny_models["tiny"], kv_cache_tokens=16, speculative="adaptive")
     assert engine.pool.used_blocks == 0 and engine.stats().kv_blocks_total == 2
+
+
+def test_a_constrained_answer_speculates_to_the_same_tokens(tiny_models) -> None:
+    """The grammar masks each verified position in order, so drafts the grammar forbids are
+    rejected like any other."""
+    from shared.model.grammar import json_grammar
+
+    model = tiny_models["tiny"]
+    schema = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"enum": ["ab", "ab ab"]}, "maxItems": 6}
+        },
+        "required": ["tags"],
+    }
+    params = SamplingParams(max_tokens=60, temperature=0, grammar=json_grammar(schema))
+    ids = repetitive(40, 2)
+    plain, _ = decode(model, [ids], [params])
+    spec, engine = decode(model, [ids], [params], speculative="fixed", fixed_draft=4)
+    assert spec == plain and engine.stats().draft_tokens > 0
