@@ -28,19 +28,20 @@ def test_acceptance_starts_at_the_prior_and_learns_per_position() -> None:
     assert acc.chance(0, 1) > 0.9 and acc.chance(1, 1) < 0.1
 
 
-def test_the_cost_curve_interpolates_and_follows_what_it_sees() -> None:
-    curve = CostCurve({1: 0.030, 8: 0.034, 32: 0.060})
-    assert curve(1) == pytest.approx(0.030) and curve(4) == pytest.approx(0.03171, rel=1e-3)
-    assert curve(64) > curve(32)
+def test_the_cost_curve_is_a_line_through_noise_and_follows_what_it_sees() -> None:
+    curve = CostCurve({1: 0.030, 2: 0.026, 4: 0.036, 8: 0.040, 16: 0.054})  # 2: a lucky pass
+    assert curve(2) < curve(3) < curve(4) < curve(16)  # no length looks dearer than a longer
+    assert curve(1) == pytest.approx(0.0286, rel=0.02)
+    one, eight = curve(1), curve(8)
     for _ in range(200):  # plain steps (one token) are slower than measured: all sizes follow
-        curve.observe(1, 0.045)
-    assert curve(1) == pytest.approx(0.045, rel=0.01)
-    assert curve(8) == pytest.approx(0.034 * 1.5, rel=0.01)
+        curve.observe(1, one * 1.5)
+    assert curve(1) == pytest.approx(one * 1.5, rel=0.01)
+    assert curve(8) == pytest.approx(eight * 1.5, rel=0.01)
 
 
 def test_lengths_follow_the_chances_and_the_cost() -> None:
     flat = CostCurve({1: 0.030, 64: 0.031})  # memory-bound: more tokens cost little
-    steep = CostCurve({1: 0.030, 2: 0.060})  # compute-bound: each token costs a pass
+    steep = CostCurve({1: 0.030, 2: 0.060, 3: 0.090})  # compute-bound: each token, a pass
     sure = ([0.95, 0.95, 0.95, 0.95], 4)
     unsure = ([0.1, 0.1], 2)
     assert choose_lengths([sure, unsure], flat) == [4, 2]  # cheap: verify everything
@@ -49,3 +50,10 @@ def test_lengths_follow_the_chances_and_the_cost() -> None:
     lengths = choose_lengths([sure, unsure], mid)
     assert lengths[0] >= 2 and lengths[1] == 0  # the sure draft first, the unsure not at all
     assert choose_lengths([([], 0)], flat) == [0]
+
+
+def test_a_dear_step_on_the_way_does_not_stop_a_length_that_pays_overall() -> None:
+    """Sure drafts: even if the second token looks dear next to the first, eight pay."""
+    curve = CostCurve({1: 0.030, 2: 0.040, 8: 0.046})
+    sure = ([0.95] * 8, 8)
+    assert choose_lengths([sure], curve) == [8]

@@ -17,7 +17,6 @@ Admitting nothing is a valid choice: a step then costs what plain decode costs.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 MODES = ("off", "fixed", "adaptive")
@@ -83,30 +82,31 @@ class Acceptance:
 
 
 class CostCurve:
-    """Seconds per forward pass by the tokens in it: the shape measured at start (linear
-    between points), times a scale every pass seen since moves (a moving average of seen ÷
-    shape). One scale for all sizes: a step without drafts corrects the cost of one with
-    them too, so a curve that once looked too steep to draft on cannot stay wrong."""
+    """Seconds per forward pass by the tokens in it: a line (fixed cost plus a cost per
+    token) fitted to points measured at start, least squares, so one noisy point cannot make
+    one length look dear and the next cheap; times a scale every pass seen since moves (a
+    moving average of seen ÷ line). One scale for all sizes: a step without drafts corrects
+    the cost of one with them too, so a curve that once looked too steep cannot stay wrong."""
 
     def __init__(self, points: dict[int, float], alpha: float = 0.05) -> None:
         self.alpha = alpha
         self.sizes = sorted(points)
         self.seconds = [points[n] for n in self.sizes]
         self.scale = 1.0
+        n = len(self.sizes)
+        mean_x, mean_y = sum(self.sizes) / n, sum(self.seconds) / n
+        var = sum((x - mean_x) ** 2 for x in self.sizes)
+        cov = sum(
+            (x - mean_x) * (y - mean_y) for x, y in zip(self.sizes, self.seconds, strict=True)
+        )
+        self.per_token = max(0.0, cov / var) if var else 0.0
+        self.fixed = max(mean_y - self.per_token * mean_x, 0.0)
 
     def __call__(self, tokens: int) -> float:
         return self.scale * self.shape(tokens)
 
     def shape(self, tokens: int) -> float:
-        sizes, secs = self.sizes, self.seconds
-        if tokens <= sizes[0]:
-            return secs[0] * tokens / sizes[0] if tokens else 0.0
-        if tokens >= sizes[-1]:
-            slope = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0
-            return secs[-1] + slope * (tokens - sizes[-1])
-        i = bisect.bisect_left(sizes, tokens)
-        lo, hi = sizes[i - 1], sizes[i]
-        return secs[i - 1] + (secs[i] - secs[i - 1]) * (tokens - lo) / (hi - lo)
+        return self.fixed + self.per_token * tokens if tokens else 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A pass of ``tokens`` took ``seconds``."""
@@ -119,7 +119,8 @@ def choose_lengths(candidates: list[tuple[list[float], int]], cost: CostCurve) -
     """How many drafted tokens each sequence verifies. ``candidates``: per sequence, the
     chances of its draft positions (each given the ones before) and ... its draft's length.
     Every sequence decodes at least one token; pairs are admitted in order of the chance
-    that the draft is accepted up to them, while expected tokens per second rises."""
+    that the draft is accepted up to them, and of those orders' prefixes the one with the
+    most expected tokens per second is taken."""
     pairs = []
     for seq, (chances, _) in enumerate(candidates):
         prefix = 1.0
@@ -130,15 +131,14 @@ def choose_lengths(candidates: list[tuple[list[float], int]], cost: CostCurve) -
     lengths = [0] * len(candidates)
     tokens = len(candidates)
     expected = float(len(candidates))
-    rate = expected / cost(tokens)
+    best_rate, best = expected / cost(tokens), list(lengths)
     for prefix, seq, j in pairs:
-        if j != lengths[seq]:  # a position after one not admitted (its prefix chance is lower)
+        if j != lengths[seq]:  # (ties may list a later position first: it waits its turn)
             continue
-        better = (expected + prefix) / cost(tokens + 1)
-        if better <= rate:
-            break
         lengths[seq] += 1
         tokens += 1
         expected += prefix
-        rate = better
-    return lengths
+        rate = expected / cost(tokens)
+        if rate > best_rate:
+            best_rate, best = rate, list(lengths)
+    return best
