@@ -171,6 +171,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=192)
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--only", default="", help="comma-separated runs to do, as the JSON names them (code_b1)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     state = Path.home() / ".cache" / "kvmesh-bench"
@@ -198,6 +201,8 @@ def main() -> None:
     identical = True
     for batch in args.batch:
         for name, prompts in workloads.items():
+            if args.only and f"{name}_b{batch}" not in args.only.split(","):
+                continue
             ids = [
                 model.tokenizer.encode(
                     text.chat_template.render([{"role": "user", "content": p}]),
@@ -260,7 +265,7 @@ def main() -> None:
         cells = "".join(f"{rows[n]['drafted_per_token']:>10.2f}" for n in names)
         print(f"{'':<18}{cells}   drafted/token")
 
-    def ratio(key: str, a: str, b: str) -> float | None:
+    def ratio(key: str, a: str, b: str) -> float | None:  # (None: a run not done)
         rows = results.get(key)
         return round(rows[a]["tok_s"] / rows[b]["tok_s"], 4) if rows else None
 
