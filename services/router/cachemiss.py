@@ -99,11 +99,10 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Seen:
-    """A request's prompt as its explanation needs it: the conversation, its parts and
-    their texts ("" for an image), in prompt order (a raw text prompt is one part)."""
+    """A request's prompt as its explanation needs it: the conversation's parts and their
+    texts ("" for an image), in prompt order (a raw text prompt is one part)."""
 
     tenant: str
-    conversation: Conversation
     parts: tuple[Part, ...]
     texts: list[str]
 
@@ -112,9 +111,7 @@ class Seen:
         """``image_hashes``: the conversation's images' content hashes, in order."""
         if not conv.chat:
             text = conv.prompt if isinstance(conv.prompt, str) else ""
-            return cls(
-                tenant, conv, (Part(0, 0, "prompt", False, _digest("prompt", text)),), [text]
-            )
+            return cls(tenant, (Part(0, 0, "prompt", False, _digest("prompt", text)),), [text])
         parts, texts, k = [], [], 0
         for i, m in enumerate(conv.messages):
             for j, p in enumerate(m.parts):
@@ -126,7 +123,7 @@ class Seen:
                     content, image = part_text(p), False
                     texts.append(content)
                 parts.append(Part(i, j, m.role, image, _digest(m.role, content)))
-        return cls(tenant, conv, tuple(parts), texts)
+        return cls(tenant, tuple(parts), texts)
 
 
 def part_text(part: Text | ToolCall | ToolResult) -> str:

@@ -379,7 +379,7 @@ class Frontend:
 
     def _explain(self, p: Prepared, seen: Seen) -> None:
         bs, hashes = self.dispatcher.prompt_hashes(p.job)
-        if not bs:
+        if not bs or p.conversation is None:
             return
         job = p.job
         prompt = Prompt(
@@ -390,7 +390,7 @@ class Frontend:
             prompt,
             seen.texts,
             p.usage.cached_tokens,
-            seen.conversation,
+            p.conversation,
             job.segments,
             p.text.tokenizer,
         )
