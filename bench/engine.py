@@ -145,8 +145,9 @@ def bench_hf(prompt_len: int = 128, new_tokens: int = 32) -> float:
 def bandwidth_bound(engine: TorchEngine) -> tuple[float, float, int]:
     """Memory read bandwidth (read every weight once, best of 5) and bytes read per token."""
     model = engine.model
-    tensors = [*model.wp.values(), model.lm_head_p]
-    tensors += [w for name, w in model.w.items() if name.endswith("norm")]
+    dense = ("wqkv", "wo", "w13", "w2", "norm")
+    tensors = [w for name, w in model.w.items() if name.rsplit(".", 1)[-1].endswith(dense)]
+    tensors.append(model.lm_head)
     per_token = sum(t.nbytes for t in tensors)
     best = float("inf")
     for _ in range(5):

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.torch.speculate import Acceptance, CostCurve, NgramIndex, choose_lengths
+from shared.engine.torch.speculate import (
+    Acceptance,
+    AcceptanceTable,
+    CostCurve,
+    NgramIndex,
+    choose_lengths,
+)
 
 
 def test_a_draft_continues_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
@@ -19,19 +25,32 @@ def test_a_draft_continues_the_latest_earlier_occurrence_of_the_longest_suffix()
     assert NgramIndex(max_n=3).draft([4, 5, 6], 4).tokens == []  # nothing repeats
 
 
-def test_acceptance_starts_at_the_prior_and_learns_per_position() -> None:
+def test_the_engine_table_starts_at_the_prior_and_learns_by_match_and_position() -> None:
+    table = AcceptanceTable()
+    assert table.chance(0, match=1) == pytest.approx(0.5)
+    assert table.chance(0, match=4) > table.chance(0, match=1)  # a longer match predicts better
+    for _ in range(50):  # long matches are right twice, short ones never
+        table.record(match=4, verified=3, accepted=2)
+        table.record(match=1, verified=2, accepted=0)
+    assert table.chance(0, 4) > 0.9 and table.chance(1, 4) > 0.9 and table.chance(2, 4) < 0.1
+    assert table.chance(0, 1) < 0.1
+    assert table.chance(0, 2) == pytest.approx(0.58)  # a match length not seen: still the prior
+
+
+def test_a_sequence_starts_at_the_engine_figure_and_learns_its_own() -> None:
     acc = Acceptance()
-    assert acc.chance(0, match=1) == pytest.approx(0.5)
-    assert acc.chance(0, match=4) > acc.chance(0, match=1)  # a longer match predicts better
-    for _ in range(20):
+    assert acc.chance(0, prior=0.8) == pytest.approx(0.8)
+    for _ in range(30):
         acc.record(verified=3, accepted=1)  # the first is right, the second never
-    assert acc.chance(0, 1) > 0.9 and acc.chance(1, 1) < 0.1
+    assert acc.chance(0, prior=0.2) > 0.8 and acc.chance(1, prior=0.8) < 0.2
 
 
-def test_the_cost_curve_is_a_line_through_noise_and_follows_what_it_sees() -> None:
-    curve = CostCurve({1: 0.030, 2: 0.026, 4: 0.036, 8: 0.040, 16: 0.054})  # 2: a lucky pass
-    assert curve(2) < curve(3) < curve(4) < curve(16)  # no length looks dearer than a longer
-    assert curve(1) == pytest.approx(0.0286, rel=0.02)
+def test_the_cost_curve_goes_through_its_points_and_follows_what_it_sees() -> None:
+    curve = CostCurve({1: 0.030, 2: 0.033, 3: 0.050, 4: 0.040, 8: 0.080})
+    assert curve(3) > curve(4)  # a kernel's step is kept: four rows cheaper than three
+    assert curve(6) == pytest.approx(0.060)  # between points: the straight line
+    assert curve(10) == pytest.approx(0.100)  # beyond: the last segment's slope
+    assert curve(0) == 0.0
     one, eight = curve(1), curve(8)
     for _ in range(200):  # plain steps (one token) are slower than measured: all sizes follow
         curve.observe(1, one * 1.5)
@@ -57,3 +76,11 @@ def test_a_dear_step_on_the_way_does_not_stop_a_length_that_pays_overall() -> No
     curve = CostCurve({1: 0.030, 2: 0.040, 8: 0.046})
     sure = ([0.95] * 8, 8)
     assert choose_lengths([sure], curve) == [8]
+
+
+def test_a_cheap_length_past_a_dear_one_is_found() -> None:
+    """Four rows cheaper than three (a BLAS kernel's step): a sure draft takes three tokens
+    (four in the pass), not two."""
+    curve = CostCurve({1: 0.030, 2: 0.033, 3: 0.050, 4: 0.040, 5: 0.070, 6: 0.072})
+    sure = ([0.9] * 5, 5)
+    assert choose_lengths([sure], curve) == [3]

@@ -33,7 +33,14 @@ from shared.engine.torch.loader import LoadedModel, load_model
 from shared.engine.torch.model import KVCache, Segment, Transformer
 from shared.engine.torch.sampler import logprobs_of, sample
 from shared.engine.torch.sequence import Sequence
-from shared.engine.torch.speculate import MODES, CostCurve, Draft, NgramIndex, choose_lengths
+from shared.engine.torch.speculate import (
+    MODES,
+    AcceptanceTable,
+    CostCurve,
+    Draft,
+    NgramIndex,
+    choose_lengths,
+)
 from shared.model.grammar import GrammarError, Matcher, vocabulary
 
 log = logging.getLogger(__name__)
@@ -62,6 +69,7 @@ class TorchEngine(Engine):
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.costs: dict[int, CostCurve] = {}  # forward seconds by tokens, per batch size
         self._base_cost: CostCurve | None = None
+        self.acceptance = AcceptanceTable()  # every sequence's, by match length and position
         self.drafted = self.accepted = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -77,30 +85,32 @@ class TorchEngine(Engine):
             self._base_cost = self._measure_costs()
 
     def _measure_costs(self, repeats: int = 2, context: int = 256) -> CostCurve:
-        """Seconds per forward pass of 1, 2, 4, … new tokens of one sequence after a
-        ``context``-token context (in scratch blocks, freed after)."""
+        """Seconds per forward pass of 1, 2, … new tokens of one sequence after a
+        ``context``-token context (in scratch blocks, freed after): every size up to a whole
+        draft, then sparser up to what a batch of drafts brings."""
         room = self.pool.free_blocks * self.block_size  # a small pool: a shorter context
-        top = max(1, min(2 * self.options.max_draft + 2, self.config.max_context, room))
+        whole = self.options.max_draft + 1
+        top = max(1, min(max(64, 2 * whole), self.config.max_context, room))
         context = max(0, min(context, room - top, self.config.max_context - top))
-        sizes = sorted({n for n in (1, 2, 4, 8, 16, 32) if n < top} | {top})
+        sizes = sorted({n for n in range(1, whole + 1)} | {12, 16, 24, 32, 48, 64})
+        sizes = [n for n in sizes if n < top] + [top]
         blocks = self.pool.allocate(self.pool.blocks_for(context + top))
         try:
             scratch = Sequence("", [], SamplingParams(), block_table=blocks)
             slots = scratch.slots(self.block_size, context + top)
-            points = {}
-            for n in sizes:
-                seg = Segment(0, n, slots[: context + n])
-                tokens = torch.zeros(n, dtype=torch.long)
-                positions = torch.arange(context, context + n)
-                times = []
-                for _ in range(repeats + 1):  # the first warms up
+            times: dict[int, list[float]] = {n: [] for n in sizes}
+            for round_ in range(repeats + 1):  # the first warms up; sizes interleaved
+                for n in sizes:
+                    seg = Segment(0, n, slots[: context + n])
+                    tokens = torch.zeros(n, dtype=torch.long)
+                    positions = torch.arange(context, context + n)
                     started = time.perf_counter()
                     self.model.logits(self.model.forward(tokens, positions, [seg], self.cache))
-                    times.append(time.perf_counter() - started)
-                points[n] = min(times[1:])
+                    if round_:
+                        times[n].append(time.perf_counter() - started)
         finally:
             self.pool.free(blocks)
-        return CostCurve(points)
+        return CostCurve({n: min(t) for n, t in times.items()})
 
     def cleanup(self) -> None:
         for seq_id in list(self.seqs):
@@ -284,13 +294,11 @@ class TorchEngine(Engine):
         drafts = self._drafts(seqs)
         segments, tokens, positions, row = [], [], [], 0
         for seq, draft in zip(seqs, drafts, strict=True):
-            n = seq.n_tokens
-            segments.append(
-                Segment(row, 1 + len(draft), seq.slots(self.block_size, n + len(draft)))
-            )
-            tokens += [seq.tokens[-1], *draft]
-            positions += range(n - 1, n + len(draft))
-            row += 1 + len(draft)
+            n, k = seq.n_tokens, len(draft.tokens)
+            segments.append(Segment(row, 1 + k, seq.slots(self.block_size, n + k)))
+            tokens += [seq.tokens[-1], *draft.tokens]
+            positions += range(n - 1, n + k)
+            row += 1 + k
         # The grammars' masks for each sequence's first token are computed on another
         # thread while the model runs (llguidance lets go of the GIL): off the step's path.
         bound = [s for s in seqs if s.matcher is not None]
@@ -304,9 +312,9 @@ class TorchEngine(Engine):
         if self._base_cost is not None:
             self._cost(len(seqs)).observe(len(tokens), time.perf_counter() - started)
         outputs = []
-        for seq, seg, draft in zip(seqs, segments, drafts, strict=True):
+        for seq, seg, proposal in zip(seqs, segments, drafts, strict=True):
             seq.n_cached = seq.n_tokens  # the KV of its last token, and of its drafts
-            accepted = 0
+            draft, accepted = proposal.tokens, 0
             for j in range(len(draft) + 1):
                 out = self._append(seq, logits[seg.q_start + j], ahead.pop(id(seq), None))
                 outputs.append(out)
@@ -316,6 +324,7 @@ class TorchEngine(Engine):
             seq.n_cached = seq.n_tokens - 1  # (a rejected draft's KV is past the end: unread)
             if draft:
                 seq.acceptance.record(len(draft), accepted)
+                self.acceptance.record(proposal.match, len(draft), accepted)
                 seq.drafted += len(draft)
                 seq.accepted += accepted
                 self.drafted += len(draft)
@@ -323,13 +332,13 @@ class TorchEngine(Engine):
         self.running = [s for s in self.running if not self.seqs[s].finished]
         return outputs
 
-    def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
+    def _drafts(self, seqs: list[Sequence]) -> list[Draft]:
         """Each sequence's drafted tokens to verify this step (none when speculation is off
         or nothing is worth it)."""
         mode = self.options.speculative
         if mode == "off":
-            return [[] for _ in seqs]
-        proposals, caps = [], []
+            return [Draft([], 0) for _ in seqs]
+        proposals = []
         for seq in seqs:
             room = (
                 min(len(seq.prompt_ids) + seq.params.max_tokens, self.config.max_context)
@@ -338,27 +347,32 @@ class TorchEngine(Engine):
             cap = min(self.options.max_draft, room, seq.params.max_tokens - len(seq.output_ids) - 1)
             if seq.ngrams is None:
                 seq.ngrams = NgramIndex(self.options.max_ngram)
-            proposals.append(seq.ngrams.draft(seq.tokens, max(0, cap)) if cap > 0 else Draft([], 0))
-            caps.append(max(0, cap))
+            proposals.append(seq.ngrams.draft(seq.tokens, cap) if cap > 0 else Draft([], 0))
         if mode == "fixed":
             k = self.options.fixed_draft
-            return [p.tokens[:k] for p in proposals]
+            return [Draft(p.tokens[:k], p.match) for p in proposals]
         candidates = [
-            ([seq.acceptance.chance(j, p.match) for j in range(len(p.tokens))], len(p.tokens))
+            (
+                [
+                    seq.acceptance.chance(j, self.acceptance.chance(j, p.match))
+                    for j in range(len(p.tokens))
+                ],
+                len(p.tokens),
+            )
             for seq, p in zip(seqs, proposals, strict=True)
         ]
         lengths = choose_lengths(candidates, self._cost(len(seqs)))
-        return [p.tokens[:k] for p, k in zip(proposals, lengths, strict=True)]
+        return [Draft(p.tokens[:k], p.match) for p, k in zip(proposals, lengths, strict=True)]
 
     def _cost(self, batch: int) -> CostCurve:
-        """The cost curve of passes with ``batch`` sequences: at first the measured one
-        sequence's, plus what ``batch`` single tokens cost more (learned as it runs)."""
+        """The cost curve of passes with ``batch`` sequences: at first the measured one, by
+        the tokens in the pass (the matrix products' rows, where the time goes), then each
+        batch size's own scale, learned as it runs."""
         if batch not in self.costs:
             assert self._base_cost is not None
             base = self._base_cost
-            self.costs[batch] = CostCurve(
-                {n + batch - 1: base(n) + base(batch) - base(1) for n in base.sizes}
-            )
+            self.costs[batch] = CostCurve(dict(zip(base.sizes, base.seconds, strict=True)))
+            self.costs[batch].scale = self.costs[1].scale if 1 in self.costs else 1.0
         return self.costs[batch]
 
     def _append(

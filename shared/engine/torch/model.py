@@ -44,20 +44,31 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
 
-PANELS = 2  # one per core here; more panels measured no faster
+PANELS = 2  # one per core here
+SMALL_M = 4  # up to this many rows, the weight-first product is the faster one
 
 
-def _panels(w: torch.Tensor) -> torch.Tensor:
-    """[out, in] weight → [P, in, out/P]: panel j holds output columns j·out/P .. (j+1)·out/P."""
+def _project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, in] times the weight w [out, in] transposed → [M, out].
+
+    One bmm over ``PANELS`` row blocks of w (views: no copy), so the blocks run in parallel
+    (torch's one-row matrix product runs on a single thread) and each reads its rows of w in
+    order, once. Decode and verification read every weight every step, so this is where
+    their time goes. Which operand goes first matters by M (measured here): for a few rows
+    the block times xᵀ (BLAS's small-N path reads the weight once) is up to twice as fast;
+    from about five rows x times the block's transpose is (the small-N path stops paying)."""
+    m = x.shape[0]
     out_dim, in_dim = w.shape
-    assert out_dim % PANELS == 0
-    return w.t().reshape(in_dim, PANELS, out_dim // PANELS).permute(1, 0, 2).contiguous()
-
-
-def _project(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """x [M, in] times the panelled weight → [M, out], the panels computed in parallel."""
-    y = torch.bmm(x.unsqueeze(0).expand(panels.shape[0], -1, -1), panels)  # [P, M, out/P]
-    return y.transpose(0, 1).reshape(x.shape[0], -1)
+    if out_dim % PANELS:
+        return F.linear(x, w)
+    blocks = w.view(PANELS, out_dim // PANELS, in_dim)
+    if m > SMALL_M:
+        y = torch.bmm(x.unsqueeze(0).expand(PANELS, -1, -1), blocks.transpose(1, 2))
+        return y.transpose(0, 1).reshape(m, out_dim)  # [P, M, out/P] → [M, out]
+    y = torch.bmm(blocks, x.t().unsqueeze(0).expand(PANELS, -1, -1))  # [P, out/P, M]
+    # (row-major again: a [M, out] view of y would be column-major, and every later op on it,
+    # attention included, would take a slow strided path)
+    return y.permute(2, 0, 1).contiguous().view(m, out_dim)
 
 
 def _rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,19 +92,9 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: Weights) -> None:
         self.config = config
-        # Dense projections are kept as [P, in, out/P] column panels and applied with one bmm:
-        # torch's one-row matrix product runs on a single thread, the panels of a bmm run in
-        # parallel, and the panel layout streams the weights in order (decode reads them all
-        # every step, so this is where its time goes).
-        self.wp = {
-            name: _panels(w)
-            for name, w in weights.items()
-            if name.rsplit(".", 1)[-1] in ("wqkv", "wo", "w13", "w2")
-        }
-        lm_head = weights["tok_emb"] if config.tie_embeddings else weights["lm_head"]
-        self.lm_head_p = _panels(lm_head)
-        # The panels replace those matrices: keep no second copy of them.
-        self.w = {k: v for k, v in weights.items() if k not in self.wp and k != "lm_head"}
+        self.w = weights
+        # Tied embeddings: the output head is the embedding matrix itself, not a copy.
+        self.lm_head = weights["tok_emb"] if config.tie_embeddings else weights["lm_head"]
         self.cos, self.sin = _rope_tables(config)
         n_moe = len(config.moe.layers) if config.moe else 0
         n_experts = config.moe.n_experts if config.moe else 0
@@ -132,7 +133,7 @@ class Transformer:
         for i in range(c.n_layers):
             p = f"layers.{i}."
             h = self._norm(x, self.w[p + "attn_norm"])
-            qkv = _project(h, self.wp[p + "wqkv"])
+            qkv = _project(h, self.w[p + "wqkv"])
             q = qkv[:, :q_dim].view(-1, c.n_heads, c.head_dim)
             k = qkv[:, q_dim : q_dim + c.kv_dim].view(-1, c.n_kv_heads, c.head_dim)
             v = qkv[:, q_dim + c.kv_dim :].view(-1, c.n_kv_heads, c.head_dim)
@@ -140,17 +141,17 @@ class Transformer:
             cache.k[i].index_copy_(0, new_slots, k.to(cache.k.dtype))
             cache.v[i].index_copy_(0, new_slots, v.to(cache.v.dtype))
             attn = self._attention(i, q, segments, cache)
-            x = x + _project(attn.reshape(-1, q_dim), self.wp[p + "wo"])
+            x = x + _project(attn.reshape(-1, q_dim), self.w[p + "wo"])
             h = self._norm(x, self.w[p + "ffn_norm"])
             x = x + (self._moe(i, h) if c.is_moe(i) else self._mlp(h, p))
         return self._norm(x, self.w["norm"])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _project(hidden, self.lm_head_p).float()
+        return _project(hidden, self.lm_head).float()
 
     def _mlp(self, h: torch.Tensor, prefix: str) -> torch.Tensor:
-        gate, up = _project(h, self.wp[prefix + "w13"]).chunk(2, dim=-1)
-        return _project(F.silu(gate) * up, self.wp[prefix + "w2"])
+        gate, up = _project(h, self.w[prefix + "w13"]).chunk(2, dim=-1)
+        return _project(F.silu(gate) * up, self.w[prefix + "w2"])
 
     def _moe(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Top-k routed experts (softmax gate, renormalized over the k) plus a shared expert."""

@@ -7,22 +7,26 @@ draft. Each sequence keeps an index of its n-grams, extended token by token, so 
 a few dict lookups per step.
 
 Lengths (``adaptive``): each candidate position j of a sequence's draft has an estimated
-probability that it is accepted given the ones before it (the sequence's own running
-acceptance at that position, a prior shaded by the match's length); the probability that the
-draft is accepted up to j is their product. Pairs (sequence, position) are admitted in order
-of that probability while the expected tokens per second still rises, against the engine's
-cost curve: seconds per forward pass by tokens in it, measured at start and updated online.
-Admitting nothing is a valid choice: a step then costs what plain decode costs.
+probability that it is accepted given the ones before it: the sequence's own running
+acceptance at that position, starting from the engine's (every sequence's) acceptance at that
+position for drafts of that match length; the probability that the draft is accepted up to j
+is their product. Pairs (sequence, position) are admitted in order of that probability while
+the expected tokens per second still rises, against the engine's cost curve: seconds per
+forward pass by tokens in it, measured at start and updated online. Admitting nothing is a
+valid choice: a step then costs what plain decode costs.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 MODES = ("off", "fixed", "adaptive")
-PRIOR_ACCEPT = 0.5  # a position's acceptance before the sequence has shown its own
-PRIOR_WEIGHT = 2.0  # ... worth this many observations
-MATCH_BONUS = 0.08  # per token of match length beyond 1 (a longer match predicts better)
+PRIOR_ACCEPT = 0.5  # a position's acceptance before the engine has seen any
+MATCH_BONUS = 0.08  # ... plus this per token of match length beyond 1
+PRIOR_WEIGHT = 2.0  # the engine's table starts at that prior, worth this many observations
+SEQ_WEIGHT = 6.0  # a sequence starts at the engine's figure, worth this many of its own
+MEMORY = 0.999  # the engine's table forgets: each observation weighs this much less per new one
 
 
 @dataclass
@@ -57,6 +61,25 @@ class NgramIndex:
         return Draft([], 0)
 
 
+class AcceptanceTable:
+    """Every sequence's acceptance so far, by the draft's match length and the position in it:
+    what a sequence expects before it has shown its own (a long-lived engine learns what its
+    traffic copies)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, int], tuple[float, float]] = {}  # → (tried, accepted)
+
+    def chance(self, position: int, match: int) -> float:
+        tried, hits = self.counts.get((match, position), (0.0, 0.0))
+        prior = min(0.95, PRIOR_ACCEPT + MATCH_BONUS * (match - 1))
+        return (hits + prior * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
+
+    def record(self, match: int, verified: int, accepted: int) -> None:
+        for j in range(verified):
+            tried, hits = self.counts.get((match, j), (0.0, 0.0))
+            self.counts[(match, j)] = (tried * MEMORY + 1, hits * MEMORY + (j < accepted))
+
+
 @dataclass
 class Acceptance:
     """A sequence's acceptance so far, by draft position."""
@@ -73,40 +96,47 @@ class Acceptance:
             if j < accepted:
                 self.accepted[j] += 1
 
-    def chance(self, position: int, match: int) -> float:
-        """The chance that draft position ``position`` is accepted if all before it were."""
+    def chance(self, position: int, prior: float) -> float:
+        """The chance that draft position ``position`` is accepted if all before it were;
+        ``prior``: the engine's figure for it."""
         tried = self.tried[position] if position < len(self.tried) else 0.0
         hits = self.accepted[position] if position < len(self.accepted) else 0.0
-        prior = min(0.95, PRIOR_ACCEPT + MATCH_BONUS * (match - 1))
-        return (hits + prior * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
+        return (hits + prior * SEQ_WEIGHT) / (tried + SEQ_WEIGHT)
 
 
 class CostCurve:
-    """Seconds per forward pass by the tokens in it: a line (fixed cost plus a cost per
-    token) fitted to points measured at start, least squares, so one noisy point cannot make
-    one length look dear and the next cheap; times a scale every pass seen since moves (a
-    moving average of seen ÷ line). One scale for all sizes: a step without drafts corrects
-    the cost of one with them too, so a curve that once looked too steep cannot stay wrong."""
+    """Seconds per forward pass by the tokens in it: the points measured at start, joined by
+    straight lines (and the last segment's slope beyond them), times a scale every pass seen
+    since moves (a moving average of seen ÷ measured). Measured points, not a fitted line:
+    on a CPU the cost is not a line in the tokens (a BLAS kernel's small-M path may make four
+    rows cheaper than three, and compute takes over from memory reads at a few rows), and
+    those steps are where the best lengths sit. One scale for all sizes: a step without
+    drafts corrects the cost of one with them too, so a curve that once looked too steep
+    cannot stay wrong."""
 
     def __init__(self, points: dict[int, float], alpha: float = 0.05) -> None:
         self.alpha = alpha
         self.sizes = sorted(points)
         self.seconds = [points[n] for n in self.sizes]
         self.scale = 1.0
-        n = len(self.sizes)
-        mean_x, mean_y = sum(self.sizes) / n, sum(self.seconds) / n
-        var = sum((x - mean_x) ** 2 for x in self.sizes)
-        cov = sum(
-            (x - mean_x) * (y - mean_y) for x, y in zip(self.sizes, self.seconds, strict=True)
-        )
-        self.per_token = max(0.0, cov / var) if var else 0.0
-        self.fixed = max(mean_y - self.per_token * mean_x, 0.0)
 
     def __call__(self, tokens: int) -> float:
         return self.scale * self.shape(tokens)
 
     def shape(self, tokens: int) -> float:
-        return self.fixed + self.per_token * tokens if tokens else 0.0
+        sizes, seconds = self.sizes, self.seconds
+        if tokens <= 0:
+            return 0.0
+        i = bisect.bisect_left(sizes, tokens)
+        if i < len(sizes) and sizes[i] == tokens:
+            return seconds[i]
+        if i == 0:  # below the first point: in proportion
+            return seconds[0] * tokens / sizes[0]
+        if i == len(sizes):  # beyond the last: the last segment's slope goes on
+            slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]) if i > 1 else 0.0
+            return seconds[-1] + max(slope, 0.0) * (tokens - sizes[-1])
+        x0, x1, y0, y1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A pass of ``tokens`` took ``seconds``."""
