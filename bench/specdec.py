@@ -150,11 +150,21 @@ def copy_rate(prompt: list[int], answer: list[int]) -> tuple[int, int]:
     return sum(g in grams for g in mine), len(mine)
 
 
-def run_batch(engine: TorchEngine, prompts: list[list[int]], tokens: int) -> tuple:
-    """Prefill the batch (not timed), decode it to the end: answers, decode seconds."""
+def run_batch(engine: TorchEngine, prompts: list[list[int]], tokens: int, kv: dict) -> tuple:
+    """Prefill the batch (not timed), decode it to the end: answers, decode seconds. ``kv``:
+    each prompt's full blocks, exported by the first policy's engine and imported by the
+    others' (the prompts' prefill is the same for every policy: done once)."""
     params = SamplingParams(max_tokens=tokens, temperature=0)
     ids = [f"r{i}-{time.perf_counter_ns()}" for i in range(len(prompts))]
-    outs = [[engine.prefill(sid, p, params).token_id] for sid, p in zip(ids, prompts, strict=True)]
+    outs = []
+    for sid, p in zip(ids, prompts, strict=True):
+        key = tuple(p)
+        prefix = engine.import_blocks(kv[key]) if kv.get(key) else None
+        outs.append([engine.prefill(sid, p, params, prefix=prefix).token_id])
+        if prefix is not None:
+            engine.release(prefix)
+        elif key not in kv:
+            kv[key] = engine.export_blocks(sid, 0, (len(p) - 1) // engine.block_size)
     started = time.perf_counter()
     while engine.running:
         for o in engine.step():
@@ -210,6 +220,7 @@ def main() -> None:
                 ).ids[-1000:]
                 for p in prompts
             ]
+            kv: dict = {}
             per = {p: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0} for p in POLICIES}
             copied = [0, 0]
             for start in range(0, len(ids), batch):
@@ -219,7 +230,7 @@ def main() -> None:
                 for policy in POLICIES:
                     engine = engines[policy]
                     before = engine.stats()
-                    outs, took = run_batch(engine, group, args.tokens)
+                    outs, took = run_batch(engine, group, args.tokens, kv)
                     after = engine.stats()
                     r = per[policy]
                     r["tokens"] += sum(len(o) - 1 for o in outs)  # the first is prefill's
