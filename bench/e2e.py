@@ -4,10 +4,18 @@ Starts `kvmesh up` (1 prefill, 1 decode worker) on the tiny model, so compute is
 the mesh itself is measured, then on the real model; drives 1, 8 and 32 concurrent streaming
 chat clients (raw server-sent events over aiohttp). Prints a table, then as its last line one
 JSON object with the tiny model's figures at 8 clients: ttft_p50_ms, ttft_p99_ms,
-tpot_p50_ms, rps, kv_transfer_mb_s, mesh_overhead_p50_ms.
+tpot_p50_ms, rps, kv_transfer_mb_s, mesh_overhead_p50_ms; mesh_overhead_p50_ms_1 (1 client);
+and the anchor's: anchor_overhead_p50_ms (8 clients), anchor_overhead_p50_ms_1, and the same
+on kept-alive connections (anchor_keepalive_overhead_p50_ms[_1]).
 
 mesh overhead = what the client waited (request sent → last chunk) minus the time the
 engines computed for the request (prefill + its decode steps, reported by the workers).
+
+The anchor: `sglang-router` (the Rust router) in front of a fake upstream that answers at once
+(bench/fake_upstream.py, no model behind it), the same client and answer length; its added
+latency = request sent → last chunk through the router minus the same straight to the
+upstream, p50, the two asked in turn. Measured both on a new connection per request and on
+kept-alive connections (where the router's unset TCP_NODELAY meets the client's delayed ACK).
 
 --auth / --tls: also TTFT p50 at 1 client on stacks without and with API keys / TLS
 (`kvmesh up --tls`: HTTPS, mutual TLS on NATS and the KV handoff), up side by side and asked
@@ -161,6 +169,89 @@ async def one_request(
     }
 
 
+class Anchor:
+    """`sglang-router` over the fake upstream, each in its own process on free ports."""
+
+    def __init__(self) -> None:
+        up, port = free_port(), free_port()
+        self.upstream_url = f"http://127.0.0.1:{up}"
+        self.url = f"http://127.0.0.1:{port}"
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, str(REPO / "bench" / "fake_upstream.py"), "--port", str(up)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        ]
+        wait_http(f"{self.upstream_url}/health")
+        router = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
+        router += ["--port", str(port), "--worker-urls", self.upstream_url, "--log-level", "error"]
+        self.procs.append(
+            subprocess.Popen(router, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
+        wait_http(f"{self.url}/v1/models")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def wait_http(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"{url} did not answer in {timeout_s:g} s")
+
+
+async def anchor_added(
+    anchor: Anchor, clients: int, rounds: int, max_tokens: int, keepalive: bool
+) -> float:
+    """p50 of (through the router − straight to the upstream), request sent → last chunk, in
+    ms; ``clients`` at once, the two targets in turn each round."""
+    connector = aiohttp.TCPConnector(limit=0, force_close=not keepalive)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for url in (anchor.upstream_url, anchor.url):  # warm-up: connections, first paths
+            await one_request(session, url, "fake", -1, max_tokens)
+        times: dict[str, list[float]] = {anchor.upstream_url: [], anchor.url: []}
+        for r in range(rounds):
+            for url in times:
+                figs = await asyncio.gather(
+                    *(
+                        one_request(session, url, "fake", r * 100 + c, max_tokens)
+                        for c in range(clients)
+                    )
+                )
+                times[url] += [f["latency"] for f in figs]
+    direct = statistics.median(times[anchor.upstream_url])
+    return round((statistics.median(times[anchor.url]) - direct) * 1e3, 2)
+
+
+def measure_anchor(max_tokens: int, rounds: int = 40) -> dict:
+    say("starting the anchor: sglang-router over a fake upstream")
+    anchor = Anchor()
+    out = {}
+    try:
+        for keepalive in (False, True):
+            for clients in (1, 8):
+                name = "anchor_keepalive_overhead_p50_ms" if keepalive else "anchor_overhead_p50_ms"
+                name += "_1" if clients == 1 else ""
+                out[name] = asyncio.run(
+                    anchor_added(anchor, clients, rounds, max_tokens, keepalive)
+                )
+                say(f"  {name}: {out[name]:.2f}")
+    finally:
+        anchor.stop()
+    return out
+
+
 async def drive(
     url: str,
     model: str,
@@ -235,7 +326,9 @@ def main() -> None:
                 fig = asyncio.run(drive(stack.url, model, clients, per_client, args.max_tokens))
                 rows.append((model, clients, fig))
                 if model == "tiny" and clients == 8:
-                    summary = {k: v for k, v in fig.items() if k != "requests"}
+                    summary.update({k: v for k, v in fig.items() if k != "requests"})
+                if model == "tiny" and clients == 1:
+                    summary["mesh_overhead_p50_ms_1"] = fig["mesh_overhead_p50_ms"]
         finally:
             stack.stop()
     head = (
@@ -256,6 +349,15 @@ def main() -> None:
             f"{f['ttft_p99_ms']:>8.1f}ms{f['tpot_p50_ms'] or 0:>8.1f}ms{f['rps']:>8.1f}"
             f"{f['kv_transfer_mb_s'] or 0:>9.1f}{f['mesh_overhead_p50_ms']:>17.1f}ms"
         )
+    anchor = measure_anchor(args.max_tokens)
+    print(
+        f"anchor (sglang-router over a fake upstream, {args.max_tokens} chunks), added p50: "
+        f"{anchor['anchor_overhead_p50_ms_1']:.2f} ms at 1 client, "
+        f"{anchor['anchor_overhead_p50_ms']:.2f} ms at 8 (a new connection per request); "
+        f"{anchor['anchor_keepalive_overhead_p50_ms_1']:.2f} / "
+        f"{anchor['anchor_keepalive_overhead_p50_ms']:.2f} ms on kept-alive connections"
+    )
+    summary.update(anchor)
     if args.auth or args.tls:
         summary.update(security_comparison(args.auth, args.tls, args.max_tokens))
     print(json.dumps(summary))

@@ -34,6 +34,9 @@ def test_the_engine_table_starts_at_the_prior_and_learns_by_match_and_position()
         table.record(match=1, verified=2, accepted=0)
     assert table.chance(0, 4) > 0.9 and table.chance(1, 4) > 0.9 and table.chance(2, 4) < 0.1
     assert table.chance(0, 1) < 0.1
+    # A position after a rejected one was never tried: still the prior (the chances are each
+    # given the ones before, so their product is the chance of the prefix).
+    assert table.chance(1, 1) == pytest.approx(0.5)
     assert table.chance(0, 2) == pytest.approx(0.58)  # a match length not seen: still the prior
 
 
@@ -43,6 +46,7 @@ def test_a_sequence_starts_at_the_engine_figure_and_learns_its_own() -> None:
     for _ in range(30):
         acc.record(verified=3, accepted=1)  # the first is right, the second never
     assert acc.chance(0, prior=0.2) > 0.8 and acc.chance(1, prior=0.8) < 0.2
+    assert acc.chance(2, prior=0.8) == pytest.approx(0.8)  # after the rejected one: untried
 
 
 def test_the_cost_curve_goes_through_its_points_and_follows_what_it_sees() -> None:
@@ -56,6 +60,16 @@ def test_the_cost_curve_goes_through_its_points_and_follows_what_it_sees() -> No
         curve.observe(1, one * 1.5)
     assert curve(1) == pytest.approx(one * 1.5, rel=0.01)
     assert curve(8) == pytest.approx(eight * 1.5, rel=0.01)
+
+
+def test_a_size_measured_badly_at_start_is_corrected_by_the_passes_that_use_it() -> None:
+    curve = CostCurve({1: 0.030, 2: 0.060, 3: 0.050, 4: 0.040})  # 2: a busy moment at start
+    for _ in range(40):
+        curve.observe(1, 0.030)
+        curve.observe(2, 0.032)
+    assert curve(2) == pytest.approx(0.032, rel=0.02)
+    assert curve(1) == pytest.approx(0.030, rel=0.02)
+    assert curve(3) > curve(4)  # sizes not seen keep the measured shape
 
 
 def test_lengths_follow_the_chances_and_the_cost() -> None:

@@ -75,7 +75,10 @@ class AcceptanceTable:
         return (hits + prior * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
     def record(self, match: int, verified: int, accepted: int) -> None:
-        for j in range(verified):
+        """A draft of ``verified`` tokens, the first ``accepted`` taken: positions up to the
+        first rejected one were tried (those after it were not: a chance given the ones
+        before)."""
+        for j in range(min(verified, accepted + 1)):
             tried, hits = self.counts.get((match, j), (0.0, 0.0))
             self.counts[(match, j)] = (tried * MEMORY + 1, hits * MEMORY + (j < accepted))
 
@@ -88,10 +91,11 @@ class Acceptance:
     accepted: list[float] = field(default_factory=list)
 
     def record(self, verified: int, accepted: int) -> None:
+        """As ``AcceptanceTable.record``: positions after the first rejected one untried."""
         while len(self.tried) < verified:
             self.tried.append(0.0)
             self.accepted.append(0.0)
-        for j in range(verified):
+        for j in range(min(verified, accepted + 1)):
             self.tried[j] += 1
             if j < accepted:
                 self.accepted[j] += 1
@@ -105,23 +109,31 @@ class Acceptance:
 
 
 class CostCurve:
-    """Seconds per forward pass by the tokens in it: the points measured at start, joined by
-    straight lines (and the last segment's slope beyond them), times a scale every pass seen
-    since moves (a moving average of seen ÷ measured). Measured points, not a fitted line:
-    on a CPU the cost is not a line in the tokens (a BLAS kernel's small-M path may make four
-    rows cheaper than three, and compute takes over from memory reads at a few rows), and
-    those steps are where the best lengths sit. One scale for all sizes: a step without
-    drafts corrects the cost of one with them too, so a curve that once looked too steep
-    cannot stay wrong."""
+    """Seconds per forward pass by the tokens in it.
+
+    At first: the points measured at start, joined by straight lines (the last segment's
+    slope beyond them), times a scale that every pass seen since moves (a moving average of
+    seen ÷ measured): a step without drafts corrects the cost of one with them too, so a
+    curve that once looked too steep cannot stay wrong. Points, not a fitted line: on a CPU
+    the cost is not a line in the tokens (a BLAS kernel's small-M path may make four rows
+    cheaper than three, and compute takes over from memory reads at a few rows), and those
+    steps are where the best lengths sit. Then, for each size seen a few times, its own
+    moving average: a point measured badly at start (a busy machine for a moment) is
+    corrected by the passes that use it."""
+
+    SEEN_ALPHA = 0.1
+    SEEN_AFTER = 3  # passes of a size before its own average replaces the curve there
 
     def __init__(self, points: dict[int, float], alpha: float = 0.05) -> None:
         self.alpha = alpha
         self.sizes = sorted(points)
         self.seconds = [points[n] for n in self.sizes]
         self.scale = 1.0
+        self.seen: dict[int, tuple[float, int]] = {}  # tokens → (moving average, passes)
 
     def __call__(self, tokens: int) -> float:
-        return self.scale * self.shape(tokens)
+        mean, passes = self.seen.get(tokens, (0.0, 0))
+        return mean if passes >= self.SEEN_AFTER else self.scale * self.shape(tokens)
 
     def shape(self, tokens: int) -> float:
         sizes, seconds = self.sizes, self.seconds
@@ -141,8 +153,11 @@ class CostCurve:
     def observe(self, tokens: int, seconds: float) -> None:
         """A pass of ``tokens`` took ``seconds``."""
         expected = self.shape(tokens)
-        if expected > 0:
-            self.scale += self.alpha * (seconds / expected - self.scale)
+        if expected <= 0:
+            return
+        self.scale += self.alpha * (seconds / expected - self.scale)
+        mean, passes = self.seen.get(tokens, (seconds, 0))
+        self.seen[tokens] = (mean + self.SEEN_ALPHA * (seconds - mean), passes + 1)
 
 
 def choose_lengths(candidates: list[tuple[list[float], int]], cost: CostCurve) -> list[int]:
