@@ -12,6 +12,8 @@ from shared.engine.interface import Engine, EngineOptions
 # name → "module:class" of an Engine subclass
 ENGINES: dict[str, str] = {
     "torch": "shared.engine.torch.engine:TorchEngine",
+    # benchmarks of the mesh only: real prefill, decode a paced fixed token (see its module)
+    "fake-paced": "shared.engine.fake:PacedFakeEngine",
 }
 
 

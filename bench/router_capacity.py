@@ -1,0 +1,337 @@
+"""One router's streaming capacity: tokens per second it streams, the CPU it takes, and the
+inter-token latency it adds, against the Rust router (sglang-router) measured the same way.
+
+kvmesh: `kvmesh up` on the tiny model (1 prefill worker, --decode workers) whose decode workers
+run the fake-paced engine (shared/engine/fake.py, named as a fake: real prefill, then a fixed
+token every --step-ms and no compute, so decode is never the limit). The anchor:
+`sglang-router` over the fake upstream (bench/fake_upstream.py) sending a chunk every
+--step-ms. For each concurrency (64 → 1,024 streaming clients on 127.0.0.1, each asking again
+as soon as an answer ends, --seconds measured after a warm-up): the tokens per second the
+clients receive, the streams that got tokens in the window, the router process's CPU (share of
+one core; on this two-core machine the clients, NATS and the workers share it), tokens per
+router CPU-second (what one core of router carries), and the gaps between a stream's tokens at
+the client, p50/p99, minus the step interval (what the path adds).
+
+The client is lean (raw asyncio sockets, tokens counted in the byte stream, no JSON parsed) so
+that its own cost is small; it runs in its own process.
+
+Last line JSON (at 256 streams unless --at): router_tokens_s, router_tokens_per_cpu_s,
+router_added_itl_p50_ms, router_added_itl_p99_ms, anchor_tokens_s, anchor_tokens_per_cpu_s,
+anchor_added_itl_p99_ms, and every concurrency's figures.
+
+    .venv/bin/python bench/router_capacity.py [--streams 64 256 1024] [--seconds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.e2e import free_port, say, wait_http  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TOKEN = b'" tok"'  # the fixed token's text, as it appears in a chunk's JSON (both servers)
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
+# -- the client (its own process) -------------------------------------------------------------
+
+
+async def stream_forever(
+    i: int,
+    host: str,
+    port: int,
+    body: bytes,
+    stop_at: float,
+    window: tuple[float, float],
+    out: dict,
+) -> None:
+    """Ask, read the stream to its end, ask again, until ``stop_at``. Tokens arriving inside
+    ``window`` are counted; the gaps between a stream's successive tokens are kept."""
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        while time.perf_counter() < stop_at:
+            writer.write(request)
+            last = None
+            buffer = b""
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    return
+                now = time.perf_counter()
+                buffer = buffer[-8:] + data
+                n = buffer.count(TOKEN)
+                if n:
+                    if window[0] <= now < window[1]:
+                        out["tokens"] += n
+                        out["live"].add(i)
+                        if last is not None:
+                            out["gaps"].append(now - last)
+                            out["gaps"].extend([0.0] * (n - 1))
+                    last = now
+                if b"[DONE]" in buffer or buffer.endswith(b"0\r\n\r\n"):
+                    break
+    finally:
+        writer.close()
+
+
+def client_process(  # noqa: PLR0913
+    host: str,
+    port: int,
+    streams: int,
+    model: str,
+    max_tokens: int,
+    warm_s: float,
+    seconds: float,
+    queue: multiprocessing.Queue,
+) -> None:
+    import uvloop
+
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "Say tok."}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+    ).encode()
+    out: dict = {"tokens": 0, "gaps": [], "live": set()}
+
+    async def main() -> None:
+        start = time.perf_counter()
+        window = (start + warm_s, start + warm_s + seconds)
+        tasks = [
+            asyncio.create_task(stream_forever(i, host, port, body, window[1], window, out))
+            for i in range(streams)
+        ]
+        await asyncio.sleep(window[1] - time.perf_counter())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    uvloop.run(main())
+    gaps = sorted(out["gaps"])
+    queue.put(
+        {
+            "tokens": out["tokens"],
+            "live": len(out["live"]),
+            "gap_p50": gaps[len(gaps) // 2] if gaps else None,
+            "gap_p99": gaps[int(0.99 * len(gaps))] if gaps else None,
+        }
+    )
+
+
+def measure(url: str, router_pid: int, streams: int, model: str, args: argparse.Namespace) -> dict:
+    host, port = url.removeprefix("http://").split(":")
+    queue: multiprocessing.Queue = multiprocessing.Queue()
+    client = multiprocessing.Process(
+        target=client_process,
+        args=(host, int(port), streams, model, args.max_tokens, args.warm, args.seconds, queue),
+    )
+    client.start()
+    time.sleep(args.warm)
+    cpu0, t0 = cpu_seconds(router_pid), time.perf_counter()
+    time.sleep(args.seconds)
+    cpu1, t1 = cpu_seconds(router_pid), time.perf_counter()
+    got = queue.get(timeout=120)
+    client.join(30)
+    step = args.step_ms / 1e3
+    tokens_s = got["tokens"] / args.seconds
+    cpu = (cpu1 - cpu0) / (t1 - t0)
+    return {
+        "streams": streams,
+        "live": got["live"],
+        "tokens_s": round(tokens_s),
+        "router_cpu": round(cpu, 3),
+        "tokens_per_cpu_s": round(tokens_s / cpu) if cpu else None,
+        "itl_p50_ms": round(got["gap_p50"] * 1e3, 2) if got["gap_p50"] is not None else None,
+        "itl_p99_ms": round(got["gap_p99"] * 1e3, 2) if got["gap_p99"] is not None else None,
+        "added_itl_p50_ms": round((got["gap_p50"] - step) * 1e3, 2) if got["gap_p50"] else None,
+        "added_itl_p99_ms": round((got["gap_p99"] - step) * 1e3, 2) if got["gap_p99"] else None,
+    }
+
+
+# -- the two systems ------------------------------------------------------------------------
+
+
+def children_of(pid: int) -> list[tuple[int, str]]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append((int(entry.name), cmd))
+    return found
+
+
+def kvmesh_stack(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int]:
+    state = Path(tempfile.mkdtemp(prefix="kvmesh-capacity-"))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env.update(
+        KVMESH_STATE_DIR=str(state),
+        KVMESH_NATS_URL=f"nats://127.0.0.1:{free_port()}",
+        KVMESH_ROUTER_HTTP_PORT=str(port),
+        KVMESH_ROUTER_GRPC_PORT="0",
+        KVMESH_PREFILL_MODEL="tiny",
+        KVMESH_DECODE_MODEL="tiny",
+        KVMESH_DECODE_ENGINE="fake-paced",
+        KVMESH_FAKE_STEP_MS=str(args.step_ms),
+        KVMESH_PREFILL_THREADS="1",
+        KVMESH_DECODE_THREADS="1",
+        KVMESH_DECODE_KV_CACHE_TOKENS=str(max(args.streams) * (args.max_tokens + 128)),
+        KVMESH_DECODE_KV_STORE="false",  # the answers are a fake's: nothing to keep
+        KVMESH_DECODE_MEMORY_TIER_BYTES="0",
+        KVMESH_DECODE_MAX_RUNNING=str(max(args.streams) + 64),
+        KVMESH_ROUTER_MAX_INFLIGHT=str(max(args.streams) * 2),
+        KVMESH_LOG_LEVEL="warning",
+    )
+    log = open(state / "up.log", "wb")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "kvmesh", "up", "--decode", str(args.decode), "--encoder", "0"]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/v1/models", timeout_s=180)
+    router = next(pid for pid, cmd in children_of(proc.pid) if "services.router" in cmd)
+    return proc, url, router
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def anchor_stack(args: argparse.Namespace) -> tuple[list[subprocess.Popen], str, int]:
+    up, port = free_port(), free_port()
+    upstream = subprocess.Popen(
+        [sys.executable, str(REPO / "bench" / "fake_upstream.py"), "--port", str(up)]
+        + ["--itl-ms", str(args.step_ms)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_http(f"http://127.0.0.1:{up}/health")
+    router = subprocess.Popen(
+        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
+        + ["--port", str(port), "--worker-urls", f"http://127.0.0.1:{up}"]
+        + ["--log-level", "error", "--max-concurrent-requests", str(max(args.streams) * 2)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/v1/models")
+    return [upstream, router], url, router.pid
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--streams", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--at", type=int, default=256, help="the concurrency the JSON headlines")
+    ap.add_argument("--seconds", type=float, default=8.0, help="measured, per concurrency")
+    ap.add_argument("--warm", type=float, default=8.0, help="before measuring (all streams in)")
+    ap.add_argument("--step-ms", type=float, default=20.0, help="between a stream's tokens")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1500,
+        help="per answer (long enough that a stream's one answer spans warm-up and window)",
+    )
+    ap.add_argument("--decode", type=int, default=1, help="kvmesh decode workers")
+    ap.add_argument("--skip-anchor", action="store_true")
+    args = ap.parse_args()
+    results: dict[str, list[dict]] = {"kvmesh": [], "anchor": []}
+
+    say("starting kvmesh (tiny model, decode on the fake-paced engine)")
+    proc, url, pid = kvmesh_stack(args)
+    try:
+        for n in args.streams:
+            say(f"kvmesh: {n} streams")
+            results["kvmesh"].append(measure(url, pid, n, "tiny", args))
+            say(f"  {results['kvmesh'][-1]}")
+    finally:
+        stop(proc)
+    if not args.skip_anchor:
+        say("starting the anchor: sglang-router over the fake upstream")
+        procs, url, pid = anchor_stack(args)
+        try:
+            for n in args.streams:
+                say(f"anchor: {n} streams")
+                results["anchor"].append(measure(url, pid, n, "fake", args))
+                say(f"  {results['anchor'][-1]}")
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(10)
+
+    print(f"streaming, a token every {args.step_ms:g} ms per stream, {args.seconds:g} s measured")
+    head = (
+        "system",
+        "streams",
+        "tok/s",
+        "router CPU",
+        "tok/CPU-s",
+        "ITL p50",
+        "ITL p99",
+        "added p99",
+    )
+    print("{:<8}{:>8}{:>10}{:>12}{:>11}{:>10}{:>10}{:>11}".format(*head))
+    for system, rows in results.items():
+        for r in rows:
+            print(
+                f"{system:<8}{r['streams']:>8}{r['tokens_s']:>10}{r['router_cpu']:>12.2f}"
+                f"{r['tokens_per_cpu_s'] or 0:>11}{r['itl_p50_ms'] or 0:>8.1f}ms"
+                f"{r['itl_p99_ms'] or 0:>8.1f}ms{r['added_itl_p99_ms'] or 0:>9.1f}ms"
+            )
+
+    def at(system: str) -> dict:
+        rows = results[system]
+        return next((r for r in rows if r["streams"] == args.at), rows[-1] if rows else {})
+
+    k, a = at("kvmesh"), at("anchor")
+    print(
+        json.dumps(
+            {
+                "router_tokens_s": k.get("tokens_s"),
+                "router_tokens_per_cpu_s": k.get("tokens_per_cpu_s"),
+                "router_added_itl_p50_ms": k.get("added_itl_p50_ms"),
+                "router_added_itl_p99_ms": k.get("added_itl_p99_ms"),
+                "anchor_tokens_s": a.get("tokens_s"),
+                "anchor_tokens_per_cpu_s": a.get("tokens_per_cpu_s"),
+                "anchor_added_itl_p99_ms": a.get("added_itl_p99_ms"),
+                "streams": args.at,
+                "all": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
