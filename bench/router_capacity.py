@@ -269,23 +269,23 @@ def main() -> None:
     args = ap.parse_args()
     results: dict[str, list[dict]] = {"kvmesh": [], "anchor": []}
 
+    def sweep(system: str, url: str, pid: int, model: str) -> None:
+        for n in args.streams:
+            say(f"{system}: {n} streams")
+            results[system].append(measure(url, pid, n, model, args))
+            say(f"  {results[system][-1]}")
+
     say("starting kvmesh (tiny model, decode on the fake-paced engine)")
     proc, url, pid = kvmesh_stack(args)
     try:
-        for n in args.streams:
-            say(f"kvmesh: {n} streams")
-            results["kvmesh"].append(measure(url, pid, n, "tiny", args))
-            say(f"  {results['kvmesh'][-1]}")
+        sweep("kvmesh", url, pid, "tiny")
     finally:
         stop(proc)
     if not args.skip_anchor:
         say("starting the anchor: sglang-router over the fake upstream")
         procs, url, pid = anchor_stack(args)
         try:
-            for n in args.streams:
-                say(f"anchor: {n} streams")
-                results["anchor"].append(measure(url, pid, n, "fake", args))
-                say(f"  {results['anchor'][-1]}")
+            sweep("anchor", url, pid, "fake")
         finally:
             for p in procs:
                 p.terminate()
