@@ -186,6 +186,7 @@ class Anchor:
         wait_http(f"{self.upstream_url}/health")
         router = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
         router += ["--port", str(port), "--worker-urls", self.upstream_url, "--log-level", "error"]
+        router += ["--prometheus-port", str(free_port())]
         self.procs.append(
             subprocess.Popen(router, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         )

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -73,6 +74,20 @@ async def stream_forever(
     try:
         while time.perf_counter() < stop_at:
             writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):  # refused (busy, not ready): again soon
+                out["errors"] += 1
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.lower().split(b"\r\n")
+                        if line.startswith(b"content-length:")
+                    ),
+                    0,
+                )
+                await reader.readexactly(length)
+                await asyncio.sleep(0.2)
+                continue
             last = None
             buffer = b""
             while True:
@@ -117,7 +132,7 @@ def client_process(  # noqa: PLR0913
             "stream": True,
         }
     ).encode()
-    out: dict = {"tokens": 0, "gaps": [], "live": set()}
+    out: dict = {"tokens": 0, "gaps": [], "live": set(), "errors": 0}
 
     async def main() -> None:
         start = time.perf_counter()
@@ -137,6 +152,7 @@ def client_process(  # noqa: PLR0913
         {
             "tokens": out["tokens"],
             "live": len(out["live"]),
+            "errors": out["errors"],
             "gap_p50": gaps[len(gaps) // 2] if gaps else None,
             "gap_p99": gaps[int(0.99 * len(gaps))] if gaps else None,
         }
@@ -163,6 +179,7 @@ def measure(url: str, router_pid: int, streams: int, model: str, args: argparse.
     return {
         "streams": streams,
         "live": got["live"],
+        "refused": got["errors"],
         "tokens_s": round(tokens_s),
         "router_cpu": round(cpu, 3),
         "tokens_per_cpu_s": round(tokens_s / cpu) if cpu else None,
@@ -218,8 +235,20 @@ def kvmesh_stack(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int]:
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/v1/models", timeout_s=180)
+    wait_served(url)
     router = next(pid for pid, cmd in children_of(proc.pid) if "services.router" in cmd)
     return proc, url, router
+
+
+def wait_served(url: str, timeout_s: float = 180) -> None:
+    """Until the router lists the model (its workers registered)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+            if json.loads(r.read())["data"]:
+                return
+        time.sleep(0.5)
+    raise SystemExit(f"{url} lists no model after {timeout_s:g} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -242,7 +271,8 @@ def anchor_stack(args: argparse.Namespace) -> tuple[list[subprocess.Popen], str,
     router = subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
         + ["--port", str(port), "--worker-urls", f"http://127.0.0.1:{up}"]
-        + ["--log-level", "error", "--max-concurrent-requests", str(max(args.streams) * 2)],
+        + ["--log-level", "error", "--max-concurrent-requests", str(max(args.streams) * 2)]
+        + ["--prometheus-port", str(free_port())],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

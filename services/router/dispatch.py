@@ -63,6 +63,42 @@ def resumed_event(event: TokenEvent, offset: int) -> TokenEvent:
     )
 
 
+def continues(event: TokenEvent, more: TokenEvent) -> bool:
+    """Whether ``more`` is the very next tokens from the same worker, with nothing that
+    must be seen on its own (an error)."""
+    return (
+        not more.error
+        and more.index == event.index + len(event.token_ids)
+        and more.worker_id == event.worker_id
+        and (event.logprobs is None) == (more.logprobs is None)
+    )
+
+
+def merged(event: TokenEvent, more: TokenEvent) -> TokenEvent:
+    """Two consecutive events as one: tokens joined, the times summed, the end the later's."""
+
+    def total(a: float | None, b: float | None) -> float | None:
+        return None if a is None and b is None else (a or 0.0) + (b or 0.0)
+
+    return TokenEvent(
+        request_id=event.request_id,
+        index=event.index,
+        token_ids=event.token_ids + more.token_ids,
+        logprobs=None if event.logprobs is None else event.logprobs + (more.logprobs or []),
+        finish_reason=more.finish_reason,
+        stop_string=more.stop_string,
+        cached_tokens=event.cached_tokens if more.cached_tokens is None else more.cached_tokens,
+        cached_by_tier=more.cached_by_tier or event.cached_by_tier,
+        prefill_s=total(event.prefill_s, more.prefill_s),
+        decode_s=total(event.decode_s, more.decode_s),
+        kv_bytes=None
+        if event.kv_bytes is None and more.kv_bytes is None
+        else (event.kv_bytes or 0) + (more.kv_bytes or 0),
+        kv_transfer_s=total(event.kv_transfer_s, more.kv_transfer_s),
+        worker_id=event.worker_id,
+    )
+
+
 @dataclass(frozen=True)
 class Job:
     request_id: str
@@ -511,11 +547,15 @@ class Dispatcher:
         """Events in answer order (prefill and decode publish on separate connections)."""
         next_index = 0
         early: dict[int, TokenEvent] = {}
+        held: list[TokenEvent] = []  # taken from the queue while catching up, not yet seen
         while True:
             if next_index in early:
                 event = early.pop(next_index)
             else:
-                event = await self._next(job, queue, attempt, started=next_index > 0)
+                if held:
+                    event = held.pop()
+                else:
+                    event = await self._next(job, queue, attempt, started=next_index > 0)
                 if event.error:
                     if event.error_code in ("busy", "unavailable"):
                         raise _Failed(
@@ -532,6 +572,15 @@ class Dispatcher:
                 if event.index < next_index:  # a duplicate
                     continue
             next_index += len(event.token_ids)
+            # Events already here that continue this one go out with it: a stream that fell
+            # behind catches up in one chunk and one write, not one per token.
+            while not event.finish_reason and not queue.empty() and next_index not in early:
+                more = queue.get_nowait()
+                if not continues(event, more):
+                    held.append(more)  # (an error, a gap, another worker's: on its own next)
+                    break
+                event = merged(event, more)
+                next_index += len(more.token_ids)
             yield event
             if event.finish_reason:
                 return
@@ -549,9 +598,12 @@ class Dispatcher:
             left = job.deadline - time.time()
             if left <= 0:
                 raise ApiError(504, "request deadline passed", code="timeout")
+            if not queue.empty():
+                return queue.get_nowait()
             wait = min(left, limits.liveness_check_s, max(0.0, stalled_at - time.monotonic()))
             try:
-                return await asyncio.wait_for(queue.get(), wait)
+                async with asyncio.timeout(wait):  # (no task per event, as wait_for makes)
+                    return await queue.get()
             except TimeoutError:
                 gone = [w for w in attempt.workers if not self._alive(w)]
                 if gone:

@@ -1,0 +1,29 @@
+"""A stream that fell behind catches up in one chunk: consecutive token events from the same
+worker already in the router's queue go out as one, with nothing lost or reordered."""
+
+from __future__ import annotations
+
+from services.router.dispatch import continues, merged
+from shared.messages.generate import TokenEvent
+
+
+def event(index: int, tokens: list[int], **fields) -> TokenEvent:  # noqa: ANN003
+    return TokenEvent(request_id="r", index=index, token_ids=tokens, worker_id="d1", **fields)
+
+
+def test_consecutive_events_join_with_their_figures_summed_and_the_later_end() -> None:
+    first = event(1, [5, 6], kv_bytes=100, kv_transfer_s=0.01, cached_tokens=64)
+    last = event(3, [7], finish_reason="length", decode_s=0.2)
+    assert continues(first, last)
+    both = merged(first, last)
+    assert both.index == 1 and both.token_ids == [5, 6, 7]
+    assert both.finish_reason == "length" and both.decode_s == 0.2
+    assert both.kv_bytes == 100 and both.kv_transfer_s == 0.01 and both.cached_tokens == 64
+    assert both.prefill_s is None  # a figure neither had stays absent
+
+
+def test_an_error_a_gap_or_another_worker_is_never_joined() -> None:
+    first = event(1, [5])
+    assert not continues(first, event(2, [], error="boom", error_code="internal"))
+    assert not continues(first, event(3, [7]))  # index 2 is missing
+    assert not continues(first, first.model_copy(update={"index": 2, "worker_id": "d2"}))
