@@ -75,10 +75,12 @@ def test_a_request_past_its_deadline_gets_504_and_its_kv_is_freed(stack: Stack) 
         code, _, body = post(url, LONG_ANSWER)  # 4,000 tokens take the tiny model seconds
         assert code == 504, body
         assert body["error"]["code"] == "timeout" and "deadline" in body["error"]["message"]
+        # Decode stopped the answer at its deadline: nothing keeps running for nobody (and the
+        # next long answer finds room: 4,000 tokens take nearly all of the tiny stack's KV).
+        wait_until(lambda: blocks_used(stack) == 0, 30, what="decode's KV freed")
         with pytest.raises(grpc.RpcError) as err:
             grpc_generate(stack.grpc_of("router-deadline"), "Tell me all.", max_tokens=4000)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        # Decode stopped the answer at its deadline: nothing keeps running for nobody.
         wait_until(lambda: blocks_used(stack) == 0, 30, what="decode's KV freed")
     finally:
         stack.procs["router-deadline"].stop()
