@@ -31,7 +31,14 @@ from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
 from shared.kvstore.tiers import MEMORY, STORAGE, CachedPrefix, KvTiers
 from shared.messages.encode import EMBEDS_SHAPE_HEADER
-from shared.messages.generate import Cancel, GenerateTask, ImageRef, Logprobs, TokenEvent
+from shared.messages.generate import (
+    Cancel,
+    GenerateTask,
+    ImageRef,
+    Logprobs,
+    TokenEvent,
+    TokenEvents,
+)
 from shared.messages.heartbeat import Load
 from shared.model.text import MODEL_NAMES
 from shared.runner import EngineRunner
@@ -358,12 +365,14 @@ class WorkerService(Service):
             request_id=rid, index=0, error=message, error_code=code, worker_id=self.service_id
         )
 
-    async def send(self, subject: str, event: TokenEvent) -> None:
+    async def send(self, subject: str, *events: TokenEvent) -> None:
+        """Events to a router's reply subject, in one message."""
         assert self.bus is not None
         try:
-            await self.bus.publish(subject, event)
+            await self.bus.publish(subject, TokenEvents(events=list(events)))
         except Exception as err:  # the router notices the silence and retries or fails
-            log.warning("could not send tokens of %s: %s", event.request_id, err)
+            rids = ", ".join(e.request_id for e in events)
+            log.warning("could not send tokens of %s: %s", rids, err)
 
     def models(self) -> list[str]:
         return [self.worker_settings.model]

@@ -287,10 +287,14 @@ class DecodeService(WorkerService):
     async def _send_all(
         self, previous: asyncio.Task | None, events: list[tuple[str, TokenEvent]]
     ) -> None:
+        """One message per router for the step (all its requests' tokens)."""
+        by_router: dict[str, list[TokenEvent]] = {}
+        for subject, event in events:
+            by_router.setdefault(subject, []).append(event)
         if previous is not None:
             await previous  # a request's events stay in order
-        for subject, event in events:
-            await self.send(subject, event)
+        for subject, batch in by_router.items():
+            await self.send(subject, *batch)
 
 
 class KvReceiver(kv_pb2_grpc.KvHandoffServicer):

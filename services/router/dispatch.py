@@ -32,7 +32,15 @@ from services.router.scoring import DecodeScore, rank_decode
 from services.router.tokens import PrefixHashes, Segments
 from shared.bus import Bus, BusError, NoResponders, subjects
 from shared.kvstore.hashing import block_hashes
-from shared.messages.generate import Cancel, GenerateTask, ImageRef, Sampling, TaskAck, TokenEvent
+from shared.messages.generate import (
+    Cancel,
+    GenerateTask,
+    ImageRef,
+    Sampling,
+    TaskAck,
+    TokenEvent,
+    TokenEvents,
+)
 from shared.messages.kvevents import STORE, LookupReply, LookupRequest, memory_location
 from shared.security.handoff import handoff_token
 from shared.telemetry.metrics import MOVES
@@ -193,7 +201,7 @@ class Dispatcher:
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
 
     async def start(self) -> None:
-        await self.bus.subscribe(subjects.replies(self.router_id), TokenEvent, self._on_event)
+        await self.bus.subscribe(subjects.replies(self.router_id), TokenEvents, self._on_events)
         self.bus.on_reconnect.append(self._reconnected)
 
     def _reconnected(self) -> None:
@@ -210,10 +218,12 @@ class Dispatcher:
                 )
             )
 
-    async def _on_event(self, event: TokenEvent) -> None:
-        queue = self._queues.get(event.request_id)
-        if queue is not None:
-            queue.put_nowait(event)
+    async def _on_events(self, message: TokenEvents) -> None:
+        queues = self._queues
+        for event in message.events:
+            queue = queues.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
 
     def check_servable(self, model: str) -> None:
         """503 unless a ready prefill and a ready decode worker serve the model, and one of
@@ -479,7 +489,7 @@ class Dispatcher:
                 model=job.model,
                 token_ids=job.prompt_ids,
                 sampling=job.sampling,
-                reply_subject=subjects.reply(self.router_id, job.request_id),
+                reply_subject=subjects.replies(self.router_id),
                 decode_id=decode.service_id,
                 decode_kv_address=decode.heartbeat.addresses.get("kv", ""),
                 deadline=job.deadline,

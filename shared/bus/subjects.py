@@ -28,7 +28,9 @@ ROUTER_QUEUE = "router"
 
 
 # The request path. A router sends a GenerateTask to the worker it picked (request/reply: the
-# reply is a TaskAck); tokens come back on reply(router_id, request_id) as TokenEvents.
+# reply is a TaskAck); tokens come back on replies(router_id) as TokenEvents messages: one
+# subject per router, each message a list of events of any of its requests (a decode worker
+# sends one per step for all the requests of that router it serves).
 def tasks(role: str, service_id: str) -> str:
     return f"{PREFIX}.{role}.{_token(service_id)}.tasks"
 
@@ -39,17 +41,13 @@ def tasks_all(role: str) -> str:
 
 
 def reply_all() -> str:
-    """Every router's reply subjects (what the workers that serve requests may publish on)."""
+    """Every router's reply subject (what the workers that serve requests may publish on)."""
     return f"{PREFIX}.reply.>"
 
 
 def replies(router_id: str) -> str:
-    """All reply subjects of one router (it subscribes once and sorts events by request)."""
-    return f"{PREFIX}.reply.{_token(router_id)}.>"
-
-
-def reply(router_id: str, request_id: str) -> str:
-    return f"{PREFIX}.reply.{_token(router_id)}.{_token(request_id)}"
+    """One router's reply subject (it subscribes once and sorts events by request)."""
+    return f"{PREFIX}.reply.{_token(router_id)}"
 
 
 # A cancelled request: every prefill and decode worker listens, the one holding it acts.

@@ -1,7 +1,7 @@
 """The request path: router → prefill/decode tasks, worker → router token events, cancels.
 
 Tasks are sent with NATS request/reply: the reply (TaskAck) only says the worker accepted the
-task into its queue; tokens then arrive as TokenEvents on the request's reply subject.
+task into its queue; tokens then arrive as TokenEvents on the router's reply subject, batched.
 """
 
 from __future__ import annotations
@@ -134,6 +134,13 @@ class TokenEvent(Message):
     kv_bytes: int | None = None
     kv_transfer_s: float | None = None
     worker_id: str = ""
+
+
+class TokenEvents(Message):
+    """What is sent on a router's reply subject: events of any of its requests, each
+    request's in order (one message per decode step for all of them, not one per token)."""
+
+    events: list[TokenEvent]
 
 
 class Cancel(Message):
