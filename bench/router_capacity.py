@@ -42,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.e2e import free_port, say, wait_http  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-TOKEN = b'" tok"'  # the fixed token's text, as it appears in a chunk's JSON (both servers)
+# The fixed token's text (both servers), counted in the byte stream: a chunk that carries
+# several (a stream catching up) counts for each.
+TOKEN = b" tok"
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -60,19 +62,19 @@ async def stream_forever(
     host: str,
     port: int,
     body: bytes,
-    stop_at: float,
-    window: tuple[float, float],
+    window: list[float],
     out: dict,
 ) -> None:
-    """Ask, read the stream to its end, ask again, until ``stop_at``. Tokens arriving inside
-    ``window`` are counted; the gaps between a stream's successive tokens are kept."""
+    """Ask, read the stream to its end, ask again, until the window ends. Tokens arriving
+    inside ``window`` (set once every stream has its first token) are counted; the gaps
+    between a stream's successive tokens are kept."""
     request = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        while time.perf_counter() < stop_at:
+        while time.perf_counter() < window[1]:
             writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
             if not head.startswith(b"HTTP/1.1 200"):  # refused (busy, not ready): again soon
@@ -96,8 +98,10 @@ async def stream_forever(
                     return
                 now = time.perf_counter()
                 buffer = buffer[-8:] + data
-                n = buffer.count(TOKEN)
+                # (in the new bytes and the few before them, which hold no whole token)
+                n = buffer[-(len(data) + len(TOKEN) - 1) :].count(TOKEN)
                 if n:
+                    out["flowing"].add(i)
                     if window[0] <= now < window[1]:
                         out["tokens"] += n
                         out["live"].add(i)
@@ -120,6 +124,7 @@ def client_process(  # noqa: PLR0913
     warm_s: float,
     seconds: float,
     queue: multiprocessing.Queue,
+    measuring: multiprocessing.Event,
 ) -> None:
     import uvloop
 
@@ -132,15 +137,22 @@ def client_process(  # noqa: PLR0913
             "stream": True,
         }
     ).encode()
-    out: dict = {"tokens": 0, "gaps": [], "live": set(), "errors": 0}
+    out: dict = {"tokens": 0, "gaps": [], "live": set(), "flowing": set(), "errors": 0}
 
     async def main() -> None:
+        # The window opens a second after every stream has its first token (the ramp, with
+        # its prefills and refusals, is not measured), or after warm_s at the latest.
         start = time.perf_counter()
-        window = (start + warm_s, start + warm_s + seconds)
+        window = [float("inf"), float("inf")]
         tasks = [
-            asyncio.create_task(stream_forever(i, host, port, body, window[1], window, out))
+            asyncio.create_task(stream_forever(i, host, port, body, window, out))
             for i in range(streams)
         ]
+        while len(out["flowing"]) < streams and time.perf_counter() < start + warm_s:
+            await asyncio.sleep(0.05)
+        window[0] = time.perf_counter() + 1.0
+        window[1] = window[0] + seconds
+        measuring.set()
         await asyncio.sleep(window[1] - time.perf_counter())
         for task in tasks:
             task.cancel()
@@ -162,12 +174,15 @@ def client_process(  # noqa: PLR0913
 def measure(url: str, router_pid: int, streams: int, model: str, args: argparse.Namespace) -> dict:
     host, port = url.removeprefix("http://").split(":")
     queue: multiprocessing.Queue = multiprocessing.Queue()
+    measuring = multiprocessing.Event()
     client = multiprocessing.Process(
         target=client_process,
-        args=(host, int(port), streams, model, args.max_tokens, args.warm, args.seconds, queue),
+        args=(host, int(port), streams, model, args.max_tokens, args.warm, args.seconds)
+        + (queue, measuring),
     )
     client.start()
-    time.sleep(args.warm)
+    measuring.wait(args.warm + 30)
+    time.sleep(1.0)
     cpu0, t0 = cpu_seconds(router_pid), time.perf_counter()
     time.sleep(args.seconds)
     cpu1, t1 = cpu_seconds(router_pid), time.perf_counter()
@@ -286,7 +301,9 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--at", type=int, default=256, help="the concurrency the JSON headlines")
     ap.add_argument("--seconds", type=float, default=8.0, help="measured, per concurrency")
-    ap.add_argument("--warm", type=float, default=8.0, help="before measuring (all streams in)")
+    ap.add_argument(
+        "--warm", type=float, default=60.0, help="at most, for every stream's first token"
+    )
     ap.add_argument("--step-ms", type=float, default=20.0, help="between a stream's tokens")
     ap.add_argument(
         "--max-tokens",

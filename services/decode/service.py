@@ -172,8 +172,9 @@ class DecodeService(WorkerService):
             self.engine.export_blocks, rid, len(cached.blobs), n_full, self.store_dtype
         )
         self.store_blocks(task, len(cached.blobs), new, task.token_ids)
-        if out.finish_reason:
-            await self.drop(rid)
+        if out.finish_reason and self.active.pop(rid, None) is not None:  # one token: done
+            self.close_span(rid, tokens=1, finish_reason=out.finish_reason)
+            await self.runner.call(self.engine.free, rid)
 
     def _timed_prefill(
         self, task: GenerateTask, prefix: Prefix | None, images: tuple[ImageEmbeds, ...]
