@@ -264,11 +264,12 @@ class PrefillService(WorkerService):
                 if not handoff:
                     self.close_span(rid)
                 blob, new = await self.runner.call(self._export, rid, len(hit.blobs), handoff)
-                self.store_blocks(task, len(hit.blobs), new, task.token_ids)
                 if not handoff:
+                    self.store_blocks(task, len(hit.blobs), new, task.token_ids)
                     continue  # decode's reservation goes with the call
                 done = HandoffDone(first_token=out.token_id)
-                ships.append((task, self._ship(task, calls[rid], blob, done)))
+                ship = self._ship(task, calls[rid], blob, done)
+                ships.append((task, self._stored_after(ship, task, len(hit.blobs), new)))
                 shipping.add(rid)
             return ships
         finally:
@@ -324,6 +325,16 @@ class PrefillService(WorkerService):
         except (Cancelled, PoolExhausted, ValueError) as err:
             return [err]
         return [out]
+
+    async def _stored_after(
+        self, ship: Awaitable[None], task: GenerateTask, first: int, blobs: list[bytes]
+    ) -> None:
+        """The handoff, then the prompt's new blocks to the tiers: the write is for later
+        turns, and must not slow the transfer the answer's second token waits on."""
+        try:
+            await ship
+        finally:
+            self.store_blocks(task, first, blobs, task.token_ids)
 
     async def _ship(
         self, task: GenerateTask, call: grpc.aio.StreamStreamCall, blob: bytes, done: HandoffDone
