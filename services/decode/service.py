@@ -105,7 +105,7 @@ class DecodeService(WorkerService):
         if task.model != self.settings.model:
             return TaskAck(accepted=False, reason=f"this worker serves {self.settings.model}")
         params = task.sampling.params()
-        if not self.engine.can_admit(len(task.token_ids), params, None):
+        if not self.has_room(task) or not self.engine.can_admit(len(task.token_ids), params, None):
             return TaskAck(accepted=False, reason="busy", queued=self.pending)
         self.pending += 1
         self.open_span(task.request_id, "decode", prompt_tokens=len(task.token_ids), local=True)
@@ -113,6 +113,18 @@ class DecodeService(WorkerService):
         self.prefills.add(prefill)
         prefill.add_done_callback(self.prefills.discard)
         return TaskAck(accepted=True, queued=self.pending - 1)
+
+    def has_room(self, task: GenerateTask) -> bool:
+        """Online requests are taken while the engine can hold them; batch work only while
+        it leaves a share of the sequences and the KV free for them (batch_share)."""
+        if task.priority != "batch":
+            return True
+        share = self.settings.batch_share
+        stats = self.engine.stats()
+        return (
+            len(self.active) + self.pending < share * self.settings.max_running
+            and stats.kv_blocks_used < share * stats.kv_blocks_total
+        )
 
     async def on_cancel(self, cancel: Cancel) -> None:
         rid = cancel.request_id
@@ -319,7 +331,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
             log.warning("refused a KV push for %s from %s: %s", rid, context.peer(), why)
             yield kv_pb2.HandoffStatus(ok=False, code="unauthorized", error=f"refused: {why}")
             return
-        if svc.status != "ready" or task.model != svc.settings.model:
+        if svc.status != "ready" or task.model != svc.settings.model or not svc.has_room(task):
             yield kv_pb2.HandoffStatus(ok=False, code="busy", error=f"{svc.service_id} not taking")
             return
         try:

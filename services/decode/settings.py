@@ -22,6 +22,13 @@ class DecodeSettings(WorkerSettings):
     max_queued: int = Field(
         default=64, ge=0, description="local-prefill tasks waiting at most; more are refused"
     )
+    batch_share: float = Field(
+        default=0.75,
+        gt=0,
+        le=1,
+        description="batch work is admitted while the sequences held and the KV used are under "
+        "this share of the whole; the rest stays free for online requests",
+    )
     speculative: Literal["off", "fixed", "adaptive"] = Field(
         default="adaptive",
         description="speculative decoding by n-gram drafts: off; fixed (every sequence verifies "

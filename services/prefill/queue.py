@@ -1,8 +1,9 @@
-"""The prefill queue: tasks in the order they arrived, including those that join late.
+"""The prefill queue: online tasks before batch work, each in the order they arrived,
+including those that join late.
 
 A task with images joins once its embeddings are here, but keeps the place it had when it
 arrived: encoding overlaps its wait in the queue instead of adding to it, and a slow encode
-holds up nobody else.
+holds up nobody else. A batch task waits while any online task is queued.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from collections.abc import Iterator
 
 from shared.messages.generate import GenerateTask
 
+RANKS = {"online": 0, "batch": 1}
+
 
 class ArrivalQueue:
     def __init__(self) -> None:
-        self._queue: asyncio.PriorityQueue[tuple[int, GenerateTask]] = asyncio.PriorityQueue()
+        self._queue: asyncio.PriorityQueue[tuple[int, int, GenerateTask]] = asyncio.PriorityQueue()
         self._arrivals = itertools.count()
 
     def ticket(self) -> int:
@@ -24,17 +27,18 @@ class ArrivalQueue:
         return next(self._arrivals)
 
     def put(self, task: GenerateTask, ticket: int | None = None) -> None:
-        self._queue.put_nowait((self.ticket() if ticket is None else ticket, task))
+        rank = RANKS[task.priority]
+        self._queue.put_nowait((rank, self.ticket() if ticket is None else ticket, task))
 
     async def get(self) -> GenerateTask:
-        return (await self._queue.get())[1]
+        return (await self._queue.get())[2]
 
     def peek(self) -> GenerateTask | None:
         heap = self._queue._queue  # type: ignore[attr-defined]  # a heap: [0] comes next
-        return heap[0][1] if heap else None
+        return heap[0][2] if heap else None
 
     def __iter__(self) -> Iterator[GenerateTask]:
-        return iter([task for _, task in self._queue._queue])  # type: ignore[attr-defined]
+        return iter([task for *_, task in self._queue._queue])  # type: ignore[attr-defined]
 
     def qsize(self) -> int:
         return self._queue.qsize()

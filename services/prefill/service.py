@@ -95,7 +95,11 @@ class PrefillService(WorkerService):
 
     async def on_task(self, task: GenerateTask) -> TaskAck:
         queued = self.queue.qsize() + len(self.waiting)
-        if self.status != "ready" or queued >= self.settings.max_queued:
+        # Batch work is taken while the queue is short: the rest of it stays for online tasks.
+        room = (
+            self.settings.max_queued // 4 if task.priority == "batch" else self.settings.max_queued
+        )
+        if self.status != "ready" or queued >= room:
             return TaskAck(accepted=False, reason="busy", queued=queued)
         if task.model != self.settings.model:
             return TaskAck(accepted=False, reason=f"this worker serves {self.settings.model}")

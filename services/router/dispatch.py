@@ -36,6 +36,7 @@ from shared.messages.generate import (
     Cancel,
     GenerateTask,
     ImageRef,
+    Priority,
     Sampling,
     TaskAck,
     TokenEvent,
@@ -122,6 +123,7 @@ class Job:
     cached_blocks: dict[str, int] = field(default_factory=dict)  # location → leading blocks
     segments: Segments = ()  # what the prompt was tokenized from (reuses earlier hashes)
     images: tuple[ImageRef, ...] = ()  # images in the prompt (their placeholders' positions)
+    priority: Priority = "online"
 
 
 @dataclass(frozen=True)
@@ -500,6 +502,7 @@ class Dispatcher:
                 ),
                 retention=job.retention,
                 images=list(job.images),
+                priority=job.priority,
             )
             role = worker.heartbeat.role
             involved = tuple(dict.fromkeys((worker.service_id, decode.service_id)))

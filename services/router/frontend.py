@@ -42,7 +42,7 @@ from services.router.render import Renderer
 from services.router.settings import RouterSettings
 from services.router.stats import RollingStats
 from services.router.toolcalls import CallParser
-from shared.messages.generate import Sampling
+from shared.messages.generate import Priority, Sampling
 from shared.messages.kvevents import RETENTIONS
 from shared.model.grammar import (
     ANY_OBJECT,
@@ -211,8 +211,10 @@ class Frontend:
         rid: str,
         kv: KvOptions = KvOptions(),
         caller: Caller = ANONYMOUS,
+        priority: Priority = "online",
     ) -> Prepared:
-        """A conversation (from any format's adapter) checked, rendered and ready to run."""
+        """A conversation (from any format's adapter) checked, rendered and ready to run
+        (``priority``: batch work waits for online requests in the workers' queues)."""
         if conv.model not in MODEL_NAMES:
             raise ApiError(
                 404, f"model {conv.model!r} does not exist", param="model", code="model_not_found"
@@ -228,7 +230,7 @@ class Frontend:
             if self.settings.encode_ahead:  # encoding overlaps everything that follows
                 encodes.start(self.dispatcher.bus, conv.model, self.image_limits.encode_timeout_s)
         try:
-            return await self._prepare(conv, rid, kv, salt, caller, encodes)
+            return await self._prepare(conv, rid, kv, salt, caller, encodes, priority)
         except BaseException:
             if encodes is not None:
                 encodes.cancel()
@@ -254,6 +256,7 @@ class Frontend:
         salt: str,
         caller: Caller,
         encodes: Encodes | None,
+        priority: Priority = "online",
     ) -> Prepared:
         text = await self.text_model(conv.model)
         config = text.config
@@ -311,6 +314,7 @@ class Frontend:
             fingerprint=config.fingerprint,
             segments=rendered.segments,
             images=rendered.images,
+            priority=priority,
         )
         prefix = "chatcmpl" if conv.chat else "cmpl"
         return Prepared(

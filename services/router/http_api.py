@@ -17,6 +17,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from services.router import anthropic_api, cachemiss, responses_api
+from services.router.auth import Caller
 from services.router.conversation import Conversation
 from services.router.frontend import Frontend, KvOptions, request_id
 from services.router.generation import Delta, Prepared, Writer
@@ -50,6 +51,7 @@ def anthropic_error(err: ApiError, rid: str = "") -> web.Response:
 class HttpApi:
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
+        self._endpoints = self._formats()
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -63,19 +65,13 @@ class HttpApi:
     # Each endpoint is its format's adapter in (the body → a conversation) and writer out.
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(
-            request, lambda body: conversation(body, chat=True), self._openai, api_error
-        )
+        return await self._generate(request, *self._endpoints["/v1/chat/completions"])
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(
-            request, lambda body: conversation(body, chat=False), self._openai, api_error
-        )
+        return await self._generate(request, *self._endpoints["/v1/completions"])
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(
-            request, anthropic_api.conversation, self._anthropic, anthropic_error
-        )
+        return await self._generate(request, *self._endpoints["/v1/messages"])
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, responses_api.conversation, self._responses, api_error)
@@ -128,14 +124,44 @@ class HttpApi:
         except ApiError as err:
             return anthropic_error(err, rid)
 
-    async def _whole(self, p: Prepared, writer: Writer) -> web.Response:
+    async def answer(self, endpoint: str, body: bytes, rid: str, tenant: str) -> dict:
+        """A batch line: the whole answer's body as ``endpoint`` gives it, computed at the
+        batch priority (ApiError as that endpoint would answer it)."""
+        adapter, writer, _ = self._endpoints[endpoint]
+        kv = KvOptions(retention="chat", tenant=tenant)
+        caller = Caller(tenant=tenant)
+        p = await self.frontend.prepare(adapter(body), rid, kv, caller, priority="batch")
+        if p.stream:
+            raise ApiError(400, "stream: a batch line cannot stream", param="stream")
+        return await self._whole_body(p, writer(p))
+
+    def _formats(self) -> dict[str, tuple[Callable, Callable, Callable]]:
+        """Each endpoint's adapter in (body → conversation), writer out, and error body."""
+        return {
+            "/v1/chat/completions": (
+                lambda body: conversation(body, chat=True),
+                self._openai,
+                api_error,
+            ),
+            "/v1/completions": (
+                lambda body: conversation(body, chat=False),
+                self._openai,
+                api_error,
+            ),
+            "/v1/messages": (anthropic_api.conversation, self._anthropic, anthropic_error),
+        }
+
+    async def _whole_body(self, p: Prepared, writer: Writer) -> dict:
         deltas = self.frontend.deltas(p)
         try:
             answer = Delta.joined([delta async for delta in deltas])
         finally:
             await deltas.aclose()  # on a disconnect: cancels the request on its workers
         assert answer.finish_reason
-        body = writer.whole(answer)
+        return writer.whole(answer)
+
+    async def _whole(self, p: Prepared, writer: Writer) -> web.Response:
+        body = await self._whole_body(p, writer)
         headers = request_ids(p.job.request_id)
         if p.timing.cache_miss:
             headers[CACHE_HEADER] = cachemiss.header(p.timing.cache_miss)

@@ -11,8 +11,11 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 
+from services.router.batch_api import BatchApi
+from services.router.batches import BatchRunner, BatchStore
 from services.router.breaker import Breakers
 from services.router.dispatch import Dispatcher, DispatchLimits
+from services.router.files import Files
 from services.router.frontend import Frontend
 from services.router.grpc_api import GrpcApi
 from services.router.http_api import HttpApi, api_error
@@ -106,6 +109,21 @@ class RouterService(Service):
             self.stats,
             secrets_dir,
         )
+        self.http_api = HttpApi(self.frontend)
+        files = Files(bus, s.files_max_bytes)
+        await files.start()
+        batch_store = BatchStore(bus)
+        await batch_store.start()
+        self.batches = BatchRunner(
+            batch_store,
+            files,
+            self.http_api.answer,
+            self.service_id,
+            concurrency=s.batch_concurrency,
+            lease_s=s.batch_lease_s,
+            max_lines=s.batch_max_requests,
+        )
+        self.batch_api = BatchApi(self.frontend, files, batch_store, self.batches)
         if s.keys_file:
             log.info("auth on: API keys from %s; a request's tenant is its key's", s.keys_file)
         else:
@@ -135,6 +153,8 @@ class RouterService(Service):
             self.registry.ready(role) for role in ("prefill", "decode")
         ):
             await asyncio.sleep(0.05)
+        self.batches.start()  # batches this or another router left, and new ones
+        stack.push_async_callback(self.batches.stop)
 
     def addresses(self) -> dict[str, str]:
         return {**super().addresses(), "grpc": self.grpc_address}
@@ -204,7 +224,8 @@ class RouterService(Service):
             web.get("/v1/models", self.list_models),
             web.get("/v1/stats", self.operator_stats),
             web.get("/openapi.json", self.openapi),
-            *HttpApi(self.frontend).routes(),
+            *self.http_api.routes(),
+            *self.batch_api.routes(),
         ]
 
     async def openapi(self, request: web.Request) -> web.Response:

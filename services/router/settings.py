@@ -130,6 +130,24 @@ class RouterSettings(ServiceSettings):
         description="send images to the encoder as soon as a request is checked (off: only "
         "after tokenizing, and route once they are encoded; for comparison)",
     )
+    files_max_bytes: int = Field(
+        default=200 << 20, ge=1, description="an uploaded file (/v1/files) at most"
+    )
+    batch_max_requests: int = Field(
+        default=50_000, ge=1, description="requests in one batch's input file at most"
+    )
+    batch_concurrency: int = Field(
+        default=16,
+        ge=1,
+        description="a batch's requests in flight at once on this router (fewer while the "
+        "workers turn batch work away: online requests go first)",
+    )
+    batch_lease_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="a router working on a batch renews its claim within this; when it stops "
+        "renewing (it died), another router carries the batch on after it",
+    )
 
     @field_validator("keys_file")
     @classmethod

@@ -93,6 +93,18 @@ def _durable_consumer(stream: str) -> list[str]:
     ]
 
 
+def _bucket(stream: str, prefix: str) -> list[str]:
+    """Owns a key-value bucket or an object store (a stream under the hood): writes its
+    subjects, reads its entries and watches them, purges what is deleted."""
+    return [
+        f"{prefix}.>",
+        *_stream_owner(stream),
+        *_stream_reader(stream),
+        f"{JS}.STREAM.MSG.GET.{stream}",
+        f"{JS}.CONSUMER.INFO.{stream}.>",
+    ]
+
+
 def _worker(role: str) -> Permissions:
     publish = [
         subjects.heartbeat(role),
@@ -121,6 +133,10 @@ def permissions(role: str) -> Permissions:
             subjects.STATS_ALL,
             *_stream_owner(subjects.STATS_STREAM),
             *_stream_reader(subjects.STATS_STREAM),
+            # Batch work: files, batches' records, their lines' results.
+            *_bucket(f"OBJ_{subjects.FILES_BUCKET}", f"$O.{subjects.FILES_BUCKET}"),
+            *_bucket(f"KV_{subjects.BATCHES_BUCKET}", f"$KV.{subjects.BATCHES_BUCKET}"),
+            *_bucket(f"KV_{subjects.RESULTS_BUCKET}", f"$KV.{subjects.RESULTS_BUCKET}"),
         ]
         subscribe = [
             subjects.HEARTBEAT_ALL,

@@ -60,6 +60,11 @@ class ImageRef(Message):
     tokens: int = Field(ge=1)
 
 
+# Online requests go first; batch work (services/router/batches.py) takes what they leave:
+# it waits behind them in the prefill queue and is admitted by decode only with room to spare.
+Priority = Literal["online", "batch"]
+
+
 class GenerateTask(Message):
     """Compute a prompt and stream its answer. Sent to a prefill worker, which hands the KV to
     ``decode_id`` at ``decode_kv_address``; or, for a short uncached prompt, straight to the
@@ -86,6 +91,7 @@ class GenerateTask(Message):
         description="images in the prompt, in order (their embeddings "
         "come from the embeddings stream)",
     )
+    priority: Priority = "online"
 
 
 class TaskAck(Message):
