@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvmesh import init, keys, sim, status, trace, up
+from kvmesh import batch, init, keys, sim, status, trace, up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_parser(commands)
     keys.add_parser(commands)
     init.add_parser(commands)
+    batch.add_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

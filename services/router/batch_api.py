@@ -185,6 +185,9 @@ class BatchApi:
                 metadata=metadata,
                 created_at=now,
                 expires_at=now + seconds,
+                # This router starts on it at once (another carries it on if this one dies).
+                owner=self.runner.router_id,
+                lease_until=time.time() + self.runner.lease_s,
             )
             await self.store.create(record)
             self.runner.kick()
