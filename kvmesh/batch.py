@@ -79,7 +79,8 @@ class Client:
         body = (
             (
                 f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
-                f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+                f"--{boundary}\r\nContent-Disposition: form-data; "
+                f'name="file"; filename="{name}"\r\n'
                 "Content-Type: application/jsonl\r\n\r\n"
             ).encode()
             + data
