@@ -495,7 +495,7 @@ class BatchWork:
         now = int(time.time())
         if record.status == "cancelling":
             return record  # finalized as cancelled below
-        if now > record.expires_at and counts.completed + counts.failed < counts.total:
+        if time.time() > record.expires_at and counts.completed + counts.failed < counts.total:
             return await self.save(status="finalizing", finalizing_at=now, expired_at=now)
         return await self.save(status="finalizing", finalizing_at=now)
 
