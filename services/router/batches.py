@@ -8,13 +8,14 @@ renews it while it works and gives it back when it stops; when a router dies, it
 out and another carries the batch on from the lines already answered.
 
 Batch lines run at the batch priority (services/prefill/queue.py, decode's admission): online
-requests go first. A batch's lines are taken in an order that puts lines sharing a prompt
-prefix together, so the first computes the prefix and the rest reuse it from the tiers.
+requests go first. Lines sharing a prompt prefix run as a group: the first computes the
+prefix, the rest follow it and reuse it from the tiers (Schedule).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -253,23 +254,56 @@ def parse_input(data: bytes, endpoint: str, max_lines: int) -> tuple[list[Line],
     return lines, errors
 
 
-def prefix_order(lines: list[Line]) -> list[Line]:
-    """Lines sharing a prompt's start next to each other (the model, then the text of the
-    messages or prompt from the start), so a prefix is computed once and then reused while
-    it is still in the tiers' memory; otherwise the file's order."""
+def prefix_key(line: Line) -> tuple[str, str]:
+    """What a line's prompt starts with (its model, then the text of its system prompt and
+    messages, or its raw prompt, from the start): lines with the same key share a prefix."""
+    body = line.body
+    text = json.dumps(body.get("system", ""), sort_keys=True)
+    for message in body.get("messages") or []:
+        if len(text) > PREFIX_CHARS:
+            break
+        text += json.dumps(message, sort_keys=True)
+    if "prompt" in body:
+        text += json.dumps(body["prompt"])
+    return str(body.get("model", "")), text[:PREFIX_CHARS]
 
-    def key(line: Line) -> tuple[str, str]:
-        body = line.body
-        text = json.dumps(body.get("system", ""), sort_keys=True)[:4096]
-        for message in body.get("messages") or []:
-            text += json.dumps(message, sort_keys=True)
-            if len(text) > 4096:
-                break
-        if "prompt" in body:
-            text += json.dumps(body["prompt"])
-        return str(body.get("model", "")), text[:4096]
 
-    return sorted(lines, key=lambda line: (key(line), line.index))
+PREFIX_CHARS = 4096
+
+
+class Schedule:
+    """A batch's lines in the order that reuses prefixes: the first line of each group that
+    shares a prefix (its leader) goes alone; the rest of the group once the leader is answered
+    (its prefix is in the tiers by then), ahead of other groups' leaders, so a group runs
+    while its prefix is still in memory. Lines that share nothing are each a group of one."""
+
+    def __init__(self, lines: list[Line]) -> None:
+        groups: dict[tuple[str, str], list[Line]] = {}
+        for line in lines:
+            groups.setdefault(prefix_key(line), []).append(line)
+        self.ready = collections.deque(group[0] for group in groups.values())
+        self.followers = {group[0].index: group[1:] for group in groups.values() if group[1:]}
+        self.running = 0
+        self.changed = asyncio.Event()
+
+    async def take(self) -> Line | None:
+        """The next line to run; None when none is left."""
+        while True:
+            if self.ready:
+                self.running += 1
+                return self.ready.popleft()
+            if not self.followers:
+                return None
+            self.changed.clear()
+            await self.changed.wait()
+
+    def done(self, line: Line) -> None:
+        """A line ended (answered or not): its group's other lines may go."""
+        self.running -= 1
+        self.ready.extendleft(reversed(self.followers.pop(line.index, [])))
+        if not self.running and not self.ready:
+            self.followers.clear()  # (leaders that never ran: the batch stopped)
+        self.changed.set()
 
 
 # -- running ----------------------------------------------------------------------------------
@@ -277,6 +311,7 @@ def prefix_order(lines: list[Line]) -> list[Line]:
 # Runs one line (the body as the endpoint takes it, the request id, the tenant), returning
 # the answer's body, or raising ApiError.
 Answer = Callable[[str, bytes, str, str], Awaitable[dict]]
+ONLINE_POLL_S = 0.01
 RETRYABLE = (429, 503)  # the mesh is busy or a worker is gone: the line waits and goes again
 
 
@@ -289,6 +324,7 @@ class BatchRunner:
         files: Files,
         answer: Answer,
         router_id: str,
+        online: Callable[[], int],
         concurrency: int,
         lease_s: float,
         max_lines: int,
@@ -298,6 +334,7 @@ class BatchRunner:
         self.files = files
         self.answer = answer
         self.router_id = router_id
+        self.online = online  # online requests in flight on this router
         self.concurrency = concurrency
         self.lease_s = lease_s
         self.max_lines = max_lines
@@ -450,28 +487,36 @@ class BatchWork:
     async def _run_lines(self, record: BatchRecord) -> BatchRecord:
         lines, _ = await self._input(record)
         done = await self.store.results_of(record.id)
-        todo = [line for line in prefix_order(lines) if line.index not in done]
+        todo = [line for line in lines if line.index not in done]
         if record.status == "cancelling":
             todo = []
         counts = _counts(done, len(lines))
         if todo and record.status == "in_progress":
             log.info("batch %s: %d of %d lines to run", record.id, len(todo), len(lines))
-        pending = iter(todo)
+        schedule = Schedule(todo)
         stop = asyncio.Event()
 
         async def worker() -> None:
-            for line in pending:
-                if time.time() > record.expires_at:
-                    stop.set()
-                if stop.is_set():
+            while True:
+                # While online requests are in flight here, one batch line at a time.
+                while schedule.running >= (1 if self.runner.online() else self.runner.concurrency):
+                    await asyncio.sleep(ONLINE_POLL_S)
+                if (line := await schedule.take()) is None:
                     return
-                result = await self._run_line(record, line, stop)
-                if result is None:
-                    return
-                if await self.store.put_result(record.id, line.index, result):
-                    ok = _succeeded(result)
-                    counts.completed += ok
-                    counts.failed += not ok
+                try:
+                    if time.time() > record.expires_at:
+                        stop.set()
+                    if stop.is_set():
+                        return
+                    result = await self._run_line(record, line, stop)
+                    if result is None:
+                        return
+                    if await self.store.put_result(record.id, line.index, result):
+                        ok = _succeeded(result)
+                        counts.completed += ok
+                        counts.failed += not ok
+                finally:
+                    schedule.done(line)
 
         async def keeper() -> None:
             """Renews the lease with the counts; stops the workers on a cancel or expiry."""

@@ -119,6 +119,7 @@ class RouterService(Service):
             files,
             self.http_api.answer,
             self.service_id,
+            online=lambda: self.frontend.inflight,
             concurrency=s.batch_concurrency,
             lease_s=s.batch_lease_s,
             max_lines=s.batch_max_requests,
