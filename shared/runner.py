@@ -10,6 +10,7 @@ event loop without waiting for it, so the batch never waits on Python bookkeepin
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import sys
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from shared.engine.interface import Engine, StepOutput
+from shared.messages.generate import Priority
 
 log = logging.getLogger(__name__)
 
@@ -27,25 +29,36 @@ T = TypeVar("T")
 OnStep = Callable[[list[StepOutput], float], None]
 
 
+RANKS = {"online": 0, "batch": 1}  # queued calls of online requests go first
+
+
 class EngineRunner:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # (rank, arrival, job): online requests' calls before batch work's, each in order.
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._arrivals = itertools.count()
         self._on_step: OnStep | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
-    def call(self, fn: Callable[..., T], *args, **kwargs) -> asyncio.Future[T]:
-        """Run ``fn`` on the engine thread (between two steps); await the result when needed."""
+    def call(
+        self, fn: Callable[..., T], *args, priority: Priority = "online", **kwargs
+    ) -> asyncio.Future[T]:
+        """Run ``fn`` on the engine thread (between two steps); await the result when needed.
+        A batch request's calls (``priority``) wait while online requests' are queued."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._jobs.put((fn, args, kwargs, loop, future))
+        self._put(RANKS[priority], (fn, args, kwargs, loop, future))
         return future
 
     def submit(self, fn: Callable[..., object], *args) -> None:
         """Queue ``fn`` on the engine thread without waiting for it; a failure is logged."""
-        self._jobs.put((fn, args, {}, None, None))
+        self._put(0, (fn, args, {}, None, None))
+
+    def _put(self, rank: int, job: object) -> None:
+        self._jobs.put((rank, next(self._arrivals), job))
 
     def start_stepping(self, on_step: OnStep) -> None:
         """From now on, step whenever sequences are running; ``on_step(outputs, seconds)``
@@ -55,10 +68,10 @@ class EngineRunner:
         sys.setswitchinterval(0.0005)
         self._loop = asyncio.get_running_loop()
         self._on_step = on_step
-        self._jobs.put(None)  # wake the thread
+        self._put(0, None)  # wake the thread
 
     def close(self) -> None:
-        self._jobs.put(StopIteration)
+        self._put(-1, StopIteration)
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
@@ -68,7 +81,7 @@ class EngineRunner:
         while True:
             stepping = self._on_step is not None and bool(self.engine.running)
             try:
-                job = self._jobs.get(block=not stepping)
+                *_, job = self._jobs.get(block=not stepping)
             except queue.Empty:
                 self._step()
                 continue

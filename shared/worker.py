@@ -285,7 +285,9 @@ class WorkerService(Service):
         cached = read if read is not None else await self.read_prefix(task)
         while cached.blobs:
             try:
-                prefix = await self.runner.call(self.engine.import_blocks, cached.blobs)
+                prefix = await self.runner.call(
+                    self.engine.import_blocks, cached.blobs, priority=task.priority
+                )
             except BadBlock as bad:
                 await self.tiers.discard(
                     cached.hashes[bad.index], cached.tiers[bad.index], str(bad)

@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -382,7 +383,8 @@ def test_openapi_describes_every_route_as_it_is(stack: Stack) -> None:
     assert all(r.split('"')[0].removeprefix("#/components/schemas/") in schemas for r in refs)
     for path, ops in paths.items():  # each documented operation exists: no 404 or 405
         for method in ops:
-            status, _, _ = raw(stack, path, {}, {} if method == "post" else None)
+            concrete = re.sub(r"\{[^}]+\}", "x", path)  # (/v1/files/{file_id}: /v1/files/x)
+            status, _, _ = raw(stack, concrete, {}, {} if method == "post" else None)
             assert status not in (404, 405), (method, path, status)
 
 

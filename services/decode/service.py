@@ -135,9 +135,11 @@ class DecodeService(WorkerService):
 
     async def drop(self, rid: str) -> None:
         """Forget a request and give its KV blocks back."""
-        if self.active.pop(rid, None) is not None:
+        active = self.active.pop(rid, None)
+        if active is not None:
             self.close_span(rid, error="dropped (cancelled, or the handoff did not complete)")
-            await self.runner.call(self.engine.abort, rid)
+            # Behind the request's own calls still queued (a reservation): same priority.
+            await self.runner.call(self.engine.abort, rid, priority=active.task.priority)
             log.info("dropped %s", rid)
 
     # -- the batch ---------------------------------------------------------------------------
@@ -159,7 +161,9 @@ class DecodeService(WorkerService):
         prefix, cached = await self.load_prefix(task)
         started_ns = time.time_ns()
         try:
-            out, took = await self.runner.call(self._timed_prefill, task, prefix, images)
+            out, took = await self.runner.call(
+                self._timed_prefill, task, prefix, images, priority=task.priority
+            )
             self.computed(
                 task, len(cached.blobs) * self.engine.block_size, started_ns, time.time_ns(), 1
             )
@@ -181,7 +185,12 @@ class DecodeService(WorkerService):
         await self.send(task.reply_subject, self.first_token_event(rid, out, cached, took))
         n_full = len(task.token_ids) // self.engine.block_size
         new = await self.runner.call(
-            self.engine.export_blocks, rid, len(cached.blobs), n_full, self.store_dtype
+            self.engine.export_blocks,
+            rid,
+            len(cached.blobs),
+            n_full,
+            self.store_dtype,
+            priority=task.priority,
         )
         self.store_blocks(task, len(cached.blobs), new, task.token_ids)
         if out.finish_reason and self.active.pop(rid, None) is not None:  # one token: done
@@ -334,12 +343,20 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
         if svc.status != "ready" or task.model != svc.settings.model or not svc.has_room(task):
             yield kv_pb2.HandoffStatus(ok=False, code="busy", error=f"{svc.service_id} not taking")
             return
-        try:
-            await svc.runner.call(svc.engine.reserve, rid, task.token_ids, task.sampling.params())
-        except (PoolExhausted, ValueError) as err:
-            code = "busy" if isinstance(err, PoolExhausted) else "internal"
-            yield kv_pb2.HandoffStatus(ok=False, code=code, error=str(err))
+        params = task.sampling.params()
+        if not svc.engine.can_admit(len(task.token_ids), params, None):
+            need = len(task.token_ids) + params.max_tokens
+            why = f"KV cache full: {svc.service_id} cannot hold {need} tokens of prompt and answer"
+            yield kv_pb2.HandoffStatus(ok=False, code="busy", error=why)
             return
+        # The answer is given now and the blocks are taken on the engine thread meanwhile: the
+        # prompt's first token waits for this answer, and must not wait for a decode step (long
+        # with a big batch). Should the blocks be gone by then, the KV push is refused and the
+        # router moves the answer on from its first token.
+        reserving = svc.runner.call(
+            svc.engine.reserve, rid, task.token_ids, params, priority=task.priority
+        )
+        reserving.add_done_callback(lambda f: f.cancelled() or f.exception())  # (seen below)
         svc.active[rid] = active = Active.of(task, svc.engine.block_size)
         with attached(extract(dict(context.invocation_metadata() or ()))):
             svc.open_span(rid, "decode", prompt_tokens=len(task.token_ids))
@@ -365,7 +382,19 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                 return
             took = time.perf_counter() - (started or time.perf_counter())
             try:
-                await svc.runner.call(svc.engine.receive, rid, bytes(data), done.first_token)
+                await reserving
+            except (PoolExhausted, ValueError) as err:
+                code = "busy" if isinstance(err, PoolExhausted) else "internal"
+                yield kv_pb2.HandoffStatus(ok=False, code=code, error=str(err))
+                return
+            try:
+                await svc.runner.call(
+                    svc.engine.receive,
+                    rid,
+                    bytes(data),
+                    done.first_token,
+                    priority=task.priority,
+                )
             except KVFormatError as err:
                 yield kv_pb2.HandoffStatus(ok=False, code="internal", error=str(err))
                 return

@@ -10,6 +10,7 @@ import re
 import time
 
 from aiohttp import BodyPartReader, web
+from pydantic import BaseModel, Field
 
 from services.router.batches import (
     ENDPOINTS,
@@ -22,7 +23,7 @@ from services.router.batches import (
 from services.router.files import Files
 from services.router.frontend import Frontend, KvOptions
 from services.router.http_api import api_error
-from services.router.openai_api import ApiError
+from services.router.openai_api import ApiError, parse_body
 
 WINDOW = re.compile(r"^(\d+)(s|m|h)$")
 UNITS = {"s": 1, "m": 60, "h": 3600}
@@ -60,6 +61,17 @@ def check_metadata(metadata: object) -> dict[str, str] | None:
             param="metadata",
         )
     return metadata
+
+
+class BatchCreate(BaseModel):
+    """POST /v1/batches (OpenAI's fields)."""
+
+    input_file_id: str = Field(description="an uploaded file of purpose batch")
+    endpoint: str = Field(description=f"one of {', '.join(ENDPOINTS)}")
+    completion_window: str = Field(
+        default="24h", description='"24h", or shorter ("30m", "90s": a kvmesh extension)'
+    )
+    metadata: dict[str, str] | None = None
 
 
 class BatchApi:
@@ -151,25 +163,17 @@ class BatchApi:
     async def create(self, request: web.Request) -> web.Response:
         try:
             tenant = self._tenant(request)
-            try:
-                body = await request.json()
-            except ValueError:
-                raise ApiError(400, "the body is not JSON") from None
-            if not isinstance(body, dict):
-                raise ApiError(400, "the body: a JSON object")
-            endpoint = body.get("endpoint")
+            body = parse_body(await request.read(), BatchCreate)
+            assert isinstance(body, BatchCreate)
+            endpoint, window, file_id = body.endpoint, body.completion_window, body.input_file_id
             if endpoint not in ENDPOINTS:
                 raise ApiError(
                     400,
                     f"endpoint: one of {', '.join(ENDPOINTS)} (got {endpoint!r})",
                     param="endpoint",
                 )
-            window = body.get("completion_window", "24h")
             seconds = window_s(window)
-            metadata = check_metadata(body.get("metadata"))
-            file_id = body.get("input_file_id")
-            if not isinstance(file_id, str):
-                raise ApiError(400, "input_file_id: a file id", param="input_file_id")
+            metadata = check_metadata(body.metadata)
             info = await self.files.info(tenant, file_id)
             if info.purpose != "batch":
                 raise ApiError(

@@ -10,10 +10,12 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from services.router.anthropic_api import CountRequest, MessagesRequest
+from services.router.batch_api import BatchCreate
 from services.router.openai_api import ChatRequest, CompletionRequest
 from services.router.responses_api import ResponsesRequest
 
-# path → (summary, the body's model or None, the error statuses it can answer with)
+# path (or "METHOD path" where a path's methods differ) → (summary, the body's model or
+# None, the error statuses it can answer with)
 ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
     "/v1/chat/completions": (
         "A chat completion, whole or as server-sent events (OpenAI's Chat Completions)",
@@ -40,6 +42,15 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
         ResponsesRequest,
         (400, 401, 404, 413, 429, 503, 504),
     ),
+    "POST /v1/files": ("Upload a file (multipart: file, purpose=batch)", None, (400, 401, 413)),
+    "/v1/files": ("The caller's files (?purpose=)", None, (401,)),
+    "GET /v1/files/{file_id}": ("A file's description", None, (401, 404)),
+    "DELETE /v1/files/{file_id}": ("Delete a file", None, (401, 404)),
+    "/v1/files/{file_id}/content": ("A file's bytes", None, (401, 404)),
+    "POST /v1/batches": ("Create a batch from an uploaded file", BatchCreate, (400, 401, 404)),
+    "/v1/batches": ("The caller's batches, newest first (?limit=, ?after=)", None, (400, 401)),
+    "/v1/batches/{batch_id}": ("A batch: its status, counts and files", None, (401, 404)),
+    "/v1/batches/{batch_id}/cancel": ("Cancel a batch", None, (401, 404, 409)),
     "/v1/models": ("The models a ready prefill and decode worker both serve", None, (401,)),
     "/v1/stats": (
         "The operator's summary, overall, per traffic class and per tenant",
@@ -77,8 +88,9 @@ def document(routes: Iterable[web.AbstractRoute], version: str, auth: bool) -> d
         path = info.get("path") or info.get("formatter")
         if route.method == "HEAD" or not path:
             continue
-        assert path in ROUTES, f"{route.method} {path}: describe it in services/router/openapi.py"
-        summary, model, errors = ROUTES[path]
+        key = f"{route.method} {path}" if f"{route.method} {path}" in ROUTES else path
+        assert key in ROUTES, f"{route.method} {path}: describe it in services/router/openapi.py"
+        summary, model, errors = ROUTES[key]
         op: dict = {
             "summary": summary,
             "responses": {"200": {"description": "OK"}}
