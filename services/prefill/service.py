@@ -18,6 +18,7 @@ from shared.bus import Bus, subjects
 from shared.engine.interface import (
     Cancelled,
     ImageEmbeds,
+    Paused,
     PoolExhausted,
     PrefillRequest,
     Prefix,
@@ -59,6 +60,9 @@ class PrefillService(WorkerService):
         self.waiting: dict[str, asyncio.Task] = {}
         self.images: dict[str, tuple[ImageEmbeds, ...]] = {}
         self.prefetched: dict[str, CachedPrefix] = {}  # prefixes read while images came
+        # Batch prefills paused for online tasks: the engine holds their sequences; their
+        # cached prefixes, for when they go on.
+        self.paused: dict[str, CachedPrefix] = {}
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await self.start_engine(stack, bus)
@@ -154,16 +158,23 @@ class PrefillService(WorkerService):
             finally:
                 self.current = set()
                 for task in batch:
-                    self.cancelled.discard(task.request_id)
-                    self.images.pop(task.request_id, None)
-                    self.prefetched.pop(task.request_id, None)
-                    if self.engine.holds(task.request_id):
-                        await self.runner.call(self.engine.free, task.request_id)
+                    if task.request_id in self.paused:
+                        continue  # back in the queue, its sequence held
+                    await self._forget(task)
             for task, ship in ships:
                 await self.shipping.acquire()  # a bounded number of transfers at once
                 transfer = asyncio.create_task(self._ship_and_report(task, ship))
                 self.transfers.add(transfer)
                 transfer.add_done_callback(self.transfers.discard)
+
+    async def _forget(self, task: GenerateTask) -> None:
+        rid = task.request_id
+        self.cancelled.discard(rid)
+        self.images.pop(rid, None)
+        self.prefetched.pop(rid, None)
+        self.paused.pop(rid, None)
+        if self.engine.holds(rid):
+            await self.runner.call(self.engine.free, rid)
 
     async def _next_batch(self) -> list[GenerateTask]:
         """The next task, and those queued behind it while their prompts together fit one
@@ -176,9 +187,7 @@ class PrefillService(WorkerService):
                 break
             task = await self.queue.get()
             if task.request_id in self.cancelled or time.time() > task.deadline:
-                self.cancelled.discard(task.request_id)
-                self.images.pop(task.request_id, None)
-                self.prefetched.pop(task.request_id, None)
+                await self._forget(task)
                 self.close_span(task.request_id, error="cancelled or past its deadline")
                 continue
             batch.append(task)
@@ -241,10 +250,12 @@ class PrefillService(WorkerService):
         try:
             cached: dict[str, CachedPrefix] = {}
             for task in tasks:  # the reservations travel meanwhile
-                read = self.prefetched.pop(task.request_id, None)
-                prefixes[task.request_id], cached[task.request_id] = await self.load_prefix(
-                    task, read
-                )
+                rid = task.request_id
+                if rid in self.paused:  # its sequence holds its prefix and what it computed
+                    prefixes[rid], cached[rid] = None, self.paused.pop(rid)
+                    continue
+                read = self.prefetched.pop(rid, None)
+                prefixes[rid], cached[rid] = await self.load_prefix(task, read)
             started, started_ns = time.perf_counter(), time.time_ns()
             results = await self._compute(tasks, prefixes)
             took = time.perf_counter() - started
@@ -255,6 +266,10 @@ class PrefillService(WorkerService):
             ships = []
             for task, out in zip(tasks, results, strict=True):
                 rid = task.request_id
+                if isinstance(out, Paused):  # an online task came: it goes first
+                    self.paused[rid] = cached[rid]
+                    self.queue.put_first(task)
+                    continue
                 try:
                     await reserved[rid]  # decode's answer came while the prompts computed
                 except HandoffFailed as err:  # before any token went out: the router retries
@@ -325,8 +340,10 @@ class PrefillService(WorkerService):
                 images=self.images.get(rid, ()),
                 handoff=True,
                 cancelled=lambda: rid in self.cancelled,
+                # A batch prompt yields to online tasks between two chunks.
+                pause=(lambda: self.queue.online_waiting > 0) if task.priority == "batch" else None,
             )
-        except (Cancelled, PoolExhausted, ValueError) as err:
+        except (Cancelled, Paused, PoolExhausted, ValueError) as err:
             return [err]
         return [out]
 

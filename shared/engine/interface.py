@@ -44,6 +44,15 @@ class Cancelled(Exception):
     """A prefill was stopped between chunks because its request was cancelled."""
 
 
+class Paused(Exception):
+    """A prefill was paused between chunks (to let more urgent work run): the sequence keeps
+    its blocks and what it computed; ``prefill`` of the same sequence goes on from there."""
+
+    def __init__(self, seq_id: str, n_cached: int) -> None:
+        super().__init__(f"prefill of {seq_id} paused at token {n_cached}")
+        self.n_cached = n_cached
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     block_size: int = 64
@@ -211,6 +220,7 @@ class Engine(ABC):
         images: tuple[ImageEmbeds, ...] = (),
         handoff: bool = False,
         cancelled: Callable[[], bool] | None = None,
+        pause: Callable[[], bool] | None = None,
     ) -> StepOutput:
         """Admit a sequence and compute the prompt past ``prefix`` in chunks, then sample the
         first token; the sequence then joins the decode batch unless that token finished it.
@@ -222,7 +232,9 @@ class Engine(ABC):
         ``handoff``: the sequence will decode elsewhere: blocks are reserved for the prompt
         only, it never joins the batch; export it with ``export_kv(partial=True)``, then free.
         ``cancelled`` is polled between chunks; when it says True, Cancelled is raised and the
-        sequence is freed."""
+        sequence is freed. ``pause`` too: when it says True (and a chunk was computed), Paused
+        is raised and the sequence kept; calling ``prefill`` for it again (the same arguments;
+        its prefix is held already) computes the rest."""
 
     @abstractmethod
     def prefill_batch(self, requests: list[PrefillRequest]) -> list[StepOutput | Exception]:

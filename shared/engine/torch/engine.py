@@ -22,6 +22,7 @@ from shared.engine.interface import (
     EngineOptions,
     EngineStats,
     ImageEmbeds,
+    Paused,
     PoolExhausted,
     PrefillRequest,
     Prefix,
@@ -158,8 +159,13 @@ class TorchEngine(Engine):
         images: tuple[ImageEmbeds, ...] = (),
         handoff: bool = False,
         cancelled: Callable[[], bool] | None = None,
+        pause: Callable[[], bool] | None = None,
     ) -> StepOutput:
-        seq = self._admit(PrefillRequest(seq_id, token_ids, params, prefix, handoff, images))
+        paused = self.seqs.get(seq_id)
+        if paused is not None and paused.n_cached < len(token_ids) and not paused.output_ids:
+            seq = paused  # a paused prefill goes on
+        else:
+            seq = self._admit(PrefillRequest(seq_id, token_ids, params, prefix, handoff, images))
         n, n_cached = len(token_ids), seq.n_cached
         hidden = None
         chunk = self.options.prefill_chunk
@@ -167,6 +173,9 @@ class TorchEngine(Engine):
             if cancelled is not None and cancelled():
                 self.free(seq_id)
                 raise Cancelled(f"prefill of {seq_id} cancelled at token {start} of {n}")
+            if start > n_cached and pause is not None and pause():
+                seq.n_cached = start
+                raise Paused(seq_id, start)
             end = min(n, start + chunk)
             seg = Segment(0, end - start, seq.slots(self.block_size, end))
             tokens = torch.tensor(token_ids[start:end])
