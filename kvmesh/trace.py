@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from shared.settings import CommonSettings, SettingsError, load_settings
-from shared.telemetry.tracing import REQUEST_ID, trace_files
+from shared.telemetry.tracing import EXPORT_DELAY_MS, REQUEST_ID, trace_files
 
 BAR = 32
 SKIPPED = {REQUEST_ID, "http.route", "worker"}
@@ -27,7 +27,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("request_id", help="the request's id (its x-request-id)")
     p.add_argument("--dir", type=Path, help="span files (default: <KVMESH_STATE_DIR>/traces)")
     p.add_argument(
-        "--wait", type=float, default=0.0, help="seconds to wait for its spans to be written"
+        "--wait",
+        type=float,
+        default=5.0,
+        help="seconds to wait for its spans to be written (each service writes them within "
+        "half a second of their end)",
     )
     p.set_defaults(run=run)
 
@@ -110,15 +114,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvmesh trace: {err}", file=sys.stderr)
             return 2
     deadline = time.monotonic() + args.wait
+    spans: list = []
     while True:
-        spans = request_trace(read_spans(args.dir), args.request_id) if args.dir.is_dir() else []
-        if spans or time.monotonic() >= deadline:
+        found = request_trace(read_spans(args.dir), args.request_id) if args.dir.is_dir() else []
+        # Once some are in, the other services' land within their export delay: until no
+        # more come for that long.
+        if found and len(found) == len(spans):
             break
-        time.sleep(0.25)
+        spans = found
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(EXPORT_DELAY_MS / 1e3 + 0.1 if spans else 0.25)
     if not spans:
         print(
-            f"kvmesh trace: no spans of request {args.request_id} in {args.dir} (spans are "
-            "written a few seconds after a request ends; --wait waits for them)",
+            f"kvmesh trace: no spans of request {args.request_id} in {args.dir} within "
+            f"{args.wait:g} s (--wait waits longer; is tracing on, KVMESH_TRACE_EXPORTER?)",
             file=sys.stderr,
         )
         return 1

@@ -31,10 +31,11 @@ from shared.bus.auth import connect_options
 from shared.httperrors import openai_errors
 from shared.logs import setup_logging
 from shared.messages.heartbeat import Heartbeat, Load, Role, Status
+from shared.messages.spans import SpansQuery, SpansReply
 from shared.security.tls import server_context
 from shared.settings import CommonSettings, KvmeshSettings, SettingsError, load_settings
 from shared.telemetry.metrics import LoadCollector, metrics_handler, register_load
-from shared.telemetry.tracing import setup_tracing
+from shared.telemetry.tracing import RECENT, setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,10 @@ class Service(ABC):
     @abstractmethod
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         """Open what the service needs (subscriptions, servers); register their cleanup on stack."""
+
+    async def recent_spans(self, query: SpansQuery) -> SpansReply:
+        """This process's spans of a trace, from memory (the operator page's waterfall)."""
+        return SpansReply(service_id=self.service_id, spans=RECENT.of(query.trace_id))
 
     async def drain(self) -> None:
         """Finish in-flight work; new work is already refused. Bounded by drain_timeout_s."""
@@ -217,6 +222,7 @@ async def _run(service: Service) -> None:
             return
         stack.push_async_callback(bus.close)
         await service.start(stack, bus)
+        await bus.serve(subjects.SPANS_QUERY, SpansQuery, service.recent_spans)
         service.http_url = await serve_http(
             stack, build_app(service), service.common, service.settings
         )

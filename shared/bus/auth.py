@@ -112,7 +112,7 @@ def _worker(role: str) -> Permissions:
         *_stream_creator(subjects.KV_EVENTS_STREAM),
         subjects.reply_all(),  # the token stream of the requests it serves
     ]
-    subscribe = [subjects.tasks_all(role), subjects.CANCEL]
+    subscribe = [subjects.tasks_all(role), subjects.CANCEL, subjects.SPANS_QUERY]
     # Images' embeddings, from the encoder's stream (decode prefills short prompts itself).
     publish += _stream_reader(subjects.EMBEDS_STREAM)
     return Permissions(tuple(publish), tuple(subscribe), responds=True)
@@ -131,6 +131,7 @@ def permissions(role: str) -> Permissions:
             subjects.CACHEMETA_LOOKUP,
             subjects.ENCODE,
             subjects.STATS_ALL,
+            subjects.SPANS_QUERY,
             *_stream_owner(subjects.STATS_STREAM),
             *_stream_reader(subjects.STATS_STREAM),
             # Batch work: files, batches' records, their lines' results.
@@ -142,6 +143,7 @@ def permissions(role: str) -> Permissions:
             subjects.HEARTBEAT_ALL,
             subjects.reply_all(),
             subjects.ROUTER_REGISTRY,
+            subjects.SPANS_QUERY,
         ]
         return Permissions(tuple(publish), tuple(subscribe), responds=True)
     if role == "encoder":
@@ -150,7 +152,7 @@ def permissions(role: str) -> Permissions:
             subjects.EMBEDS_ALL,
             *_stream_owner(subjects.EMBEDS_STREAM),
         ]
-        return Permissions(tuple(publish), (subjects.ENCODE,), responds=True)
+        return Permissions(tuple(publish), (subjects.ENCODE, subjects.SPANS_QUERY), responds=True)
     if role == "cachemeta":
         publish = [
             subjects.heartbeat(role),
@@ -159,7 +161,7 @@ def permissions(role: str) -> Permissions:
             *_stream_reader(subjects.KV_EVENTS_STREAM),
             *_durable_consumer(subjects.KV_EVENTS_STREAM),
         ]
-        subscribe = [subjects.CACHEMETA_LOOKUP, subjects.HEARTBEAT_ALL]
+        subscribe = [subjects.CACHEMETA_LOOKUP, subjects.HEARTBEAT_ALL, subjects.SPANS_QUERY]
         return Permissions(tuple(publish), tuple(subscribe), responds=True)
     if role == "cli":  # `kvmesh status` and `kvmesh up` ask a router for its registry
         return Permissions((subjects.ROUTER_REGISTRY,), (), responds=False)

@@ -258,6 +258,32 @@ class Bus:
             raise RemoteError(raw.headers[ERROR_HEADER])
         return reply_type.from_bytes(raw.data)
 
+    async def gather(
+        self, subject: str, msg: Message, reply_type: type[R], timeout_s: float, want: int
+    ) -> list[R]:
+        """Ask everyone who serves ``subject`` (no queue group) and collect their replies:
+        ``want`` of them, or what came within ``timeout_s``."""
+        inbox = self.nc.new_inbox()
+        replies: list[R] = []
+        enough = asyncio.Event()
+
+        async def on_reply(raw: Msg) -> None:
+            reply = _decoded(raw, reply_type, subject)
+            if reply is not None:
+                replies.append(reply)
+                if len(replies) >= want:
+                    enough.set()
+
+        sub = await self.nc.subscribe(inbox, cb=on_reply)
+        try:
+            await self.nc.publish(subject, msg.to_bytes(), reply=inbox, headers=inject())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(enough.wait(), timeout_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return replies
+
     # -- JetStream ---------------------------------------------------------------------------
 
     async def ensure_stream(

@@ -100,3 +100,8 @@ def stats(router_id: str, minute: int) -> str:
 FILES_BUCKET = "KVMESH_FILES"
 BATCHES_BUCKET = "KVMESH_BATCHES"
 RESULTS_BUCKET = "KVMESH_BATCH_RESULTS"
+
+
+# Request/reply to every service at once (no queue group): its recent spans of a trace (the
+# operator page's waterfall); the asker gathers the replies for a moment.
+SPANS_QUERY = f"{PREFIX}.spans.query"

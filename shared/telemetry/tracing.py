@@ -16,14 +16,16 @@ import json
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -110,6 +112,48 @@ def _exporter(kind: str, endpoint: str, path: Path) -> SpanExporter | None:
     return None
 
 
+# -- each service's recent spans, in memory (the operator page asks for them over NATS) --
+
+MAX_TRACES = 4096  # the most recent traces kept (a request's spans are a few dozen at most)
+MAX_SPANS_PER_TRACE = 256
+
+
+class RecentSpans(SpanProcessor):
+    def __init__(self, max_traces: int = MAX_TRACES) -> None:
+        self.max_traces = max_traces
+        self._traces: OrderedDict[str, list[dict]] = OrderedDict()
+        self._lock = threading.Lock()  # (spans end on the engine thread too)
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        record = span_record(span)
+        with self._lock:
+            spans = self._traces.setdefault(record["trace_id"], [])
+            self._traces.move_to_end(record["trace_id"])
+            if len(spans) < MAX_SPANS_PER_TRACE:
+                spans.append(record)
+            while len(self._traces) > self.max_traces:
+                self._traces.popitem(last=False)
+
+    def of(self, trace_id: str) -> list[dict]:
+        with self._lock:
+            return list(self._traces.get(trace_id, ()))
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+RECENT = RecentSpans()  # the process's (setup_tracing adds it to the provider)
+
+
+EXPORT_DELAY_MS = 500
+
+
 def setup_tracing(
     role: str, service_id: str, exporter: str, endpoint: str, sample_ratio: float, state_dir: Path
 ) -> TracerProvider:
@@ -124,9 +168,12 @@ def setup_tracing(
     provider = TracerProvider(
         resource=resource, sampler=ParentBased(TraceIdRatioBased(sample_ratio))
     )
+    provider.add_span_processor(RECENT)  # the operator page's view of recent requests
     out = _exporter(exporter, endpoint, trace_files(state_dir) / f"{service_id}.jsonl")
     if out is not None:
-        provider.add_span_processor(BatchSpanProcessor(out))
+        # Exported within half a second of its end: `kvmesh trace` and the operator's page
+        # show a request right after it (the processor's default waits 5 s).
+        provider.add_span_processor(BatchSpanProcessor(out, schedule_delay_millis=EXPORT_DELAY_MS))
     trace.set_tracer_provider(provider)
     return provider
 
