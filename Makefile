@@ -9,7 +9,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 BIN := $(VENV)/bin
 
-.PHONY: run test lint format proto lock clean
+.PHONY: run test browser lint format proto lock clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,17 @@ $(STAMP): requirements.txt pyproject.toml
 run: $(STAMP)
 	$(BIN)/kvmesh up
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest
+
+# The operator page's tests drive Debian's chromium (tests/test_dashboard.py); installed here
+# when missing and this is root with apt, else those tests are skipped, saying how to get it.
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    { echo "installing chromium (for the operator page's tests)"; \
+	      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; } || \
+	  echo "no chromium and no root apt: the operator page's browser tests will be skipped"
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

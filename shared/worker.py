@@ -207,6 +207,8 @@ class WorkerService(Service):
             kv_blocks_total=stats.kv_blocks_total,
             kv_block_size=stats.block_size,
             kv_write_skips=self.tiers.skipped_blocks,
+            memory_tier_bytes=self.tiers.memory.used_bytes,
+            memory_tier_capacity=self.tiers.memory.capacity_bytes,
             **figures,
         )
 

@@ -67,15 +67,39 @@ def test_router_publishes_the_api_port() -> None:
 
 
 def test_what_the_stack_mounts_and_copies_is_there() -> None:
-    """Files mounted from the repo exist (NATS's config moved with the kvmesh command), and the
-    image copies every package the project installs."""
+    """Files and folders mounted from the repo exist (NATS's config moved with the kvmesh
+    command), and the image copies every package the project installs."""
     for svc in load().services.values():
         for volume in svc.volumes or []:
             source = str(volume).split(":")[0]
             if source.startswith("./"):
-                assert (REPO / source).is_file(), f"mounted {source} is missing"
+                assert (REPO / source).exists(), f"mounted {source} is missing"
     dockerfile = (REPO / "Dockerfile").read_text()
     packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     for pattern in packages["packages"]["find"]["include"]:
         name = pattern.rstrip("*")
         assert f"COPY {name} ./{name}" in dockerfile, f"the image lacks {name}/"
+
+
+def test_prometheus_scrapes_every_role_and_grafana_is_provisioned() -> None:
+    import yaml
+
+    services = load().services
+    scrape = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
+    targets = set()
+    for job in scrape["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            targets |= {t.split(":")[0] for t in static["targets"]}
+        for dns in job.get("dns_sd_configs", []):
+            targets |= set(dns["names"])
+            port = str(dns["port"])
+            for name in dns["names"]:  # each answers on the port scraped
+                assert services[name].environment[f"KVMESH_{name.upper()}_HTTP_PORT"] == port
+    assert set(ROLES) <= targets
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert any("deploy/prometheus.yml" in v for v in prometheus.volumes)
+    assert any("deploy/grafana/dashboards" in v for v in grafana.volumes)
+    provider = yaml.safe_load(
+        (REPO / "deploy/grafana/provisioning/dashboards/kvmesh.yml").read_text()
+    )
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"

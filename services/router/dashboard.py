@@ -14,7 +14,6 @@ polls, every endpoint for admin keys when auth is on.
 from __future__ import annotations
 
 import time
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,26 +32,6 @@ ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
 GONE_KEPT_S = 600.0  # a service gone is listed as gone this long
 SPANS_WAIT_S = 0.5  # for every service's spans of a request
 MAX_SERIES_MINUTES = 24 * 60
-
-
-class RecentRequests:
-    """The last requests this router answered, newest first (the page's list)."""
-
-    def __init__(self, size: int = 200) -> None:
-        self._items: deque[dict] = deque(maxlen=size)
-        self._by_id: dict[str, dict] = {}
-
-    def add(self, item: dict) -> None:
-        if len(self._items) == self._items.maxlen:
-            self._by_id.pop(self._items[0]["id"], None)
-        self._items.append(item)
-        self._by_id[item["id"]] = item
-
-    def latest(self, n: int) -> list[dict]:
-        return list(self._items)[-n:][::-1]
-
-    def get(self, rid: str) -> dict | None:
-        return self._by_id.get(rid)
 
 
 class Dashboard:

@@ -53,17 +53,18 @@ class Timing:
             "kv_transfer_ms": round(self.kv_transfer_ms, 3),
             "workers": self.workers,
             "cached_tokens_by_tier": self.cached_tokens_by_tier,
-            "route": self._route(),
+            "route": self.decision(),
             **({"images": self.images} if self.images else {}),
             **({"cache_miss": self.cache_miss} if self.cache_miss else {}),
         }
 
-    def _route(self) -> dict:
-        """The decision with its candidates' terms (built here: only those shown)."""
+    def decision(self, every: bool = False) -> dict:
+        """The routing decision with its candidates' terms (the best EXPLAINED of them
+        unless ``every`` or the request asked for all)."""
         ranked = self.route.get("candidates")
         if ranked is None:
             return self.route
-        shown = ranked if self.explain_all else ranked[:EXPLAINED]
+        shown = ranked if every or self.explain_all else ranked[:EXPLAINED]
         out = {**self.route, "candidates": [{"worker": r.service_id, **r.terms} for r in shown]}
         if len(shown) < len(ranked):
             out["others"] = len(ranked) - len(shown)

@@ -51,6 +51,16 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
     "/v1/batches": ("The caller's batches, newest first (?limit=, ?after=)", None, (400, 401)),
     "/v1/batches/{batch_id}": ("A batch: its status, counts and files", None, (401, 404)),
     "/v1/batches/{batch_id}/cancel": ("Cancel a batch", None, (401, 404, 409)),
+    "/dashboard": ("The operator's page (HTML; it asks for an admin key)", None, ()),
+    "/dashboard/{asset}": ("The page's script and style", None, (404,)),
+    "/v1/dashboard/mesh": ("Every service by role, and those gone lately", None, (401, 403)),
+    "/v1/dashboard/series": ("The mesh's figures minute by minute", None, (400, 401, 403)),
+    "/v1/dashboard/requests": ("This router's recent requests", None, (401, 403)),
+    "/v1/dashboard/requests/{request_id}": (
+        "A recent request with its routing decision and its spans from every service",
+        None,
+        (401, 403, 404),
+    ),
     "/v1/models": ("The models a ready prefill and decode worker both serve", None, (401,)),
     "/v1/stats": (
         "The operator's summary, overall, per traffic class and per tenant",

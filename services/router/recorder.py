@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -38,9 +39,32 @@ def request_ids(rid: str) -> dict[str, str]:
     return {"x-request-id": rid, **({"x-kvmesh-trace-id": trace_id} if trace_id else {})}
 
 
+class RecentRequests:
+    """The last requests this router answered, newest first (the operator page's list)."""
+
+    def __init__(self, size: int = 200) -> None:
+        self._items: deque[dict] = deque(maxlen=size)
+        self._by_id: dict[str, dict] = {}
+
+    def add(self, item: dict) -> None:
+        if len(self._items) == self._items.maxlen:
+            oldest = self._items[0]
+            if self._by_id.get(oldest["id"]) is oldest:  # (a client may reuse an id)
+                del self._by_id[oldest["id"]]
+        self._items.append(item)
+        self._by_id[item["id"]] = item
+
+    def latest(self, n: int) -> list[dict]:
+        return list(self._items)[-n:][::-1]
+
+    def get(self, rid: str) -> dict | None:
+        return self._by_id.get(rid)
+
+
 class RequestRecorder:
     def __init__(self, stats: RollingStats) -> None:
         self.stats = stats
+        self.recent = RecentRequests()  # the operator page's list
 
     @contextlib.contextmanager
     def handling(self, rid: str, endpoint: str, headers: Mapping[str, str]) -> Iterator[Handled]:
@@ -66,12 +90,14 @@ class RequestRecorder:
                     handled.status = 500
                 raise
             finally:
-                self._finished(handled, endpoint, span)
+                self._finished(handled, endpoint, span, rid)
 
-    def _finished(self, handled: Handled, endpoint: str, span: trace.Span) -> None:
+    def _finished(self, handled: Handled, endpoint: str, span: trace.Span, rid: str) -> None:
         REQUESTS.labels(endpoint, str(handled.status)).inc()
         span.set_attribute("http.response.status_code", handled.status)
+        self.stats.status(time.time(), handled.status)
         p = handled.prepared
+        self._remember(handled, endpoint, span, rid)
         if p is None:
             log.info("%s %d", endpoint, handled.status)
             return
@@ -103,7 +129,7 @@ class RequestRecorder:
         TTFT.observe(ttft)
         if u.completion_tokens > 1:
             TPOT.observe(generation_s / (u.completion_tokens - 1))
-        memory = min(cached, t.cached_tokens_by_tier.get("memory", 0))
+        memory = min(cached, t.cached_tokens_by_tier.get("memory", 0))  # (the rest: storage)
         INPUT_TOKENS.labels("computed").inc(max(0, u.prompt_tokens - cached))
         INPUT_TOKENS.labels("memory").inc(memory)
         INPUT_TOKENS.labels("storage").inc(cached - memory)
@@ -117,4 +143,29 @@ class RequestRecorder:
             ttft,
             generation_s,
             p.tenant,
+            memory,
+        )
+
+    def _remember(self, handled: Handled, endpoint: str, span: trace.Span, rid: str) -> None:
+        """The request in the operator page's recent list."""
+        ctx = span.get_span_context()
+        p = handled.prepared
+        t = p.timing if p is not None else None
+        ttft = (t.first_token_at - p.received_at) if p is not None and t.first_token_at else None
+        self.recent.add(
+            {
+                "id": rid,
+                "trace_id": f"{ctx.trace_id:032x}" if ctx.is_valid else "",
+                "time": time.time(),
+                "endpoint": endpoint,
+                "status": handled.status,
+                "tenant": p.tenant if p is not None else "",
+                "model": p.job.model if p is not None else "",
+                "prompt_tokens": p.usage.prompt_tokens if p is not None else None,
+                "cached_tokens": p.usage.cached_tokens if p is not None else None,
+                "completion_tokens": p.usage.completion_tokens if p is not None else None,
+                "ttft_ms": round(ttft * 1e3, 3) if ttft is not None else None,
+                "route": t.decision(every=True) if t is not None else {},
+                "workers": t.workers if t is not None else [],
+            }
         )

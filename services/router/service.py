@@ -14,6 +14,7 @@ from aiohttp import web
 from services.router.batch_api import BatchApi
 from services.router.batches import BatchRunner, BatchStore
 from services.router.breaker import Breakers
+from services.router.dashboard import Dashboard
 from services.router.dispatch import Dispatcher, DispatchLimits
 from services.router.files import Files
 from services.router.frontend import Frontend
@@ -23,6 +24,7 @@ from services.router.images import ImageLimits
 from services.router.openai_api import ApiError
 from services.router.openapi import document
 from services.router.policies import POLICIES
+from services.router.recorder import RecentRequests
 from services.router.registry import WorkerRegistry
 from services.router.scoring import CostDefaults
 from services.router.settings import RouterSettings
@@ -57,9 +59,13 @@ class RouterService(Service):
         self.stats = RollingStats(self.service_id, self.started_at)
         self.frontend: Frontend | None = None
         self.grpc_address = ""
+        self.bus: Bus | None = None
+        self.gone: dict[str, tuple[str, float]] = {}  # services stopped or lost: role, when
+        self.dashboard = Dashboard(self)
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         s = self.settings
+        self.bus = bus
         await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         # The mesh's statistics: every router's minutes, this one's from before a restart too.
         await bus.ensure_stream(
@@ -175,8 +181,10 @@ class RouterService(Service):
         if self.registry.observe(hb, time.monotonic()):
             log.info("registered %s %s", hb.role, hb.service_id)
             self.breakers.success(hb.service_id)  # a new process: its breaker starts closed
+            self.gone.pop(hb.service_id, None)
         elif hb.status == "stopped":
             log.info("%s %s stopped", hb.role, hb.service_id)
+            self.gone[hb.service_id] = (hb.role, time.time())
 
     async def sweep(self) -> None:
         """Drop services that missed their heartbeats, a few times per beat interval."""
@@ -190,6 +198,7 @@ class RouterService(Service):
         """Drop services that missed their heartbeats, each with a log line (whichever call
         notices first: the sweep, /health or a registry query)."""
         for record in self.registry.expire(now):
+            self.gone[record.service_id] = (record.heartbeat.role, time.time())
             log.warning(
                 "dropped %s %s: no heartbeat for %.1f s",
                 record.heartbeat.role,
@@ -227,7 +236,13 @@ class RouterService(Service):
             web.get("/openapi.json", self.openapi),
             *self.http_api.routes(),
             *self.batch_api.routes(),
+            *self.dashboard.routes(),
         ]
+
+    @property
+    def recent(self) -> RecentRequests:
+        assert self.frontend is not None
+        return self.frontend.recorder.recent
 
     async def openapi(self, request: web.Request) -> web.Response:
         """The HTTP API as it is (services/router/openapi.py)."""

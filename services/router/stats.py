@@ -16,6 +16,7 @@ extrapolated from what was seen (tokens ÷ seconds observed × 86,400).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
@@ -37,10 +38,21 @@ class Totals(BaseModel):
     ttft_s: float = 0.0  # summed
     speed_requests: int = 0  # requests with a generation speed (two tokens or more)
     speed_tok_s: float = 0.0  # summed
+    memory_tokens: int = 0  # of the cached: from a worker's memory tier (the rest: storage)
+    ttft_counts: list[int] = Field(default_factory=list)  # by TTFT_EDGES_MS (percentiles)
 
     def add(self, other: Totals) -> None:
         for name in Totals.model_fields:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+            if name == "ttft_counts":
+                self.ttft_counts = merged_counts(self.ttft_counts, other.ttft_counts)
+            else:
+                setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def count_ttft(self, ttft_s: float) -> None:
+        i = bisect.bisect_left(TTFT_EDGES_MS, ttft_s * 1e3)
+        if len(self.ttft_counts) <= i:
+            self.ttft_counts += [0] * (i + 1 - len(self.ttft_counts))
+        self.ttft_counts[i] += 1
 
     def figures(self, window_s: float, worker_hours: float) -> dict:
         tokens = self.input_tokens + self.output_tokens
@@ -61,6 +73,29 @@ class Totals(BaseModel):
             "requests_per_worker_hour": round(n / worker_hours, 3) if worker_hours else None,
             "tokens_per_worker_hour": round(tokens / worker_hours, 1) if worker_hours else None,
         }
+
+
+# TTFT buckets (their upper edges, ms): 30% apart from 1 ms to ~4 minutes, so a percentile
+# read from them is within 30%; minutes from every router add up bucket by bucket.
+TTFT_EDGES_MS = [1.3**i for i in range(48)]
+
+
+def merged_counts(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def percentile_ms(counts: list[int], p: float) -> float | None:
+    """The p-th percentile of counted TTFTs (a bucket's upper edge), None when none."""
+    total = sum(counts)
+    if not total:
+        return None
+    rank, seen = p / 100 * total, 0
+    for i, n in enumerate(counts):
+        seen += n
+        if seen >= rank:
+            return round(TTFT_EDGES_MS[min(i, len(TTFT_EDGES_MS) - 1)], 3)
+    return round(TTFT_EDGES_MS[-1], 3)
 
 
 class TenantTotals(BaseModel):
@@ -100,6 +135,7 @@ class StatsMinute(Message):
     worker_s: float = 0.0  # prefill and decode workers live × seconds, as that router saw
     by_class: dict[str, Totals] = Field(default_factory=dict)
     by_tenant: dict[str, TenantTotals] = Field(default_factory=dict)
+    by_status: dict[str, int] = Field(default_factory=dict)  # every request's HTTP status
 
 
 @dataclass
@@ -108,6 +144,7 @@ class _Minute:
     worker_s: float = 0.0
     by_class: dict[str, Totals] = field(default_factory=dict)
     by_tenant: dict[str, TenantTotals] = field(default_factory=dict)
+    by_status: dict[str, int] = field(default_factory=dict)
 
     def tenant(self, name: str) -> TenantTotals:
         name = name or NO_TENANT
@@ -149,6 +186,7 @@ class RollingStats:
         ttft_s: float,
         generation_s: float,
         tenant: str = "",
+        memory_tokens: int = 0,
     ) -> None:
         """A request that was answered: its tokens, its TTFT, and the time from its first
         token to its last (its generation speed is output_tokens - 1 over that)."""
@@ -163,9 +201,16 @@ class RollingStats:
         t.cached_tokens += cached_tokens
         t.output_tokens += output_tokens
         t.ttft_s += ttft_s
+        t.memory_tokens += memory_tokens
+        t.count_ttft(ttft_s)
         if output_tokens > 1 and generation_s > 0:
             t.speed_requests += 1
             t.speed_tok_s += (output_tokens - 1) / generation_s
+
+    def status(self, now: float, status: int) -> None:
+        """Any request that ended (answered or not), by its HTTP status."""
+        counts = self._mine(now).by_status
+        counts[str(status)] = counts.get(str(status), 0) + 1
 
     def tick(self, now: float, workers: int) -> None:
         """``workers`` (prefill and decode) were live since the last tick."""
@@ -189,6 +234,7 @@ class RollingStats:
                         worker_s=m.worker_s,
                         by_class={k: t.model_copy() for k, t in m.by_class.items()},
                         by_tenant={k: t.model_copy() for k, t in m.by_tenant.items()},
+                        by_status=dict(m.by_status),
                     )
                 )
         self._changed.clear()
@@ -205,7 +251,11 @@ class RollingStats:
         key = (shared.router_id, shared.minute)
         if shared.router_id != self.router_id:
             self._minutes[key] = _Minute(
-                shared.started_at, shared.worker_s, shared.by_class, shared.by_tenant
+                shared.started_at,
+                shared.worker_s,
+                shared.by_class,
+                shared.by_tenant,
+                dict(shared.by_status),
             )
             return
         if not replaying:
@@ -217,9 +267,50 @@ class RollingStats:
             m.by_class.setdefault(name, Totals()).add(t)
         for name, tt in shared.by_tenant.items():
             m.tenant(name).add(tt)
+        for code, n in shared.by_status.items():
+            m.by_status[code] = m.by_status.get(code, 0) + n
         self._changed.add(shared.minute)
 
     # -- the report ----------------------------------------------------------------------
+
+    def series(self, now: float, minutes: int) -> list[dict]:
+        """The mesh's last ``minutes`` minute by minute (every router's summed): TTFT p50 and
+        p99, hit ratio by tier, tokens/s in and out, requests answered and failed."""
+        last = int(now // BUCKET_S)
+        first = last - minutes + 1
+        totals: dict[int, Totals] = {}
+        statuses: dict[int, dict[str, int]] = {}
+        for (_, minute), m in self._minutes.items():
+            if minute < first:
+                continue
+            t = totals.setdefault(minute, Totals())
+            for one in m.by_class.values():
+                t.add(one)
+            for code, n in m.by_status.items():
+                statuses.setdefault(minute, {})[code] = statuses.get(minute, {}).get(code, 0) + n
+        out = []
+        for minute in range(first, last + 1):
+            t = totals.get(minute, Totals())
+            by_status = statuses.get(minute, {})
+            n_in = t.input_tokens
+            out.append(
+                {
+                    "minute": minute * int(BUCKET_S),
+                    "requests": t.requests,
+                    "ttft_p50_ms": percentile_ms(t.ttft_counts, 50),
+                    "ttft_p99_ms": percentile_ms(t.ttft_counts, 99),
+                    "hit_ratio_memory": round(t.memory_tokens / n_in, 6) if n_in else None,
+                    "hit_ratio_storage": (
+                        round((t.cached_tokens - t.memory_tokens) / n_in, 6) if n_in else None
+                    ),
+                    "input_tok_s": round(n_in / BUCKET_S, 3),
+                    "output_tok_s": round(t.output_tokens / BUCKET_S, 3),
+                    "by_status": by_status,
+                    "ok": sum(n for code, n in by_status.items() if code.startswith("2")),
+                    "errors": sum(n for code, n in by_status.items() if not code.startswith("2")),
+                }
+            )
+        return out
 
     def report(self, now: float) -> dict:
         self._drop_before(int(now // BUCKET_S) - DAY_MINUTES + 1)

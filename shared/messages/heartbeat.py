@@ -26,6 +26,8 @@ class Load(Message):
     queued_tokens: int = Field(
         default=0, ge=0, description="prefill: prompt tokens waiting, less its memory-tier hits"
     )
+    memory_tier_bytes: int = Field(default=0, ge=0, description="workers: memory tier in use")
+    memory_tier_capacity: int = Field(default=0, ge=0, description="workers: its size")
     kv_write_skips: int = Field(
         default=0, ge=0, description="blocks not stored because the write-behind queue was full"
     )
