@@ -32,6 +32,7 @@ ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
 GONE_KEPT_S = 600.0  # a service gone is listed as gone this long
 SPANS_WAIT_S = 0.5  # for every service's spans of a request
 MAX_SERIES_MINUTES = 24 * 60
+MAX_LISTED = 200  # recent requests a router keeps (RecentRequests)
 
 
 class Dashboard:
@@ -117,10 +118,19 @@ class Dashboard:
     async def requests(self, request: web.Request) -> web.Response:
         try:
             self._admin(request)
+            try:
+                limit = int(request.query.get("limit", "25"))
+            except ValueError:
+                limit = 0
+            if not 1 <= limit <= MAX_LISTED:
+                raise ApiError(400, f"limit: 1 to {MAX_LISTED}", param="limit")
         except ApiError as err:
             return api_error(err)
-        items = self.svc.recent.latest(100)
-        return web.json_response({"requests": items}, headers=_NO_STORE)
+        listed = [  # (the routing decision comes with one request's detail)
+            {k: v for k, v in item.items() if k not in ("route", "workers")}
+            for item in self.svc.recent.latest(limit)
+        ]
+        return web.json_response({"requests": listed}, headers=_NO_STORE)
 
     async def request(self, request: web.Request) -> web.Response:
         try:

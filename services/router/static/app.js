@@ -133,7 +133,9 @@ function chart(svg, minutes, keyA, keyB) {
 }
 
 function drawSeries(series) {
-  const m = series.minutes;
+  // From the first minute with traffic (a young mesh's hours before it are empty).
+  const first = series.minutes.findIndex((x) => x.requests || x.ok || x.errors);
+  const m = first < 0 ? series.minutes.slice(-2) : series.minutes.slice(first);
   chart($("#chart-ttft"), m, "ttft_p50_ms", "ttft_p99_ms");
   chart($("#chart-hits"), m, "hit_ratio_memory", "hit_ratio_storage");
   chart($("#chart-tokens"), m, "input_tok_s", "output_tok_s");
