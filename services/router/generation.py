@@ -85,6 +85,7 @@ class Prepared:
     timing: Timing = field(default_factory=Timing)
     received_at: float = field(default_factory=time.perf_counter)
     encodes: Encodes | None = None  # the images' encode requests, in flight
+    delivered: bool = False  # a stream's last event written (the client has the answer)
     seen: Seen | None = None  # what explains its cache misses, and is remembered after
     tenant: str = ""  # whose request (the key's tenant, or the tenant header with auth off)
     conversation: Conversation | None = None

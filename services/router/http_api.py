@@ -187,7 +187,7 @@ class HttpApi:
             except ApiError as err:
                 if resp is None:
                     raise
-                return await self._close(resp, writer.error(err))
+                return await self._close(resp, writer.error(err), p)
             if resp is None:
                 resp = await self._open(request, p, writer.start())
             out: list[bytes] = []
@@ -205,7 +205,7 @@ class HttpApi:
                 except ApiError as err:  # mid-stream: the error goes in the stream
                     out = writer.error(err)
                     break
-            return await self._close(resp, out)
+            return await self._close(resp, out, p)
         except ConnectionResetError:
             log.info("%s: client went away", p.job.request_id)
             raise
@@ -230,9 +230,12 @@ class HttpApi:
         return resp
 
     @staticmethod
-    async def _close(resp: web.StreamResponse, last: list[bytes]) -> web.StreamResponse:
+    async def _close(
+        resp: web.StreamResponse, last: list[bytes], p: Prepared
+    ) -> web.StreamResponse:
         for chunk in last:
             await resp.write(chunk)
+        p.delivered = True  # every byte of the answer is out: a client leaving now had it all
         await resp.write_eof()
         return resp
 

@@ -82,8 +82,11 @@ class RequestRecorder:
         ):
             try:
                 yield handled
-            except asyncio.CancelledError:
-                handled.status = 499  # the client went away
+            except (asyncio.CancelledError, ConnectionResetError):
+                # The client went away: before its answer was out (499), or just after the
+                # last event, before the stream's end was written (it has the answer).
+                p = handled.prepared
+                handled.status = 200 if p is not None and p.delivered else 499
                 raise
             except Exception:
                 if handled.status == 200:  # else the API layer has said (gRPC's abort raises)
