@@ -116,9 +116,8 @@ def test_a_request_is_listed_within_2s_and_opens_its_waterfall(stack: Stack, bro
     with urllib.request.urlopen(req, timeout=60) as resp:
         rid = resp.headers["x-request-id"]
         resp.read()
-    ended = time.monotonic()
+    # Listed within 2 s of its end (the page polls every second).
     row = tab.page.wait_for_selector(f"#requests tr[data-request='{rid}']", timeout=2_000)
-    assert time.monotonic() - ended <= 2.0
     row.click()
     tab.page.wait_for_selector("#waterfall .span-row", timeout=5_000)
 
@@ -154,11 +153,9 @@ def test_a_killed_worker_turns_gone_within_its_heartbeat_bound(stack: Stack, bro
     # the page's next poll.
     bound = mesh["missed_heartbeats"] * mesh["heartbeat_s"] + 1.0 + 1.0
     stack.procs["decode-1"].signal(signal.SIGKILL)
-    killed = time.monotonic()
     tab.page.wait_for_selector(
         "#mesh tr[data-service='decode-1'][data-state='gone']", timeout=bound * 1000
     )
-    assert time.monotonic() - killed <= bound
     tab.shot("gone")
     assert tab.errors == []
     tab.page.close()

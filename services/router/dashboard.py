@@ -15,17 +15,21 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aiohttp import web
 
+from services.router.breaker import Breakers
+from services.router.frontend import Frontend
 from services.router.http_api import api_error
 from services.router.openai_api import ApiError
-from shared.bus import subjects
+from services.router.recorder import RecentRequests
+from services.router.registry import WorkerRegistry
+from services.router.settings import RouterSettings
+from services.router.stats import RollingStats
+from shared.bus import Bus, subjects
 from shared.messages.spans import SpansQuery, SpansReply
-
-if TYPE_CHECKING:
-    from services.router.service import RouterService
+from shared.settings import CommonSettings
 
 STATIC = Path(__file__).parent / "static"
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
@@ -35,14 +39,33 @@ MAX_SERIES_MINUTES = 24 * 60
 MAX_LISTED = 200  # recent requests a router keeps (RecentRequests)
 
 
+class Router(Protocol):
+    """What the page shows of its router (services/router/service.py's RouterService)."""
+
+    service_id: str
+    common: CommonSettings
+    settings: RouterSettings
+    registry: WorkerRegistry
+    breakers: Breakers
+    stats: RollingStats
+    frontend: Frontend | None
+    bus: Bus | None
+    gone: dict[str, tuple[str, float]]
+
+    @property
+    def recent(self) -> RecentRequests: ...
+
+    def expire(self, now: float) -> None: ...
+
+
 class Dashboard:
-    def __init__(self, service: RouterService) -> None:
-        self.svc = service
+    def __init__(self, router: Router) -> None:
+        self.svc = router
 
     def routes(self) -> list[web.RouteDef]:
         return [
             web.get("/dashboard", self.page),
-            web.get("/dashboard/{asset}", self.asset),
+            *(web.get(f"/dashboard/{name}", self.asset) for name in ASSETS),
             web.get("/v1/dashboard/mesh", self.mesh),
             web.get("/v1/dashboard/series", self.series),
             web.get("/v1/dashboard/requests", self.requests),
@@ -55,9 +78,7 @@ class Dashboard:
         return web.FileResponse(STATIC / "dashboard.html", headers=_NO_STORE)
 
     async def asset(self, request: web.Request) -> web.StreamResponse:
-        name = request.match_info["asset"]
-        if name not in ASSETS:
-            raise web.HTTPNotFound()
+        name = request.path.rsplit("/", 1)[1]
         return web.FileResponse(STATIC / name, headers={"Content-Type": ASSETS[name], **_NO_STORE})
 
     def _admin(self, request: web.Request) -> None:
@@ -144,6 +165,7 @@ class Dashboard:
         spans: list[dict] = []
         if item.get("trace_id"):
             want = len(self.svc.registry.entries(time.monotonic())) + 1  # (this router too)
+            assert self.svc.bus is not None
             replies = await self.svc.bus.gather(
                 subjects.SPANS_QUERY,
                 SpansQuery(trace_id=item["trace_id"]),
