@@ -50,6 +50,7 @@ Status = Literal[
     "cancelled",
 ]
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # someone must work on it
+ENDED = ("failed", "completed", "expired", "cancelled")
 MAX_LINE_ERRORS = 100  # listed in a failed batch's errors (the count says how many in all)
 
 
@@ -121,6 +122,7 @@ class BatchStore:
         self.bus = bus
         self.records = None
         self.results = None
+        self._ended: dict[str, BatchRecord] = {}  # records of ended batches, read once
 
     async def start(self) -> None:
         js, replicas = self.bus.js, self.bus.replicas
@@ -151,12 +153,17 @@ class BatchStore:
             raise Conflict(record.id) from None
 
     async def all(self) -> list[BatchRecord]:
+        """Every batch; ended ones from memory (an ended batch's record never changes)."""
         try:
             keys = await self.records.keys()
         except NoKeysError:
             return []
-        found = await asyncio.gather(*(self.get(k) for k in keys))
-        return [f[0] for f in found if f is not None]
+        found = await asyncio.gather(*(self.get(k) for k in keys if k not in self._ended))
+        for record, _ in filter(None, found):
+            if record.status in ENDED:
+                self._ended[record.id] = record
+        live = [f[0] for f in found if f is not None and f[0].id not in self._ended]
+        return live + [self._ended[k] for k in keys if k in self._ended]
 
     async def put_result(self, batch_id: str, line: int, result: bytes) -> bool:
         """A line's result, unless one is stored already (then False: the first stays)."""
