@@ -182,3 +182,16 @@ def start_with(role: str, var: str, value: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=30,
     )
+
+
+def kvmesh_keys(path: Path, *args: str) -> str:
+    """`kvmesh keys --file path ...`; its stdout (a new key, or the list)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "keys", "--file", str(path), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()

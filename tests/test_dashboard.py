@@ -13,8 +13,6 @@ import json
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +23,7 @@ import pytest
 
 from shared.messages.heartbeat import ROLES
 from tests.procs import REPO
+from tests.procs import kvmesh_keys as keys
 from tests.stack import TINY_ENCODER, Stack
 
 ARTIFACTS = REPO / "test-artifacts" / "dashboard"
@@ -34,18 +33,6 @@ needs_browser = pytest.mark.skipif(
     reason="no Chromium: `apt-get install chromium` (make test does it when run as root)",
 )
 LONG = "The harbour office keeps a log of every berth, tide and pilot. " * 12  # past prefill
-
-
-def keys(path: Path, *args: str) -> str:
-    run = subprocess.run(
-        [sys.executable, "-m", "kvmesh", "keys", "--file", str(path), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert run.returncode == 0, run.stderr
-    return run.stdout.strip()
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,21 +31,9 @@ from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot
 from shared.messages.kvevents import KvEvent
 from shared.proto import api_pb2, api_pb2_grpc, kv_pb2, kv_pb2_grpc
 from shared.security.keys import KeysFile
-from tests.procs import REPO, connect_as, secrets_dir, start_with, until, wait_until
+from tests.procs import connect_as, secrets_dir, start_with, until, wait_until
+from tests.procs import kvmesh_keys as keys
 from tests.stack import Stack
-
-
-def keys(path: Path, *args: str) -> str:
-    """`kvmesh keys --file path ...`; its stdout (a new key, or the list)."""
-    run = subprocess.run(
-        [sys.executable, "-m", "kvmesh", "keys", "--file", str(path), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert run.returncode == 0, run.stderr
-    return run.stdout.strip()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from services.router.batches import (
 )
 from services.router.files import Files
 from services.router.frontend import Frontend, KvOptions
-from services.router.http_api import api_error
+from services.router.http_api import api_error, query_int
 from services.router.openai_api import ApiError, parse_body
 
 WINDOW = re.compile(r"^(\d+)(s|m|h)$")
@@ -216,12 +216,7 @@ class BatchApi:
     async def list_batches(self, request: web.Request) -> web.Response:
         try:
             tenant = self._tenant(request)
-            try:
-                limit = int(request.query.get("limit", "20"))
-            except ValueError:
-                limit = 0
-            if not 1 <= limit <= 100:
-                raise ApiError(400, "limit: 1 to 100", param="limit")
+            limit = query_int(request, "limit", 20, 100)
             after = request.query.get("after")
             records = sorted(
                 (r for r in await self.store.all() if r.tenant == tenant),

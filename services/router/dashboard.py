@@ -21,7 +21,7 @@ from aiohttp import web
 
 from services.router.breaker import Breakers
 from services.router.frontend import Frontend
-from services.router.http_api import api_error
+from services.router.http_api import api_error, query_int
 from services.router.openai_api import ApiError
 from services.router.recorder import RecentRequests
 from services.router.registry import WorkerRegistry
@@ -125,12 +125,7 @@ class Dashboard:
     async def series(self, request: web.Request) -> web.Response:
         try:
             self._admin(request)
-            try:
-                minutes = int(request.query.get("minutes", "180"))
-            except ValueError:
-                minutes = 0
-            if not 1 <= minutes <= MAX_SERIES_MINUTES:
-                raise ApiError(400, f"minutes: 1 to {MAX_SERIES_MINUTES}", param="minutes")
+            minutes = query_int(request, "minutes", 180, MAX_SERIES_MINUTES)
         except ApiError as err:
             return api_error(err)
         series = self.svc.stats.series(time.time(), minutes)
@@ -139,12 +134,7 @@ class Dashboard:
     async def requests(self, request: web.Request) -> web.Response:
         try:
             self._admin(request)
-            try:
-                limit = int(request.query.get("limit", "25"))
-            except ValueError:
-                limit = 0
-            if not 1 <= limit <= MAX_LISTED:
-                raise ApiError(400, f"limit: 1 to {MAX_LISTED}", param="limit")
+            limit = query_int(request, "limit", 25, MAX_LISTED)
         except ApiError as err:
             return api_error(err)
         listed = [  # (the routing decision comes with one request's detail)

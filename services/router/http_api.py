@@ -48,6 +48,17 @@ def anthropic_error(err: ApiError, rid: str = "") -> web.Response:
     return web.json_response(body, status=err.status, headers=_error_headers(err, rid))
 
 
+def query_int(request: web.Request, name: str, default: int, most: int) -> int:
+    """A query parameter from 1 to ``most``; ApiError(400) naming it otherwise."""
+    try:
+        value = int(request.query.get(name, str(default)))
+    except ValueError:
+        value = 0
+    if not 1 <= value <= most:
+        raise ApiError(400, f"{name}: 1 to {most}", param=name)
+    return value
+
+
 class HttpApi:
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
