@@ -31,7 +31,8 @@ browser:
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    { echo "installing chromium (for the operator page's tests)"; \
-	      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; } || \
+	      timeout 300 apt-get update -qq && \
+	      DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq chromium >/dev/null; }; } || \
 	  echo "no chromium and no root apt: the operator page's browser tests will be skipped"
 
 lint: $(STAMP)
