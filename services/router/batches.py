@@ -450,7 +450,6 @@ class BatchWork:
                 self.record = new
                 return new
             except Conflict:
-                self.record = None
                 record = await self._load()
                 if record.status == "cancelling" and fields.get("status") in (
                     "in_progress",

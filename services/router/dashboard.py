@@ -109,8 +109,7 @@ class Dashboard:
             )
         gone = [
             {"id": sid, "role": role, "status": "gone", "gone_s": round(time.time() - at, 1)}
-            for sid, (role, at) in self.svc.gone.items()
-            if time.time() - at < GONE_KEPT_S
+            for sid, (role, at) in self.svc.gone.items()  # (the last GONE_KEPT_S: expire)
         ]
         body = {
             "router": self.svc.service_id,

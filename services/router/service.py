@@ -14,7 +14,7 @@ from aiohttp import web
 from services.router.batch_api import BatchApi
 from services.router.batches import BatchRunner, BatchStore
 from services.router.breaker import Breakers
-from services.router.dashboard import Dashboard
+from services.router.dashboard import GONE_KEPT_S, Dashboard
 from services.router.dispatch import Dispatcher, DispatchLimits
 from services.router.files import Files
 from services.router.frontend import Frontend
@@ -197,6 +197,8 @@ class RouterService(Service):
     def expire(self, now: float) -> None:
         """Drop services that missed their heartbeats, each with a log line (whichever call
         notices first: the sweep, /health or a registry query)."""
+        for sid in [s for s, (_, at) in self.gone.items() if time.time() - at > GONE_KEPT_S]:
+            del self.gone[sid]  # (listed as gone that long, then forgotten)
         for record in self.registry.expire(now):
             self.gone[record.service_id] = (record.heartbeat.role, time.time())
             log.warning(

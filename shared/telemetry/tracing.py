@@ -121,25 +121,28 @@ MAX_SPANS_PER_TRACE = 256
 class RecentSpans(SpanProcessor):
     def __init__(self, max_traces: int = MAX_TRACES) -> None:
         self.max_traces = max_traces
-        self._traces: OrderedDict[str, list[dict]] = OrderedDict()
+        # The spans themselves: their records are made only when a trace is asked for
+        # (rarely), not on the path of every span's end.
+        self._traces: OrderedDict[int, list[ReadableSpan]] = OrderedDict()
         self._lock = threading.Lock()  # (spans end on the engine thread too)
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
-        record = span_record(span)
+        trace_id = span.get_span_context().trace_id
         with self._lock:
-            spans = self._traces.setdefault(record["trace_id"], [])
-            self._traces.move_to_end(record["trace_id"])
+            spans = self._traces.setdefault(trace_id, [])
+            self._traces.move_to_end(trace_id)
             if len(spans) < MAX_SPANS_PER_TRACE:
-                spans.append(record)
+                spans.append(span)
             while len(self._traces) > self.max_traces:
                 self._traces.popitem(last=False)
 
     def of(self, trace_id: str) -> list[dict]:
         with self._lock:
-            return list(self._traces.get(trace_id, ()))
+            spans = list(self._traces.get(int(trace_id, 16), ()))
+        return [span_record(s) for s in spans]
 
     def shutdown(self) -> None:
         pass
