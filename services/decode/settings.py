@@ -40,6 +40,32 @@ class DecodeSettings(WorkerSettings):
     )
     fixed_draft: int = Field(default=5, ge=1, le=32, description="the fixed mode's draft length")
     max_ngram: int = Field(default=4, ge=1, le=16, description="longest n-gram a draft matches")
+    eplb_cards: int = Field(
+        default=0,
+        ge=0,
+        le=4096,
+        description="MoE expert placement over this many cards (logical groups of expert slots "
+        "in one process); 0: off",
+    )
+    eplb_slots: int = Field(
+        default=0,
+        ge=0,
+        description="expert slots in all, a multiple of eplb_cards; the slots past the experts "
+        "hold replicas of busy ones; 0: one per expert",
+    )
+    eplb_window_steps: int = Field(
+        default=1000, ge=1, description="decode steps per window of expert load statistics"
+    )
+    eplb_replan_steps: int = Field(
+        default=10_000,
+        ge=1,
+        description="decode steps between placement plans, a multiple of eplb_window_steps",
+    )
+    eplb_record: str = Field(
+        default="",
+        description="write each decode step's expert counts to this load file (.npz or .json), "
+        "for kvmesh eplb plan",
+    )
 
     def engine_options(self) -> EngineOptions:
         return replace(
@@ -48,4 +74,9 @@ class DecodeSettings(WorkerSettings):
             max_draft=self.max_draft,
             fixed_draft=self.fixed_draft,
             max_ngram=self.max_ngram,
+            eplb_cards=self.eplb_cards,
+            eplb_slots=self.eplb_slots,
+            eplb_window_steps=self.eplb_window_steps,
+            eplb_replan_steps=self.eplb_replan_steps,
+            eplb_record=self.eplb_record,
         )

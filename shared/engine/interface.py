@@ -32,6 +32,8 @@ from shared.model.config import ModelConfig
 if TYPE_CHECKING:
     import torch
 
+    from shared.eplb.balancer import BalancerStats
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -67,6 +69,13 @@ class EngineOptions:
     max_draft: int = 8
     fixed_draft: int = 5
     max_ngram: int = 4
+    # Expert placement for MoE models (shared/eplb/): off while eplb_cards is 0; the cards are
+    # logical groups of slots in one process, what a multi-card deployment would apply as is.
+    eplb_cards: int = 0
+    eplb_slots: int = 0  # in all; 0: one per expert (no replicas)
+    eplb_window_steps: int = 1000
+    eplb_replan_steps: int = 10_000
+    eplb_record: str = ""  # a load file the per-step expert counts are written to
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,7 @@ class EngineStats:
     running: int  # in the decode batch
     draft_tokens: int = 0  # speculation, since start: drafted tokens verified
     accepted_tokens: int = 0  # ... of which accepted
+    eplb: BalancerStats | None = None  # expert placement, on a MoE model with it on
 
 
 class Engine(ABC):

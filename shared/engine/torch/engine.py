@@ -43,6 +43,8 @@ from shared.engine.torch.speculate import (
     NgramIndex,
     choose_lengths,
 )
+from shared.eplb.balancer import BalancerOptions, ExpertBalancer
+from shared.model.config import ModelConfig
 from shared.model.grammar import GrammarError, Matcher, vocabulary
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,25 @@ class TorchEngine(Engine):
         self._base_cost: CostCurve | None = None
         self.acceptance = AcceptanceTable()  # every sequence's, by match length and position
         self.drafted = self.accepted = 0
+        self.balancer = self._balancer(model.config, options)
+
+    def _balancer(self, config: ModelConfig, options: EngineOptions) -> ExpertBalancer | None:
+        """Expert placement, for a MoE model when eplb_cards is set."""
+        if not (config.moe and options.eplb_cards):
+            return None
+        balancer = ExpertBalancer(
+            len(config.moe.layers),
+            config.moe.n_experts,
+            BalancerOptions(
+                cards=options.eplb_cards,
+                slots=options.eplb_slots or config.moe.n_experts,
+                window_steps=options.eplb_window_steps,
+                replan_steps=options.eplb_replan_steps,
+                record=options.eplb_record,
+            ),
+        )
+        self.model.place(balancer.placement.slot_expert)
+        return balancer
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -119,6 +140,8 @@ class TorchEngine(Engine):
     def cleanup(self) -> None:
         for seq_id in list(self.seqs):
             self.abort(seq_id)
+        if self.balancer is not None and self.balancer.recorded:
+            self.balancer.save_record()
 
     # -- admission -------------------------------------------------------------------------
 
@@ -323,6 +346,10 @@ class TorchEngine(Engine):
         ahead = dict(zip(map(id, bound), masks.result(), strict=True)) if masks else {}
         if self._base_cost is not None:
             self._cost(len(seqs)).observe(len(tokens), time.perf_counter() - started)
+        if self.balancer is not None:  # a decode step's expert load; on schedule, a new plan
+            counts = self.model.expert_counts.numpy(), self.model.slot_counts.numpy()
+            if self.balancer.observe(*counts):
+                self.model.place(self.balancer.placement.slot_expert)
         outputs = []
         for seq, seg, proposal in zip(seqs, segments, drafts, strict=True):
             seq.n_cached = seq.n_tokens  # the KV of its last token, and of its drafts
@@ -480,6 +507,7 @@ class TorchEngine(Engine):
             running=len(self.running),
             draft_tokens=self.drafted,
             accepted_tokens=self.accepted,
+            eplb=self.balancer.stats() if self.balancer else None,
         )
 
     # -- KV in the block format -------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -100,6 +101,28 @@ class Transformer:
         n_experts = config.moe.n_experts if config.moe else 0
         # Tokens routed to each expert in the last forward pass: [MoE layers, experts].
         self.expert_counts = torch.zeros(n_moe, n_experts, dtype=torch.int64)
+        self._turn = 0  # which replica of an expert takes its first token, rotating per pass
+        self.place(np.tile(np.arange(n_experts), (n_moe, 1)))
+
+    def place(self, slot_expert: np.ndarray) -> None:
+        """Follow a placement: ``slot_expert`` [MoE layers, slots] names each slot's expert
+        (``shared/eplb/placement.py``); an expert's tokens are split evenly between its slots.
+        ``slot_counts`` [MoE layers, slots] then says what each slot computed in the last pass.
+        """
+        layers, slots = slot_expert.shape
+        n_experts = self.expert_counts.shape[1]
+        replicas = [[np.flatnonzero(row == e) for e in range(n_experts)] for row in slot_expert]
+        widest = max((len(r) for row in replicas for r in row), default=1)
+        table = torch.zeros(layers, n_experts, widest, dtype=torch.int64)
+        for layer, row in enumerate(replicas):
+            for e, where in enumerate(row):
+                assert len(where), f"expert {e} of MoE layer {layer} has no slot"
+                table[layer, e, : len(where)] = torch.from_numpy(where)
+        self._replica_slots = table  # [layers, experts, widest]: slot of each replica
+        self._replicas = torch.tensor([[len(r) for r in row] for row in replicas]).reshape(
+            layers, n_experts
+        )
+        self.slot_counts = torch.zeros(layers, slots, dtype=torch.int64)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -130,6 +153,8 @@ class Transformer:
         q_dim = c.n_heads * c.head_dim
         if self.expert_counts.numel():
             self.expert_counts.zero_()
+            self.slot_counts.zero_()
+            self._turn += 1
         for i in range(c.n_layers):
             p = f"layers.{i}."
             h = self._norm(x, self.w[p + "attn_norm"])
@@ -154,22 +179,37 @@ class Transformer:
         return _project(F.silu(gate) * up, self.w[prefix + "w2"])
 
     def _moe(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """Top-k routed experts (softmax gate, renormalized over the k) plus a shared expert."""
+        """Top-k routed experts (softmax gate, renormalized over the k) plus a shared expert.
+
+        Each (token, choice) is dispatched to one slot holding its expert, an expert's tokens
+        dealt round the expert's replicas in turn (so they split evenly). In one process the
+        replicas of an expert share its weights, so its tokens are computed in one call, in
+        token order, whatever the split: the numbers do not depend on the placement, only the
+        slot counts (each card's work) do."""
         moe = self.config.moe
         assert moe is not None
         p = f"layers.{layer}."
+        m = moe.layers.index(layer)
         probs = F.softmax(F.linear(h, self.w[p + "router"]).float(), dim=-1)
         weights, chosen = probs.topk(moe.top_k, dim=-1)  # [N, k]
         weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
-        out = torch.zeros_like(h)
-        counts = torch.bincount(chosen.flatten(), minlength=moe.n_experts)
-        self.expert_counts[moe.layers.index(layer)] = counts
+        flat = chosen.flatten()  # [N·k]: token t's j-th choice at t·k + j
+        order = torch.argsort(flat, stable=True)  # grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=moe.n_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        grouped = flat[order]
+        rank = torch.arange(len(flat)) - starts[grouped]  # the i-th token of its expert
+        replica = (rank + self._turn) % self._replicas[m, grouped]
+        slot = self._replica_slots[m, grouped, replica]
+        self.expert_counts[m] = counts
+        self.slot_counts[m] = torch.bincount(slot, minlength=self.slot_counts.shape[1])
         w13, w2 = self.w[p + "experts_w13"], self.w[p + "experts_w2"]
+        ys = torch.empty(len(flat), h.shape[-1], dtype=h.dtype)
         for e in counts.nonzero().flatten().tolist():
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            gate, up = F.linear(h[rows], w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[e])
-            out.index_add_(0, rows, y * weights[rows, slot].unsqueeze(-1))
+            where = order[starts[e] : starts[e] + counts[e]]  # flat positions, token order
+            gate, up = F.linear(h[where // moe.top_k], w13[e]).chunk(2, dim=-1)
+            ys[where] = F.linear(F.silu(gate) * up, w2[e])
+        out = (ys.view(-1, moe.top_k, h.shape[-1]) * weights.unsqueeze(-1)).sum(1)
         if moe.shared_expert:
             out = out + self._mlp(h, p)
         return out
