@@ -234,3 +234,41 @@ def test_every_router_reports_the_mesh_and_a_restart_keeps_it(stack: Stack) -> N
     _, after = get_json(f"{stack.url}/v1/stats")
     assert after["by_class"]["agent"]["requests"] == 2  # from before the restart
     assert after["routers"] == 2 and after["window_s"] >= before["window_s"]
+
+
+def test_a_moe_decode_worker_shows_its_expert_placement(stack: Stack) -> None:
+    """Workers for tiny-moe with expert placement on (2 cards, 6 slots, a window of 8 steps, a
+    plan every 16): its /metrics carry the placement's balance, per card, replans and moves,
+    and the decode span says how balanced the cards were."""
+    stack.start(
+        "prefill-moe",
+        "decode-moe",
+        KVMESH_PREFILL_MODEL="tiny-moe",
+        KVMESH_DECODE_MODEL="tiny-moe",
+        KVMESH_DECODE_EPLB_CARDS="2",
+        KVMESH_DECODE_EPLB_SLOTS="6",
+        KVMESH_DECODE_EPLB_WINDOW_STEPS="8",
+        KVMESH_DECODE_EPLB_REPLAN_STEPS="16",
+    )
+    try:
+        stack.wait_ready(["prefill-moe", "decode-moe"])
+        url = stack.health()["decode-moe"]["address"]
+        resp = stack.client().completions.with_raw_response.create(
+            model="tiny-moe", prompt="count " * 30, max_tokens=48, temperature=0
+        )
+        rid = resp.headers["x-request-id"]
+        after = metrics(url)
+        assert after[("kvmesh_eplb_steps_total", ())] >= 32
+        assert after[("kvmesh_eplb_replans_total", ())] >= 2
+        measured = after[("kvmesh_eplb_balance", (("kind", "measured"),))]
+        assert 1.0 <= measured <= 2.0  # busiest of two cards ÷ their mean
+        shares = [
+            after[("kvmesh_eplb_card_share", (("card", c), ("kind", "measured")))] for c in "01"
+        ]
+        assert sum(shares) == pytest.approx(1.0)
+        decode = next(s for s in trace_of(stack, rid, {"decode"}) if s["name"] == "decode")
+        assert decode["attributes"]["eplb_replans"] >= 1
+        assert 1.0 <= decode["attributes"]["eplb_measured"] <= 2.0
+    finally:
+        stack.procs["prefill-moe"].stop()
+        stack.procs["decode-moe"].stop()

@@ -17,6 +17,7 @@ from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
 from shared.engine.interface import ImageEmbeds, PoolExhausted, Prefix, StepOutput
 from shared.engine.kvformat import KVFormatError
+from shared.eplb.balancer import BalancerStats
 from shared.messages.generate import (
     Cancel,
     GenerateTask,
@@ -31,7 +32,7 @@ from shared.security.handoff import HANDOFF_SECRET, handoff_refusal
 from shared.security.secret import load_or_create
 from shared.security.tls import add_port
 from shared.settings import CommonSettings
-from shared.telemetry.metrics import BYTES, SPEC_TOKENS
+from shared.telemetry.metrics import BYTES, SPEC_TOKENS, EplbCollector, register_load
 from shared.telemetry.tracing import attached, extract, tracer
 from shared.worker import ImagesMissing, WorkerService
 
@@ -72,10 +73,12 @@ class DecodeService(WorkerService):
         self.kv_address = ""
         self._publishing: asyncio.Task | None = None
         self._spec_seen = (0, 0)  # the engine's speculation totals already in /metrics
+        self.eplb: BalancerStats | None = None  # expert placement, as of the last step
         self.handoff_secret = load_or_create(common.resolved_secrets_dir, HANDOFF_SECRET)
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await self.start_engine(stack, bus)
+        register_load(EplbCollector(lambda: self.eplb))
         server = grpc.aio.server()
         kv_pb2_grpc.add_KvHandoffServicer_to_server(KvReceiver(self), server)
         address = f"{self.settings.http_host}:{self.settings.kv_port}"
@@ -244,6 +247,16 @@ class DecodeService(WorkerService):
         blobs, tokens = done.result()
         active.hashes = self.store_blocks(active.task, first, blobs, tokens, context, active.hashes)
 
+    def _eplb_attributes(self) -> dict[str, float | int]:
+        """The expert placement's state for the decode span (none on a dense model)."""
+        if self.eplb is None:
+            return {}
+        return {
+            "eplb_measured": round(self.eplb.measured, 4),
+            "eplb_predicted": round(self.eplb.predicted, 4),
+            "eplb_replans": self.eplb.replans,
+        }
+
     def publish(self, outputs: list[StepOutput], took: float) -> None:
         """A step's tokens as events, sent in order behind the previous step's."""
         now = time.time()
@@ -251,6 +264,7 @@ class DecodeService(WorkerService):
         SPEC_TOKENS.labels("drafted").inc(stats.draft_tokens - self._spec_seen[0])
         SPEC_TOKENS.labels("accepted").inc(stats.accepted_tokens - self._spec_seen[1])
         self._spec_seen = (stats.draft_tokens, stats.accepted_tokens)
+        self.eplb = stats.eplb
         events = []
         for out in outputs:
             active = self.active.get(out.seq_id)
@@ -293,6 +307,7 @@ class DecodeService(WorkerService):
                     finish_reason=finish,
                     spec_drafted=seq.drafted if seq else 0,
                     spec_accepted=seq.accepted if seq else 0,
+                    **self._eplb_attributes(),
                 )
                 if finish == "abort":
                     self.runner.submit(self.engine.abort, out.seq_id)

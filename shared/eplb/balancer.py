@@ -86,7 +86,11 @@ class ExpertBalancer:
         self._close_window()
         if self.windows.steps % self.options.replan_steps:
             return False
-        return self.replan()
+        try:
+            return self.replan()
+        except Exception:  # a planner bug must not stop decoding: the placement stays
+            log.exception("expert placement: planning failed; the current placement stays")
+            return False
 
     def replan(self) -> bool:
         """Plan from the windows seen; take the plan if it pays for its moves."""

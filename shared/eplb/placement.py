@@ -56,6 +56,14 @@ class Placement:
         """Tokens each card computes: load [..., layers, experts] → [..., layers, cards]."""
         return np.einsum("...le,lec->...lc", load, self.card_share())
 
+    def presence(self) -> np.ndarray:
+        """[layers, cards, experts]: whether a card holds the expert (in any of its slots)."""
+        out = np.zeros((self.layers, self.cards, self.experts), dtype=bool)
+        cards = np.arange(self.slots) // self.per_card
+        for layer in range(self.layers):
+            out[layer, cards, self.slot_expert[layer]] = True
+        return out
+
     def check_integrity(self) -> None:
         assert self.slot_expert.min() >= 0 and self.slot_expert.max() < self.experts
         assert (self.replicas() >= 1).all(), "an expert without a slot"
@@ -95,24 +103,16 @@ def moves(old: Placement, new: Placement) -> int:
     """Expert copies a card must load to go from ``old`` to ``new``: per layer and card, the
     experts the new placement puts there that the old one did not."""
     assert (old.layers, old.cards) == (new.layers, new.cards)
-    count = 0
-    for layer in range(new.layers):
-        for card in range(new.cards):
-            before = set(_card_slots(old, layer, card).tolist())
-            count += sum(1 for e in set(_card_slots(new, layer, card).tolist()) if e not in before)
-    return count
+    return int((new.presence() & ~old.presence()).sum())
 
 
 def relabel_cards(old: Placement, new: Placement) -> Placement:
     """``new`` with its cards renumbered (and each card's slots reordered) so that as many
     slots as possible keep the expert they hold in ``old``: the same balance, fewer moves."""
     rows = []
+    held_new, held_old = new.presence(), old.presence()
     for layer in range(new.layers):
-        overlap = np.zeros((new.cards, old.cards), dtype=np.int64)
-        for a in range(new.cards):
-            mine = set(_card_slots(new, layer, a).tolist())
-            for b in range(old.cards):
-                overlap[a, b] = len(mine & set(_card_slots(old, layer, b).tolist()))
+        overlap = held_new[layer].astype(np.int64) @ held_old[layer].T.astype(np.int64)
         target = _max_assignment(overlap)
         row = np.empty(new.slots, dtype=np.int64)
         for a, b in enumerate(target):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.eplb.placement import Placement, moves, relabel_cards
+from shared.eplb.placement import Placement, gamma, moves, relabel_cards
 from shared.eplb.stats import Window
 
 
@@ -41,19 +41,26 @@ def replicate(load: np.ndarray, slots: int) -> np.ndarray:
     return counts
 
 
-def pack(weight: np.ndarray, cards: int) -> np.ndarray:
+def pack(weight: np.ndarray, cards: int, experts: np.ndarray | None = None) -> np.ndarray:
     """Card of each item ([items]): heaviest first, each onto the lightest card with room; every
-    card gets ``items / cards`` items."""
+    card gets ``items / cards`` items. Given each item's expert, a card already holding it is
+    passed over while another has room (two replicas on one card would waste a slot)."""
     per_card = len(weight) // cards
     assert per_card * cards == len(weight), f"{len(weight)} items do not fill {cards} cards"
     loads = np.zeros(cards)
     room = np.full(cards, per_card)
     card = np.empty(len(weight), dtype=np.int64)
+    held = np.zeros((int(experts.max()) + 1 if experts is not None else 0, cards), dtype=bool)
     for item in np.argsort(-weight, kind="stable"):
-        c = int(np.where(room > 0, loads, np.inf).argmin())
+        open_ = room > 0
+        if experts is not None and (open_ & ~held[experts[item]]).any():
+            open_ &= ~held[experts[item]]
+        c = int(np.where(open_, loads, np.inf).argmin())
         card[item] = c
         loads[c] += weight[item]
         room[c] -= 1
+        if experts is not None:
+            held[experts[item], c] = True
     return card
 
 
@@ -88,37 +95,50 @@ def packed_plan(load: np.ndarray, cards: int) -> Placement:
 
 @dataclass(frozen=True)
 class Forecast:
-    """Per layer and expert, per step over the coming interval: expected tokens and the
-    variance around that (per-step noise plus the forecast's own error)."""
+    """Per layer and expert, per step: the expected load in each window ahead, and the
+    variance around it (per-step noise plus the forecast's own error)."""
 
-    mean: np.ndarray  # [layers, experts]
+    path: np.ndarray  # [windows ahead, layers, experts]
     var: np.ndarray  # [layers, experts]
     model: str  # the forecasting rule the history chose
 
-
-# Forecasting rules, each a (level weight, trend damping): the level is an exponentially weighted
-# mean of the windows' means (weight 1: the last window alone); the trend, the mean log change
-# per window over the last TREND_WINDOWS, carried on with the damping per window ahead (0: none).
-RULES = [(1.0, 0.0), (0.5, 0.0), (0.25, 0.0), (0.1, 0.0), (1.0, 0.8), (0.5, 0.8), (1.0, 0.95)]
-TREND_WINDOWS = 6
+    @property
+    def mean(self) -> np.ndarray:
+        """Over the whole interval, [layers, experts]."""
+        return self.path.mean(0)
 
 
-def _predict(means: np.ndarray, horizon: int, weight: float, damping: float) -> np.ndarray:
-    """The mean load per step over the next ``horizon`` windows, from ``means`` ([W, ...],
-    oldest first) by one rule."""
-    ages = np.arange(len(means))[::-1]
-    w = weight * (1 - weight) ** ages
-    w[0] += (1 - weight) ** len(means)  # the oldest window stands for everything before it
-    level = np.tensordot(w, means, axes=1)
-    if damping == 0 or len(means) < 2:
-        return level
-    recent = means[-TREND_WINDOWS:]
-    floor = 1e-3 * recent.mean() + 1e-12
-    logs = np.log(np.maximum(recent, floor))
-    slope = (logs[-1] - logs[0]) / (len(recent) - 1)
-    # Σ_{h=1..H} Σ_{j=1..h} φ^j / H: how far the damped trend carries, averaged over the interval
-    reach = np.mean([sum(damping**j for j in range(1, h + 1)) for h in range(1, horizon + 1)])
-    return level * np.exp(slope * reach)
+# Forecasting rules, each (level span, trend span, damping): the load is the mean of the last
+# ``level span`` windows; with a trend span, the trend (a least-squares line through that many
+# windows' log loads) moves it to the last window and carries on ahead, ``damping`` of it per
+# window further.
+RULES = [
+    (1, 0, 0.0),
+    (3, 0, 0.0),
+    (6, 0, 0.0),
+    (12, 0, 0.0),
+    (1, 6, 0.8),
+    (1, 6, 0.95),
+    (1, 12, 0.9),
+    (3, 6, 0.8),
+    (3, 12, 0.9),
+]
+
+
+def _path(means: np.ndarray, horizon: int, span: int, trend: int, damping: float) -> np.ndarray:
+    """The load per step in each of the next ``horizon`` windows ([horizon, ...]), from
+    ``means`` ([W, ...], oldest first) by one rule."""
+    level = means[-span:].mean(0)
+    recent = means[-trend:] if trend else means[:0]
+    if len(recent) < 3:
+        return np.broadcast_to(level, (horizon, *level.shape))
+    t = np.arange(len(recent), dtype=np.float64)
+    t -= t.mean()
+    logs = np.log(np.maximum(recent, 1e-3 * recent.mean() + 1e-12))
+    slope = np.tensordot(t, logs, axes=1) / (t**2).sum()
+    # From the level's middle window to the last one, then Σ_{j=1..h} φ^j windows ahead.
+    reach = (min(span, len(means)) - 1) / 2 + np.cumsum(damping ** np.arange(1, horizon + 1))
+    return level[None] * np.exp(slope[None] * reach.reshape(-1, *([1] * slope.ndim)))
 
 
 def forecast(windows: list[Window], horizon: float) -> Forecast:
@@ -126,7 +146,7 @@ def forecast(windows: list[Window], horizon: float) -> Forecast:
 
     Each rule in RULES is tried on the history itself (forecast from the windows up to a
     point, scored on the ones after it, squared error summed over experts) and the rule that
-    did best is used; with too little history to try them, the last window's level. The
+    did best is used; with too little history to try them, the last window's. The
     forecast is capped at the most tokens an expert was seen to take in a step, and its
     variance is the last window's per-step variance plus the chosen rule's squared error,
     relative to the load, pooled over experts."""
@@ -136,19 +156,41 @@ def forecast(windows: list[Window], horizon: float) -> Forecast:
     noise = windows[-1].var
     cap = np.stack([w.peak for w in windows]).max((0, 2), keepdims=False)[:, None]  # [layers, 1]
     origins = range(max(2, len(windows) - 4 * h), len(windows))
-    best, best_error, best_rel = RULES[0], np.inf, 0.0
+    best, best_rel = RULES[0], 0.0
     if len(windows) >= 3:
+        best_error = np.inf
         for rule in RULES:
             error = total = 0.0
             for t in origins:
-                actual = means[t : t + h].mean(0)
-                guess = np.minimum(_predict(means[:t], h, *rule), cap)
-                error += float(((guess - actual) ** 2).sum())
-                total += float((actual**2).sum())
+                actual = means[t : t + h]
+                guess = np.minimum(_path(means[:t], h, *rule)[: len(actual)], cap)
+                error += float(((guess.mean(0) - actual.mean(0)) ** 2).sum())
+                total += float((actual.mean(0) ** 2).sum())
             if error < best_error:
                 best, best_error, best_rel = rule, error, error / total
-    mean = np.minimum(_predict(means, h, *best), cap)
-    return Forecast(mean, noise + best_rel * mean**2, f"level {best[0]:g}, trend {best[1]:g}")
+    path = np.minimum(_path(means, h, *best), cap)
+    mean = path.mean(0)
+    return Forecast(path, noise + best_rel * mean**2, _describe(best))
+
+
+def _describe(rule: tuple[int, int, float]) -> str:
+    span, trend, damping = rule
+    level = "the last window" if span == 1 else f"the last {span} windows"
+    return f"{level}, trend over {trend} damped {damping:g}" if trend else level
+
+
+def scenarios(windows: list[Window], f: Forecast, count: int = 32) -> np.ndarray:
+    """Loads to plan against, [layers, count, experts]: the forecast's path, window by window,
+    times the per-step swings of steps seen lately (each kept step over its window's mean),
+    so the noise's shape and the experts' co-movement are the history's own."""
+    swings = []
+    for w in reversed(windows):
+        swings.append(w.samples / np.maximum(w.mean, 1e-9)[None])
+        if sum(len(s) for s in swings) >= count:
+            break
+    swing = np.concatenate(swings)[:count]  # [S, layers, experts]
+    lead = np.arange(len(swing)) % len(f.path)
+    return (f.path[lead] * swing).transpose(1, 0, 2)
 
 
 @dataclass(frozen=True)
@@ -176,6 +218,7 @@ class Planner:
         risk: float = 1.5,
         move_cost: float = 0.05,
         max_swaps: int = 400,
+        max_polish: int = 100,
     ) -> None:
         self.cards, self.slots = cards, slots
         self.horizon = replan_steps / window_steps  # windows the plan will serve
@@ -183,14 +226,16 @@ class Planner:
         self.risk = risk
         self.move_cost = move_cost
         self.max_swaps = max_swaps
+        self.max_polish = max_polish
 
     def plan(self, windows: list[Window], current: Placement) -> Plan:
         start = time.perf_counter()
         f = forecast(windows, self.horizon)
-        rows = [self._layer(f.mean[layer], f.var[layer]) for layer in range(current.layers)]
+        x = scenarios(windows, f)
+        rows = [self._layer(f.mean[i], f.var[i], x[i]) for i in range(current.layers)]
         fresh = relabel_cards(current, Placement(np.stack(rows), current.experts, self.cards))
-        predicted = self.score(fresh, f)
-        now = self.score(current, f)
+        predicted = self.score(fresh, x)
+        now = self.score(current, x)
         moved = moves(current, fresh)
         gain = (now - predicted) * self.replan_steps
         cost = moved * self.move_cost
@@ -206,26 +251,79 @@ class Planner:
             seconds=time.perf_counter() - start,
         )
 
-    def score(self, placement: Placement, f: Forecast) -> float:
-        """Expected busiest ÷ mean card, averaged over layers: per card its expected load
-        plus ``risk`` standard deviations."""
-        share = placement.card_share()  # [layers, experts, cards]
-        mean = np.einsum("le,lec->lc", f.mean, share)
-        std = np.sqrt(np.einsum("le,lec->lc", f.var, share**2))
-        worst = (mean + self.risk * std).max(-1)
-        return float((worst / mean.mean(-1)).mean())
+    def score(self, placement: Placement, x: np.ndarray) -> float:
+        """Expected busiest ÷ mean card over the scenarios ``x`` [layers, S, experts],
+        averaged over layers."""
+        loads = np.einsum("lse,lec->lsc", x, placement.card_share())
+        return float(gamma(loads).mean())
 
-    def _layer(self, mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+    def _layer(self, mean: np.ndarray, var: np.ndarray, x: np.ndarray) -> np.ndarray:
         std = np.sqrt(var)
         counts = replicate(mean + self.risk * std, self.slots)
         items = _items(counts)
         mu = mean[items] / counts[items]
         v = var[items] / counts[items] ** 2
-        card = pack(mu + self.risk * np.sqrt(v), self.cards)
-        card = self._improve(card, mu, v)
+        card = pack(mu + self.risk * np.sqrt(v), self.cards, items)
+        held = np.zeros((len(mean), self.cards), dtype=np.int64)  # copies of expert e on card c
+        np.add.at(held, (items, card), 1)
+        if self.cards > 1:
+            card = self._improve(card, items, held, mu, v)
+            card = self._polish(card, items, held, x[:, items] / counts[items])
         return _slots_from_cards(items, card, self.cards)
 
-    def _improve(self, card: np.ndarray, mu: np.ndarray, v: np.ndarray) -> np.ndarray:
+    def _polish(
+        self, card: np.ndarray, items: np.ndarray, held: np.ndarray, x: np.ndarray
+    ) -> np.ndarray:
+        """Swaps that lower the mean over scenarios of the busiest card's load: ``x``
+        [S, items] is each item's load per scenario. Each round tries every item on the card
+        busiest in the most scenarios against every item on the lightest cards and takes the
+        best."""
+        card = card.copy()
+        loads = np.stack([np.bincount(card, weights=row, minlength=self.cards) for row in x])
+        light = max(1, self.cards // 4)
+        for _ in range(self.max_polish):
+            top = np.argsort(-loads, axis=1)[:, :3]  # [S, ≤3]: the three busiest
+            tops = np.take_along_axis(loads, top, 1)
+            if top.shape[1] < 3:  # (fewer cards: no card stands in their place)
+                pad = 3 - top.shape[1]
+                top = np.pad(top, ((0, 0), (0, pad)), constant_values=-1)
+                tops = np.pad(tops, ((0, 0), (0, pad)), constant_values=-np.inf)
+            objective = tops[:, 0].mean()
+            a = int(np.bincount(top[:, 0], minlength=self.cards).argmax())
+            mine = np.flatnonzero(card == a)
+            lightest = [c for c in np.argsort(loads.mean(0)).tolist() if c != a][:light]
+            others = np.flatnonzero(np.isin(card, lightest))
+            if not len(others):
+                break
+            b = card[others]  # [o]
+            delta = x[:, others][:, None, :] - x[:, mine][:, :, None]  # [S, m, o]: a's change
+            new_a = loads[:, a][:, None, None] + delta
+            new_b = loads[:, b][:, None, :] - delta
+            # The busiest of the cards other than a and b, per scenario and b.
+            rest = np.where(
+                (top[:, 0, None] != a) & (top[:, 0, None] != b[None]),
+                tops[:, 0, None],
+                np.where(
+                    (top[:, 1, None] != a) & (top[:, 1, None] != b[None]),
+                    tops[:, 1, None],
+                    tops[:, 2, None],
+                ),
+            )  # [S, o]
+            after = np.maximum(np.maximum(new_a, new_b), rest[:, None, :]).mean(0)  # [m, o]
+            after[_doubles(items, held, card, mine, others)] = np.inf
+            best = int(after.argmin())
+            if after.flat[best] >= objective * (1 - 1e-6):
+                break
+            i, j = mine[best // len(others)], others[best % len(others)]
+            other = card[j]
+            _swap(card, items, held, i, j)
+            loads[:, a] += x[:, j] - x[:, i]
+            loads[:, other] += x[:, i] - x[:, j]
+        return card
+
+    def _improve(
+        self, card: np.ndarray, items: np.ndarray, held: np.ndarray, mu: np.ndarray, v: np.ndarray
+    ) -> np.ndarray:
         """Swaps of one item on the riskiest card with one elsewhere, best first, while the
         pair's worse card gets better than the riskiest was."""
         card = card.copy()
@@ -243,14 +341,34 @@ class Planner:
             dest = card[others][None, :]
             dest_after = load[dest] - d_mu + k * np.sqrt(np.maximum(var[dest] - d_v, 0))
             worse = np.maximum(top_after, dest_after)
+            worse[_doubles(items, held, card, mine, others)] = np.inf
             best = int(worse.argmin())
             if worse.flat[best] >= risk[top] - 1e-9 * risk[top]:
                 break
             i, j = mine[best // len(others)], others[best % len(others)]
             other = card[j]
-            card[i], card[j] = other, top
+            _swap(card, items, held, i, j)
             load[top] += mu[j] - mu[i]
             load[other] += mu[i] - mu[j]
             var[top] += v[j] - v[i]
             var[other] += v[i] - v[j]
         return card
+
+
+def _doubles(
+    items: np.ndarray, held: np.ndarray, card: np.ndarray, mine: np.ndarray, others: np.ndarray
+) -> np.ndarray:
+    """[m, o]: swaps of ``mine`` (all on one card) with ``others`` that would put an expert on a
+    card already holding it, or swap an expert with itself."""
+    a = card[mine[0]]
+    mine_e, other_e = items[mine][:, None], items[others][None, :]
+    return (held[mine_e, card[others][None, :]] > 0) | (held[other_e, a] > 0) | (mine_e == other_e)
+
+
+def _swap(card: np.ndarray, items: np.ndarray, held: np.ndarray, i: int, j: int) -> None:
+    a, b = card[i], card[j]
+    held[items[i], a] -= 1
+    held[items[j], b] -= 1
+    held[items[i], b] += 1
+    held[items[j], a] += 1
+    card[i], card[j] = b, a

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+SAMPLES = 16  # steps a window keeps whole (for the planner's scenarios)
+
 
 @dataclass(frozen=True)
 class Window:
@@ -20,6 +22,7 @@ class Window:
     total: np.ndarray  # [layers, experts]
     squares: np.ndarray  # [layers, experts]
     peak: np.ndarray  # [layers, experts]: the most tokens in one step
+    samples: np.ndarray  # [n, layers, experts]: some of its steps' counts, evenly spaced
 
     @property
     def mean(self) -> np.ndarray:
@@ -33,7 +36,10 @@ class Window:
     def of(cls, counts: np.ndarray) -> Window:
         """From per-step counts [steps, layers, experts]."""
         counts = np.asarray(counts, dtype=np.float64)
-        return cls(len(counts), counts.sum(0), (counts**2).sum(0), counts.max(0))
+        every = max(1, len(counts) // SAMPLES)
+        return cls(
+            len(counts), counts.sum(0), (counts**2).sum(0), counts.max(0), counts[::every][:SAMPLES]
+        )
 
 
 class LoadWindows:
@@ -46,6 +52,7 @@ class LoadWindows:
         self._total = np.zeros((layers, experts))
         self._squares = np.zeros((layers, experts))
         self._peak = np.zeros((layers, experts))
+        self._samples: list[np.ndarray] = []
         self._in_window = 0
 
     def add(self, counts: np.ndarray) -> bool:
@@ -54,11 +61,16 @@ class LoadWindows:
         self._total += counts
         self._squares += counts**2
         np.maximum(self._peak, counts, out=self._peak)
+        if self._in_window % max(1, self.window_steps // SAMPLES) == 0:
+            self._samples.append(counts)
         self._in_window += 1
         self.steps += 1
         if self._in_window < self.window_steps:
             return False
-        self.windows.append(Window(self._in_window, self._total, self._squares, self._peak))
+        samples = np.stack(self._samples[:SAMPLES])
+        window = Window(self._in_window, self._total, self._squares, self._peak, samples)
+        self.windows.append(window)
+        self._samples = []
         self._total = np.zeros_like(self._total)
         self._squares = np.zeros_like(self._squares)
         self._peak = np.zeros_like(self._peak)

@@ -9,13 +9,17 @@ copied.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared.messages.heartbeat import Load
+
+if TYPE_CHECKING:
+    from shared.eplb.balancer import BalancerStats
 
 # The router's view of requests.
 REQUESTS = Counter(
@@ -102,7 +106,50 @@ class LoadCollector(Collector):
             yield g
 
 
-def register_load(collector: LoadCollector) -> None:
+class EplbCollector(Collector):
+    """A decode worker's expert placement (``shared/eplb/``) at scrape time: the balance its
+    plan predicted and the last window's measured, per card and overall, replans and moves."""
+
+    def __init__(self, stats: Callable[[], BalancerStats | None]) -> None:
+        self.stats = stats
+
+    def collect(self):  # noqa: ANN201
+        stats = self.stats()
+        if stats is None:
+            return
+        balance = GaugeMetricFamily(
+            "kvmesh_eplb_balance",
+            "busiest ÷ mean card: the placement's prediction at its plan, and the last window's",
+            labels=["kind"],
+        )
+        balance.add_metric(["predicted"], stats.predicted)
+        balance.add_metric(["measured"], stats.measured)
+        yield balance
+        share = GaugeMetricFamily(
+            "kvmesh_eplb_card_share",
+            "each card's share of the routed tokens: predicted by the plan, measured last window",
+            labels=["card", "kind"],
+        )
+        for kind, cards in (
+            ("predicted", stats.predicted_cards),
+            ("measured", stats.measured_cards),
+        ):
+            for card, value in enumerate(cards):
+                share.add_metric([str(card), kind], value)
+        yield share
+        for name, help_, value in (
+            ("kvmesh_eplb_steps", "decode steps counted", stats.steps),
+            ("kvmesh_eplb_replans", "placement plans made", stats.replans),
+            ("kvmesh_eplb_expert_moves", "experts moved by the plans taken", stats.moves),
+        ):
+            yield CounterMetricFamily(name, help_, value=value)
+        if stats.last_plan is not None:
+            yield GaugeMetricFamily(
+                "kvmesh_eplb_plan_seconds", "the last plan's time", value=stats.last_plan.seconds
+            )
+
+
+def register_load(collector: Collector) -> None:
     REGISTRY.register(collector)
 
 
