@@ -1,13 +1,15 @@
 """Expert placement on synthetic (or recorded) MoE load traces: how busy the busiest card is
 against the mean card, planned on the past and scored on the future.
 
-Synthetic traces: 384 experts, top-8 routing, 64 cards, 448 slots (7 per card), several layers,
-a decode batch's tokens per step. Expert popularity is Zipf(α) in a random order per layer; it
-drifts slowly (each expert's log-popularity moves with a velocity that itself changes slowly)
-and jumps now and then (a cold expert becomes one of the hottest); each step multiplies every
-share by a lognormal of ``--spread`` (per-step noise), and no expert takes more than one of a
-token's k choices. Statistics every 1,000 steps; plans every 10,000 steps (and every 1,000 for
-comparison). Policies, every one scored on steps after the data it planned on:
+Synthetic traces: 384 experts, top-8 routing, 64 cards, 448 slots (7 per card), 8 layers,
+16K tokens per step. Expert popularity is Zipf(α) in a random order per layer. It drifts
+slowly: each expert's log-popularity moves with a velocity (σ ``--drift`` per window) that
+itself changes slowly; the running requests' mix pulls each expert up or down (log σ ``--mix``,
+lasting ~2,000 steps); now and then (``--jump`` per window and layer) one expert's load jumps
+threefold; and each step multiplies every share by a lognormal of ``--spread`` (per-step noise).
+No expert takes more than one of a token's k choices. Statistics every 1,000 steps; plans every
+10,000 steps (and every 1,000 for comparison). Policies, every one scored on steps after the data
+it planned on:
 
 - contiguous: experts in order, 6 to a card, no replicas, never replanned;
 - packed: balanced packing of the last window's load, no replicas;
@@ -18,7 +20,7 @@ comparison). Policies, every one scored on steps after the data it planned on:
 Per α: busiest ÷ mean card per layer and step (mean, p99), experts moved per replan, planner
 time. ``--load FILE`` scores a recorded trace instead (JSON or NPZ per-step counts).
 
-    .venv/bin/python bench/eplb.py [--alphas 0.8 1.0 1.2] [--steps 60000] [--layers 4]
+    .venv/bin/python bench/eplb.py [--alphas 0.8 1.0 1.2] [--steps 60000] [--layers 8]
 """
 
 from __future__ import annotations
@@ -52,9 +54,9 @@ class SyntheticLoad:
     tokens: int = 16384
     alpha: float = 1.0
     spread: float = 0.05
-    drift: float = 0.01  # log-popularity velocity, per window (stationary std)
+    drift: float = 0.02  # log-popularity velocity, per window (stationary std)
     jump: float = 0.01  # chance per window and layer that a cold expert turns hot
-    mix: float = 0.1  # log σ of the request mix's pull on each expert, lasting ~mix_steps
+    mix: float = 0.05  # log σ of the request mix's pull on each expert, lasting ~mix_steps
     mix_steps: int = 2000
     seed: int = 0
     rng: np.random.Generator = field(init=False)
@@ -189,15 +191,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.8, 1.0, 1.2])
     parser.add_argument("--steps", type=int, default=60_000)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=384)
     parser.add_argument("--cards", type=int, default=64)
     parser.add_argument("--slots", type=int, default=448)
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per decode step")
     parser.add_argument("--spread", type=float, default=0.05, help="per-step lognormal σ")
-    parser.add_argument("--drift", type=float, default=0.01, help="log-popularity σ/window")
+    parser.add_argument("--drift", type=float, default=0.02, help="log-popularity σ/window")
     parser.add_argument("--jump", type=float, default=0.01, help="jumps per window and layer")
-    parser.add_argument("--mix", type=float, default=0.1, help="request-mix log σ")
+    parser.add_argument("--mix", type=float, default=0.05, help="request-mix log σ")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replans", type=int, nargs="+", default=[10_000, 1_000])
     parser.add_argument("--load", help="score a recorded load file instead (JSON or NPZ)")

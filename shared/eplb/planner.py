@@ -155,7 +155,10 @@ def forecast(windows: list[Window], horizon: float) -> Forecast:
     h = max(1, round(horizon))
     noise = windows[-1].var
     cap = np.stack([w.peak for w in windows]).max((0, 2), keepdims=False)[:, None]  # [layers, 1]
-    origins = range(max(2, len(windows) - 4 * h), len(windows))
+    first = max(2, len(windows) - 4 * h)
+    origins = sorted(
+        set(np.linspace(first, len(windows) - 1, min(12, len(windows) - first), dtype=int).tolist())
+    )
     best, best_rel = RULES[0], 0.0
     if len(windows) >= 3:
         best_error = np.inf
@@ -215,10 +218,10 @@ class Planner:
         *,
         replan_steps: int,
         window_steps: int,
-        risk: float = 1.5,
+        risk: float = 1.0,
         move_cost: float = 0.05,
         max_swaps: int = 400,
-        max_polish: int = 100,
+        max_polish: int = 40,
     ) -> None:
         self.cards, self.slots = cards, slots
         self.horizon = replan_steps / window_steps  # windows the plan will serve
@@ -291,8 +294,9 @@ class Planner:
             objective = tops[:, 0].mean()
             a = int(np.bincount(top[:, 0], minlength=self.cards).argmax())
             mine = np.flatnonzero(card == a)
-            lightest = [c for c in np.argsort(loads.mean(0)).tolist() if c != a][:light]
-            others = np.flatnonzero(np.isin(card, lightest))
+            lightest = np.zeros(self.cards, dtype=bool)
+            lightest[[c for c in np.argsort(loads.mean(0)).tolist() if c != a][:light]] = True
+            others = np.flatnonzero(lightest[card])
             if not len(others):
                 break
             b = card[others]  # [o]
@@ -334,7 +338,12 @@ class Planner:
             risk = load + k * np.sqrt(var)
             top = int(risk.argmax())
             mine = np.flatnonzero(card == top)  # [m]
-            others = np.flatnonzero(card != top)  # [o]
+            lightest = np.zeros(self.cards, dtype=bool)  # swaps with the least risky cards
+            lightest[np.argsort(risk)[: max(1, self.cards // 4)]] = True
+            lightest[top] = False
+            others = np.flatnonzero(lightest[card])  # [o]
+            if not len(others):
+                break
             d_mu = mu[others][None, :] - mu[mine][:, None]  # [m, o]: what top gains
             d_v = v[others][None, :] - v[mine][:, None]
             top_after = load[top] + d_mu + k * np.sqrt(np.maximum(var[top] + d_v, 0))

@@ -94,3 +94,40 @@ def test_a_constrained_answer_speculates_to_the_same_tokens(tiny_models) -> None
     plain, _ = decode(model, [ids], [params])
     spec, engine = decode(model, [ids], [params], speculative="fixed", fixed_draft=4)
     assert spec == plain and engine.stats().draft_tokens > 0
+
+
+def test_sampled_answers_follow_plain_decodes_distribution(tiny_models) -> None:
+    """Independent samples (other seeds) with and without speculation: per position, the
+    tokens' frequencies agree within what sampling noise allows, while drafts were both
+    accepted and rejected (a biased acceptance would pull the drafted tokens' frequency up).
+    (Adaptive verifies drafts the same way; it only chooses how many.)"""
+    model = tiny_models["tiny"]
+    n, length = 128, 6
+    ids = repetitive(24, seed=4)
+
+    def frequencies(first_seed: int, **options) -> tuple[list[dict[int, float]], object]:
+        params = [
+            SamplingParams(
+                max_tokens=length,
+                temperature=1.0,
+                seed=first_seed + i,
+                ignore_eos=True,
+                logit_bias=((77, 30.0), (78, 30.0), (79, 30.0)),
+            )
+            for i in range(n)
+        ]
+        outs, engine = decode(model, [ids] * n, params, max_running=n, **options)
+        counts = [{} for _ in range(length)]
+        for out in outs:
+            for pos, token in enumerate(out):
+                counts[pos][token] = counts[pos].get(token, 0) + 1 / n
+        return counts, engine
+
+    plain, _ = frequencies(0)
+    spec, engine = frequencies(10_000, speculative="fixed", max_draft=4, fixed_draft=3)
+    stats = engine.stats()
+    assert 0 < stats.accepted_tokens < stats.draft_tokens  # some taken, some refused
+    for pos in range(length):
+        tokens = set(plain[pos]) | set(spec[pos])
+        distance = sum(abs(plain[pos].get(t, 0) - spec[pos].get(t, 0)) for t in tokens) / 2
+        assert distance < 0.2, (pos, plain[pos], spec[pos])  # (noise: ~0.06 at 128 each)
