@@ -151,7 +151,7 @@ def run(windows, layers: int, experts: int, cards: int, slots: int, replans: lis
                 placement = greedy_plan(window.mean, cards, slots) if p.replan < 0 else p.placement
                 p.gammas.append(gamma(placement.card_loads(counts)))
         seen.append(window)
-        seen = seen[-8:]
+        seen = seen[-48:]  # what an engine's balancer keeps
         for p in policies:
             if p.replan < 0:
                 continue

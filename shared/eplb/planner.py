@@ -47,20 +47,28 @@ def pack(weight: np.ndarray, cards: int, experts: np.ndarray | None = None) -> n
     passed over while another has room (two replicas on one card would waste a slot)."""
     per_card = len(weight) // cards
     assert per_card * cards == len(weight), f"{len(weight)} items do not fill {cards} cards"
-    loads = np.zeros(cards)
-    room = np.full(cards, per_card)
+    heap = [(0.0, c) for c in range(cards)]  # (load, card) of the cards with room
+    room = [per_card] * cards
+    held: list[set[int]] = [set() for _ in range(cards)]
     card = np.empty(len(weight), dtype=np.int64)
-    held = np.zeros((int(experts.max()) + 1 if experts is not None else 0, cards), dtype=bool)
-    for item in np.argsort(-weight, kind="stable"):
-        open_ = room > 0
-        if experts is not None and (open_ & ~held[experts[item]]).any():
-            open_ &= ~held[experts[item]]
-        c = int(np.where(open_, loads, np.inf).argmin())
+    for item in np.argsort(-weight, kind="stable").tolist():
+        expert = int(experts[item]) if experts is not None else -1
+        passed = []
+        load, c = heapq.heappop(heap)
+        while expert in held[c] and heap:  # the lightest card without it, if any has room
+            passed.append((load, c))
+            load, c = heapq.heappop(heap)
+        if expert in held[c]:  # every card with room holds it: the lightest of them
+            passed.append((load, c))
+            load, c = min(passed)
+            passed.remove((load, c))
+        for entry in passed:
+            heapq.heappush(heap, entry)
         card[item] = c
-        loads[c] += weight[item]
+        held[c].add(expert)
         room[c] -= 1
-        if experts is not None:
-            held[experts[item], c] = True
+        if room[c]:
+            heapq.heappush(heap, (load + float(weight[item]), c))
     return card
 
 
@@ -155,12 +163,11 @@ def forecast(windows: list[Window], horizon: float) -> Forecast:
     h = max(1, round(horizon))
     noise = windows[-1].var
     cap = np.stack([w.peak for w in windows]).max((0, 2), keepdims=False)[:, None]  # [layers, 1]
-    first = max(2, len(windows) - 4 * h)
-    origins = sorted(
-        set(np.linspace(first, len(windows) - 1, min(12, len(windows) - first), dtype=int).tolist())
-    )
     best, best_rel = RULES[0], 0.0
     if len(windows) >= 3:
+        first = max(2, len(windows) - 4 * h)  # up to 12 points in the last 4 intervals
+        points = min(12, len(windows) - first)
+        origins = sorted(set(np.linspace(first, len(windows) - 1, points, dtype=int).tolist()))
         best_error = np.inf
         for rule in RULES:
             error = total = 0.0
@@ -182,7 +189,7 @@ def _describe(rule: tuple[int, int, float]) -> str:
     return f"{level}, trend over {trend} damped {damping:g}" if trend else level
 
 
-def scenarios(windows: list[Window], f: Forecast, count: int = 32) -> np.ndarray:
+def scenarios(windows: list[Window], f: Forecast, count: int = 24) -> np.ndarray:
     """Loads to plan against, [layers, count, experts]: the forecast's path, window by window,
     times the per-step swings of steps seen lately (each kept step over its window's mean),
     so the noise's shape and the experts' co-movement are the history's own."""
@@ -220,7 +227,7 @@ class Planner:
         window_steps: int,
         risk: float = 1.0,
         move_cost: float = 0.05,
-        max_swaps: int = 400,
+        max_swaps: int = 150,
         max_polish: int = 40,
     ) -> None:
         self.cards, self.slots = cards, slots
@@ -232,19 +239,44 @@ class Planner:
         self.max_polish = max_polish
 
     def plan(self, windows: list[Window], current: Placement) -> Plan:
+        """The better of two candidates for the coming interval, by gain less the cost of its
+        moves: a fresh plan (renumbered to keep what it can where it is) and a repair of the
+        current placement (a few replicas handed to the experts that need them most, then
+        swaps). Taken when that is positive."""
         start = time.perf_counter()
         f = forecast(windows, self.horizon)
         x = scenarios(windows, f)
-        rows = [self._layer(f.mean[i], f.var[i], x[i]) for i in range(current.layers)]
-        fresh = relabel_cards(current, Placement(np.stack(rows), current.experts, self.cards))
-        predicted = self.score(fresh, x)
+        layers = range(current.layers)
+        fresh = Placement(
+            np.stack([self._layer(f.mean[i], f.var[i]) for i in layers]),
+            current.experts,
+            self.cards,
+        )
+        repaired = Placement(
+            np.stack([self._repair(current.slot_expert[i], f.mean[i], f.var[i]) for i in layers]),
+            current.experts,
+            self.cards,
+        )
         now = self.score(current, x)
-        moved = moves(current, fresh)
-        gain = (now - predicted) * self.replan_steps
-        cost = moved * self.move_cost
+        best = None
+        for candidate in (relabel_cards(current, fresh), repaired):
+            moved = moves(current, candidate)
+            value = (now - self.score(candidate, x)) * self.replan_steps - moved * self.move_cost
+            if best is None or value > best[1]:
+                best = (candidate, value)
+        # The chosen one's packing polished against the scenarios (the costliest part: once).
+        chosen = best[0]
+        placement = Placement(
+            np.stack([self._polished(chosen.slot_expert[i], f.mean[i], x[i]) for i in layers]),
+            current.experts,
+            self.cards,
+        )
+        predicted = self.score(placement, x)
+        moved = moves(current, placement)
+        gain, cost = (now - predicted) * self.replan_steps, moved * self.move_cost
         taken = gain > cost
         return Plan(
-            placement=fresh if taken else current,
+            placement=placement if taken else current,
             predicted=predicted,
             current=now,
             moves=moved,
@@ -260,18 +292,59 @@ class Planner:
         loads = np.einsum("lse,lec->lsc", x, placement.card_share())
         return float(gamma(loads).mean())
 
-    def _layer(self, mean: np.ndarray, var: np.ndarray, x: np.ndarray) -> np.ndarray:
-        std = np.sqrt(var)
-        counts = replicate(mean + self.risk * std, self.slots)
+    def _layer(self, mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+        """A fresh slot row for one layer: replicas, packing, swaps."""
+        counts = replicate(mean + self.risk * np.sqrt(var), self.slots)
         items = _items(counts)
-        mu = mean[items] / counts[items]
-        v = var[items] / counts[items] ** 2
-        card = pack(mu + self.risk * np.sqrt(v), self.cards, items)
+        card = pack(
+            (mean[items] + self.risk * np.sqrt(var[items])) / counts[items], self.cards, items
+        )
+        return self._swaps(items, card, mean, var)
+
+    def _repair(self, row: np.ndarray, mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+        """One layer's current slot row, adjusted: while it lowers the highest risk per
+        replica, a slot of the expert that needs its replicas least goes to the one that needs
+        one most (on a card without it, where there is one); then swaps."""
+        items = row.copy()
+        card = np.arange(self.slots) // (self.slots // self.cards)
+        counts = np.bincount(items, minlength=len(mean))
+        need = mean + self.risk * np.sqrt(var)
+        for _ in range(max(1, self.slots // 16)):
+            taker = int((need / counts).argmax())
+            after = np.where(counts > 1, need / np.maximum(counts - 1, 1), np.inf)
+            after[taker] = np.inf
+            giver = int(after.argmin())
+            if after[giver] >= need[taker] / counts[taker]:
+                break
+            slots = np.flatnonzero(items == giver)
+            free = [s for s in slots if not (items[card == card[s]] == taker).any()]
+            slot = free[0] if free else slots[0]
+            items[slot] = taker
+            counts[giver] -= 1
+            counts[taker] += 1
+        return self._swaps(items, card, mean, var)
+
+    def _swaps(
+        self, items: np.ndarray, card: np.ndarray, mean: np.ndarray, var: np.ndarray
+    ) -> np.ndarray:
+        """Improve a packing (each item's expert and card) by swaps; the slot row."""
+        counts = np.bincount(items, minlength=len(mean))
         held = np.zeros((len(mean), self.cards), dtype=np.int64)  # copies of expert e on card c
         np.add.at(held, (items, card), 1)
         if self.cards > 1:
+            mu, v = mean[items] / counts[items], var[items] / counts[items] ** 2
             card = self._improve(card, items, held, mu, v)
-            card = self._polish(card, items, held, x[:, items] / counts[items])
+        return _slots_from_cards(items, card, self.cards)
+
+    def _polished(self, row: np.ndarray, mean: np.ndarray, x: np.ndarray) -> np.ndarray:
+        if self.cards == 1:
+            return row
+        items = row.copy()
+        card = np.arange(self.slots) // (self.slots // self.cards)
+        counts = np.bincount(items, minlength=len(mean))
+        held = np.zeros((len(mean), self.cards), dtype=np.int64)
+        np.add.at(held, (items, card), 1)
+        card = self._polish(card, items, held, x[:, items] / counts[items])
         return _slots_from_cards(items, card, self.cards)
 
     def _polish(
