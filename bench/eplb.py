@@ -15,10 +15,13 @@ it planned on:
 - packed: balanced packing of the last window's load, no replicas;
 - greedy: EPLB's replicate-then-pack on the last window (its published method, implemented here);
 - kvmesh: shared.eplb.planner.Planner (forecast, risk-balanced packing, few moves);
+- interval-oracle: greedy planned on the mean of the very interval it serves (the best a plan
+  kept for the interval could do with a perfect forecast of the mean);
 - oracle: greedy planned on the very window it is scored on (what no real plan can see).
 
-Per α: busiest ÷ mean card per layer and step (mean, p99), experts moved per replan, planner
-time. ``--load FILE`` scores a recorded trace instead (JSON or NPZ per-step counts).
+Per α: busiest ÷ mean card per layer and step (mean, p99), experts moved per replan, the mean
+with the moves' cost spread over the steps a plan serves (at the planner's default cost of a
+move), planner time. ``--load FILE`` scores a recorded trace instead (JSON or NPZ per-step counts).
 
     .venv/bin/python bench/eplb.py [--alphas 0.8 1.0 1.2] [--steps 60000] [--layers 8]
 """
@@ -29,6 +32,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +45,7 @@ from shared.eplb.planner import Planner, greedy_plan, packed_plan  # noqa: E402
 from shared.eplb.stats import Window, read_load  # noqa: E402
 
 WINDOW = 1000
+MOVE_COST = Planner(1, 1, replan_steps=1, window_steps=1).move_cost
 JUMP = 3.0
 
 
@@ -125,25 +130,33 @@ class Policy:
 
     def summary(self) -> dict:
         g = np.concatenate([x.ravel() for x in self.gammas])
+        moved = float(np.mean(self.moved)) if self.moved else 0.0
         return {
             "gamma_mean": float(g.mean()),
             "gamma_p99": float(np.quantile(g, 0.99)),
-            "moves_per_replan": float(np.mean(self.moved)) if self.moved else 0.0,
+            "moves_per_replan": moved,
+            # The moves' cost spread over the steps the plan serves (MOVE_COST mean-card steps
+            # per expert moved): what the busiest card's time comes to with them.
+            "gamma_with_moves": float(g.mean())
+            + (moved * MOVE_COST / self.replan if self.replan > 0 else 0.0),
             "plan_ms": 1000 * float(np.median(self.plan_s)) if self.plan_s else 0.0,
         }
 
 
 def run(windows, layers: int, experts: int, cards: int, slots: int, replans: list[int], label):
-    """Score every policy over ``windows`` (an iterator of per-step counts, one window each)."""
+    """Score every policy over ``windows()`` (an iterator of per-step counts, one window each;
+    called twice: a first pass learns each window's mean, for the interval oracle)."""
+    means = [counts.astype(np.float64).mean(0) for counts in windows()]
     policies = [Policy("contiguous", 0), Policy("oracle", -1)]
     for replan in replans:
         policies += [Policy(f"{n}/{replan}", replan) for n in ("packed", "greedy", "kvmesh")]
+        policies.append(Policy(f"interval-oracle/{replan}", replan))
     planners = {r: Planner(cards, slots, replan_steps=r, window_steps=WINDOW) for r in replans}
     start_placement = contiguous(layers, experts, cards, slots)
     first_scored = max(replans) // WINDOW
     seen: list[Window] = []
     t0 = time.perf_counter()
-    for w, counts in enumerate(windows):
+    for w, counts in enumerate(windows()):
         counts = counts.astype(np.float64)
         window = Window.of(counts)
         if w >= first_scored:
@@ -168,6 +181,9 @@ def run(windows, layers: int, experts: int, cards: int, slots: int, replans: lis
                 new = packed_plan(window.mean, cards)
             elif p.name.startswith("greedy"):
                 new = greedy_plan(window.mean, cards, slots)
+            elif p.name.startswith("interval-oracle"):  # the coming interval's own mean
+                ahead = means[w + 1 : w + 1 + p.replan // WINDOW] or [window.mean]
+                new = greedy_plan(np.mean(ahead, 0), cards, slots)
             else:
                 new = planners[p.replan].plan(seen, p.placement).placement
             p.plan_s.append(time.perf_counter() - t)
@@ -179,11 +195,14 @@ def run(windows, layers: int, experts: int, cards: int, slots: int, replans: lis
 
 def table(label: str, results: dict) -> None:
     print(f"\n{label}")
-    print(f"{'policy':<16} {'γ mean':>8} {'γ p99':>8} {'moves/replan':>13} {'plan ms':>8}")
+    print(
+        f"{'policy':<22} {'γ mean':>8} {'γ p99':>8} {'moves/replan':>13} "
+        f"{'γ + moves':>10} {'plan ms':>8}"
+    )
     for name, r in results.items():
         print(
-            f"{name:<16} {r['gamma_mean']:8.4f} {r['gamma_p99']:8.4f} "
-            f"{r['moves_per_replan']:13.1f} {r['plan_ms']:8.1f}"
+            f"{name:<22} {r['gamma_mean']:8.4f} {r['gamma_p99']:8.4f} "
+            f"{r['moves_per_replan']:13.1f} {r['gamma_with_moves']:10.4f} {r['plan_ms']:8.1f}"
         )
 
 
@@ -213,7 +232,7 @@ def main() -> None:
         replans = [r for r in args.replans if r < n * WINDOW] or [WINDOW]
         label = f"{args.load}: {len(counts)} steps, {layers} layers, {experts} experts"
         results = run(
-            (counts[i * WINDOW : (i + 1) * WINDOW] for i in range(n)),
+            lambda: (counts[i * WINDOW : (i + 1) * WINDOW] for i in range(n)),
             layers,
             experts,
             args.cards,
@@ -224,7 +243,7 @@ def main() -> None:
         table(label, results)
         out["load"] = results
     for alpha in args.alphas if not args.load else []:
-        trace = SyntheticLoad(
+        options = dict(
             experts=args.experts,
             layers=args.layers,
             tokens=args.tokens,
@@ -237,19 +256,17 @@ def main() -> None:
         )
         label = (
             f"α = {alpha}: {args.steps} steps, {args.layers} layers, {args.experts} experts, "
-            f"{args.cards} cards, {args.slots} slots, {args.tokens} tokens/step, "
-            f"top-{trace.top_k}, "
+            f"{args.cards} cards, {args.slots} slots, {args.tokens} tokens/step, top-8, "
             f"noise σ {args.spread}, request mix σ {args.mix}, drift {args.drift}/window, "
             f"jumps {args.jump}/window"
         )
+
+        def windows(options: dict = options) -> Iterator[np.ndarray]:
+            trace = SyntheticLoad(**options)  # the same trace each time: the same seed
+            return (trace.window() for _ in range(args.steps // WINDOW))
+
         results = run(
-            (trace.window() for _ in range(args.steps // WINDOW)),
-            args.layers,
-            args.experts,
-            args.cards,
-            args.slots,
-            args.replans,
-            label,
+            windows, args.layers, args.experts, args.cards, args.slots, args.replans, label
         )
         table(label, results)
         out[f"alpha{alpha:g}"] = results
@@ -260,6 +277,9 @@ def main() -> None:
         "gamma_p99_alpha1": a1[f"kvmesh/{main_replan}"]["gamma_p99"],
         "gamma_mean_greedy_alpha1": a1[f"greedy/{main_replan}"]["gamma_mean"],
         "gamma_oracle_alpha1": a1["oracle"]["gamma_mean"],
+        "gamma_interval_oracle_alpha1": a1[f"interval-oracle/{main_replan}"]["gamma_mean"],
+        "gamma_with_moves_alpha1": a1[f"kvmesh/{main_replan}"]["gamma_with_moves"],
+        "gamma_with_moves_greedy_alpha1": a1[f"greedy/{main_replan}"]["gamma_with_moves"],
         "moves_per_replan": a1[f"kvmesh/{main_replan}"]["moves_per_replan"],
         "plan_ms": a1[f"kvmesh/{main_replan}"]["plan_ms"],
         "kvmesh_vs_greedy": {

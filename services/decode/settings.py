@@ -61,6 +61,12 @@ class DecodeSettings(WorkerSettings):
         ge=1,
         description="decode steps between placement plans, a multiple of eplb_window_steps",
     )
+    eplb_move_cost: float = Field(
+        default=0.05,
+        ge=0,
+        description="what moving one expert costs, in mean-card decode steps: a plan is taken "
+        "only when its predicted gain over the interval beats its moves' cost",
+    )
     eplb_record: str = Field(
         default="",
         description="write each decode step's expert counts to this load file (.npz or .json), "
@@ -78,5 +84,6 @@ class DecodeSettings(WorkerSettings):
             eplb_slots=self.eplb_slots,
             eplb_window_steps=self.eplb_window_steps,
             eplb_replan_steps=self.eplb_replan_steps,
+            eplb_move_cost=self.eplb_move_cost,
             eplb_record=self.eplb_record,
         )

@@ -75,6 +75,7 @@ class EngineOptions:
     eplb_slots: int = 0  # in all; 0: one per expert (no replicas)
     eplb_window_steps: int = 1000
     eplb_replan_steps: int = 10_000
+    eplb_move_cost: float = 0.05  # mean-card decode steps per expert moved
     eplb_record: str = ""  # a load file the per-step expert counts are written to
 
 

@@ -23,6 +23,7 @@ class BalancerOptions:
     slots: int  # in all (cards × slots per card); slots − experts are replicas
     window_steps: int = 1000
     replan_steps: int = 10_000
+    move_cost: float = 0.05  # mean-card steps per expert moved (see Planner)
     record: str = ""  # a load file (.npz or .json) the per-step counts are written to
     record_steps: int = 100_000  # at most this many steps recorded (the first ones)
 
@@ -62,6 +63,7 @@ class ExpertBalancer:
             options.slots,
             replan_steps=options.replan_steps,
             window_steps=options.window_steps,
+            move_cost=options.move_cost,
         )
         self.replans = self.moves = 0
         self.predicted = 0.0

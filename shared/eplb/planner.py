@@ -7,13 +7,16 @@ Two planners:
   goes to the expert with the most load per replica, then the replicas are packed onto cards
   heaviest first, each onto the lightest card with a free slot. It plans on one load vector,
   normally the last window's.
-- ``Planner``: plans for the *next* interval. Each expert's load is forecast from the windows
-  seen (the last window's level plus a damped trend), with its uncertainty (per-step noise and
-  how far the forecast may miss); a card's risk is its expected load plus ``risk`` standard
-  deviations. Replicas go where the risk per replica is highest, are packed the same way, and
-  the packing is then improved by swaps off the riskiest card. The plan is renumbered to keep
-  as many experts where they are as possible, and taken only when its predicted gain over the
-  interval beats the cost of the experts it moves.
+- ``Planner``: plans for the *next* interval. Each expert's load is forecast window by window
+  ahead by the rule (a level over some windows, a damped trend or none) that forecast the
+  history itself best; its uncertainty is the per-step noise plus that rule's error. Two
+  candidates: a fresh plan (replicas where the risk per replica is highest, packed the same
+  way, improved by swaps off the riskiest card, renumbered to keep what it can where it is),
+  and a repair of the current placement (a few replicas handed to the experts that need them
+  most, then the same swaps). The one with the most predicted gain net of its moves' cost is
+  polished by swaps that lower the expected busiest card over scenarios (the forecast path
+  times per-step swings seen lately), and taken when its gain over the interval beats the
+  cost of the experts it moves.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def pack(weight: np.ndarray, cards: int, experts: np.ndarray | None = None) -> n
     held: list[set[int]] = [set() for _ in range(cards)]
     card = np.empty(len(weight), dtype=np.int64)
     for item in np.argsort(-weight, kind="stable").tolist():
-        expert = int(experts[item]) if experts is not None else -1
+        expert = int(experts[item]) if experts is not None else None
         passed = []
         load, c = heapq.heappop(heap)
         while expert in held[c] and heap:  # the lightest card without it, if any has room
@@ -65,7 +68,8 @@ def pack(weight: np.ndarray, cards: int, experts: np.ndarray | None = None) -> n
         for entry in passed:
             heapq.heappush(heap, entry)
         card[item] = c
-        held[c].add(expert)
+        if expert is not None:
+            held[c].add(expert)
         room[c] -= 1
         if room[c]:
             heapq.heappush(heap, (load + float(weight[item]), c))
@@ -227,7 +231,7 @@ class Planner:
         window_steps: int,
         risk: float = 1.0,
         move_cost: float = 0.05,
-        max_swaps: int = 150,
+        max_swaps: int = 100,
         max_polish: int = 40,
     ) -> None:
         self.cards, self.slots = cards, slots

@@ -89,6 +89,7 @@ class TorchEngine(Engine):
                 slots=options.eplb_slots or config.moe.n_experts,
                 window_steps=options.eplb_window_steps,
                 replan_steps=options.eplb_replan_steps,
+                move_cost=options.eplb_move_cost,
                 record=options.eplb_record,
             ),
         )
