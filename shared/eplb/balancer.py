@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.eplb.placement import contiguous, gamma
-from shared.eplb.planner import Plan, Planner, forecast
+from shared.eplb.planner import Plan, Planner
 from shared.eplb.stats import LoadWindows, write_load
 
 log = logging.getLogger(__name__)
@@ -115,9 +115,7 @@ class ExpertBalancer:
         self.placement = plan.placement
         self.moves += plan.moves
         self.predicted = plan.predicted
-        f = forecast(windows, self.planner.horizon)
-        cards = np.einsum("le,lec->c", f.mean, self.placement.card_share())
-        self.predicted_cards = cards / cards.sum()
+        self.predicted_cards = plan.cards
         return True
 
     def _close_window(self) -> None:

@@ -217,6 +217,7 @@ class Plan:
     cost: float  # moves × the cost of one move, the same units
     taken: bool
     seconds: float
+    cards: np.ndarray  # the placement's expected share of the tokens per card, [cards]
 
 
 class Planner:
@@ -279,6 +280,7 @@ class Planner:
         moved = moves(current, placement)
         gain, cost = (now - predicted) * self.replan_steps, moved * self.move_cost
         taken = gain > cost
+        cards = np.einsum("le,lec->c", f.mean, (placement if taken else current).card_share())
         return Plan(
             placement=placement if taken else current,
             predicted=predicted,
@@ -288,6 +290,7 @@ class Planner:
             cost=cost,
             taken=taken,
             seconds=time.perf_counter() - start,
+            cards=cards / cards.sum() if cards.sum() > 0 else cards,
         )
 
     def score(self, placement: Placement, x: np.ndarray) -> float:
