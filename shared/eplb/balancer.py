@@ -74,6 +74,7 @@ class ExpertBalancer:
         self._window_gammas: list[np.ndarray] = []
         self._window_cards = np.zeros(options.cards)
         self._recorded: list[np.ndarray] = []
+        self._saved = 0  # recorded steps already in the load file
 
     def observe(self, experts: np.ndarray, slots: np.ndarray) -> bool:
         """One step: tokens per layer and expert, and per layer and slot (what the layers
@@ -123,16 +124,18 @@ class ExpertBalancer:
         total = self._window_cards.sum()
         self.measured_cards = self._window_cards / total if total else self._window_cards
         self._window_gammas, self._window_cards = [], np.zeros(self.options.cards)
-        if self.options.record and self._recorded:
+        if self.options.record and self.unsaved:
             self.save_record()
 
     @property
-    def recorded(self) -> int:
-        return len(self._recorded)
+    def unsaved(self) -> int:
+        """Recorded steps not yet in the load file."""
+        return len(self._recorded) - self._saved
 
     def save_record(self) -> Path:
         path = Path(self.options.record)
         write_load(path, np.stack(self._recorded))
+        self._saved = len(self._recorded)
         return path
 
     def stats(self) -> BalancerStats:

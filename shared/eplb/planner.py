@@ -313,7 +313,7 @@ class Planner:
         replica, a slot of the expert that needs its replicas least goes to the one that needs
         one most (on a card without it, where there is one); then swaps."""
         items = row.copy()
-        card = np.arange(self.slots) // (self.slots // self.cards)
+        card = self._slot_cards()
         counts = np.bincount(items, minlength=len(mean))
         need = mean + self.risk * np.sqrt(var)
         for _ in range(max(1, self.slots // 16)):
@@ -336,21 +336,29 @@ class Planner:
     ) -> np.ndarray:
         """Improve a packing (each item's expert and card) by swaps; the slot row."""
         counts = np.bincount(items, minlength=len(mean))
-        held = np.zeros((len(mean), self.cards), dtype=np.int64)  # copies of expert e on card c
-        np.add.at(held, (items, card), 1)
+        held = self._held(items, card, len(mean))
         if self.cards > 1:
             mu, v = mean[items] / counts[items], var[items] / counts[items] ** 2
             card = self._improve(card, items, held, mu, v)
         return _slots_from_cards(items, card, self.cards)
 
+    def _slot_cards(self) -> np.ndarray:
+        """The card of each slot of a row."""
+        return np.arange(self.slots) // (self.slots // self.cards)
+
+    def _held(self, items: np.ndarray, card: np.ndarray, experts: int) -> np.ndarray:
+        """[experts, cards]: copies of each expert on each card."""
+        held = np.zeros((experts, self.cards), dtype=np.int64)
+        np.add.at(held, (items, card), 1)
+        return held
+
     def _polished(self, row: np.ndarray, mean: np.ndarray, x: np.ndarray) -> np.ndarray:
         if self.cards == 1:
             return row
         items = row.copy()
-        card = np.arange(self.slots) // (self.slots // self.cards)
+        card = self._slot_cards()
         counts = np.bincount(items, minlength=len(mean))
-        held = np.zeros((len(mean), self.cards), dtype=np.int64)
-        np.add.at(held, (items, card), 1)
+        held = self._held(items, card, len(mean))
         card = self._polish(card, items, held, x[:, items] / counts[items])
         return _slots_from_cards(items, card, self.cards)
 

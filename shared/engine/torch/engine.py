@@ -141,7 +141,7 @@ class TorchEngine(Engine):
     def cleanup(self) -> None:
         for seq_id in list(self.seqs):
             self.abort(seq_id)
-        if self.balancer is not None and self.balancer.recorded:
+        if self.balancer is not None and self.balancer.unsaved:
             self.balancer.save_record()
 
     # -- admission -------------------------------------------------------------------------
