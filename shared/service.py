@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -201,6 +202,23 @@ async def _connect_unless_stopped(service: Service, stop: asyncio.Event) -> Bus 
     return bus
 
 
+# Objects made (and not yet freed) between two collections of the youngest generation.
+# Python's default, 700, is a collection every few decode steps of a busy router; each
+# walks what requests in flight hold. Cyclic garbage is rare on the request path (freed by
+# reference counts), so collecting less often costs little memory.
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def keep_for_good() -> None:
+    """What exists now (modules, a model's weights and tokenizer, tables built at start)
+    lives as long as the process: moved out of the garbage collector's sight, so that a
+    collection scans only what requests made since; and the collector runs less often.
+    Before, a router streaming to 256 clients spent a fifth of its time collecting."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
 async def _run(service: Service) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -227,6 +245,7 @@ async def _run(service: Service) -> None:
             stack, build_app(service), service.common, service.settings
         )
         beats = asyncio.create_task(_publish_heartbeats(service, bus))
+        keep_for_good()
         log.info("%s ready: %s (http %s)", service.role, service.service_id, service.http_url)
 
         await stop.wait()

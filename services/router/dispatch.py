@@ -83,28 +83,36 @@ def continues(event: TokenEvent, more: TokenEvent) -> bool:
     )
 
 
-def merged(event: TokenEvent, more: TokenEvent) -> TokenEvent:
-    """Two consecutive events as one: tokens joined, the times summed, the end the later's."""
+def merged(run: list[TokenEvent]) -> TokenEvent:
+    """Consecutive events (``continues``) as one: tokens joined, the times summed, the end
+    the last's. Built without validating again (each was checked on arrival): a stream that
+    fell behind must not pay more per token to catch up."""
+    if len(run) == 1:
+        return run[0]
+    first, last = run[0], run[-1]
 
-    def total(a: float | None, b: float | None) -> float | None:
-        return None if a is None and b is None else (a or 0.0) + (b or 0.0)
+    def total(name: str) -> float | None:
+        values = [v for e in run if (v := getattr(e, name)) is not None]
+        return sum(values) if values else None
 
-    return TokenEvent(
-        request_id=event.request_id,
-        index=event.index,
-        token_ids=event.token_ids + more.token_ids,
-        logprobs=None if event.logprobs is None else event.logprobs + (more.logprobs or []),
-        finish_reason=more.finish_reason,
-        stop_string=more.stop_string,
-        cached_tokens=event.cached_tokens if more.cached_tokens is None else more.cached_tokens,
-        cached_by_tier=more.cached_by_tier or event.cached_by_tier,
-        prefill_s=total(event.prefill_s, more.prefill_s),
-        decode_s=total(event.decode_s, more.decode_s),
-        kv_bytes=None
-        if event.kv_bytes is None and more.kv_bytes is None
-        else (event.kv_bytes or 0) + (more.kv_bytes or 0),
-        kv_transfer_s=total(event.kv_transfer_s, more.kv_transfer_s),
-        worker_id=event.worker_id,
+    cached = [e for e in run if e.cached_tokens is not None]
+    tiers = [e.cached_by_tier for e in run if e.cached_by_tier]
+    return TokenEvent.model_construct(
+        request_id=first.request_id,
+        index=first.index,
+        token_ids=[t for e in run for t in e.token_ids],
+        logprobs=None if first.logprobs is None else [lp for e in run for lp in e.logprobs or ()],
+        finish_reason=last.finish_reason,
+        stop_string=last.stop_string,
+        cached_tokens=cached[-1].cached_tokens if cached else None,
+        cached_by_tier=tiers[-1] if tiers else None,
+        error="",
+        error_code="",
+        prefill_s=total("prefill_s"),
+        decode_s=total("decode_s"),
+        kv_bytes=total("kv_bytes"),
+        kv_transfer_s=total("kv_transfer_s"),
+        worker_id=first.worker_id,
     )
 
 
@@ -170,6 +178,19 @@ class Attempt:
     prefilled: bool = False
 
 
+@dataclass
+class Waiting:
+    """An attempt's token events on their way to its reader, and what the watchdog needs to
+    tell that they stopped coming (then it puts the reason in the queue, to be raised)."""
+
+    job: Job
+    attempt: Attempt
+    queue: asyncio.Queue[TokenEvent | Exception] = field(default_factory=asyncio.Queue)
+    heard_at: float = field(default_factory=time.monotonic)  # the task went, or an event came
+    started: bool = False  # an event came
+    told: bool = False  # the watchdog gave up on it
+
+
 class _Failed(Exception):
     """This attempt failed: the workers named are not tried again for this request, and
     (unless it was no fault of theirs: busy) their circuit breakers count it."""
@@ -200,18 +221,20 @@ class Dispatcher:
         self.limits = limits
         self.outstanding = Outstanding()
         self.hash_cache = PrefixHashes()
-        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._waiting: dict[str, Waiting] = {}  # by request id (the attempt's)
+        self._watchdog: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.replies(self.router_id), TokenEvents, self._on_events)
         self.bus.on_reconnect.append(self._reconnected)
+        self._watchdog = asyncio.create_task(self._watch())
 
     def _reconnected(self) -> None:
         """Token events published while this router was away from NATS are lost (its
         subscription was gone from the cluster): every answer in flight moves on from the
         tokens it sent (no fault of its workers)."""
-        for rid, queue in self._queues.items():
-            queue.put_nowait(
+        for rid, waiting in self._waiting.items():
+            waiting.queue.put_nowait(
                 TokenEvent(
                     request_id=rid,
                     index=-1,
@@ -221,11 +244,45 @@ class Dispatcher:
             )
 
     async def _on_events(self, message: TokenEvents) -> None:
-        queues = self._queues
+        waiting, now = self._waiting, time.monotonic()
         for event in message.events:
-            queue = queues.get(event.request_id)
-            if queue is not None:
-                queue.put_nowait(event)
+            w = waiting.get(event.request_id)
+            if w is not None:
+                w.heard_at, w.started = now, True
+                w.queue.put_nowait(event)
+
+    async def _watch(self) -> None:
+        """Every liveness_check_s, each answer being waited for is checked (one timer for
+        all, not one per token): the reason is put in its queue when its deadline passed,
+        a worker of its attempt left the registry, or no event came within the progress
+        bound (a frozen worker is given up on, not waited for until the deadline)."""
+        while True:
+            await asyncio.sleep(self.limits.liveness_check_s)
+            now, wall = time.monotonic(), time.time()
+            for w in list(self._waiting.values()):
+                try:
+                    reason = None if w.told else self._given_up(w, now, wall)
+                except Exception:  # never the end of the watchdog: answers would hang
+                    log.exception("checking %s", w.job.request_id)
+                    continue
+                if reason is not None:
+                    w.told = True
+                    w.queue.put_nowait(reason)
+
+    def _given_up(self, w: Waiting, now: float, wall: float) -> Exception | None:
+        """Why an answer is no longer waited for (None while it may still come)."""
+        if wall >= w.job.deadline:
+            return ApiError(504, "request deadline passed", code="timeout")
+        attempt, limits = w.attempt, self.limits
+        gone = [s for s in attempt.workers if not self._alive(s)]
+        if gone:
+            return _Failed(f"worker {gone[0]} went away", *gone)
+        bound = limits.token_timeout_s if w.started else limits.first_token_timeout_s
+        if now - w.heard_at < bound:
+            return None
+        blamed = (attempt.decode,) if w.started else attempt.workers
+        which = "next" if w.started else "first"
+        return _Failed(f"no {which} token within {bound:g} s from {', '.join(blamed)}", *blamed)
 
     def check_servable(self, model: str) -> None:
         """503 unless a ready prefill and a ready decode worker serve the model, and one of
@@ -262,9 +319,8 @@ class Dispatcher:
         sent: list[int] = []  # answer tokens yielded so far
         failures: list[str] = []
         for move in range(self.limits.migration_limit + 1):
-            queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-            self._queues[wire.request_id] = queue
             attempt_ = Attempt()
+            waiting = self._waiting[wire.request_id] = Waiting(wire, attempt_)
             finished = False
             # Not the current span across the yields below (the consumer may step this
             # generator from other tasks): current only while the task is sent.
@@ -294,7 +350,7 @@ class Dispatcher:
                 if decision is not None and not sent:
                     decision.clear()
                     decision.update(attempt_.decision)
-                async for event in self._events(wire, queue, attempt_):
+                async for event in self._events(waiting):
                     if not attempt_.prefilled and event.worker_id == attempt_.prefill:
                         self._prefilled(attempt_, event, len(wire.prompt_ids))
                     if sent:  # a resumed answer: its events continue the first's
@@ -334,7 +390,7 @@ class Dispatcher:
                     self.outstanding.done(w)
                 if attempt_.prefill and not attempt_.prefilled:  # failed or cancelled first
                     self._prefilled(attempt_, None, len(wire.prompt_ids))
-                self._queues.pop(wire.request_id, None)
+                self._waiting.pop(wire.request_id, None)
                 if not finished:
                     with contextlib.suppress(Exception):
                         await self.bus.publish(subjects.CANCEL, Cancel(request_id=wire.request_id))
@@ -554,21 +610,20 @@ class Dispatcher:
                     raise
                 await asyncio.sleep(NO_RESPONDERS_RETRY_S)
 
-    async def _events(
-        self, job: Job, queue: asyncio.Queue[TokenEvent], attempt: Attempt
-    ) -> AsyncIterator[TokenEvent]:
+    async def _events(self, waiting: Waiting) -> AsyncIterator[TokenEvent]:
         """Events in answer order (prefill and decode publish on separate connections)."""
+        queue = waiting.queue
         next_index = 0
         early: dict[int, TokenEvent] = {}
-        held: list[TokenEvent] = []  # taken from the queue while catching up, not yet seen
+        held: list[TokenEvent | Exception] = []  # taken while catching up, not yet seen
         while True:
             if next_index in early:
                 event = early.pop(next_index)
             else:
-                if held:
-                    event = held.pop()
-                else:
-                    event = await self._next(job, queue, attempt, started=next_index > 0)
+                item = held.pop() if held else await queue.get()
+                if isinstance(item, Exception):  # the watchdog's: the attempt failed
+                    raise item
+                event = item
                 if event.error:
                     if event.error_code in ("busy", "unavailable"):
                         raise _Failed(
@@ -587,46 +642,18 @@ class Dispatcher:
             next_index += len(event.token_ids)
             # Events already here that continue this one go out with it: a stream that fell
             # behind catches up in one chunk and one write, not one per token.
-            while not event.finish_reason and not queue.empty() and next_index not in early:
+            run = [event]
+            while not run[-1].finish_reason and not queue.empty() and next_index not in early:
                 more = queue.get_nowait()
-                if not continues(event, more):
+                if isinstance(more, Exception) or not continues(run[-1], more):
                     held.append(more)  # (an error, a gap, another worker's: on its own next)
                     break
-                event = merged(event, more)
+                run.append(more)
                 next_index += len(more.token_ids)
+            event = merged(run)
             yield event
             if event.finish_reason:
                 return
-
-    async def _next(
-        self, job: Job, queue: asyncio.Queue[TokenEvent], attempt: Attempt, started: bool
-    ) -> TokenEvent:
-        """The next event; _Failed when a worker of the attempt is gone from the registry, or
-        none came within the progress bound (a frozen worker is given up on, not waited for
-        until the request's deadline)."""
-        limits = self.limits
-        bound = limits.token_timeout_s if started else limits.first_token_timeout_s
-        stalled_at = time.monotonic() + bound
-        while True:
-            left = job.deadline - time.time()
-            if left <= 0:
-                raise ApiError(504, "request deadline passed", code="timeout")
-            if not queue.empty():
-                return queue.get_nowait()
-            wait = min(left, limits.liveness_check_s, max(0.0, stalled_at - time.monotonic()))
-            try:
-                async with asyncio.timeout(wait):  # (no task per event, as wait_for makes)
-                    return await queue.get()
-            except TimeoutError:
-                gone = [w for w in attempt.workers if not self._alive(w)]
-                if gone:
-                    raise _Failed(f"worker {gone[0]} went away", *gone) from None
-                if time.monotonic() >= stalled_at:
-                    blamed = (attempt.decode,) if started else attempt.workers
-                    which = "next" if started else "first"
-                    raise _Failed(
-                        f"no {which} token within {bound:g} s from {', '.join(blamed)}", *blamed
-                    ) from None
 
     def _alive(self, service_id: str) -> bool:
         record = self.registry.get(service_id)

@@ -55,6 +55,7 @@ from shared.model.grammar import (
 from shared.model.text import MODEL_NAMES, TextModel, load_text_model
 from shared.security.salt import SALT_SECRET, tenant_salt
 from shared.security.secret import load_or_create
+from shared.service import keep_for_good
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -203,6 +204,7 @@ class Frontend:
                     await loop.run_in_executor(None, vocabulary, model.tokenizer, eos)
                     self.renderer.add(name, model)
                     self._models[name] = model
+                    keep_for_good()  # the model's tables live as long as the router
         return self._models[name]
 
     async def prepare(

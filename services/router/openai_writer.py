@@ -3,6 +3,7 @@ their chunks (``data:`` lines ending with ``[DONE]``), with log-probabilities wh
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from tokenizers import Tokenizer
@@ -41,6 +42,7 @@ class OpenAIWriter:
         self.names = TokenNames(p.text.tokenizer)
         self.text_offset = 0  # Completions' text_offset: characters of answer before a token
         self.called = False  # the answer made a tool call (its finish is "tool_calls")
+        self._around_text: tuple[bytes, bytes] | None = None  # a text chunk's bytes, but its text
 
     def whole(self, answer: Delta) -> dict:
         calls = [
@@ -68,7 +70,9 @@ class OpenAIWriter:
 
     def text(self, delta: Delta) -> list[bytes]:
         out = []
-        if delta.text:
+        if delta.text and not self.with_logprobs:
+            out.append(self._text_chunk(delta.text))
+        elif delta.text:
             chunk = self.shape.chunk(
                 delta.text, with_usage_field=self.usage_field, logprobs=self._logprobs(delta)
             )
@@ -86,6 +90,17 @@ class OpenAIWriter:
             chunk = self.shape.chunk(None, with_usage_field=self.usage_field, tool_calls=[piece])
             out.append(sse.data(chunk))
         return out
+
+    def _text_chunk(self, text: str) -> bytes:
+        """The chunk of a text alone (most of a stream's): its bytes around the text are
+        made once, from the chunk of a marker text, and only the text is encoded each time."""
+        if self._around_text is None:
+            marker = "\x00text\x00"
+            whole = sse.data(self.shape.chunk(marker, with_usage_field=self.usage_field))
+            head, tail = whole.split(json.dumps(marker).encode())
+            self._around_text = (head, tail)
+        head, tail = self._around_text
+        return b"".join((head, json.dumps(text).encode(), tail))
 
     def end(self, last: Delta) -> list[bytes]:
         # The last delta's text went out already (text() is called before end()); a token

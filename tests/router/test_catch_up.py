@@ -13,13 +13,15 @@ def event(index: int, tokens: list[int], **fields) -> TokenEvent:  # noqa: ANN00
 
 def test_consecutive_events_join_with_their_figures_summed_and_the_later_end() -> None:
     first = event(1, [5, 6], kv_bytes=100, kv_transfer_s=0.01, cached_tokens=64)
-    last = event(3, [7], finish_reason="length", decode_s=0.2)
-    assert continues(first, last)
-    both = merged(first, last)
-    assert both.index == 1 and both.token_ids == [5, 6, 7]
-    assert both.finish_reason == "length" and both.decode_s == 0.2
+    middle = event(3, [7], decode_s=0.1)
+    last = event(4, [8], finish_reason="length", decode_s=0.2)
+    assert continues(first, middle) and continues(middle, last)
+    both = merged([first, middle, last])
+    assert both.index == 1 and both.token_ids == [5, 6, 7, 8]
+    assert both.finish_reason == "length" and both.decode_s == 0.1 + 0.2
     assert both.kv_bytes == 100 and both.kv_transfer_s == 0.01 and both.cached_tokens == 64
-    assert both.prefill_s is None  # a figure neither had stays absent
+    assert both.prefill_s is None  # a figure none had stays absent
+    assert both == TokenEvent.model_validate_json(both.model_dump_json())  # a valid event
 
 
 def test_an_error_a_gap_or_another_worker_is_never_joined() -> None:

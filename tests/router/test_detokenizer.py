@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from services.router.detokenizer import Detokenizer
@@ -50,3 +52,19 @@ def test_text_that_only_looks_like_a_stop_is_released_at_the_end(tokenizer) -> N
 def test_earliest_of_several_stops_wins(tokenizer) -> None:
     _, whole = stream(tokenizer, "one two three four", ["four", "two"])
     assert whole == "one "
+
+
+def test_streamed_text_is_the_tokenizers_own_decode_of_any_tokens(tokenizer) -> None:
+    """Whatever ids come (special tokens, characters split between tokens, bytes that are no
+    UTF-8 at all), the pieces join to what the tokenizer decodes from them all."""
+    rng = random.Random(7)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    text = "naïve 日本語 🎉 <|im_end|> code: x = [1, 2]\n"
+    for trial in range(200):
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        ids = ids[rng.randrange(len(ids)) :] + [rng.randrange(vocab) for _ in range(trial % 9)]
+        if trial % 3 == 0:
+            rng.shuffle(ids)
+        detok = Detokenizer(tokenizer)
+        pieces = [detok.add([t]) for t in ids] + [detok.finish()]
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True), ids
