@@ -32,6 +32,10 @@ OnStep = Callable[[list[StepOutput], float], None]
 RANKS = {"online": 0, "batch": 1}  # queued calls of online requests go first
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread has stopped (the service is closing): the call is not run."""
+
+
 class EngineRunner:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -40,6 +44,11 @@ class EngineRunner:
         self._arrivals = itertools.count()
         self._on_step: OnStep | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        # The engine thread holds the GIL most of the time it computes (a small model's pass
+        # is mostly Python); by default another thread waits up to 5 ms for it, which would
+        # starve the event loop (token events, handoffs, a finished call's result).
+        sys.setswitchinterval(0.0005)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -50,6 +59,9 @@ class EngineRunner:
         A batch request's calls (``priority``) wait while online requests' are queued."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
+        if self._closed:  # a call while the service stops (a late cancel): never a hang
+            future.set_exception(EngineStopped(f"{fn.__name__}: the engine has stopped"))
+            return future
         self._put(RANKS[priority], (fn, args, kwargs, loop, future))
         return future
 
@@ -63,14 +75,12 @@ class EngineRunner:
     def start_stepping(self, on_step: OnStep) -> None:
         """From now on, step whenever sequences are running; ``on_step(outputs, seconds)``
         is called on the event loop after each step."""
-        # A stepping thread holds the GIL most of the time; by default another thread waits
-        # up to 5 ms for it, which would starve the event loop (token events, handoffs).
-        sys.setswitchinterval(0.0005)
         self._loop = asyncio.get_running_loop()
         self._on_step = on_step
         self._put(0, None)  # wake the thread
 
     def close(self) -> None:
+        self._closed = True
         self._put(-1, StopIteration)
         self._thread.join(timeout=5)
 
@@ -86,9 +96,24 @@ class EngineRunner:
                 self._step()
                 continue
             if job is StopIteration:
+                self._refuse_queued()
                 return
             if job is not None:
                 self._do(*job)
+
+    def _refuse_queued(self) -> None:
+        """Stopping: calls still queued are answered EngineStopped (their callers would
+        otherwise wait for ever, and hold the service's shutdown)."""
+        while True:
+            try:
+                *_, job = self._jobs.get(block=False)
+            except queue.Empty:
+                return
+            if job is not None and job is not StopIteration:
+                fn, _, _, loop, future = job
+                if loop is not None and not loop.is_closed():
+                    err = EngineStopped(f"{fn.__name__}: the engine has stopped")
+                    loop.call_soon_threadsafe(_settle, future, None, err)
 
     def _do(self, fn, args, kwargs, loop, future) -> None:  # noqa: ANN001
         try:

@@ -230,7 +230,7 @@ class DecodeService(WorkerService):
         ends): a request resumed on another worker after this one fails loads them and
         recomputes only the tail."""
         full = (len(active.task.token_ids) + active.next_index - 1) // self.engine.block_size
-        if full <= active.stored_blocks or self.tiers is None:
+        if full <= active.stored_blocks or self.tiers is None or not self.tiers.keep:
             return
         first, active.stored_blocks = active.stored_blocks, full
         done = self.runner.call(self._export_blocks, rid, first, full, False)
@@ -311,6 +311,8 @@ class DecodeService(WorkerService):
                 )
                 if finish == "abort":
                     self.runner.submit(self.engine.abort, out.seq_id)
+                elif self.tiers is None or not self.tiers.keep:
+                    self.runner.submit(self.engine.free, out.seq_id)
                 else:  # the answer's last blocks are kept, so the next turn reuses them too
                     first = active.stored_blocks
                     done = self.runner.call(self._export_blocks, out.seq_id, first, None, True)

@@ -173,8 +173,9 @@ class PrefillService(WorkerService):
         self.images.pop(rid, None)
         self.prefetched.pop(rid, None)
         self.paused.pop(rid, None)
-        if self.engine.holds(rid):
-            await self.runner.call(self.engine.free, rid)
+        # Queued, not waited for (a KV being shipped must not wait on its blocks' export for
+        # the tiers, which frees the sequence itself): calls queued later run after it.
+        self.runner.submit(self.engine.free, rid)
 
     async def _next_batch(self) -> list[GenerateTask]:
         """The next task, and those queued behind it while their prompts together fit one
@@ -277,18 +278,22 @@ class PrefillService(WorkerService):
                 if isinstance(out, Exception):
                     await self._report(task, out)
                     continue
-                hit = cached[rid]
-                await self.send(task.reply_subject, self.first_token_event(rid, out, hit, took))
+                hit, first = cached[rid], len(cached[rid].blobs)
                 handoff = not out.finish_reason  # else a one-token answer: nothing to ship
-                if not handoff:
+                await self.send(task.reply_subject, self.first_token_event(rid, out, hit, took))
+                # The KV decode waits for first; the new blocks for the tiers (later turns)
+                # after it, while it ships.
+                blob = None
+                if handoff:
+                    blob = self.runner.call(self.engine.export_kv, rid, partial=True)
+                stored = self.runner.call(self._export_new, rid, first)
+                if blob is None:
                     self.close_span(rid)
-                blob, new = await self.runner.call(self._export, rid, len(hit.blobs), handoff)
-                if not handoff:
-                    self.store_blocks(task, len(hit.blobs), new, task.token_ids)
+                    self.store_blocks(task, first, await stored, task.token_ids)
                     continue  # decode's reservation goes with the call
                 done = HandoffDone(first_token=out.token_id)
-                ship = self._ship(task, calls[rid], blob, done)
-                ships.append((task, self._stored_after(ship, task, len(hit.blobs), new)))
+                ship = self._ship(task, calls[rid], await blob, done)
+                ships.append((task, self._stored_after(ship, stored, task, first)))
                 shipping.add(rid)
             return ships
         finally:
@@ -348,14 +353,23 @@ class PrefillService(WorkerService):
         return [out]
 
     async def _stored_after(
-        self, ship: Awaitable[None], task: GenerateTask, first: int, blobs: list[bytes]
+        self,
+        ship: Awaitable[None],
+        stored: Awaitable[list[bytes]],
+        task: GenerateTask,
+        first: int,
     ) -> None:
         """The handoff, then the prompt's new blocks to the tiers: the write is for later
         turns, and must not slow the transfer the answer's second token waits on."""
         try:
             await ship
         finally:
-            self.store_blocks(task, first, blobs, task.token_ids)
+            try:
+                blobs = await stored
+            except Exception:  # the answer is decode's now: this is only a later turn's loss
+                log.exception("new blocks of %s not exported", task.request_id)
+            else:
+                self.store_blocks(task, first, blobs, task.token_ids)
 
     async def _ship(
         self, task: GenerateTask, call: grpc.aio.StreamStreamCall, blob: bytes, done: HandoffDone
@@ -403,12 +417,16 @@ class PrefillService(WorkerService):
             msg = f"decode did not answer within {timeout_s:g} s"
             raise HandoffFailed(msg, "unavailable") from None
 
-    def _export(self, rid: str, first_new: int, handoff: bool) -> tuple[bytes, list[bytes]]:
-        """On the engine thread: the prompt's KV for decode (when it goes on there) and the
-        new full blocks for the tiers; then the blocks are freed."""
+    def _export_new(self, rid: str, first_new: int) -> list[bytes]:
+        """On the engine thread: the prompt's new full blocks for the tiers; then the
+        sequence is freed (none when it is gone already)."""
+        if not self.engine.holds(rid):
+            return []
+        if self.tiers is None or not self.tiers.keep:
+            self.engine.free(rid)
+            return []
         seq = self.engine.sequence(rid)
         n_full = seq.n_cached // self.engine.block_size
         new = self.engine.export_blocks(rid, first_new, n_full, self.store_dtype)
-        blob = self.engine.export_kv(rid, partial=True) if handoff else b""
         self.engine.free(rid)
-        return blob, new
+        return new

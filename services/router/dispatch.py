@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
@@ -85,8 +86,8 @@ def continues(event: TokenEvent, more: TokenEvent) -> bool:
 
 def merged(run: list[TokenEvent]) -> TokenEvent:
     """Consecutive events (``continues``) as one: tokens joined, the times summed, the end
-    the last's. Built without validating again (each was checked on arrival): a stream that
-    fell behind must not pay more per token to catch up."""
+    the last's; built once for the run (a stream that fell behind must not pay more per
+    token to catch up)."""
     if len(run) == 1:
         return run[0]
     first, last = run[0], run[-1]
@@ -97,7 +98,7 @@ def merged(run: list[TokenEvent]) -> TokenEvent:
 
     cached = [e for e in run if e.cached_tokens is not None]
     tiers = [e.cached_by_tier for e in run if e.cached_by_tier]
-    return TokenEvent.model_construct(
+    return TokenEvent(
         request_id=first.request_id,
         index=first.index,
         token_ids=[t for e in run for t in e.token_ids],
@@ -181,14 +182,27 @@ class Attempt:
 @dataclass
 class Waiting:
     """An attempt's token events on their way to its reader, and what the watchdog needs to
-    tell that they stopped coming (then it puts the reason in the queue, to be raised)."""
+    tell that they stopped coming (then it puts the reason in, to be raised)."""
 
     job: Job
     attempt: Attempt
-    queue: asyncio.Queue[TokenEvent | Exception] = field(default_factory=asyncio.Queue)
+    items: deque[TokenEvent | Exception] = field(default_factory=deque)
+    wakeup: asyncio.Future[None] | None = None  # the reader's, while nothing is there
     heard_at: float = field(default_factory=time.monotonic)  # the task went, or an event came
     started: bool = False  # an event came
     told: bool = False  # the watchdog gave up on it
+
+    def put(self, item: TokenEvent | Exception) -> None:
+        self.items.append(item)
+        if self.wakeup is not None and not self.wakeup.done():
+            self.wakeup.set_result(None)
+
+    async def get(self) -> TokenEvent | Exception:
+        """The next item (an asyncio.Queue, less its bookkeeping: this is once per token)."""
+        while not self.items:
+            self.wakeup = asyncio.get_running_loop().create_future()
+            await self.wakeup
+        return self.items.popleft()
 
 
 class _Failed(Exception):
@@ -234,7 +248,7 @@ class Dispatcher:
         subscription was gone from the cluster): every answer in flight moves on from the
         tokens it sent (no fault of its workers)."""
         for rid, waiting in self._waiting.items():
-            waiting.queue.put_nowait(
+            waiting.put(
                 TokenEvent(
                     request_id=rid,
                     index=-1,
@@ -249,11 +263,11 @@ class Dispatcher:
             w = waiting.get(event.request_id)
             if w is not None:
                 w.heard_at, w.started = now, True
-                w.queue.put_nowait(event)
+                w.put(event)
 
     async def _watch(self) -> None:
         """Every liveness_check_s, each answer being waited for is checked (one timer for
-        all, not one per token): the reason is put in its queue when its deadline passed,
+        all, not one per token): the reason is put in its events when its deadline passed,
         a worker of its attempt left the registry, or no event came within the progress
         bound (a frozen worker is given up on, not waited for until the deadline)."""
         while True:
@@ -267,7 +281,7 @@ class Dispatcher:
                     continue
                 if reason is not None:
                     w.told = True
-                    w.queue.put_nowait(reason)
+                    w.put(reason)
 
     def _given_up(self, w: Waiting, now: float, wall: float) -> Exception | None:
         """Why an answer is no longer waited for (None while it may still come)."""
@@ -350,13 +364,14 @@ class Dispatcher:
                 if decision is not None and not sent:
                     decision.clear()
                     decision.update(attempt_.decision)
+                resumed_after = len(sent)  # tokens sent before this attempt
                 async for event in self._events(waiting):
                     if not attempt_.prefilled and event.worker_id == attempt_.prefill:
                         self._prefilled(attempt_, event, len(wire.prompt_ids))
-                    if sent:  # a resumed answer: its events continue the first's
+                    if resumed_after:  # a resumed answer: its events continue the first's
                         if event.cached_tokens is not None:
                             span.set_attribute("reused_tokens", event.cached_tokens)
-                        event = resumed_event(event, len(sent))
+                        event = resumed_event(event, resumed_after)
                     sent.extend(event.token_ids)
                     if event.finish_reason:
                         finished = True
@@ -612,7 +627,7 @@ class Dispatcher:
 
     async def _events(self, waiting: Waiting) -> AsyncIterator[TokenEvent]:
         """Events in answer order (prefill and decode publish on separate connections)."""
-        queue = waiting.queue
+        items = waiting.items
         next_index = 0
         early: dict[int, TokenEvent] = {}
         held: list[TokenEvent | Exception] = []  # taken while catching up, not yet seen
@@ -620,7 +635,7 @@ class Dispatcher:
             if next_index in early:
                 event = early.pop(next_index)
             else:
-                item = held.pop() if held else await queue.get()
+                item = held.pop() if held else await waiting.get()
                 if isinstance(item, Exception):  # the watchdog's: the attempt failed
                     raise item
                 event = item
@@ -643,8 +658,8 @@ class Dispatcher:
             # Events already here that continue this one go out with it: a stream that fell
             # behind catches up in one chunk and one write, not one per token.
             run = [event]
-            while not run[-1].finish_reason and not queue.empty() and next_index not in early:
-                more = queue.get_nowait()
+            while not run[-1].finish_reason and items and next_index not in early:
+                more = items.popleft()
                 if isinstance(more, Exception) or not continues(run[-1], more):
                     held.append(more)  # (an error, a gap, another worker's: on its own next)
                     break

@@ -77,6 +77,11 @@ class KvTiers:
         self.skipped_blocks = 0  # not stored: the write-behind queue was full
         self.written_blocks = 0
 
+    @property
+    def keep(self) -> bool:
+        """Whether a block written here is kept anywhere (memory tier or storage)."""
+        return self.memory.capacity_bytes > 0 or self.store is not None
+
     async def start(self, stack: AsyncExitStack) -> None:
         # Cachemeta owns the stream's configuration; a worker that starts first creates it.
         await self.bus.ensure_stream(

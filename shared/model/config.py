@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class ModelConfig:
         assert all(0 <= i < self.n_layers for i in self.swa_layers)
         assert not self.swa_layers or self.sliding_window > 0
 
-    @property
+    @cached_property  # (read for every block hashed)
     def fingerprint(self) -> str:
         """Identifies the model's KV: same fingerprint, interchangeable KV blocks."""
         blob = json.dumps(asdict(self), sort_keys=True).encode()

@@ -1,0 +1,28 @@
+"""The engine thread's calls when the service stops: answered, never left waiting (a caller
+left waiting holds the service's shutdown until NATS gives up draining it)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from shared.runner import EngineRunner, EngineStopped
+
+
+async def test_calls_still_queued_or_made_after_the_engine_stops_fail_at_once() -> None:
+    runner = EngineRunner(SimpleNamespace(running=[]))  # no steps: calls only
+    gate = threading.Event()
+    busy = runner.call(gate.wait, 10)  # the engine thread is in a call
+    queued = runner.call(sum, [1, 2])  # waits behind it
+    closing = asyncio.get_running_loop().run_in_executor(None, runner.close)
+    await asyncio.sleep(0.1)  # the stop is queued ahead of the waiting call
+    gate.set()
+    await closing
+    assert await busy is True  # the call in progress finished
+    with pytest.raises(EngineStopped, match="sum: the engine has stopped"):
+        await asyncio.wait_for(queued, 5)
+    with pytest.raises(EngineStopped):
+        await asyncio.wait_for(runner.call(sum, [3]), 5)
