@@ -38,6 +38,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
+from collections import defaultdict
 from pathlib import Path
 
 import aiohttp
@@ -144,7 +146,9 @@ async def one_request(
     first = last = None
     tokens = 0
     timing: dict = {}
-    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+    rid = f"e2e-{uuid.uuid4().hex[:16]}"  # (finds its spans in the traces)
+    headers = {"x-request-id": rid}
+    async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
         if resp.status != 200:
             raise SystemExit(f"HTTP {resp.status}: {await resp.text()}")
         async for line in resp.content:
@@ -160,10 +164,12 @@ async def one_request(
                 tokens = chunk["usage"]["completion_tokens"]
     done = time.perf_counter()
     return {
+        "id": rid,
         "ttft": (first or done) - sent,
         "tpot": ((last - first) / (tokens - 1)) if first and last and tokens > 1 else None,
         "latency": done - sent,
         "engine": timing.get("engine_ms", 0.0) / 1e3,
+        "decode_ms": timing.get("decode_ms", 0.0),
         "kv_bytes": timing.get("kv_bytes", 0),
         "kv_s": timing.get("kv_transfer_ms", 0.0) / 1e3,
     }
@@ -286,6 +292,7 @@ async def drive(
     tpots = [r["tpot"] for r in results if r["tpot"] is not None]
     overhead = [r["latency"] - r["engine"] for r in results]
     return {
+        "results": results,
         "requests": len(results),
         "ttft_p50_ms": round(pct([r["ttft"] for r in results], 50), 2),
         "ttft_p99_ms": round(pct([r["ttft"] for r in results], 99), 2),
@@ -294,6 +301,59 @@ async def drive(
         "kv_transfer_mb_s": round(kv_bytes / kv_s / 1e6, 1) if kv_s else None,
         "mesh_overhead_p50_ms": round(pct(overhead, 50), 2),
     }
+
+
+# Where a request's time goes, hop by hop, from the spans every service wrote (the stack's
+# trace files): each hop ends where the next begins, so they add up to the request's time as
+# the router saw it. "(engine)" hops are the models' compute; the rest is the mesh's.
+HOPS = (
+    ("router: read, render, tokenize", "root.start", "lookup.start"),
+    ("cachemeta lookup, round trip", "lookup.start", "lookup.end"),
+    ("route, task to prefill (NATS)", "lookup.end", "prefill.start"),
+    ("prefill: queue, cached KV", "prefill.start", "compute.start"),
+    ("prefill compute (engine)", "compute.start", "compute.end"),
+    ("first token out, KV exported", "compute.end", "kv.transfer.start"),
+    ("KV over gRPC, into decode", "kv.transfer.start", "kv.receive.end"),
+    ("decode steps (engine)", "", ""),
+    ("decode: between steps", "kv.receive.end", "decode.end"),
+    ("last token to the response's end", "decode.end", "root.end"),
+)
+NAMES = {"cachemeta.lookup": "lookup", "prefill.compute": "compute"}  # span name → its hop key
+
+
+def hops(trace_dir: Path, results: list[dict]) -> dict[str, float]:
+    """Median ms of each hop (HOPS) over the requests in ``results`` (their spans found by
+    request id); the decode steps' compute is what decode reported for each request."""
+    by_trace: dict[str, list[dict]] = defaultdict(list)
+    roots: dict[str, str] = {}
+    for path in trace_dir.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            span = json.loads(line)
+            by_trace[span["trace_id"]].append(span)
+            if span["parent_id"] is None and span["name"].startswith("/v1/"):
+                roots[span["attributes"].get("kvmesh.request_id", "")] = span["trace_id"]
+    per_hop: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        spans = by_trace.get(roots.get(r["id"], ""), [])
+        at: dict[str, int] = {}
+        for span in spans:
+            name = span["name"]
+            if name == "cachemeta.lookup" and not span["service"].endswith("router"):
+                continue  # (cachemeta's own side of the lookup)
+            key = "root" if span["parent_id"] is None else NAMES.get(name, name)
+            at.setdefault(f"{key}.start", span["start_ns"])
+            at.setdefault(f"{key}.end", span["end_ns"])
+        needed = {p for _, start, end in HOPS for p in (start, end) if p}
+        if not needed <= at.keys():
+            continue  # its spans not all written, or prefilled on decode (no handoff)
+        steps_ms = r["decode_ms"]
+        for name, start, end in HOPS:
+            if not start:
+                per_hop[name].append(steps_ms)
+                continue
+            took = (at[end] - at[start]) / 1e6
+            per_hop[name].append(took - steps_ms if name.startswith("decode:") else took)
+    return {name: round(statistics.median(v), 2) for name, v in per_hop.items()}
 
 
 def main() -> None:
@@ -325,11 +385,15 @@ def main() -> None:
             for clients in (1, 8, 32):
                 say(f"{model}: {clients} clients x {per_client} requests")
                 fig = asyncio.run(drive(stack.url, model, clients, per_client, args.max_tokens))
+                time.sleep(1.0)  # the services write their spans within half a second
+                fig["hops"] = hops(stack.dir / "traces", fig.pop("results"))
                 rows.append((model, clients, fig))
                 if model == "tiny" and clients == 8:
-                    summary.update({k: v for k, v in fig.items() if k != "requests"})
+                    summary.update({k: v for k, v in fig.items() if k not in ("requests", "hops")})
                 if model == "tiny" and clients == 1:
                     summary["mesh_overhead_p50_ms_1"] = fig["mesh_overhead_p50_ms"]
+                if model == "tiny" and clients in (1, 8):
+                    summary[f"hops_ms_{clients}"] = fig["hops"]
         finally:
             stack.stop()
     head = (
@@ -350,6 +414,12 @@ def main() -> None:
             f"{f['ttft_p99_ms']:>8.1f}ms{f['tpot_p50_ms'] or 0:>8.1f}ms{f['rps']:>8.1f}"
             f"{f['kv_transfer_mb_s'] or 0:>9.1f}{f['mesh_overhead_p50_ms']:>17.1f}ms"
         )
+    shown = [(m, c, f) for m, c, f in rows if f["hops"]]
+    if shown:
+        print("\nwhere a request's time goes, p50 of each hop (ms), from the services' spans:")
+        print(f"{'hop':<36}" + "".join(f"{f'{m[:8]} x{c}':>14}" for m, c, _ in shown))
+        for name, _, _ in HOPS:
+            print(f"{name:<36}" + "".join(f"{f['hops'].get(name, 0):>14.2f}" for *_, f in shown))
     anchor = measure_anchor(args.max_tokens)
     print(
         f"anchor (sglang-router over a fake upstream, {args.max_tokens} chunks), added p50: "

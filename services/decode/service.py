@@ -266,11 +266,14 @@ class DecodeService(WorkerService):
         self._spec_seen = (stats.draft_tokens, stats.accepted_tokens)
         self.eplb = stats.eplb
         events = []
+        # The step's time is each of its sequences' once (speculating, a step gives some of
+        # them several tokens).
+        for seq_id in {out.seq_id for out in outputs} & self.active.keys():
+            self.active[seq_id].decode_s += took
         for out in outputs:
             active = self.active.get(out.seq_id)
             if active is None:  # cancelled during the step
                 continue
-            active.decode_s += took
             finish = out.finish_reason
             if not finish and now > active.task.deadline:
                 finish = "abort"
