@@ -371,12 +371,15 @@ class WorkerService(Service):
 
     async def send(self, subject: str, *events: TokenEvent) -> None:
         """Events to a router's reply subject, in one message."""
+        await self.send_encoded(subject, [TokenEvents.encoded(e) for e in events])
+
+    async def send_encoded(self, subject: str, events: list[bytes]) -> None:
+        """Events already JSON (``TokenEvents.encoded``, ``PlainTokens``), in one message."""
         assert self.bus is not None
         try:
-            await self.bus.publish(subject, TokenEvents(events=list(events)))
+            await self.bus.publish_bytes(subject, TokenEvents.joined(events))
         except Exception as err:  # the router notices the silence and retries or fails
-            rids = ", ".join(e.request_id for e in events)
-            log.warning("could not send tokens of %s: %s", rids, err)
+            log.warning("could not send %d token events to %s: %s", len(events), subject, err)
 
     def models(self) -> list[str]:
         return [self.worker_settings.model]

@@ -23,8 +23,10 @@ from shared.messages.generate import (
     GenerateTask,
     HandoffDone,
     Logprobs,
+    PlainTokens,
     TaskAck,
     TokenEvent,
+    TokenEvents,
 )
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
@@ -44,6 +46,7 @@ class Active:
     """A request this worker holds: receiving its KV, prefilling it, or decoding it."""
 
     task: GenerateTask
+    plain: PlainTokens  # its events of a token and nothing else, as JSON
     next_index: int  # position in the answer of the next token to publish
     decode_s: float = 0.0
     kv_bytes: int | None = None  # reported once, on the first event after the handoff
@@ -56,9 +59,10 @@ class Active:
     hashes: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, task: GenerateTask, block_size: int) -> Active:
+    def of(cls, task: GenerateTask, block_size: int, worker_id: str) -> Active:
         n = len(task.token_ids) // block_size
-        return cls(task, next_index=1, stored_blocks=n, hashes=list(task.block_hashes[:n]))
+        plain = PlainTokens(task.request_id, worker_id)
+        return cls(task, plain, 1, stored_blocks=n, hashes=list(task.block_hashes[:n]))
 
 
 class DecodeService(WorkerService):
@@ -152,7 +156,7 @@ class DecodeService(WorkerService):
         cached prefix loaded from the tiers); its first token is published here, the rest by
         the steps (index 1 on)."""
         rid = task.request_id
-        self.active[rid] = active = Active.of(task, self.engine.block_size)
+        self.active[rid] = active = Active.of(task, self.engine.block_size, self.service_id)
         try:
             images = await self.fetch_images(task) if task.images else ()
         except ImagesMissing as err:
@@ -277,9 +281,11 @@ class DecodeService(WorkerService):
             finish = out.finish_reason
             if not finish and now > active.task.deadline:
                 finish = "abort"
-            events.append(
-                (
-                    active.task.reply_subject,
+            plain = not finish and out.logprobs is None and out.stop_string is None
+            if plain and active.kv_bytes is None and active.kv_transfer_s is None:
+                event = active.plain.event(active.next_index, out.token_id)
+            else:
+                event = TokenEvents.encoded(
                     TokenEvent(
                         request_id=out.seq_id,
                         index=active.next_index,
@@ -291,9 +297,9 @@ class DecodeService(WorkerService):
                         kv_bytes=active.kv_bytes,
                         kv_transfer_s=active.kv_transfer_s,
                         worker_id=self.service_id,
-                    ),
+                    )
                 )
-            )
+            events.append((active.task.reply_subject, event))
             active.next_index += 1
             active.kv_bytes = active.kv_transfer_s = None
             if finish:  # freed on the engine thread before its next step; nobody waits
@@ -327,16 +333,16 @@ class DecodeService(WorkerService):
         self._publishing = asyncio.create_task(self._send_all(previous, events))
 
     async def _send_all(
-        self, previous: asyncio.Task | None, events: list[tuple[str, TokenEvent]]
+        self, previous: asyncio.Task | None, events: list[tuple[str, bytes]]
     ) -> None:
         """One message per router for the step (all its requests' tokens)."""
-        by_router: dict[str, list[TokenEvent]] = {}
+        by_router: dict[str, list[bytes]] = {}
         for subject, event in events:
             by_router.setdefault(subject, []).append(event)
         if previous is not None:
             await previous  # a request's events stay in order
         for subject, batch in by_router.items():
-            await self.send(subject, *batch)
+            await self.send_encoded(subject, batch)
 
 
 class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
@@ -377,7 +383,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
             svc.engine.reserve, rid, task.token_ids, params, priority=task.priority
         )
         reserving.add_done_callback(lambda f: f.cancelled() or f.exception())  # (seen below)
-        svc.active[rid] = active = Active.of(task, svc.engine.block_size)
+        svc.active[rid] = active = Active.of(task, svc.engine.block_size, svc.service_id)
         with attached(extract(dict(context.invocation_metadata() or ()))):
             svc.open_span(rid, "decode", prompt_tokens=len(task.token_ids))
         joined = False

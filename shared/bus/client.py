@@ -177,6 +177,10 @@ class Bus:
     ) -> None:
         await self.nc.publish(subject, msg.to_bytes(), headers=headers)
 
+    async def publish_bytes(self, subject: str, data: bytes) -> None:
+        """A message already encoded (``Message.to_bytes`` or its equal)."""
+        await self.nc.publish(subject, data)
+
     async def subscribe(
         self,
         subject: str,

@@ -6,6 +6,7 @@ task into its queue; tokens then arrive as TokenEvents on the router's reply sub
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import Field
@@ -151,6 +152,29 @@ class TokenEvents(Message):
     def to_bytes(self) -> bytes:
         # Sent every step: an event's unset fields stay off the wire (a third of the bytes).
         return self.model_dump_json(exclude_defaults=True).encode()
+
+    @staticmethod
+    def joined(events: list[bytes]) -> bytes:
+        """The message of events each already JSON (``encoded``, ``PlainTokens.event``)."""
+        return b'{"events":[' + b",".join(events) + b"]}"
+
+    @staticmethod
+    def encoded(event: TokenEvent) -> bytes:
+        """One event as ``to_bytes`` writes it in a message."""
+        return event.model_dump_json(exclude_defaults=True).encode()
+
+
+class PlainTokens:
+    """A request's events of one token and nothing else (most of what a decode step sends),
+    as JSON made from parts encoded once: building and dumping a model for each costs
+    several times more, on the thread that also steps the batch."""
+
+    def __init__(self, request_id: str, worker_id: str) -> None:
+        self.head = b'{"request_id":%s,"index":' % json.dumps(request_id).encode()
+        self.tail = b',"worker_id":%s}' % json.dumps(worker_id).encode()
+
+    def event(self, index: int, token_id: int) -> bytes:
+        return b'%s%d,"token_ids":[%d]%s' % (self.head, index, token_id, self.tail)
 
 
 class Cancel(Message):
