@@ -47,6 +47,7 @@ BLOCK_SIZE = 64  # the workers' default
 SLACK = {
     "KVMESH_ROUTER_ACK_TIMEOUT_S": "10",
     "KVMESH_ROUTER_MISSED_HEARTBEATS": "10",
+    "KVMESH_ROUTER_MAX_LOOP_LAG_S": "5",  # (a router starved a moment still takes requests)
     "KVMESH_ROUTER_ENCODE_TIMEOUT_S": "30",
 }
 

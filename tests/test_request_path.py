@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -348,6 +349,30 @@ def test_full_router_answers_429_with_retry_after(stack: Stack) -> None:
         what="the router to admit again after the stream closed",
     )
     stack.procs["router-small"].stop()
+
+
+def test_a_router_running_far_behind_refuses_new_requests_until_it_catches_up(
+    stack: Stack,
+) -> None:
+    """Frozen for a while (as if it had more tokens to write than it could), a router's
+    loop wakes far behind: new requests get 429 until it catches up, and its workers, whose
+    beats waited in its queue meanwhile, are not dropped."""
+    url = stack.router(
+        "router-lag", KVMESH_ROUTER_MISSED_HEARTBEATS="2", KVMESH_ROUTER_MAX_LOOP_LAG_S="0.25"
+    )
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    wait_until(lambda: post(url + "/v1/completions", body)[0] == 200, 60, what="router-lag up")
+    proc = stack.procs["router-lag"]
+    proc.signal(signal.SIGSTOP)
+    time.sleep(3.0)
+    proc.signal(signal.SIGCONT)
+    time.sleep(0.1)  # its timers run late now, and say so
+    code, headers, resp = post(url + "/v1/completions", body)
+    assert code == 429 and headers.get("Retry-After") == "1"
+    assert "behind" in resp["error"]["message"] and resp["error"]["code"] == "overloaded"
+    wait_until(lambda: post(url + "/v1/completions", body)[0] == 200, 10, what="caught up")
+    assert "dropped decode" not in proc.output() and "dropped prefill" not in proc.output()
+    proc.stop()
 
 
 # -- workers that stop answering ---------------------------------------------------------------

@@ -4,6 +4,7 @@ continuous batch, and publishes each new token to the request's reply subject.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -40,6 +41,8 @@ from shared.worker import ImagesMissing, WorkerService
 
 log = logging.getLogger(__name__)
 
+OUTBOX_MESSAGE_EVENTS = 4096  # token events per message at most (~0.4 MB, under NATS' 1 MB)
+
 
 @dataclass
 class Active:
@@ -75,7 +78,11 @@ class DecodeService(WorkerService):
         self.pending = 0  # local prefills accepted, not yet computed
         self.prefills: set[asyncio.Task] = set()
         self.kv_address = ""
-        self._publishing: asyncio.Task | None = None
+        # Token events not yet sent, by router reply subject, in step order: one sender sends
+        # what has gathered, so a sender that falls behind sends several steps in one message
+        # (the loop's work per step stays an append, and no task is made per step).
+        self._outbox: dict[str, list[bytes]] = {}
+        self._outbox_filled = asyncio.Event()
         self._spec_seen = (0, 0)  # the engine's speculation totals already in /metrics
         self.eplb: BalancerStats | None = None  # expert placement, as of the last step
         self.handoff_secret = load_or_create(common.resolved_secrets_dir, HANDOFF_SECRET)
@@ -91,6 +98,8 @@ class DecodeService(WorkerService):
         stack.push_async_callback(server.stop, 1.0)
         self.kv_address = f"{self.settings.advertised_host()}:{port}"
         await bus.serve(subjects.tasks(self.role, self.service_id), GenerateTask, self.on_task)
+        sender = asyncio.create_task(self._send_outbox())
+        stack.push_async_callback(self._stop_sending, sender)
         self.runner.start_stepping(self.publish)
 
     def addresses(self) -> dict[str, str]:
@@ -329,20 +338,30 @@ class DecodeService(WorkerService):
                     done.add_done_callback(store)
             else:
                 self._store_filled(out.seq_id, active)
-        previous = self._publishing
-        self._publishing = asyncio.create_task(self._send_all(previous, events))
-
-    async def _send_all(
-        self, previous: asyncio.Task | None, events: list[tuple[str, bytes]]
-    ) -> None:
-        """One message per router for the step (all its requests' tokens)."""
-        by_router: dict[str, list[bytes]] = {}
         for subject, event in events:
-            by_router.setdefault(subject, []).append(event)
-        if previous is not None:
-            await previous  # a request's events stay in order
-        for subject, batch in by_router.items():
-            await self.send_encoded(subject, batch)
+            self._outbox.setdefault(subject, []).append(event)
+        if events:
+            self._outbox_filled.set()
+
+    async def _send_outbox(self) -> None:
+        """One message per router with every event gathered since the last (a step's, or
+        several steps' when sending fell behind), each request's in order."""
+        while True:
+            await self._outbox_filled.wait()
+            self._outbox_filled.clear()
+            await self._flush_outbox()
+
+    async def _flush_outbox(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for subject, events in outbox.items():
+            for start in range(0, len(events), OUTBOX_MESSAGE_EVENTS):
+                await self.send_encoded(subject, events[start : start + OUTBOX_MESSAGE_EVENTS])
+
+    async def _stop_sending(self, sender: asyncio.Task) -> None:
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sender
+        await self._flush_outbox()  # the last steps' events go out before NATS closes
 
 
 class KvReceiver(kv_pb2_grpc.KvHandoffServicer):

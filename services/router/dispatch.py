@@ -144,6 +144,7 @@ class DispatchLimits:
     migration_limit: int = 3  # moves to other workers when a request's workers fail
     first_token_timeout_s: float = 120.0  # no first token within this: its workers failed
     token_timeout_s: float = 30.0  # no next token within this: its decode worker failed
+    max_starting: int = 32  # requests looking up their cache or sending their task at once
 
 
 @dataclass
@@ -236,6 +237,9 @@ class Dispatcher:
         self.outstanding = Outstanding()
         self.hash_cache = PrefixHashes()
         self._waiting: dict[str, Waiting] = {}  # by request id (the attempt's)
+        # A burst of requests takes turns to start: the replies of those already asking
+        # (cachemeta's, the workers' acks) are not left waiting behind a thousand others.
+        self._starting = asyncio.Semaphore(limits.max_starting)
         self._watchdog: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -327,7 +331,8 @@ class Dispatcher:
 
         Leaving early (the client went away, a stop string) cancels the request on its workers.
         """
-        job = await self._with_cache_plan(job)
+        async with self._starting:
+            job = await self._with_cache_plan(job)
         wire = job
         excluded: set[str] = set()
         sent: list[int] = []  # answer tokens yielded so far
@@ -350,7 +355,8 @@ class Dispatcher:
             try:
                 with trace.use_span(span, end_on_exit=False):
                     try:
-                        await self._send(wire, excluded, attempt_)  # counted in outstanding
+                        async with self._starting:
+                            await self._send(wire, excluded, attempt_)  # in outstanding
                     except ApiError as err:
                         if failures:  # no worker left to move to: say why it had to move
                             err.message += f" (after: {'; '.join(failures)})"

@@ -38,6 +38,7 @@ from services.router.openai_api import (
     Usage,
 )
 from services.router.recorder import RequestRecorder
+from services.router.registry import LoopLag
 from services.router.render import Renderer
 from services.router.settings import RouterSettings
 from services.router.stats import RollingStats
@@ -149,8 +150,10 @@ class Frontend:
         image_limits: ImageLimits,
         stats: RollingStats,
         secrets_dir: Path,
+        lag: LoopLag | None = None,
     ) -> None:
         self.settings = settings
+        self.lag = lag or LoopLag()
         self.dispatcher = dispatcher
         self.state_dir = state_dir
         self.image_limits = image_limits
@@ -183,6 +186,14 @@ class Frontend:
             raise ApiError(
                 429,
                 f"too many requests in progress ({self.settings.max_inflight}); retry shortly",
+                code="overloaded",
+                retry_after_s=1,
+            )
+        if self.lag.seconds > self.settings.max_loop_lag_s:  # its answers already wait
+            raise ApiError(
+                429,
+                f"this router runs {self.lag.seconds:.2f} s behind "
+                f"(KVMESH_ROUTER_MAX_LOOP_LAG_S {self.settings.max_loop_lag_s:g}); retry shortly",
                 code="overloaded",
                 retry_after_s=1,
             )

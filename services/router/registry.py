@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from shared.messages.heartbeat import ROLES, Heartbeat, WorkerEntry
@@ -63,12 +64,13 @@ class WorkerRegistry:
             self._by_role[record.heartbeat.role].discard(service_id)
         return record
 
-    def expire(self, now: float) -> list[WorkerRecord]:
-        """Drop every service whose last beat is older than ``missed_beats`` of its intervals."""
+    def expire(self, now: float, grace_s: float = 0.0) -> list[WorkerRecord]:
+        """Drop every service whose last beat is older than ``missed_beats`` of its intervals
+        (plus ``grace_s``: how far behind this router runs, its beats waiting in its queue)."""
         dead = [
             r
             for r in self._by_id.values()
-            if r.age(now) > self.missed_beats * r.heartbeat.interval_s
+            if r.age(now) > self.missed_beats * r.heartbeat.interval_s + grace_s
         ]
         for record in dead:
             self.remove(record.service_id)
@@ -113,3 +115,19 @@ class WorkerRegistry:
                 assert record.heartbeat.role == role, f"{service_id} filed under {role}"
                 assert record.service_id == service_id
                 assert record.first_seen_at <= record.seen_at
+
+
+class LoopLag:
+    """How far behind the router's event loop runs: a timer's wake-ups against when it was
+    due, the worst of the last few. A router that far behind can neither judge heartbeats
+    (they wait in its queue too) nor take more requests (they would wait as long)."""
+
+    def __init__(self, kept: int = 4) -> None:
+        self._recent: deque[float] = deque([0.0], maxlen=kept)
+
+    def observe(self, late_s: float) -> None:
+        self._recent.append(max(0.0, late_s))
+
+    @property
+    def seconds(self) -> float:
+        return max(self._recent)

@@ -25,7 +25,7 @@ from services.router.openai_api import ApiError
 from services.router.openapi import document
 from services.router.policies import POLICIES
 from services.router.recorder import RecentRequests
-from services.router.registry import WorkerRegistry
+from services.router.registry import LoopLag, WorkerRegistry
 from services.router.scoring import CostDefaults
 from services.router.settings import RouterSettings
 from services.router.stats import DAY_S, RollingStats, StatsMinute
@@ -55,6 +55,7 @@ class RouterService(Service):
         super().__init__(common, settings)
         self.settings: RouterSettings = settings
         self.registry = WorkerRegistry(missed_beats=settings.missed_heartbeats)
+        self.lag = LoopLag()
         self.breakers = Breakers(settings.breaker_faults, settings.breaker_cooldown_s)
         self.stats = RollingStats(self.service_id, self.started_at)
         self.frontend: Frontend | None = None
@@ -87,6 +88,7 @@ class RouterService(Service):
             migration_limit=s.migration_limit,
             first_token_timeout_s=s.first_token_timeout_s,
             token_timeout_s=s.token_timeout_s,
+            max_starting=s.max_starting,
         )
         policy = POLICIES[s.routing_policy](
             CostDefaults(prefill_tok_s=s.prefill_tok_s, load_tok_s=s.load_tok_s)
@@ -114,6 +116,7 @@ class RouterService(Service):
             image_limits,
             self.stats,
             secrets_dir,
+            self.lag,
         )
         self.http_api = HttpApi(self.frontend)
         files = Files(bus, s.files_max_bytes)
@@ -188,8 +191,11 @@ class RouterService(Service):
 
     async def sweep(self) -> None:
         """Drop services that missed their heartbeats, a few times per beat interval."""
+        interval = min(0.25, self.common.heartbeat_interval_s / 4)
         while True:
-            await asyncio.sleep(min(0.25, self.common.heartbeat_interval_s / 4))
+            due = time.monotonic() + interval
+            await asyncio.sleep(interval)
+            self.lag.observe(time.monotonic() - due)
             workers = sum(len(self.registry.ready(r)) for r in ("prefill", "decode"))
             self.stats.tick(time.time(), workers)
             self.expire(time.monotonic())
@@ -199,7 +205,7 @@ class RouterService(Service):
         notices first: the sweep, /health or a registry query)."""
         for sid in [s for s, (_, at) in self.gone.items() if time.time() - at > GONE_KEPT_S]:
             del self.gone[sid]  # (listed as gone that long, then forgotten)
-        for record in self.registry.expire(now):
+        for record in self.registry.expire(now, grace_s=self.lag.seconds):
             self.gone[record.service_id] = (record.heartbeat.role, time.time())
             log.warning(
                 "dropped %s %s: no heartbeat for %.1f s",

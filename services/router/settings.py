@@ -42,6 +42,12 @@ class RouterSettings(ServiceSettings):
     max_inflight: int = Field(
         default=256, ge=1, description="requests in progress at most; more get 429"
     )
+    max_loop_lag_s: float = Field(
+        default=0.25,
+        gt=0,
+        description="new requests get 429 while the router's event loop runs this far behind "
+        "(it streams more tokens than it can write: the answers in flight go first)",
+    )
     default_max_tokens: int = Field(
         default=512, ge=1, description="answer length when a request gives none"
     )
@@ -52,6 +58,12 @@ class RouterSettings(ServiceSettings):
     )
     ack_timeout_s: float = Field(
         default=2.0, gt=0, description="a worker must queue or refuse a task within this"
+    )
+    max_starting: int = Field(
+        default=32,
+        ge=1,
+        description="requests looking up their cache or sending their task at once; a burst "
+        "beyond it takes turns (replies to those already asking are not starved)",
     )
     token_cache_tokens: int = Field(
         default=4_000_000,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.registry import WorkerRegistry
+from services.router.registry import LoopLag, WorkerRegistry
 from shared.messages.heartbeat import ROLES, Heartbeat
 
 
@@ -57,6 +57,26 @@ def test_expires_after_missed_beats(interval_s: float, missed: int) -> None:
     assert [r.service_id for r in dropped] == ["p0"]
     assert len(reg) == 0
     reg.check_integrity()
+
+
+def test_a_router_running_behind_gives_beats_as_long_again() -> None:
+    """Beats wait in a lagging router's queue as its timers do: that long is not held
+    against the workers."""
+    reg = WorkerRegistry(missed_beats=3)
+    reg.observe(beat("p0", interval_s=1.0), now=0.0)
+    assert reg.expire(now=4.5, grace_s=2.0) == []
+    assert [r.service_id for r in reg.expire(now=5.5, grace_s=2.0)] == ["p0"]
+
+
+def test_the_lag_is_the_worst_of_the_last_few_wakeups() -> None:
+    lag = LoopLag(kept=3)
+    assert lag.seconds == 0.0
+    for late in (0.01, 1.5, -0.2, 0.02):  # (early counts as on time)
+        lag.observe(late)
+    assert lag.seconds == 1.5
+    for _ in range(3):
+        lag.observe(0.001)
+    assert lag.seconds == 0.001
 
 
 def test_each_worker_expires_by_its_own_interval() -> None:
