@@ -364,7 +364,7 @@ def test_a_router_running_far_behind_refuses_new_requests_until_it_catches_up(
     wait_until(lambda: post(url + "/v1/completions", body)[0] == 200, 60, what="router-lag up")
     proc = stack.procs["router-lag"]
     proc.signal(signal.SIGSTOP)
-    time.sleep(3.0)
+    time.sleep(2.5)  # past its workers' two beats
     proc.signal(signal.SIGCONT)
     time.sleep(0.1)  # its timers run late now, and say so
     code, headers, resp = post(url + "/v1/completions", body)
