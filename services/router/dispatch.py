@@ -107,8 +107,6 @@ def merged(run: list[TokenEvent]) -> TokenEvent:
         stop_string=last.stop_string,
         cached_tokens=cached[-1].cached_tokens if cached else None,
         cached_by_tier=tiers[-1] if tiers else None,
-        error="",
-        error_code="",
         prefill_s=total("prefill_s"),
         decode_s=total("decode_s"),
         kv_bytes=total("kv_bytes"),
@@ -240,7 +238,7 @@ class Dispatcher:
         # A burst of requests takes turns to start: the replies of those already asking
         # (cachemeta's, the workers' acks) are not left waiting behind a thousand others.
         self._starting = asyncio.Semaphore(limits.max_starting)
-        self._watchdog: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None  # (held: the loop keeps only weak refs)
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.replies(self.router_id), TokenEvents, self._on_events)
