@@ -60,6 +60,7 @@ class Active:
     # prefilled it; the answer's here, each as it fills), and their hashes so far.
     stored_blocks: int = 0
     hashes: list[str] = field(default_factory=list)
+    writing: asyncio.Future | None = None  # its received KV being written (off the engine)
 
     @classmethod
     def of(cls, task: GenerateTask, block_size: int, worker_id: str) -> Active:
@@ -154,6 +155,8 @@ class DecodeService(WorkerService):
         active = self.active.pop(rid, None)
         if active is not None:
             self.close_span(rid, error="dropped (cancelled, or the handoff did not complete)")
+            if active.writing is not None:  # its blocks are freed once nothing writes them
+                await asyncio.wait([active.writing])
             # Behind the request's own calls still queued (a reservation): same priority.
             await self.runner.call(self.engine.abort, rid, priority=active.task.priority)
             log.info("dropped %s", rid)
@@ -433,12 +436,14 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                 yield kv_pb2.HandoffStatus(ok=False, code=code, error=str(err))
                 return
             try:
+                # Written on a thread of its own while the batch steps on (its blocks are this
+                # request's alone): between two steps only the join waits, not the copy.
+                active.writing = asyncio.ensure_future(
+                    asyncio.to_thread(svc.engine.write_kv, rid, bytes(data))
+                )
+                await active.writing
                 await svc.runner.call(
-                    svc.engine.receive,
-                    rid,
-                    bytes(data),
-                    done.first_token,
-                    priority=task.priority,
+                    svc.engine.join, rid, done.first_token, priority=task.priority
                 )
             except KVFormatError as err:
                 yield kv_pb2.HandoffStatus(ok=False, code="internal", error=str(err))

@@ -258,10 +258,22 @@ class Engine(ABC):
         Raises PoolExhausted (or ValueError for a prompt too long) when it cannot."""
 
     @abstractmethod
+    def write_kv(self, seq_id: str, source: bytes | BinaryIO) -> None:
+        """Write a reserved sequence's prompt KV (from ``export_kv(partial=True)``) into its
+        blocks. Raises KVFormatError for KV of another model or layout, or damaged. The one
+        call that may run on another thread beside the engine's (steps go on meanwhile): it
+        touches nothing but the reserved sequence's own blocks, which nothing else reads or
+        frees until it returns."""
+
+    @abstractmethod
+    def join(self, seq_id: str, first_token: int) -> None:
+        """A sequence whose KV was written joins the decode batch with its first token
+        (sampled by the prefill side)."""
+
     def receive(self, seq_id: str, source: bytes | BinaryIO, first_token: int) -> None:
-        """Write a reserved sequence's prompt KV (from ``export_kv(partial=True)``) and its first
-        token (sampled by the prefill side), and join it to the decode batch. Raises
-        KVFormatError for KV of another model or layout, or damaged."""
+        """``write_kv`` then ``join``, on the engine's thread."""
+        self.write_kv(seq_id, source)
+        self.join(seq_id, first_token)
 
     @abstractmethod
     def step(self) -> list[StepOutput]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from shared.engine.interface import Cancelled
@@ -46,6 +48,38 @@ def test_handed_off_seeded_sampling_continues_the_same_stream(tiny_models) -> No
     ids = prompt(30, seed=3)
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
     assert hand_off(model, model, ids, params) == run_alone(model, ids, params)
+
+
+def test_kv_written_on_another_thread_while_the_batch_steps_changes_no_answer(
+    tiny_models,
+) -> None:
+    """What decode does: a handed-off prompt's KV is written on a thread of its own while
+    the engine's thread goes on stepping the batch; then it joins. Every answer, the one
+    written and those stepping meanwhile, is token for token what it is alone."""
+    model = tiny_models["tiny"]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    a, b = make_engine(model), make_engine(model)
+    ids = prompt(45)
+    first = a.prefill("new", ids, params, handoff=True)
+    blob = a.export_kv("new", partial=True)
+    others = {f"s{i}": prompt(20 + i, seed=i) for i in range(3)}
+    outs = {sid: [b.prefill(sid, p, params).token_id] for sid, p in others.items()}
+    b.reserve("new", ids, params)
+    writer = threading.Thread(target=b.write_kv, args=("new", blob))
+    writer.start()
+    while writer.is_alive():
+        for o in b.step():
+            outs[o.seq_id].append(o.token_id)
+    writer.join()
+    b.join("new", first.token_id)
+    outs["new"] = [first.token_id]
+    while b.running:
+        for o in b.step():
+            outs[o.seq_id].append(o.token_id)
+    b.check_integrity()
+    assert outs["new"] == run_alone(model, ids, params)
+    for sid, p in others.items():
+        assert outs[sid] == run_alone(model, p, params)
 
 
 def test_kv_for_another_prompt_length_is_refused(tiny_models) -> None:

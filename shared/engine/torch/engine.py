@@ -304,7 +304,7 @@ class TorchEngine(Engine):
         seq.block_table = self.pool.allocate(self._blocks_needed(len(token_ids), params, None))
         self.seqs[seq_id] = seq
 
-    def receive(self, seq_id: str, source: bytes | BinaryIO, first_token: int) -> None:
+    def write_kv(self, seq_id: str, source: bytes | BinaryIO) -> None:
         seq = self.seqs[seq_id]
         assert seq.n_cached == 0 and not seq.output_ids, f"sequence {seq_id} already has KV"
         f = kvformat.as_reader(source)
@@ -314,7 +314,10 @@ class TorchEngine(Engine):
                 f"KV covers {header.n_tokens} tokens; the prompt has {len(seq.prompt_ids)}"
             )
         self.kv.write_cells(f, header, data_start, seq.block_table)
-        seq.n_cached = header.n_tokens
+
+    def join(self, seq_id: str, first_token: int) -> None:
+        seq = self.seqs[seq_id]
+        seq.n_cached = len(seq.prompt_ids)
         seq.output_ids.append(first_token)
         if seq.matcher is not None and first_token not in self.config.eos_ids:
             seq.matcher.take([first_token])  # prefill's matcher took it; this one follows
