@@ -181,8 +181,9 @@ class Frontend:
 
     @contextlib.contextmanager
     def admitted(self, caller: Caller = ANONYMOUS) -> Iterator[None]:
-        """Count a request in progress; 429 when there are already max_inflight, or when
-        the caller's key is over one of its limits."""
+        """Count a request in progress; 429 when there are already max_inflight, when the
+        router's loop runs more than max_loop_lag_s behind, or when the caller's key is over
+        one of its limits."""
         if self.inflight >= self.settings.max_inflight:
             raise ApiError(
                 429,
