@@ -35,8 +35,8 @@ from pathlib import Path
 from bench.e2e import Stack, say
 from services.router import anthropic_api, openai_api, responses_api
 from services.router.cachemiss import CacheMisses, Prompt, Seen
+from services.router.dispatch.plan import PrefixHashes
 from services.router.render import Renderer
-from services.router.tokens import PrefixHashes
 from shared.model.text import TextModel, load_text_model
 
 REPO = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from services.router.policies import POLICIES
+from services.router.routing.policies import POLICIES
 from simulator.replay import (
     UTIL_BASES,
     SimConfig,

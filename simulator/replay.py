@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.cachemeta.index import BlockIndex
-from services.router.policies import POLICIES, RouteRequest
-from services.router.scoring import CostDefaults
+from services.router.routing.policies import POLICIES
+from services.router.routing.route import RouteRequest
+from services.router.routing.ttft import CostDefaults
 from shared.messages.kvevents import STORE, KvEvent, memory_location
 from simulator.traces import TraceRequest
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kvmesh.trace import read_spans, request_trace
-from services.router.policies import POLICIES
+from services.router.routing.policies import POLICIES
 from shared.proto import api_pb2, api_pb2_grpc
 from tests.images import ask, data_url, image, png
 from tests.procs import get_json, wait_until

@@ -19,12 +19,11 @@ from typing import Protocol
 
 from aiohttp import web
 
-from services.router.breaker import Breakers
+from services.router.dispatch.workers import Breakers, WorkerRegistry
 from services.router.frontend import Frontend
 from services.router.http_api import api_error, query_int
 from services.router.openai_api import ApiError
 from services.router.recorder import RecentRequests
-from services.router.registry import WorkerRegistry
 from services.router.settings import RouterSettings
 from services.router.stats import RollingStats
 from shared.bus import Bus, subjects

@@ -24,22 +24,18 @@ from services.router.auth import ANONYMOUS, Caller, KeyLimiter, KeyRing
 from services.router.cachemiss import CacheMisses, Prompt, Seen
 from services.router.conversation import Conversation, ToolError
 from services.router.detokenizer import token_pieces
-from services.router.dispatch import Dispatcher, Job
+from services.router.dispatch.dispatcher import Dispatcher
+from services.router.dispatch.encodes import Encodes, ImageInput, check_encoders
+from services.router.dispatch.job import Job
+from services.router.dispatch.workers import LoopLag
 from services.router.generation import Delta, Prepared, Timing, stream_text
-from services.router.images import (
-    Encodes,
-    ImageInput,
-    ImageLimits,
-    check_encoders,
-    read_image,
-)
+from services.router.images import ImageLimits, read_image
 from services.router.openai_api import (
     ApiError,
     Shape,
     Usage,
 )
 from services.router.recorder import RequestRecorder
-from services.router.registry import LoopLag
 from services.router.render import Renderer
 from services.router.settings import RouterSettings
 from services.router.stats import RollingStats

@@ -13,8 +13,9 @@ from tokenizers import Tokenizer
 from services.router.cachemiss import Seen
 from services.router.conversation import Conversation
 from services.router.detokenizer import Detokenizer
-from services.router.dispatch import Dispatcher, Job
-from services.router.images import Encodes
+from services.router.dispatch.dispatcher import Dispatcher
+from services.router.dispatch.encodes import Encodes
+from services.router.dispatch.job import Job
 from services.router.openai_api import ApiError, Shape, Usage
 from services.router.toolcalls import CallEvent
 from shared.messages.generate import Logprobs

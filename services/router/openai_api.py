@@ -14,23 +14,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from services.router import conversation as conv
+from services.router.errors import ApiError
 from shared.engine.sampling import MAX_TOP_LOGPROBS
-
-
-class ApiError(Exception):
-    """A request the API refuses: HTTP status, message, the offending field, an error code."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        retry_after_s: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s = retry_after_s
 
 
 class _Body(BaseModel):

@@ -14,7 +14,8 @@ import uuid
 from dataclasses import dataclass
 
 from services.router.conversation import Conversation, Image, Text, Tool, ToolCall, ToolResult
-from services.router.images import ImageInput, join_prompt
+from services.router.dispatch.encodes import ImageInput
+from services.router.images import join_prompt
 from services.router.openai_api import ApiError
 from services.router.tokens import PromptTokenizer, Segments
 from shared.messages.generate import ImageRef

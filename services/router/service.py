@@ -13,9 +13,9 @@ from aiohttp import web
 
 from services.router.batch_api import BatchApi
 from services.router.batches import BatchRunner, BatchStore
-from services.router.breaker import Breakers
 from services.router.dashboard import GONE_KEPT_S, Dashboard
-from services.router.dispatch import Dispatcher, DispatchLimits
+from services.router.dispatch.dispatcher import Dispatcher
+from services.router.dispatch.workers import Breakers, LoopLag, WorkerRegistry
 from services.router.files import Files
 from services.router.frontend import Frontend
 from services.router.grpc_api import GrpcApi
@@ -23,10 +23,9 @@ from services.router.http_api import HttpApi, api_error
 from services.router.images import ImageLimits
 from services.router.openai_api import ApiError
 from services.router.openapi import document
-from services.router.policies import POLICIES
 from services.router.recorder import RecentRequests
-from services.router.registry import LoopLag, WorkerRegistry
-from services.router.scoring import CostDefaults
+from services.router.routing.policies import POLICIES
+from services.router.routing.ttft import CostDefaults
 from services.router.settings import RouterSettings
 from services.router.stats import DAY_S, RollingStats, StatsMinute
 from shared import __version__
@@ -81,22 +80,13 @@ class RouterService(Service):
         )
         sweeper = asyncio.create_task(self.sweep())
         stack.callback(sweeper.cancel)
-        limits = DispatchLimits(
-            ack_timeout_s=s.ack_timeout_s,
-            local_prefill_max_tokens=s.local_prefill_max_tokens,
-            lookup_timeout_s=s.lookup_timeout_s,
-            migration_limit=s.migration_limit,
-            first_token_timeout_s=s.first_token_timeout_s,
-            token_timeout_s=s.token_timeout_s,
-            max_starting=s.max_starting,
-        )
         policy = POLICIES[s.routing_policy](
             CostDefaults(prefill_tok_s=s.prefill_tok_s, load_tok_s=s.load_tok_s)
         )
         secrets_dir = self.common.resolved_secrets_dir
         handoff = load_or_create(secrets_dir, HANDOFF_SECRET)
         dispatcher = Dispatcher(
-            bus, self.service_id, self.registry, policy, limits, handoff, self.breakers
+            bus, self.service_id, self.registry, self.breakers, policy, s, handoff
         )
         await dispatcher.start()
         image_limits = ImageLimits(

@@ -1,43 +1,53 @@
-"""The router's own settings (environment prefix KVMESH_ROUTER_, file table [router])."""
+"""The router's settings (environment prefix KVMESH_ROUTER_, file table [router]), in sections.
+
+Each section is the settings of one part of the router, a frozen model that part takes as it
+is (as vLLM's scheduler takes ``vllm_config.scheduler_config``): the dispatcher a
+``DispatchSettings``, the image reader an ``ImageSettings``, ... ``RouterSettings`` is every
+section at once, so the names stay flat in the environment and the settings file
+(``KVMESH_ROUTER_ACK_TIMEOUT_S``, ``ack_timeout_s`` under ``[router]``), the router's
+settings are handed to each part whole, and a test builds just the section a part needs
+(``DispatchSettings(token_timeout_s=0.2)``). Every default is written once, here.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.router.policies import POLICIES
+from services.router.routing.policies import POLICIES
 from shared.security.keys import KeysFile, KeysFileError
 from shared.service import ServiceSettings
 
 
-class RouterSettings(ServiceSettings):
-    model_config = SettingsConfigDict(env_prefix="KVMESH_ROUTER_")
-    file_table: ClassVar[str] = "router"
+class Section(BaseModel):
+    """A part of the router's settings: frozen, and strict about unknown names."""
 
-    http_port: int = Field(default=8000, ge=0, le=65535, description="the public API port")
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ApiSettings(Section):
+    """The transports (services/router/api/)."""
+
     grpc_port: int = Field(default=50051, ge=0, le=65535, description="the public gRPC API port")
-    missed_heartbeats: int = Field(
-        default=3, ge=1, le=100, description="a service that misses this many beats is dropped"
+    stream_ping_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="a streamed answer with no token for this long (a long prefill) opens its "
+        "stream and sends a keep-alive (Anthropic's ping event, an SSE comment in OpenAI's "
+        "formats), and again every interval; errors after that arrive in the stream",
     )
-    max_body_bytes: int = Field(
-        default=16 << 20,
-        ge=1024,
-        description="a request body at most (more: 413); images come in the body, base64",
-    )
+
+
+class TenancySettings(Section):
+    """Who may send what (services/router/tenancy/): keys, and the router's admission."""
+
     keys_file: Path | None = Field(
         default=None,
         description="the API keys file (JSON, or TOML by its name; `kvmesh keys` writes it): "
         "when set, every request needs a key and its tenant is the key's; unset: auth is off",
-    )
-    routing_policy: str = Field(default="ttft", description="how prefill workers are picked")
-    prefill_tok_s: float = Field(
-        default=400.0, gt=0, description="a prefill worker's compute rate until it reports one"
-    )
-    load_tok_s: float = Field(
-        default=20_000.0, gt=0, description="storage-tier load rate until workers report one"
     )
     max_inflight: int = Field(
         default=256, ge=1, description="requests in progress at most; more get 429"
@@ -48,14 +58,65 @@ class RouterSettings(ServiceSettings):
         description="new requests get 429 while the router's event loop runs this far behind "
         "(it streams more tokens than it can write: the answers in flight go first)",
     )
+
+    @field_validator("keys_file")
+    @classmethod
+    def _readable_keys(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            if not path.is_file():
+                raise ValueError(f"no such file: {path} (make one with `kvmesh keys add`)")
+            try:
+                KeysFile.read(path)
+            except KeysFileError as err:
+                raise ValueError(str(err)) from None
+        return path
+
+
+class RequestSettings(Section):
+    """A request's preparation (services/router/request/): rendering, limits, deadline."""
+
     default_max_tokens: int = Field(
         default=512, ge=1, description="answer length when a request gives none"
     )
-    local_prefill_max_tokens: int = Field(
-        default=64,
+    token_cache_tokens: int = Field(
+        default=4_000_000,
         ge=0,
-        description="uncached prompt tokens at most this: decode prefills it, no KV moves",
+        description="tokens of prompt segments (messages) kept tokenized for the next turn",
     )
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="a request still unanswered after this fails (504)"
+    )
+
+
+class ImageSettings(Section):
+    """Images in requests: reading and checking them, and their encodes."""
+
+    image_max_bytes: int = Field(
+        default=5 << 20, ge=1, description="bytes per image at most (also NATS's max_payload)"
+    )
+    images_per_request: int = Field(default=8, ge=0, le=256, description="images at most")
+    allow_remote_images: bool = Field(
+        default=False, description="fetch http(s) image URLs (off: data: URLs only, no egress)"
+    )
+    remote_images_private: bool = Field(
+        default=False,
+        description="let remote image URLs reach private, loopback and link-local addresses "
+        "(off: public addresses only, checked on every connection and redirect)",
+    )
+    remote_image_timeout_s: float = Field(default=10.0, gt=0, description="to fetch one image")
+    encode_timeout_s: float = Field(
+        default=30.0, gt=0, description="an image not encoded within this fails its request (503)"
+    )
+    encode_ahead: bool = Field(
+        default=True,
+        description="send images to the encoder as soon as a request is checked (off: only "
+        "after tokenizing, and route once they are encoded; for comparison)",
+    )
+
+
+class DispatchSettings(Section):
+    """Talking to workers (services/router/dispatch/): asks, progress bounds, moves."""
+
     ack_timeout_s: float = Field(
         default=2.0, gt=0, description="a worker must queue or refuse a task within this"
     )
@@ -64,11 +125,6 @@ class RouterSettings(ServiceSettings):
         ge=1,
         description="requests looking up their cache or sending their task at once; a burst "
         "beyond it takes turns (replies to those already asking are not starved)",
-    )
-    token_cache_tokens: int = Field(
-        default=4_000_000,
-        ge=0,
-        description="tokens of prompt segments (messages) kept tokenized for the next turn",
     )
     lookup_timeout_s: float = Field(
         default=0.25, gt=0, description="cachemeta must answer a lookup within this"
@@ -92,6 +148,44 @@ class RouterSettings(ServiceSettings):
         description="no next token within this: the decode worker is given up on and the "
         "request resumes elsewhere",
     )
+    liveness_check_s: float = Field(
+        default=0.25,
+        gt=0,
+        description="how often every answer being waited for is checked: its deadline, its "
+        "workers still in the registry, the progress bounds",
+    )
+
+
+class RoutingSettings(Section):
+    """Which workers a request goes to (services/router/routing/)."""
+
+    routing_policy: str = Field(default="ttft", description="how prefill workers are picked")
+    prefill_tok_s: float = Field(
+        default=400.0, gt=0, description="a prefill worker's compute rate until it reports one"
+    )
+    load_tok_s: float = Field(
+        default=20_000.0, gt=0, description="storage-tier load rate until workers report one"
+    )
+    local_prefill_max_tokens: int = Field(
+        default=64,
+        ge=0,
+        description="uncached prompt tokens at most this: decode prefills it, no KV moves",
+    )
+
+    @field_validator("routing_policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"one of {', '.join(POLICIES)}")
+        return name
+
+
+class WorkerSettings(Section):
+    """The workers as the router sees them: heartbeats and circuit breakers."""
+
+    missed_heartbeats: int = Field(
+        default=3, ge=1, le=100, description="a service that misses this many beats is dropped"
+    )
     breaker_faults: int = Field(
         default=3,
         ge=1,
@@ -101,6 +195,11 @@ class RouterSettings(ServiceSettings):
     breaker_cooldown_s: float = Field(
         default=10.0, gt=0, description="how long an open breaker skips its worker"
     )
+
+
+class ObserveSettings(Section):
+    """What the router records (services/router/observe/)."""
+
     stats_share_s: float = Field(
         default=5.0, gt=0, description="how often this router shares its statistics' minutes"
     )
@@ -111,37 +210,11 @@ class RouterSettings(ServiceSettings):
         "(their parts' digests and texts, their blocks' hashes), the least recent dropped "
         "first; 0 turns explanations off",
     )
-    stream_ping_s: float = Field(
-        default=5.0,
-        gt=0,
-        description="a streamed answer with no token for this long (a long prefill) opens its "
-        "stream and sends a keep-alive (Anthropic's ping event, an SSE comment in OpenAI's "
-        "formats), and again every interval; errors after that arrive in the stream",
-    )
-    request_timeout_s: float = Field(
-        default=600.0, gt=0, description="a request still unanswered after this fails (504)"
-    )
-    image_max_bytes: int = Field(
-        default=5 << 20, ge=1, description="bytes per image at most (also NATS's max_payload)"
-    )
-    images_per_request: int = Field(default=8, ge=0, le=256, description="images at most")
-    allow_remote_images: bool = Field(
-        default=False, description="fetch http(s) image URLs (off: data: URLs only, no egress)"
-    )
-    remote_images_private: bool = Field(
-        default=False,
-        description="let remote image URLs reach private, loopback and link-local addresses "
-        "(off: public addresses only, checked on every connection and redirect)",
-    )
-    remote_image_timeout_s: float = Field(default=10.0, gt=0, description="to fetch one image")
-    encode_timeout_s: float = Field(
-        default=30.0, gt=0, description="an image not encoded within this fails its request (503)"
-    )
-    encode_ahead: bool = Field(
-        default=True,
-        description="send images to the encoder as soon as a request is checked (off: only "
-        "after tokenizing, and route once they are encoded; for comparison)",
-    )
+
+
+class BatchSettings(Section):
+    """Files and batches (services/router/batch/)."""
+
     files_max_bytes: int = Field(
         default=200 << 20, ge=1, description="an uploaded file (/v1/files) at most"
     )
@@ -161,21 +234,25 @@ class RouterSettings(ServiceSettings):
         "renewing (it died), another router carries the batch on after it",
     )
 
-    @field_validator("keys_file")
-    @classmethod
-    def _readable_keys(cls, path: Path | None) -> Path | None:
-        if path is not None:
-            if not path.is_file():
-                raise ValueError(f"no such file: {path} (make one with `kvmesh keys add`)")
-            try:
-                KeysFile.read(path)
-            except KeysFileError as err:
-                raise ValueError(str(err)) from None
-        return path
 
-    @field_validator("routing_policy")
-    @classmethod
-    def _known_policy(cls, name: str) -> str:
-        if name not in POLICIES:
-            raise ValueError(f"one of {', '.join(POLICIES)}")
-        return name
+class RouterSettings(
+    ServiceSettings,
+    ApiSettings,
+    TenancySettings,
+    RequestSettings,
+    ImageSettings,
+    DispatchSettings,
+    RoutingSettings,
+    WorkerSettings,
+    ObserveSettings,
+    BatchSettings,
+):
+    model_config = SettingsConfigDict(env_prefix="KVMESH_ROUTER_")
+    file_table: ClassVar[str] = "router"
+
+    http_port: int = Field(default=8000, ge=0, le=65535, description="the public API port")
+    max_body_bytes: int = Field(
+        default=16 << 20,
+        ge=1024,
+        description="a request body at most (more: 413); images come in the body, base64",
+    )

@@ -16,10 +16,8 @@ from collections import OrderedDict
 
 from tokenizers import Tokenizer
 
-from shared.kvstore.hashing import pack_tokens, packed_block_hashes
-
-# (text, its ids packed by pack_tokens) in prompt order
-Segments = tuple[tuple[str, bytes], ...]
+from services.router.dispatch.job import Segments
+from shared.kvstore.hashing import pack_tokens
 
 
 class PromptTokenizer:
@@ -82,44 +80,3 @@ class PromptTokenizer:
                     _, (gone, _) = self._cache.popitem(last=False)
                     self._cached_tokens -= len(gone)
         return entry
-
-
-KEY_SEGMENTS = 6
-
-
-class PrefixHashes:
-    """Block hashes of recent prompts, remembered with their segments: a prompt that starts
-    with the same segments as an earlier one (the next turn of a conversation) has the same
-    tokens there, so the hashes of the full blocks inside them are reused and only the new
-    blocks are hashed."""
-
-    def __init__(self, max_prompts: int = 4096) -> None:
-        self.max_prompts = max_prompts
-        self._recent: OrderedDict[tuple, tuple[Segments, list[str]]] = OrderedDict()
-        self.reused_blocks = 0  # hashes taken from an earlier prompt
-        self.hashed_blocks = 0  # hashes computed
-
-    def hashes(self, segments: Segments, block_size: int, fingerprint: str, salt: str) -> list[str]:
-        """The block hashes of the prompt made of ``segments``."""
-        # A conversation is known by its opening: through its first user message in a chat
-        # (system prompt, then the user's first words), the whole text otherwise.
-        key = (fingerprint, block_size, salt, segments[:KEY_SEGMENTS])
-        known: list[str] = []
-        entry = self._recent.get(key)
-        if entry is not None:
-            old_segments, old_hashes = entry
-            shared = 0
-            for new, old in zip(segments, old_segments, strict=False):
-                if new != old:  # text compared by content
-                    break
-                shared += len(new[1])
-            known = old_hashes[: min(len(old_hashes), shared // (4 * block_size))]
-        packed = b"".join(p for _, p in segments)
-        hashes = packed_block_hashes(packed, block_size, fingerprint, salt, known=known)
-        self.reused_blocks += len(known)
-        self.hashed_blocks += len(hashes) - len(known)
-        self._recent[key] = (segments, hashes)
-        self._recent.move_to_end(key)
-        while len(self._recent) > self.max_prompts:
-            self._recent.popitem(last=False)
-        return hashes

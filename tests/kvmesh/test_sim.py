@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.router.policies import POLICIES
+from services.router.routing.policies import POLICIES
 from tests.procs import REPO
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.router.generation import EXPLAINED, Timing
-from services.router.policies import Ranked
+from services.router.routing.route import Ranked
 
 
 def route(n: int) -> dict:

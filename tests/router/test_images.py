@@ -8,15 +8,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from services.router import remote
+from services.router.dispatch.encodes import ImageInput
+from services.router.dispatch.plan import PrefixHashes
 from services.router.images import (
     PLACEHOLDER_ID,
-    ImageInput,
     ImageLimits,
     join_prompt,
     read_image,
 )
 from services.router.openai_api import ApiError
-from services.router.tokens import PrefixHashes, PromptTokenizer
+from services.router.tokens import PromptTokenizer
 from shared.kvstore.hashing import block_hashes
 from shared.model.text import TextModel
 from shared.vision.grid import VisionGrid

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from services.router import sse
-from services.router.dispatch import Job
+from services.router.dispatch.job import Job
 from services.router.generation import Delta, Prepared
 from services.router.openai_api import Shape, Usage
 from services.router.openai_writer import OpenAIWriter

@@ -57,7 +57,7 @@ def test_the_cache_stays_within_its_token_budget(model) -> None:
 
 
 def test_a_next_turn_reuses_the_hashes_of_its_shared_blocks(model) -> None:
-    from services.router.tokens import PrefixHashes
+    from services.router.dispatch.plan import PrefixHashes
     from shared.kvstore.hashing import block_hashes
 
     fast, cache = PromptTokenizer(model.tokenizer), PrefixHashes()

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from bench.agent_trace import agent_trace
-from services.router.policies import POLICIES
+from services.router.routing.policies import POLICIES
 from simulator.replay import (
     SimConfig,
     busy_window,

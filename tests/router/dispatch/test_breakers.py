@@ -3,7 +3,7 @@ opens it for one trial, whose success closes it and whose fault opens it again."
 
 from __future__ import annotations
 
-from services.router.breaker import OPEN, Breakers
+from services.router.dispatch.workers import OPEN, Breakers
 
 
 class Clock:

@@ -1,5 +1,5 @@
-"""Estimated time to first token per prefill worker, and the decode pick. Pure and synchronous:
-the live router and `kvmesh sim` call the same code.
+"""The TTFT model: estimated time to first token per prefill worker. Pure and synchronous: the
+live router and `kvmesh sim` call the same code.
 
 For a prefill candidate:
 
@@ -259,35 +259,3 @@ def rank_prefill(
         scores,
         key=lambda s: (round(s.cost_s, 9), workers[s.service_id].blocks_routed, s.service_id),
     )
-
-
-@dataclass(frozen=True)
-class DecodeScore:
-    service_id: str
-    headroom_blocks: int  # free KV blocks now
-    active: int  # sequences decoding
-
-    @property
-    def fits(self) -> bool:
-        return self.headroom_blocks > 0
-
-
-def rank_decode(scores: list[DecodeScore], needed_blocks: int) -> list[DecodeScore]:
-    """Workers with any KV room: those with room for the whole answer first; within each
-    group the fewest active sequences, then the most headroom."""
-    room = [s for s in scores if s.headroom_blocks > 0]
-    return sorted(
-        room,
-        key=lambda s: (
-            s.headroom_blocks < needed_blocks,
-            s.active,
-            -s.headroom_blocks,
-            s.service_id,
-        ),
-    )
-
-
-def choose_decode(scores: list[DecodeScore], needed_blocks: int) -> DecodeScore | None:
-    """The best worker with room for the whole answer; None when none has room."""
-    ranked = rank_decode(scores, needed_blocks)
-    return ranked[0] if ranked and ranked[0].headroom_blocks >= needed_blocks else None

@@ -1,5 +1,5 @@
 """The TTFT score: each term, the wait as it drains, look-ahead, the overload guard, rates
-learned, the decode pick."""
+learned."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import itertools
 
 import pytest
 
-from services.router.policies import POLICIES, RouteRequest
-from services.router.scoring import (
+from services.router.routing.policies import POLICIES
+from services.router.routing.route import RouteRequest
+from services.router.routing.ttft import (
     CostDefaults,
-    DecodeScore,
     PrefillScore,
     PrefillWorkerState,
-    choose_decode,
     rank_prefill,
     score_prefill,
 )
@@ -159,13 +158,6 @@ def test_rates_are_learned_from_what_workers_report() -> None:
     assert w.prefill_tok_s.value == pytest.approx(2000, rel=0.01)
     assert w.load_tok_s.value == pytest.approx(64_000, rel=0.01)
     assert w.queued_s == 0 and w.inflight == 0 and not w.pending
-
-
-def test_decode_pick_needs_room_then_prefers_fewer_active() -> None:
-    scores = [DecodeScore("d0", 100, 5), DecodeScore("d1", 100, 2), DecodeScore("d2", 3, 0)]
-    assert choose_decode(scores, needed_blocks=10).service_id == "d1"
-    assert choose_decode(scores, needed_blocks=2).service_id == "d2"
-    assert choose_decode(scores, needed_blocks=500) is None
 
 
 def test_work_other_routers_sent_counts_through_heartbeats() -> None:

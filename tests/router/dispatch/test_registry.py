@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.registry import LoopLag, WorkerRegistry
+from services.router.dispatch.workers import LoopLag, WorkerRegistry
 from shared.messages.heartbeat import ROLES, Heartbeat
 
 

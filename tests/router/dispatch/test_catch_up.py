@@ -3,7 +3,7 @@ worker already in the router's queue go out as one, with nothing lost or reorder
 
 from __future__ import annotations
 
-from services.router.dispatch import continues, merged
+from services.router.dispatch.stream import continues, merged
 from shared.messages.generate import TokenEvent
 
 

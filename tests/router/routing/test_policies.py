@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.policies import POLICIES, RouteRequest
+from services.router.routing.policies import POLICIES
+from services.router.routing.route import RouteRequest
 
 
 @pytest.mark.parametrize("name", list(POLICIES))

@@ -1,0 +1,231 @@
+"""Sending a request to workers and getting its tokens back, with moves and cancellation.
+
+``Dispatcher.generate`` is the whole stage on one screen: the cache plan (``plan.py``), then
+per attempt the routing decision and the task sent (``send.py``), the token events streamed
+back (``stream.py``), and on a failure the move to other workers (``job.py``). Leaving early
+(the client went away, a stop string) cancels the request on its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, StatusCode
+
+from services.router.dispatch.job import Attempt, Failed, Job, Moves
+from services.router.dispatch.plan import CachePlanner
+from services.router.dispatch.send import InFlight, Sender
+from services.router.dispatch.stream import Replies
+from services.router.dispatch.workers import Breakers, WorkerRecord, WorkerRegistry
+from services.router.errors import ApiError, unavailable
+from services.router.routing.route import (
+    DecodeScore,
+    Ranked,
+    Route,
+    RouteRequest,
+    RoutingPolicy,
+    route,
+)
+from services.router.settings import DispatchSettings
+from shared.bus import Bus
+from shared.messages.generate import TokenEvent
+from shared.telemetry.tracing import tracer
+
+
+def route_attributes(policy: str, ranked: list[Ranked]) -> dict:
+    """A routing decision as span attributes: the choice, and every candidate's score terms
+    in rank order (JSON)."""
+    terms = [{"worker": r.service_id, **r.terms} for r in ranked]
+    return {
+        "policy": policy,
+        "chosen": ranked[0].service_id if ranked else "",
+        "candidate_count": len(ranked),
+        "candidates": json.dumps(terms, separators=(",", ":")),
+    }
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        bus: Bus,
+        router_id: str,
+        registry: WorkerRegistry,
+        breakers: Breakers,
+        policy: RoutingPolicy,
+        settings: DispatchSettings,
+        handoff_secret: bytes,
+    ) -> None:
+        self.bus = bus
+        self.registry = registry
+        self.breakers = breakers
+        self.policy = policy
+        self.settings = settings
+        self.plans = CachePlanner(bus, settings)
+        self.inflight = InFlight(policy, breakers)
+        self.sender = Sender(bus, router_id, registry, self.inflight, settings, handoff_secret)
+        self.replies = Replies(bus, router_id, registry, breakers, settings)
+        # A burst of requests takes turns to start: the replies of those already asking
+        # (cachemeta's, the workers' acks) are not left waiting behind a thousand others.
+        self._starting = asyncio.Semaphore(settings.max_starting)
+
+    async def start(self) -> None:
+        await self.replies.start()
+
+    async def generate(self, job: Job, decision: dict | None = None) -> AsyncIterator[TokenEvent]:
+        """The request's token events in order, ending with the one that has finish_reason.
+        ``decision`` (when given) is filled with the routing decision and its terms."""
+        async with self._starting:
+            job = await self.plan(job)
+        moves = Moves(job, self.settings.migration_limit)
+        while True:
+            attempt = moves.attempt()
+            with self._traced(attempt, moves) as span, self.inflight.held(attempt):
+                async with self.replies.expecting(attempt) as waiting:
+                    try:
+                        await self._send(attempt, moves, span)
+                        if decision is not None and not moves.sent:
+                            decision.clear()
+                            decision.update(attempt.decision)
+                        async for event in self.replies.events(waiting):
+                            yield self._seen(attempt, moves, event, span)
+                            if attempt.finished:
+                                return
+                    except Failed as failure:
+                        span.set_status(StatusCode.ERROR, str(failure))
+                        for w in failure.service_ids if failure.fault else ():
+                            self.breakers.fault(w, str(failure))
+                        moves.failed(failure)  # (ApiError when no move is left)
+            job = moves.next_job()
+            if moves.needs_plan:
+                moves.job = await self.plan(job)
+
+    async def plan(self, job: Job) -> Job:
+        """The job with its cache plan: block hashes, and where cachemeta says they are."""
+        return await self.plans.planned(job, self.block_size(job.model))
+
+    async def _send(self, attempt: Attempt, moves: Moves, span: Span) -> None:
+        """Route the attempt and queue its task (the span current meanwhile)."""
+        async with self._starting:
+            with trace.use_span(span, end_on_exit=False):
+                try:
+                    chosen, req = self._route(attempt.job, moves.excluded)
+                    await self.sender.send(attempt, chosen, req)
+                except ApiError as err:
+                    raise moves.unservable(err) from None
+        chosen_id = str(attempt.decision.get("chosen", ""))
+        span.set_attributes({"workers": list(attempt.workers), "chosen": chosen_id})
+
+    def _route(self, job: Job, excluded: set[str]) -> tuple[Route, RouteRequest]:
+        """The routing decision over the workers not left out (503 when there is none)."""
+        decodes = [
+            DecodeScore(
+                w.service_id,
+                w.heartbeat.load.kv_blocks_total - w.heartbeat.load.kv_blocks_used,
+                max(self.inflight[w.service_id], w.heartbeat.load.inflight),
+            )
+            for w in self.candidates("decode", job.model, excluded)
+        ]
+        prefills = {
+            w.service_id: w.heartbeat.load.queued_tokens
+            for w in self.candidates("prefill", job.model, excluded)
+        }
+        req = RouteRequest(
+            job.request_id,
+            len(job.prompt_ids),
+            job.block_size,
+            job.block_hashes,
+            job.cached_blocks,
+            time.monotonic(),
+            job.sampling.max_tokens,
+        )
+        with tracer.start_as_current_span("route") as span:
+            chosen = route(
+                self.policy, req, prefills, decodes, self.settings.local_prefill_max_tokens
+            )
+            if not chosen.pairs:
+                self.check_servable(job.model)
+                if not chosen.decision:
+                    raise unavailable("no decode worker has room for this request")
+                raise unavailable("every prefill worker failed this request")
+            if chosen.on_decode:
+                span.set_attributes(chosen.decision)
+            elif span.is_recording():  # the terms are built only for a recorded trace
+                span.set_attributes(
+                    route_attributes(self.policy.name, chosen.decision["candidates"])
+                )
+            span.set_attribute("decode", chosen.pairs[0][1])
+        return chosen, req
+
+    def _seen(self, attempt: Attempt, moves: Moves, event: TokenEvent, span: Span) -> TokenEvent:
+        """An event of the attempt's, as the answer goes on with it."""
+        if not attempt.prefilled and attempt.prefill and event.worker_id == attempt.prefill:
+            self.inflight.prefilled(attempt, event)
+        if moves.offset and event.cached_tokens is not None:
+            span.set_attribute("reused_tokens", event.cached_tokens)
+        if event.finish_reason:
+            attempt.finished = True
+            for w in attempt.workers:
+                self.breakers.success(w)
+        return moves.continued(event)
+
+    @contextlib.contextmanager
+    def _traced(self, attempt: Attempt, moves: Moves) -> Iterator[Span]:
+        """The attempt's span. Not the current span across the yields of ``generate`` (its
+        reader may step it from other tasks): current only while the task is sent."""
+        span = tracer.start_span(
+            "generate",
+            kind=SpanKind.CLIENT,
+            attributes={
+                "attempt": moves.move + 1,
+                "resumed_tokens": moves.offset,
+                "prompt_tokens": len(attempt.job.prompt_ids),
+            },
+        )
+        try:
+            yield span
+        finally:
+            span.end()
+
+    # -- who can serve a model -------------------------------------------------------------
+
+    def check_servable(self, model: str) -> None:
+        """503 unless a ready prefill and a ready decode worker serve the model, and one of
+        each is not skipped by its circuit breaker."""
+        for role in ("prefill", "decode"):
+            if self.candidates(role, model, set()):
+                continue
+            if self.candidates(role, model, set(), breakers=False):
+                why = f"every {role} worker serving {model!r} is failing (breakers open)"
+            else:
+                why = f"no live {role} worker serves {model!r}"
+            raise unavailable(f"{why}; retry later")
+
+    def candidates(
+        self, role: str, model: str, excluded: set[str], breakers: bool = True
+    ) -> list[WorkerRecord]:
+        return [
+            w
+            for w in self.registry.ready(role)
+            if model in w.heartbeat.models
+            and w.service_id not in excluded
+            and (not breakers or self.breakers.allows(w.service_id))
+        ]
+
+    def block_size(self, model: str) -> int:
+        """The KV block size of the workers serving the model (0 when none says)."""
+        for role in ("prefill", "decode"):
+            for w in self.candidates(role, model, set()):
+                if w.heartbeat.load.kv_block_size:
+                    return w.heartbeat.load.kv_block_size
+        return 0
+
+    def prompt_hashes(self, job: Job) -> tuple[int, list[str]]:
+        """The block size of the job's model (0 while no worker of it is known) and the
+        hashes of the prompt's full blocks (from the cache of recent prompts' hashes)."""
+        bs = self.block_size(job.model)
+        return bs, self.plans.hashes(job, bs)

@@ -1,0 +1,114 @@
+"""The cache plan a request is dispatched with: its prompt's block hashes, and how many of its
+leading blocks each location holds (every worker's memory tier, the storage tier), as cachemeta
+says. cachemeta not answering within the lookup timeout costs the plan its counts, not the
+request: it is routed as if nothing were cached.
+
+Hashing reuses earlier work: a prompt that starts with the same segments as an earlier one (the
+next turn of a conversation) has the same tokens there, so the hashes of the full blocks inside
+them are taken from that prompt and only the new blocks are hashed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import replace
+
+from opentelemetry.trace import SpanKind, StatusCode
+
+from services.router.dispatch.job import Job, Segments
+from services.router.settings import DispatchSettings
+from shared.bus import Bus, BusError, subjects
+from shared.kvstore.hashing import block_hashes, packed_block_hashes
+from shared.messages.kvevents import LookupReply, LookupRequest
+from shared.telemetry.tracing import tracer
+
+log = logging.getLogger(__name__)
+
+KEY_SEGMENTS = 6
+
+
+class PrefixHashes:
+    """Block hashes of recent prompts, remembered with their segments: a prompt that starts
+    with the same segments as an earlier one (the next turn of a conversation) has the same
+    tokens there, so the hashes of the full blocks inside them are reused and only the new
+    blocks are hashed."""
+
+    def __init__(self, max_prompts: int = 4096) -> None:
+        self.max_prompts = max_prompts
+        self._recent: OrderedDict[tuple, tuple[Segments, list[str]]] = OrderedDict()
+        self.reused_blocks = 0  # hashes taken from an earlier prompt
+        self.hashed_blocks = 0  # hashes computed
+
+    def hashes(self, segments: Segments, block_size: int, fingerprint: str, salt: str) -> list[str]:
+        """The block hashes of the prompt made of ``segments``."""
+        # A conversation is known by its opening: through its first user message in a chat
+        # (system prompt, then the user's first words), the whole text otherwise.
+        key = (fingerprint, block_size, salt, segments[:KEY_SEGMENTS])
+        known: list[str] = []
+        entry = self._recent.get(key)
+        if entry is not None:
+            old_segments, old_hashes = entry
+            shared = 0
+            for new, old in zip(segments, old_segments, strict=False):
+                if new != old:  # text compared by content
+                    break
+                shared += len(new[1])
+            known = old_hashes[: min(len(old_hashes), shared // (4 * block_size))]
+        packed = b"".join(p for _, p in segments)
+        hashes = packed_block_hashes(packed, block_size, fingerprint, salt, known=known)
+        self.reused_blocks += len(known)
+        self.hashed_blocks += len(hashes) - len(known)
+        self._recent[key] = (segments, hashes)
+        self._recent.move_to_end(key)
+        while len(self._recent) > self.max_prompts:
+            self._recent.popitem(last=False)
+        return hashes
+
+
+class CachePlanner:
+    def __init__(self, bus: Bus, settings: DispatchSettings) -> None:
+        self.bus = bus
+        self.settings = settings
+        self.hash_cache = PrefixHashes()
+
+    async def planned(self, job: Job, block_size: int) -> Job:
+        """The job with its prompt's block hashes and where they are (unchanged while no
+        worker of its model says its block size: ``block_size`` 0)."""
+        hashes = self.hashes(job, block_size)
+        if not block_size:
+            return job
+        counts = await self.lookup(hashes)
+        return replace(job, block_size=block_size, block_hashes=hashes, cached_blocks=counts)
+
+    def hashes(self, job: Job, block_size: int) -> list[str]:
+        """The hashes of the prompt's full blocks of ``block_size`` tokens."""
+        if not block_size:
+            return []
+        if job.segments:
+            return self.hash_cache.hashes(job.segments, block_size, job.fingerprint, job.salt)
+        return block_hashes(
+            job.prompt_ids, block_size, job.fingerprint, job.salt, images=job.images
+        )
+
+    async def lookup(self, hashes: list[str]) -> dict[str, int]:
+        """Per location, the leading blocks it holds (cachemeta); {} when it cannot say."""
+        if not hashes:
+            return {}
+        with tracer.start_as_current_span(
+            "cachemeta.lookup", kind=SpanKind.CLIENT, attributes={"blocks": len(hashes)}
+        ) as span:
+            try:
+                reply = await self.bus.request(
+                    subjects.CACHEMETA_LOOKUP,
+                    LookupRequest.of(hashes),
+                    LookupReply,
+                    self.settings.lookup_timeout_s,
+                )
+            except BusError as err:
+                log.warning("cache lookup failed (routing as if nothing is cached): %s", err)
+                span.set_status(StatusCode.ERROR, str(err))
+                return {}
+            span.set_attribute("held", json.dumps(reply.counts, sort_keys=True))
+        return reply.counts

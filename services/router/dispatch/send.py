@@ -1,0 +1,162 @@
+"""Sending one attempt: the routing decision's pairs asked in turn until a worker queues the
+task, and what this router has in flight at each worker.
+
+The task goes with NATS request/reply; the reply only says "queued" or "busy" (tokens come
+later, on this router's reply subject). A busy worker is skipped for the next pair; when every
+pair is busy: 429. A worker whose NATS node was lost is reconnecting: nobody subscribed is
+asked again within the ack timeout (a dead one is given up on when it ends).
+
+What is in flight is counted from the moment a task is sent (requests routed meanwhile see it)
+and undone when the worker refuses it or the attempt ends, however it ends: ``InFlight.held``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+
+from services.router.dispatch.job import Attempt, Failed
+from services.router.dispatch.workers import Breakers, WorkerRegistry
+from services.router.errors import ApiError, overloaded
+from services.router.routing.route import Route, RouteRequest, RoutingPolicy
+from services.router.settings import DispatchSettings
+from shared.bus import Bus, BusError, NoResponders, subjects
+from shared.messages.generate import GenerateTask, TaskAck, TokenEvent
+from shared.security.handoff import handoff_token
+
+NO_RESPONDERS_RETRY_S = 0.1  # between asks of a worker not subscribed at the moment
+
+
+class InFlight:
+    """What this router has sent to each worker and not yet seen finish: fresher than the
+    worker's last heartbeat (which is up to an interval old). The routing policy is told as
+    well: a prefill worker's queue holds the request until it is prefilled (or fails)."""
+
+    def __init__(self, policy: RoutingPolicy, breakers: Breakers) -> None:
+        self.policy = policy
+        self.breakers = breakers
+        self.requests: dict[str, int] = {}
+
+    def __getitem__(self, service_id: str) -> int:
+        return self.requests.get(service_id, 0)
+
+    def take(self, attempt: Attempt, worker: str, decode: str, route: RouteRequest) -> None:
+        """The attempt's task is on its way to ``worker`` (a prefill worker, or ``decode``
+        itself when it prefills)."""
+        attempt.workers = tuple(dict.fromkeys((worker, decode)))
+        attempt.decode, attempt.route = decode, route
+        for w in attempt.workers:
+            self.requests[w] = self.requests.get(w, 0) + 1
+            self.breakers.trying(w)
+        if worker != decode:
+            attempt.prefill = worker
+            self.policy.dispatched(worker, route)
+
+    def put_back(self, attempt: Attempt) -> None:
+        """The attempt's workers no longer hold it (refused, failed, or it ended)."""
+        for w in attempt.workers:
+            left = self.requests.get(w, 0) - 1
+            if left > 0:
+                self.requests[w] = left
+            else:
+                self.requests.pop(w, None)
+        if attempt.prefill and not attempt.prefilled:
+            self.prefilled(attempt, None)
+        attempt.workers, attempt.prefill, attempt.prefilled = (), "", False
+
+    def prefilled(self, attempt: Attempt, first: TokenEvent | None) -> None:
+        """The prefill worker is done with the request: the policy learns what it took (from
+        its first event; nothing when it failed first)."""
+        attempt.prefilled = True
+        assert attempt.route is not None
+        now = time.monotonic()
+        if first is None or first.cached_tokens is None:
+            self.policy.prefilled(attempt.prefill, attempt.route, now)
+            return
+        uncached = len(attempt.job.prompt_ids) - first.cached_tokens
+        loaded = (first.cached_by_tier or {}).get("storage", 0)
+        prefill_s = first.prefill_s or 0.0
+        self.policy.prefilled(attempt.prefill, attempt.route, now, uncached, loaded, prefill_s)
+
+    @contextlib.contextmanager
+    def held(self, attempt: Attempt) -> Iterator[Attempt]:
+        """Whatever the attempt took is given back when it ends, however it ends."""
+        try:
+            yield attempt
+        finally:
+            self.put_back(attempt)
+
+
+class Sender:
+    def __init__(
+        self,
+        bus: Bus,
+        router_id: str,
+        registry: WorkerRegistry,
+        inflight: InFlight,
+        settings: DispatchSettings,
+        handoff_secret: bytes,
+    ) -> None:
+        self.bus = bus
+        self.reply_subject = subjects.replies(router_id)
+        self.registry = registry
+        self.inflight = inflight
+        self.settings = settings
+        self.handoff_secret = handoff_secret
+
+    async def send(self, attempt: Attempt, route: Route, req: RouteRequest) -> None:
+        """Queue the attempt's task on the first pair that takes it; fills ``attempt`` (its
+        workers stay counted in flight until ``InFlight.put_back``)."""
+        role = "decode" if route.on_decode else "prefill"
+        busy = 0
+        for worker, decode in route.pairs:
+            self.inflight.take(attempt, worker, decode, req)
+            try:
+                ack = await self._ask(subjects.tasks(role, worker), self._task(attempt, decode))
+            except BusError as err:
+                self.inflight.put_back(attempt)
+                raise Failed(f"{role} {worker} did not answer: {err}", worker) from None
+            if ack.accepted:
+                attempt.decision = {**route.decision, "chosen": worker, "decode": decode}
+                return
+            self.inflight.put_back(attempt)
+            if ack.reason != "busy":
+                raise ApiError(503, f"{role} worker refused: {ack.reason}", code="unavailable")
+            busy += 1
+        raise overloaded(f"all {busy} workers are busy")
+
+    def _task(self, attempt: Attempt, decode_id: str) -> GenerateTask:
+        job = attempt.job
+        decode = self.registry.get(decode_id)
+        return GenerateTask(
+            request_id=job.request_id,
+            model=job.model,
+            token_ids=job.prompt_ids,
+            sampling=job.sampling,
+            reply_subject=self.reply_subject,
+            decode_id=decode_id,
+            decode_kv_address=decode.heartbeat.addresses.get("kv", "") if decode else "",
+            deadline=job.deadline,
+            block_hashes=job.block_hashes,
+            salt=job.salt,
+            handoff_token=handoff_token(
+                self.handoff_secret, job.request_id, decode_id, job.deadline
+            ),
+            retention=job.retention,
+            images=list(job.images),
+            priority=job.priority,
+        )
+
+    async def _ask(self, subject: str, task: GenerateTask) -> TaskAck:
+        """The worker's ack within the ack timeout (nobody subscribed: asked again)."""
+        deadline = time.monotonic() + self.settings.ack_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await self.bus.request(subject, task, TaskAck, max(0.05, left))
+            except NoResponders:
+                if left <= NO_RESPONDERS_RETRY_S:
+                    raise
+                await asyncio.sleep(NO_RESPONDERS_RETRY_S)

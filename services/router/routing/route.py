@@ -1,0 +1,243 @@
+"""The routing decision: which workers a request goes to, best first. Pure and synchronous:
+the live router and `kvmesh sim` drive the same code.
+
+``route`` is the whole stage on one screen. Decode workers are ranked by KV room and load
+(``rank_decode``). When the prompt's uncached part is short enough (what the best decode worker
+could load itself, from its own memory tier or the storage tier, leaves at most
+``local_max_tokens`` to compute), the decode worker prefills it: no KV moves. Otherwise a
+routing policy (``policies.py``, picked by name) ranks the prefill workers, and each is paired
+with the best decode worker. Dispatch tries the pairs in order (a busy worker is skipped for
+the next) and tells the policy what became of the request (``dispatched``, ``prefilled``).
+
+A policy sees the request (its block hashes and, per location, the leading blocks cachemeta
+says it holds) and the candidate workers; it keeps whatever per-worker state it needs.
+``rank`` returns every candidate best first, each with the terms that placed it there, so a
+decision can always be explained.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from services.router.routing.ttft import (
+    CostDefaults,
+    PrefillScore,
+    PrefillWorkerState,
+    StoreView,
+    score_prefill,
+)
+from shared.messages.kvevents import STORE, memory_location
+
+DEFAULTS = CostDefaults()
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str
+    n_prompt: int
+    block_size: int
+    hashes: list[str] = field(default_factory=list)  # the prompt's full blocks
+    counts: dict[str, int] = field(default_factory=dict)  # location → leading blocks held
+    at: float = 0.0  # when it is routed (the router's monotonic clock, or simulated time)
+    answer_tokens: int = 0  # the most it may generate (the KV a decode worker must hold)
+
+    def memory_blocks(self, service_id: str) -> int:
+        return self.counts.get(memory_location(service_id), 0)
+
+    @property
+    def store_blocks(self) -> int:
+        return self.counts.get(STORE, 0)
+
+
+class Ranked:
+    """A candidate's place, with the terms that put it there: a dict, or a function that
+    makes one (most decisions are never shown, so most terms are never built)."""
+
+    __slots__ = ("service_id", "_terms")
+
+    def __init__(self, service_id: str, terms: dict | Callable[[], dict]) -> None:
+        self.service_id = service_id
+        self._terms = terms
+
+    @property
+    def terms(self) -> dict:
+        if callable(self._terms):
+            self._terms = self._terms()
+        return self._terms
+
+    def __repr__(self) -> str:
+        return f"Ranked({self.service_id!r})"
+
+
+class RoutingPolicy(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
+        self.defaults = defaults
+        self.workers: dict[str, PrefillWorkerState] = {}
+        # Blocks that requests in flight are computing: block → (when it is expected in the
+        # storage tier, the request that will bring it there first).
+        self.computing: dict[str, tuple[float, str]] = {}
+
+    def state(self, service_id: str) -> PrefillWorkerState:
+        w = self.workers.get(service_id)
+        if w is None:
+            w = self.workers[service_id] = PrefillWorkerState.fresh(service_id, self.defaults)
+        return w
+
+    def pool_prior(self, states: list[PrefillWorkerState]) -> None:
+        """Workers not yet measured are assumed as fast as the measured ones (a pessimistic
+        default would keep them from ever being tried)."""
+        for attr in ("prefill_tok_s", "load_tok_s"):
+            rates = [getattr(w, attr) for w in states]
+            seen = [r.value for r in rates if r.observed]
+            if seen and len(seen) < len(rates):
+                mean = sum(seen) / len(seen)
+                for r in rates:
+                    if not r.observed:
+                        r.value = mean
+
+    @abstractmethod
+    def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
+        """All candidates, best first."""
+
+    def store_view(self, req: RouteRequest) -> StoreView:
+        """The prompt's leading blocks in the storage tier now, and when each following one
+        that a request in flight is computing will be there."""
+        ready: list[float] = []
+        if self.computing:
+            t = 0.0
+            for h in req.hashes[req.store_blocks :]:
+                c = self.computing.get(h)
+                if c is None:
+                    break
+                t = max(t, c[0])
+                ready.append(t)
+        return StoreView(req.store_blocks, ready)
+
+    def score(
+        self, req: RouteRequest, service_id: str, view: StoreView | None = None
+    ) -> PrefillScore:
+        """The TTFT model's terms for the request on this worker."""
+        return score_prefill(
+            self.state(service_id),
+            req.n_prompt,
+            req.hashes,
+            req.block_size,
+            req.memory_blocks(service_id),
+            self.store_view(req) if view is None else view,
+            req.at,
+        )
+
+    # -- what happened to a routed request (every policy tracks in-flight work) --------------
+
+    def dispatched(self, service_id: str, req: RouteRequest) -> None:
+        s = self.score(req, service_id)
+        self.state(service_id).dispatched(req.request_id, req.hashes, s.work_s, req.at)
+        stored_at = req.at + s.ttft_s
+        for h in req.hashes[req.store_blocks :]:
+            c = self.computing.get(h)
+            if c is None or c[0] > stored_at:
+                self.computing[h] = (stored_at, req.request_id)
+
+    def prefilled(
+        self,
+        service_id: str,
+        req: RouteRequest,
+        now: float,
+        uncached_tokens: int = 0,
+        loaded_tokens: int = 0,
+        prefill_s: float = 0.0,
+        load_s: float = 0.0,
+    ) -> None:
+        """Its first token came (or it failed): the prefill worker is done with it."""
+        self.state(service_id).prefilled(
+            req.request_id, req.hashes, now, uncached_tokens, loaded_tokens, prefill_s, load_s
+        )
+        computing = self.computing
+        for h in req.hashes[req.store_blocks :]:
+            c = computing.get(h)
+            if c is not None and c[1] == req.request_id:
+                del computing[h]
+
+    def reported(self, service_id: str, queued_tokens: int) -> None:
+        """The worker's own count of what waits there (heartbeats)."""
+        self.state(service_id).reported_tokens = queued_tokens
+
+    def forget(self, service_id: str) -> None:
+        self.workers.pop(service_id, None)
+
+
+# -- decode ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeScore:
+    service_id: str
+    headroom_blocks: int  # free KV blocks now
+    active: int  # sequences decoding (the router's count of what it sent, or the worker's)
+
+
+def rank_decode(scores: list[DecodeScore], needed_blocks: int) -> list[DecodeScore]:
+    """Workers with any KV room: those with room for the whole answer first; within each
+    group the fewest active sequences, then the most headroom."""
+    room = [s for s in scores if s.headroom_blocks > 0]
+    return sorted(
+        room,
+        key=lambda s: (
+            s.headroom_blocks < needed_blocks,
+            s.active,
+            -s.headroom_blocks,
+            s.service_id,
+        ),
+    )
+
+
+def uncached_on(req: RouteRequest, decode_id: str) -> int:
+    """Prompt tokens a decode worker would compute itself: those neither in its own memory
+    tier nor in the storage tier."""
+    near = (STORE, memory_location(decode_id))
+    return req.n_prompt - max(req.counts.get(loc, 0) for loc in near) * req.block_size
+
+
+# -- the decision -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where to send a request: (the worker that takes the task, the decode worker) pairs,
+    best first; and what to say about the choice."""
+
+    pairs: list[tuple[str, str]]
+    decision: dict
+    on_decode: bool = False  # the decode worker prefills (the task goes to decode)
+
+
+def route(
+    policy: RoutingPolicy,
+    req: RouteRequest,
+    prefills: dict[str, int],
+    decodes: list[DecodeScore],
+    local_max_tokens: int,
+) -> Route:
+    """The pairs to try for ``req``. ``prefills``: the prefill candidates, each with the
+    uncached tokens its last heartbeat says wait there; ``decodes``: the decode candidates.
+    No pair when no decode worker has room, or no prefill worker is left for a long prompt."""
+    bs = max(1, req.block_size or 64)
+    ranked = rank_decode(decodes, -(-(req.n_prompt + req.answer_tokens) // bs))
+    if not ranked:
+        return Route([], {})
+    decode = ranked[0].service_id
+    uncached = uncached_on(req, decode)
+    if uncached <= local_max_tokens:
+        pairs = [(d.service_id, d.service_id) for d in ranked]
+        return Route(pairs, {"prefill": "on decode", "uncached_tokens": uncached}, True)
+    for service_id, queued in prefills.items():
+        policy.reported(service_id, queued)
+    chosen = policy.rank(req, sorted(prefills)) if prefills else []
+    # (the candidates' terms are built only when the decision is shown: Ranked)
+    decision = {"policy": policy.name, "candidates": chosen}
+    return Route([(r.service_id, decode) for r in chosen], decision)
