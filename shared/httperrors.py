@@ -17,6 +17,14 @@ _TYPES = {
 }
 
 
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
+    """OpenAI's error body: the message, a type from the status, the field and a code."""
+    kind = _TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def error_response(
     status: int,
     message: str,
@@ -24,14 +32,7 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
-    body = {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "server_error"),
-            "param": param,
-            "code": code,
-        }
-    }
+    body = error_body(status, message, param, code)
     return web.json_response(body, status=status, headers=headers)
 
 

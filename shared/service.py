@@ -92,6 +92,11 @@ class Service(ABC):
         """HTTP routes beyond GET /health (which every service has)."""
         return []
 
+    def middlewares(self) -> list:
+        """aiohttp middlewares of the service's own, inside the one that writes aiohttp's
+        own errors (unknown path, wrong method) as OpenAI error bodies."""
+        return []
+
     def models(self) -> list[str]:
         return []
 
@@ -157,7 +162,8 @@ async def serve_http(
 def build_app(service: Service) -> web.Application:
     """The service's HTTP application: GET /health, GET /metrics and its own routes."""
     app = web.Application(
-        middlewares=[openai_errors], client_max_size=service.settings.max_body_bytes
+        middlewares=[openai_errors, *service.middlewares()],
+        client_max_size=service.settings.max_body_bytes,
     )
     register_load(LoadCollector(service.role, service.load, service.heartbeat_ages))
     app.add_routes(

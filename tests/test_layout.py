@@ -229,7 +229,7 @@ ROUTER_WITHOUT_TORCH = textwrap.dedent(
             await runner.setup()  # the application started, on no socket
             stack.push_async_callback(runner.cleanup)
             for model in ("smollm2-135m-instruct", "tiny"):
-                text = await service.frontend.text_model(model)
+                text = await service.core.preparer.text_model(model)
                 chat = text.chat_template.render([{"role": "user", "content": "Hello"}])
                 assert text.tokenizer.encode(chat).ids, model
         print("loaded:", sorted(m for m in sys.modules if m.split(".")[0] == "torch"))

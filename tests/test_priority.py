@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from services.prefill.queue import ArrivalQueue
-from shared.messages.generate import GenerateTask, Sampling
+from shared.engine.sampling import SamplingParams
+from shared.messages.generate import GenerateTask
 
 
 def task(rid: str, priority: str = "online") -> GenerateTask:
@@ -13,7 +14,7 @@ def task(rid: str, priority: str = "online") -> GenerateTask:
         request_id=rid,
         model="tiny",
         token_ids=[1, 2, 3],
-        sampling=Sampling(max_tokens=4),
+        sampling=SamplingParams(max_tokens=4),
         reply_subject="kvmesh.reply.r",
         decode_id="decode-0",
         decode_kv_address="127.0.0.1:1",

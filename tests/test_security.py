@@ -26,7 +26,8 @@ import pytest
 from shared.bus import Bus, BusError, subjects
 from shared.bus.auth import identity
 from shared.bus.subjects import KV_EVENTS_STREAM
-from shared.messages.generate import GenerateTask, Sampling
+from shared.engine.sampling import SamplingParams
+from shared.messages.generate import GenerateTask
 from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot
 from shared.messages.kvevents import KvEvent
 from shared.proto import api_pb2, api_pb2_grpc, kv_pb2, kv_pb2_grpc
@@ -223,7 +224,7 @@ def forged_push(address: str, request_id: str, token: str) -> kv_pb2.HandoffStat
         request_id=request_id,
         model="tiny",
         token_ids=[1, 2, 3],
-        sampling=Sampling(max_tokens=4),
+        sampling=SamplingParams(max_tokens=4),
         reply_subject="kvmesh.attacker",
         decode_id="decode-0",
         decode_kv_address=address,

@@ -121,7 +121,7 @@ class DecodeService(WorkerService):
             return TaskAck(accepted=False, reason="busy", queued=self.pending)
         if task.model != self.settings.model:
             return TaskAck(accepted=False, reason=f"this worker serves {self.settings.model}")
-        params = task.sampling.params()
+        params = task.sampling
         if not self.has_room(task) or not self.engine.can_admit(len(task.token_ids), params, None):
             return TaskAck(accepted=False, reason="busy", queued=self.pending)
         self.pending += 1
@@ -221,7 +221,7 @@ class DecodeService(WorkerService):
     ) -> tuple[StepOutput, float]:
         """On the engine thread: the prefill and its compute time."""
         started = time.perf_counter()
-        params = task.sampling.params()
+        params = task.sampling
         out = self.engine.prefill(
             task.request_id, task.token_ids, params, prefix=prefix, images=images
         )
@@ -391,7 +391,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
         if svc.status != "ready" or task.model != svc.settings.model or not svc.has_room(task):
             yield kv_pb2.HandoffStatus(ok=False, code="busy", error=f"{svc.service_id} not taking")
             return
-        params = task.sampling.params()
+        params = task.sampling
         if not svc.engine.can_admit(len(task.token_ids), params, None):
             need = len(task.token_ids) + params.max_tokens
             why = f"KV cache full: {svc.service_id} cannot hold {need} tokens of prompt and answer"

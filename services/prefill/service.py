@@ -325,7 +325,7 @@ class PrefillService(WorkerService):
                 PrefillRequest(
                     t.request_id,
                     t.token_ids,
-                    t.sampling.params(),
+                    t.sampling,
                     prefix=prefixes[t.request_id],
                     handoff=True,
                     images=self.images.get(t.request_id, ()),
@@ -340,7 +340,7 @@ class PrefillService(WorkerService):
                 self.engine.prefill,
                 rid,
                 task.token_ids,
-                task.sampling.params(),
+                task.sampling,
                 prefix=prefixes[rid],
                 images=self.images.get(rid, ()),
                 handoff=True,

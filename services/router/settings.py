@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.router.routing.policies import POLICIES
+from services.router.routing.route import RoutingPolicy
+from services.router.routing.ttft import CostDefaults
 from shared.security.keys import KeysFile, KeysFileError
 from shared.service import ServiceSettings
 
@@ -148,6 +150,11 @@ class DispatchSettings(Section):
         description="no next token within this: the decode worker is given up on and the "
         "request resumes elsewhere",
     )
+    local_prefill_max_tokens: int = Field(
+        default=64,
+        ge=0,
+        description="uncached prompt tokens at most this: decode prefills it, no KV moves",
+    )
     liveness_check_s: float = Field(
         default=0.25,
         gt=0,
@@ -166,11 +173,6 @@ class RoutingSettings(Section):
     load_tok_s: float = Field(
         default=20_000.0, gt=0, description="storage-tier load rate until workers report one"
     )
-    local_prefill_max_tokens: int = Field(
-        default=64,
-        ge=0,
-        description="uncached prompt tokens at most this: decode prefills it, no KV moves",
-    )
 
     @field_validator("routing_policy")
     @classmethod
@@ -178,6 +180,10 @@ class RoutingSettings(Section):
         if name not in POLICIES:
             raise ValueError(f"one of {', '.join(POLICIES)}")
         return name
+
+    def policy(self) -> RoutingPolicy:
+        """A new instance of the policy named, starting from the rates set here."""
+        return POLICIES[self.routing_policy](CostDefaults(self.prefill_tok_s, self.load_tok_s))
 
 
 class WorkerSettings(Section):

@@ -1,6 +1,10 @@
 """Per-request sampling parameters: greedy, temperature, top-k, top-p, seed, stop tokens and
 strings, logit bias, presence and frequency penalties, log-probabilities asked for. Plain
-values, checked here, so they can travel (``shared/messages/generate.py``)."""
+values, checked here, so they travel as they are: one object from the API's adapter (the
+router's ``Conversation``) through the task on the wire (``shared/messages/generate.py``,
+checked again as it is read) to the engine's sampler. A new parameter is a field here and its
+use in the sampler (and, for an API that takes it, the body's field of the same name: the
+adapters carry those over by name)."""
 
 from __future__ import annotations
 

@@ -11,46 +11,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
+from shared.engine.sampling import SamplingParams, TokenLogprobs
 from shared.messages import Message
 from shared.messages.kvevents import Retention
-
-
-class Sampling(Message):
-    """SamplingParams on the wire (validated again by the engine)."""
-
-    max_tokens: int = Field(ge=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    ignore_eos: bool = False
-    answer_offset: int = Field(
-        default=0, ge=0, description="answer tokens sent before (a resumed request)"
-    )
-    logit_bias: list[tuple[int, float]] = Field(default_factory=list)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    grammar: str | None = Field(default=None, description="what the answer must match")
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=tuple(self.stop),
-            ignore_eos=self.ignore_eos,
-            answer_offset=self.answer_offset,
-            logit_bias=tuple(self.logit_bias),
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logprobs=self.logprobs,
-            grammar=self.grammar,
-        )
 
 
 class ImageRef(Message):
@@ -74,7 +37,7 @@ class GenerateTask(Message):
     request_id: str
     model: str
     token_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     reply_subject: str
     decode_id: str
     decode_kv_address: str = Field(description="host:port of the decode worker's KV server")

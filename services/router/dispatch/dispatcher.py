@@ -13,6 +13,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
@@ -34,6 +35,8 @@ from services.router.routing.route import (
 from services.router.settings import DispatchSettings
 from shared.bus import Bus
 from shared.messages.generate import TokenEvent
+from shared.security.handoff import HANDOFF_SECRET
+from shared.security.secret import load_or_create
 from shared.telemetry.tracing import tracer
 
 
@@ -73,8 +76,27 @@ class Dispatcher:
         # (cachemeta's, the workers' acks) are not left waiting behind a thousand others.
         self._starting = asyncio.Semaphore(settings.max_starting)
 
+    @classmethod
+    def built(
+        cls,
+        bus: Bus,
+        router_id: str,
+        registry: WorkerRegistry,
+        breakers: Breakers,
+        policy: RoutingPolicy,
+        settings: DispatchSettings,
+        secrets_dir: Path,
+    ) -> Dispatcher:
+        """With the mesh's KV handoff secret (from ``secrets_dir``): decode workers admit a
+        handed-off prompt only with the token it makes."""
+        secret = load_or_create(secrets_dir, HANDOFF_SECRET)
+        return cls(bus, router_id, registry, breakers, policy, settings, secret)
+
     async def start(self) -> None:
         await self.replies.start()
+
+    async def stop(self) -> None:
+        await self.replies.stop()
 
     async def generate(self, job: Job, decision: dict | None = None) -> AsyncIterator[TokenEvent]:
         """The request's token events in order, ending with the one that has finish_reason.

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 
 from services.router.errors import ApiError
 from services.router.routing.route import RouteRequest
-from shared.messages.generate import ImageRef, Priority, Sampling, TokenEvent
+from shared.engine.sampling import SamplingParams
+from shared.messages.generate import ImageRef, Priority, TokenEvent
 from shared.telemetry.metrics import MOVES
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class Job:
     request_id: str
     model: str
     prompt_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     deadline: float  # unix time
     retention: str = "chat"
     salt: str = ""  # the tenant's: part of every block hash
@@ -141,11 +142,10 @@ class Moves:
         if not sent:
             self.job = replace(job, request_id=f"{job.request_id}-retry{self.move}")
             return self.job
-        sampling = job.sampling.model_copy(
-            update={
-                "max_tokens": job.sampling.max_tokens - len(sent),
-                "answer_offset": job.sampling.answer_offset + len(sent),
-            }
+        sampling = replace(
+            job.sampling,
+            max_tokens=job.sampling.max_tokens - len(sent),
+            answer_offset=job.sampling.answer_offset + len(sent),
         )
         self.job = replace(
             job,

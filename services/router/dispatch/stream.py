@@ -134,6 +134,11 @@ class Replies:
         self.bus.on_reconnect.append(self._reconnected)
         self._watchdog = asyncio.create_task(self._watch())
 
+    async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+
     async def _on_events(self, message: TokenEvents) -> None:
         waiting, now = self.waiting, time.monotonic()
         for event in message.events:

@@ -1,0 +1,138 @@
+"""GET /openapi.json: the router's HTTP API as it is, built from its route table and the
+request models the handlers parse (a route without a description here fails the build, so
+the document cannot fall behind the routes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from services.router.formats.anthropic import CountRequest
+from services.router.formats.batches import BatchCreate
+from services.router.formats.endpoints import COUNT_TOKENS, ENDPOINTS
+
+# path (or "METHOD path" where a path's methods differ) → (summary, the body's model or
+# None, the error statuses it can answer with)
+GENERATION_ERRORS = (400, 401, 404, 413, 429, 503, 504)
+SUMMARIES = {  # the generation endpoints' (their bodies: the format table's)
+    "/v1/chat/completions": "A chat completion, whole or as server-sent events (OpenAI's "
+    "Chat Completions)",
+    "/v1/completions": "A text completion, whole or as server-sent events (OpenAI's Completions)",
+    "/v1/messages": "A message, whole or as Anthropic's stream of events (Anthropic's Messages)",
+    "/v1/responses": "A response, whole or as its stream of events (OpenAI's Responses; stateless)",
+}
+
+ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
+    **{
+        path: (SUMMARIES[path], endpoint.body, GENERATION_ERRORS)
+        for path, endpoint in ENDPOINTS.items()
+    },
+    COUNT_TOKENS: (
+        "The exact prompt tokens of a Messages request (the same renderer)",
+        CountRequest,
+        (400, 401, 404, 413),
+    ),
+    "POST /v1/files": ("Upload a file (multipart: file, purpose=batch)", None, (400, 401, 413)),
+    "/v1/files": ("The caller's files (?purpose=)", None, (401,)),
+    "GET /v1/files/{file_id}": ("A file's description", None, (401, 404)),
+    "DELETE /v1/files/{file_id}": ("Delete a file", None, (401, 404)),
+    "/v1/files/{file_id}/content": ("A file's bytes", None, (401, 404)),
+    "POST /v1/batches": ("Create a batch from an uploaded file", BatchCreate, (400, 401, 404)),
+    "/v1/batches": ("The caller's batches, newest first (?limit=, ?after=)", None, (400, 401)),
+    "/v1/batches/{batch_id}": ("A batch: its status, counts and files", None, (401, 404)),
+    "/v1/batches/{batch_id}/cancel": ("Cancel a batch", None, (401, 404, 409)),
+    "/dashboard": ("The operator's page (HTML; it asks for an admin key)", None, ()),
+    "/dashboard/app.js": ("The page's script", None, ()),
+    "/dashboard/style.css": ("The page's style", None, ()),
+    "/v1/dashboard/mesh": ("Every service by role, and those gone lately", None, (401, 403)),
+    "/v1/dashboard/series": ("The mesh's figures minute by minute", None, (400, 401, 403)),
+    "/v1/dashboard/requests": ("This router's recent requests", None, (401, 403)),
+    "/v1/dashboard/requests/{request_id}": (
+        "A recent request with its routing decision and its spans from every service",
+        None,
+        (401, 403, 404),
+    ),
+    "/v1/models": ("The models a ready prefill and decode worker both serve", None, (401,)),
+    "/v1/stats": (
+        "The operator's summary, overall, per traffic class and per tenant",
+        None,
+        (401, 403),
+    ),
+    "/health": ("Each role with its services; 503 while a role has none ready", None, (503,)),
+    "/metrics": ("Prometheus metrics", None, ()),
+    "/openapi.json": ("This document", None, ()),
+}
+
+_ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+            "required": ["message", "type"],
+        }
+    },
+    "required": ["error"],
+}
+
+
+def document(routes: Iterable[web.AbstractRoute], version: str, auth: bool) -> dict:
+    schemas: dict = {"Error": _ERROR}
+    paths: dict = {}
+    for route in routes:
+        info = route.resource.get_info() if route.resource else {}
+        path = info.get("path") or info.get("formatter")
+        if route.method == "HEAD" or not path:
+            continue
+        key = f"{route.method} {path}" if f"{route.method} {path}" in ROUTES else path
+        assert key in ROUTES, (
+            f"{route.method} {path}: describe it in services/router/api/openapi.py"
+        )
+        summary, model, errors = ROUTES[key]
+        op: dict = {
+            "summary": summary,
+            "responses": {"200": {"description": "OK"}}
+            | {
+                str(code): {
+                    "description": "an OpenAI-style error",
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                    },
+                }
+                for code in errors
+            },
+        }
+        if model is not None:
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            op["requestBody"] = {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}
+                    }
+                },
+            }
+        if auth and path.startswith("/v1/"):
+            op["security"] = [{"bearer": []}, {"apiKey": []}]
+        paths.setdefault(path, {})[route.method.lower()] = op
+    components: dict = {"schemas": schemas}
+    if auth:
+        components["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvmesh router", "version": version},
+        "paths": dict(sorted(paths.items())),
+        "components": components,
+    }

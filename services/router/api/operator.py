@@ -1,0 +1,83 @@
+"""The operator's endpoints: GET /health (each role with its services; 503 while a role has no
+ready one), /v1/models (what a ready prefill and decode worker both serve), /v1/stats (the
+operator's summary: services/router/observe/stats.py) and /openapi.json (the HTTP API as it
+is: ``openapi.py``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from services.router.api.middleware import ADMIN, PUBLIC, USER, Route
+from services.router.api.openapi import document
+from services.router.dispatch.mesh import Mesh
+from services.router.observe.stats import RollingStats
+from shared import __version__
+from shared.messages.heartbeat import ROLES
+
+
+class OperatorApi:
+    def __init__(
+        self,
+        router_id: str,
+        mesh: Mesh,
+        stats: RollingStats,
+        status: Callable[[], str],
+        auth: bool,
+    ) -> None:
+        self.router_id = router_id
+        self.mesh = mesh
+        self.stats = stats
+        self.status = status  # the router's own: ready, draining, stopped
+        self.auth = auth
+
+    def routes(self) -> list[Route]:
+        return [
+            (web.get("/v1/models", self.models), USER),
+            (web.get("/v1/stats", self.operator_stats), ADMIN),
+            (web.get("/openapi.json", self.openapi), PUBLIC),
+        ]
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Each role with its services; 200 when every role has a ready one, else 503."""
+        now = time.monotonic()
+        self.mesh.expire(now)
+        roles = {
+            role: [
+                {
+                    "id": e.service_id,
+                    "status": e.status,
+                    "address": e.addresses.get("http", ""),
+                    "age_s": e.age_s,
+                    "load": e.load.model_dump(),
+                }
+                for e in self.mesh.registry.entries(now, role)
+            ]
+            for role in ROLES
+        }
+        missing = self.mesh.registry.missing_roles()
+        body = {
+            "status": "degraded" if missing else "ok",
+            "service_id": self.router_id,
+            "missing": missing,
+            "roles": roles,
+        }
+        ok = not missing and self.status() == "ready"
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """Models that a ready prefill worker and a ready decode worker both serve."""
+        data = [
+            {"id": m, "object": "model", "created": int(t), "owned_by": "kvmesh"}
+            for m, t in sorted(self.mesh.served_models().items())
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def operator_stats(self, request: web.Request) -> web.Response:
+        """The operator's summary, overall and per traffic class and tenant."""
+        return web.json_response(self.stats.report(time.time()))
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(document(request.app.router.routes(), __version__, self.auth))

@@ -1,0 +1,79 @@
+"""The router's request machinery, built from its settings in the order a request meets it from
+the bottom: the mesh it follows (``dispatch/mesh.py``), dispatch and its routing policy,
+tenancy, the request's preparation and answers, and what is recorded. The transports are
+built over it (``api/server.py``); the process around both is ``service.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.router.dispatch.dispatcher import Dispatcher
+from services.router.dispatch.mesh import Mesh
+from services.router.observe.cachemiss import CacheMisses, Explainer
+from services.router.observe.recorder import RequestRecorder
+from services.router.observe.sharing import StatsSharing
+from services.router.request.answer import Answers
+from services.router.request.images import ImageReader
+from services.router.request.prepare import Preparer
+from services.router.settings import RouterSettings
+from services.router.tenancy.admission import Tenancy
+from shared.bus import Bus
+from shared.settings import CommonSettings
+
+
+@dataclass
+class Core:
+    router_id: str
+    settings: RouterSettings
+    common: CommonSettings
+    bus: Bus
+    mesh: Mesh
+    dispatcher: Dispatcher
+    tenancy: Tenancy
+    preparer: Preparer
+    answers: Answers
+    recorder: RequestRecorder
+
+    @classmethod
+    def build(
+        cls,
+        router_id: str,
+        started_at: float,
+        settings: RouterSettings,
+        common: CommonSettings,
+        bus: Bus,
+    ) -> Core:
+        s, secrets = settings, common.resolved_secrets_dir
+        mesh = Mesh(router_id, s, common.heartbeat_interval_s)
+        policy = s.policy()
+        dispatcher = Dispatcher.built(
+            bus, router_id, mesh.registry, mesh.breakers, policy, s, secrets
+        )
+        tenancy = Tenancy(s, secrets, mesh.lag)
+        images = ImageReader(s, common)
+        preparer = Preparer(s, images, dispatcher, tenancy, Path(common.state_dir))
+        explainer = None
+        if s.cache_explain_bytes:  # why a prompt missed the cache, in its response
+            explainer = Explainer(CacheMisses(s.cache_explain_bytes), dispatcher.prompt_hashes)
+        answers = Answers(dispatcher, on_last=explainer)
+        recorder = RequestRecorder(router_id, started_at)
+        mesh.on_sweep.append(recorder.stats.tick)  # workers live, minute by minute
+        return cls(
+            router_id, s, common, bus, mesh, dispatcher, tenancy, preparer, answers, recorder
+        )
+
+    async def start(self, stack: AsyncExitStack) -> None:
+        await self.mesh.start(stack, self.bus)
+        sharing = StatsSharing(self.bus, self.router_id, self.recorder.stats, self.settings)
+        await sharing.start(stack)
+        await self.dispatcher.start()
+        stack.push_async_callback(self.dispatcher.stop)
+
+    async def drained(self) -> None:
+        """Until no request is in progress."""
+        while self.tenancy.inflight:
+            await asyncio.sleep(0.05)

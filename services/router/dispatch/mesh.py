@@ -1,0 +1,108 @@
+"""The mesh as this router follows it: every service from its heartbeats (the registry), the
+workers' circuit breakers, how far this router's loop runs behind, and the services stopped or
+lost lately. Answers other routers' and `kvmesh status`'s registry queries.
+
+A service that misses its heartbeats is dropped, with a log line, by whichever notices first:
+the sweep (a few times per beat interval), ``/health`` or a registry query. The sweep also
+measures the loop's lag (its own wake-ups against when they were due): a router that far
+behind gives its workers' beats that much grace (they wait in its queue too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import AsyncExitStack
+
+from services.router.dispatch.workers import Breakers, LoopLag, WorkerRegistry
+from services.router.settings import WorkerSettings
+from shared.bus import Bus, subjects
+from shared.messages.heartbeat import Heartbeat, RegistryQuery, RegistrySnapshot
+
+log = logging.getLogger(__name__)
+
+GONE_KEPT_S = 600.0  # a service gone is listed as gone this long
+
+
+class Mesh:
+    def __init__(self, router_id: str, settings: WorkerSettings, beat_interval_s: float) -> None:
+        self.router_id = router_id
+        self.registry = WorkerRegistry(missed_beats=settings.missed_heartbeats)
+        self.breakers = Breakers(settings.breaker_faults, settings.breaker_cooldown_s)
+        self.lag = LoopLag()
+        self.beat_interval_s = beat_interval_s
+        self.gone: dict[str, tuple[str, float]] = {}  # services stopped or lost: role, when
+        self.on_sweep: list = []  # called with (unix time, ready workers) after each sweep
+
+    async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
+        await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        await bus.serve(
+            subjects.ROUTER_REGISTRY, RegistryQuery, self.on_registry_query, subjects.ROUTER_QUEUE
+        )
+        sweeper = asyncio.create_task(self._sweep())
+        stack.callback(sweeper.cancel)
+
+    async def known(self) -> None:
+        """Until a ready prefill and decode worker are known, at most a beat and a half: a
+        router joining a running mesh learns its workers from their next heartbeats (a mesh
+        without them answers 503 as before)."""
+        deadline = time.monotonic() + 1.5 * self.beat_interval_s
+        while time.monotonic() < deadline and not all(
+            self.registry.ready(role) for role in ("prefill", "decode")
+        ):
+            await asyncio.sleep(0.05)
+
+    async def on_heartbeat(self, hb: Heartbeat) -> None:
+        if self.registry.observe(hb, time.monotonic()):
+            log.info("registered %s %s", hb.role, hb.service_id)
+            self.breakers.success(hb.service_id)  # a new process: its breaker starts closed
+            self.gone.pop(hb.service_id, None)
+        elif hb.status == "stopped":
+            log.info("%s %s stopped", hb.role, hb.service_id)
+            self.gone[hb.service_id] = (hb.role, time.time())
+
+    async def _sweep(self) -> None:
+        interval = min(0.25, self.beat_interval_s / 4)
+        while True:
+            due = time.monotonic() + interval
+            await asyncio.sleep(interval)
+            self.lag.observe(time.monotonic() - due)
+            workers = sum(len(self.registry.ready(r)) for r in ("prefill", "decode"))
+            for listener in self.on_sweep:
+                listener(time.time(), workers)
+            self.expire(time.monotonic())
+
+    def expire(self, now: float) -> None:
+        """Drop the services that missed their heartbeats, each with a log line."""
+        for sid in [s for s, (_, at) in self.gone.items() if time.time() - at > GONE_KEPT_S]:
+            del self.gone[sid]  # (listed as gone that long, then forgotten)
+        for record in self.registry.expire(now, grace_s=self.lag.seconds):
+            self.gone[record.service_id] = (record.heartbeat.role, time.time())
+            log.warning(
+                "dropped %s %s: no heartbeat for %.1f s",
+                record.heartbeat.role,
+                record.service_id,
+                record.age(now),
+            )
+
+    async def on_registry_query(self, query: RegistryQuery) -> RegistrySnapshot:
+        now = time.monotonic()
+        self.expire(now)
+        entries = [
+            e.model_copy(update={"breaker": self.breakers.state(e.service_id)})
+            for e in self.registry.entries(now, query.role)
+        ]
+        return RegistrySnapshot(router_id=self.router_id, workers=entries)
+
+    def served_models(self) -> dict[str, float]:
+        """Models that a ready prefill worker and a ready decode worker both serve, each with
+        when its oldest decode worker started."""
+        served: dict[str, float] = {}
+        prefill = {m for r in self.registry.ready("prefill") for m in r.heartbeat.models}
+        for record in self.registry.ready("decode"):
+            for model in record.heartbeat.models:
+                if model in prefill:
+                    started = record.heartbeat.started_at
+                    served[model] = min(served.get(model, started), started)
+        return served

@@ -1,0 +1,302 @@
+"""The OpenAI formats' adapter: Chat Completions and Completions bodies checked and turned
+into a ``Conversation`` (the answer is written back by ``openai_writer.py``).
+
+Pure: JSON text in, a ``Conversation`` out, or ``ApiError`` naming the field. The HTTP and
+gRPC handlers only move bytes (the gRPC API's messages mirror these bodies).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from services.router.errors import ApiError
+from services.router.formats.wire import StrictBody as _Body
+from services.router.formats.wire import parse_body, refuse_unserved, sampling_of
+from services.router.request import conversation as conv
+from shared.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(_Body):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class FunctionCall(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class ToolCallIn(_Body):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+
+    def message(self, i: int) -> conv.Message:
+        """As the conversation's message (``i``: its place, for errors' names)."""
+        where = f"messages[{i}]"
+        role = "system" if self.role == "developer" else self.role
+        listed = isinstance(self.content, list)
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise ApiError(
+                    400,
+                    f"{where}.tool_call_id: required in a tool message",
+                    param=f"{where}.tool_call_id",
+                )
+            text = (
+                self.content
+                if isinstance(self.content, str)
+                else "".join(p.text for p in self.content or () if isinstance(p, TextPart))
+            )
+            result = conv.ToolResult(self.tool_call_id, text, f"{where}.tool_call_id")
+            return conv.Message("tool", (result,), where, listed)
+        if self.tool_calls and self.role != "assistant":
+            raise ApiError(
+                400, f"{where}.tool_calls: only in assistant messages", param=f"{where}.tool_calls"
+            )
+        parts: list[conv.Part] = []
+        if isinstance(self.content, str):
+            parts.append(conv.Text(self.content))
+        for j, p in enumerate(self.content if isinstance(self.content, list) else ()):
+            if isinstance(p, TextPart):
+                parts.append(conv.Text(p.text))
+            else:
+                parts.append(conv.Image(p.image_url.url, f"{where}.content[{j}].image_url"))
+        for j, c in enumerate(self.tool_calls or ()):
+            param = f"{where}.tool_calls[{j}].function.arguments"
+            args = conv.arguments_object(c.function.arguments, param)
+            parts.append(conv.ToolCall(c.id, c.function.name, args))
+        return conv.Message(role, tuple(parts), where, listed)
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    include_obfuscation: Literal[False] = False
+
+
+class JsonSchema(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    def answer(self) -> conv.JsonAnswer | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return conv.JsonAnswer(None, "response_format")
+        if self.json_schema is None:
+            raise ApiError(
+                400,
+                "response_format.json_schema: required with type json_schema",
+                param="response_format.json_schema",
+            )
+        return conv.JsonAnswer(self.json_schema.schema_, "response_format.json_schema.schema")
+
+
+# Fields the formats define that this server does not serve yet: a 400 naming them.
+NOT_SERVED_CHAT = {
+    "functions": "deprecated by OpenAI: use tools",
+    "function_call": "deprecated by OpenAI: use tool_choice",
+    "audio": "audio output is not served (the models answer in text)",
+    "prediction": "predicted outputs are not served",
+    "web_search_options": "web search is not served",
+    "reasoning_effort": "the models served do not reason before answering",
+    "verbosity": "the models served do not take a verbosity",
+}
+NOT_SERVED_COMPLETIONS = {
+    "suffix": "insertion (a suffix) is not served",
+}
+MAX_LOGIT_BIAS = 300
+
+
+class _Sampling(_Body):
+    model: str = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0, description="kvmesh (as vLLM): 0 for no limit")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=1, description="only one choice per request")
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(default=None, max_length=256)
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4 or not all(stops):
+            raise ValueError("at most 4 non-empty strings")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens")
+        for key, value in bias.items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (got {key[:20]!r})")
+            if not -100 <= value <= 100:
+                raise ValueError(f"values are in [-100, 100] (got {value} for {key})")
+        return bias
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text"]] | None = None
+    store: Literal[False] | None = Field(default=None, description="stateless: nothing is stored")
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    service_tier: Literal["auto", "default"] | None = None
+    # Accepted: kvmesh already routes each prompt by its own blocks' hashes, which is what
+    # the key stands in for; every retention asked for is met (blocks stay days on storage).
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # a forced choice makes one call; auto, any
+    functions: object = None
+    function_call: object = None
+    audio: object = None
+    prediction: object = None
+    web_search_options: object = None
+    reasoning_effort: object = None
+    verbosity: object = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: Literal[False] = Field(default=False, description="the prompt is not echoed")
+    best_of: int | None = Field(default=None, ge=1, le=1, description="one candidate per request")
+    suffix: str | None = None
+
+
+def conversation(body: bytes, chat: bool) -> conv.Conversation:
+    """A Chat Completions (``chat``) or Completions body as the conversation it carries."""
+    req = parse_body(body, ChatRequest if chat else CompletionRequest)
+    assert isinstance(req, _Sampling)
+    common = {
+        "stream": req.stream,
+        "include_usage": bool(req.stream_options and req.stream_options.include_usage),
+    }
+    if isinstance(req, ChatRequest):
+        return _chat(req, common)
+    assert isinstance(req, CompletionRequest)
+    refuse_unserved(req, NOT_SERVED_COMPLETIONS)
+    prompt: str | tuple[int, ...]
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
+        if len(req.prompt) != 1:
+            raise ApiError(400, "prompt: one prompt per request", param="prompt")
+        prompt = req.prompt[0]
+    else:
+        prompt = req.prompt if isinstance(req.prompt, str) else tuple(req.prompt)  # type: ignore[arg-type]
+    return conv.Conversation(
+        req.model,
+        prompt=prompt,
+        sampling=_sampling(req, req.logprobs),
+        max_tokens=req.max_tokens,
+        **common,
+    )
+
+
+def _chat(req: ChatRequest, common: dict) -> conv.Conversation:
+    refuse_unserved(req, NOT_SERVED_CHAT)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    limit, field = req.max_tokens, "max_tokens"
+    if req.max_completion_tokens:
+        limit, field = req.max_completion_tokens, "max_completion_tokens"
+    tools = tuple(
+        conv.Tool(
+            t.function.name,
+            t.function.description or "",
+            t.function.parameters if t.function.parameters is not None else conv.NO_PARAMETERS,
+            f"tools[{i}].function.parameters",
+        )
+        for i, t in enumerate(req.tools or ())
+    )
+    choice = req.tool_choice
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    return conv.Conversation(
+        req.model,
+        tuple(m.message(i) for i, m in enumerate(req.messages)),
+        sampling=_sampling(req, (req.top_logprobs or 0) if req.logprobs else None),
+        max_tokens=limit,
+        max_tokens_field=field,
+        json=req.response_format.answer() if req.response_format is not None else None,
+        tools=tools,
+        tool_choice=conv.ToolChoice.of(choice if isinstance(choice, str) else None, named),
+        **common,
+    )
+
+
+def _sampling(req: _Sampling, logprobs: int | None) -> SamplingParams:
+    return sampling_of(
+        req,
+        stop=tuple(req.stop_list()),
+        logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
+        logprobs=logprobs,
+    )

@@ -1,0 +1,268 @@
+"""The OpenAI formats' writer: the answer as a Chat Completions or Completions body, or as
+their chunks (``data:`` lines ending with ``[DONE]``), with log-probabilities when asked; and
+OpenAI's error body.
+
+Pure: deltas in, bytes (or the body's dict) out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from services.router.errors import ApiError
+from services.router.formats import wire
+from services.router.request.answer import Delta, Prepared, Usage
+from services.router.request.toolcalls import calls_of
+from shared.httperrors import error_body as openai_error
+from shared.messages.generate import Logprobs
+from shared.model.tokenizer import token_bytes
+
+
+def error_body(err: ApiError) -> dict:
+    """OpenAI's error body: message, type (from the status), the field, the code."""
+    return openai_error(err.status, err.message, err.param, err.code)
+
+
+def usage_body(u: Usage) -> dict:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def response_id(p: Prepared) -> str:
+    """The answer's id: ``chatcmpl-<request id>``, or ``cmpl-...`` for a completion."""
+    prefix = "chatcmpl" if p.conversation.chat else "cmpl"
+    return f"{prefix}-{p.job.request_id}"
+
+
+class TokenNames:
+    """A token id as OpenAI's logprobs name it: its text, and its bytes (a token may hold
+    part of a character, whose text then has U+FFFD)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._seen: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        if token_id not in self._seen:
+            raw = token_bytes(self.tokenizer, token_id)
+            self._seen[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return self._seen[token_id]
+
+
+class OpenAIWriter:
+    """The answer as a Chat Completions or Completions body, or as their chunks."""
+
+    def __init__(self, p: Prepared) -> None:
+        self.p, self.kvmesh = p, p.kvmesh
+        self.bodies = ResponseBodies(p.conversation.chat, response_id(p), p.job.model)
+        self.usage_field = p.conversation.include_usage  # chunks then carry "usage": null
+        self.with_logprobs = p.job.sampling.logprobs is not None
+        self.names = TokenNames(p.text.tokenizer)
+        self.text_offset = 0  # Completions' text_offset: characters of answer before a token
+        self.called = False  # the answer made a tool call (its finish is "tool_calls")
+        self._around_text: tuple[bytes, bytes] | None = None  # a text chunk's bytes, but its text
+
+    def whole(self, answer: Delta) -> dict:
+        calls = [
+            {
+                "id": f"call_{c.id}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for c in calls_of(answer.calls)
+        ]
+        self.called = bool(calls)
+        finish = self._finish(answer.finish_reason or "stop")
+        logprobs = self._logprobs(answer)
+        text = answer.text if answer.text or not calls else None
+        usage, kvmesh = self.p.usage, self.kvmesh()
+        return self.bodies.response(text, finish, usage, kvmesh, logprobs, calls or None)
+
+    def _finish(self, finish: str) -> str:
+        return "tool_calls" if self.called and finish == "stop" else finish
+
+    def start(self) -> list[bytes]:
+        if not self.bodies.chat:
+            return []
+        return [wire.data(self.bodies.chunk("", first=True, with_usage_field=self.usage_field))]
+
+    def text(self, delta: Delta) -> list[bytes]:
+        out = []
+        if delta.text and not self.with_logprobs:
+            out.append(self._text_chunk(delta.text))
+        elif delta.text:
+            chunk = self.bodies.chunk(
+                delta.text, with_usage_field=self.usage_field, logprobs=self._logprobs(delta)
+            )
+            out.append(wire.data(chunk))
+        for e in delta.calls:
+            self.called = True
+            piece: dict = {"index": e.index}
+            if e.name:  # a call's first piece: its id, type and name
+                piece.update(id=f"call_{e.id}", type="function")
+                piece["function"] = {"name": e.name, "arguments": e.arguments}
+            elif e.arguments:
+                piece["function"] = {"arguments": e.arguments}
+            else:
+                continue  # its end: nothing to say in this format
+            chunk = self.bodies.chunk(None, with_usage_field=self.usage_field, tool_calls=[piece])
+            out.append(wire.data(chunk))
+        return out
+
+    def _text_chunk(self, text: str) -> bytes:
+        """The chunk of a text alone (most of a stream's): its bytes around the text are
+        made once, from the chunk of a marker text, and only the text is encoded each time."""
+        if self._around_text is None:
+            marker = "\x00text\x00"
+            whole = wire.data(self.bodies.chunk(marker, with_usage_field=self.usage_field))
+            head, tail = whole.split(json.dumps(marker).encode())
+            self._around_text = (head, tail)
+        head, tail = self._around_text
+        return b"".join((head, json.dumps(text).encode(), tail))
+
+    def end(self, last: Delta) -> list[bytes]:
+        # The last delta's text went out already (text() is called before end()); a token
+        # that came with it but made no text of its own (end of answer) goes here.
+        logprobs = self._logprobs(last) if not last.text else None
+        finish = self._finish(last.finish_reason or "stop")
+        chunk = self.bodies.chunk(
+            None, finish, with_usage_field=self.usage_field, logprobs=logprobs
+        )
+        return [wire.data(chunk), *self._closing()]
+
+    def ping(self) -> bytes:
+        return wire.COMMENT_PING
+
+    def error(self, err: ApiError) -> list[bytes]:
+        body = {"error": {"message": err.message, "type": "server_error", "code": err.code}}
+        return [wire.data(body), *self._closing()]
+
+    def _closing(self) -> list[bytes]:
+        out = []
+        if self.usage_field:
+            out.append(wire.data(self.bodies.usage_chunk(self.p.usage, self.kvmesh())))
+        return [*out, wire.data("[DONE]")]
+
+    def _logprobs(self, delta: Delta) -> dict | None:
+        """The logprobs object of a delta's tokens, in the endpoint's shape."""
+        if not self.with_logprobs:
+            return None
+        if self.bodies.chat:
+            return {"content": [self._chat_entry(t, lp) for t, lp in delta.logprobs]}
+        tokens, offsets = [], []
+        for t, _ in delta.logprobs:
+            text = self.names(t)[0]
+            tokens.append(text)
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for _, lp in delta.logprobs],
+            "top_logprobs": [
+                {self.names(t)[0]: v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+                for _, lp in delta.logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, token_id: int, lp: Logprobs) -> dict:
+        text, raw = self.names(token_id)
+        top = []
+        for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True):
+            top_text, top_raw = self.names(t)
+            top.append({"token": top_text, "logprob": v, "bytes": top_raw})
+        return {"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top}
+
+
+@dataclass
+class ResponseBodies:
+    """One answer's bodies, whole and in chunks, with its ids and object names: a chat's or a
+    completion's."""
+
+    chat: bool
+    response_id: str
+    model: str
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.created = self.created or int(time.time())
+
+    def _envelope(self, chunk: bool) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {
+            "id": self.response_id,
+            "object": f"{kind}.chunk" if chunk and self.chat else kind,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def _choice(
+        self,
+        text: str | None,
+        finish: str | None,
+        chunk: bool,
+        first: bool,
+        logprobs: dict | None,
+        tool_calls: list[dict] | None = None,
+    ) -> dict:
+        end = {"logprobs": logprobs, "finish_reason": finish}
+        if not self.chat:
+            return {"index": 0, "text": text or "", **end}
+        if chunk:
+            delta: dict = {"role": "assistant", "content": text or ""} if first else {}
+            if text and not first:
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            return {"index": 0, "delta": delta, **end}
+        message: dict = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": 0, "message": message, **end}
+
+    def response(
+        self,
+        text: str | None,
+        finish: str,
+        usage: Usage,
+        timing: dict,
+        logprobs: dict | None = None,
+        tool_calls: list[dict] | None = None,
+    ) -> dict:
+        return {
+            **self._envelope(chunk=False),
+            "choices": [self._choice(text, finish, False, False, logprobs, tool_calls)],
+            "usage": usage_body(usage),
+            "kvmesh": timing,
+        }
+
+    def chunk(
+        self,
+        text: str | None,
+        finish: str | None = None,
+        first: bool = False,
+        with_usage_field: bool = False,
+        logprobs: dict | None = None,
+        tool_calls: list[dict] | None = None,
+    ) -> dict:
+        choice = self._choice(text, finish, True, first, logprobs, tool_calls)
+        out = {**self._envelope(chunk=True), "choices": [choice]}
+        if with_usage_field:  # with include_usage, every chunk carries "usage": null
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage: Usage, timing: dict) -> dict:
+        return {
+            **self._envelope(chunk=True),
+            "choices": [],
+            "usage": usage_body(usage),
+            "kvmesh": timing,
+        }

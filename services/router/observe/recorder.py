@@ -1,0 +1,175 @@
+"""Each request's record: its span (the trace's root, under the client's traceparent if it
+sent one), its id on every log line, a log line when it ends, its metrics, its statistics, and
+its place in the operator page's list of recent requests. The HTTP middleware and the gRPC
+interceptor wrap each generation request in ``RequestRecorder.handling``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from services.router.observe.stats import RollingStats
+from services.router.request.answer import Prepared
+from shared.logs import request_scope
+from shared.telemetry.metrics import INPUT_TOKENS, OUTPUT_TOKENS, REQUESTS, TPOT, TTFT
+from shared.telemetry.tracing import REQUEST_ID, current_ids, extract, tracer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outcome:
+    """What became of a request, filled in by the API layer as it goes."""
+
+    prepared: Prepared | None = None
+    status: int = 200
+
+
+def request_ids(rid: str) -> dict[str, str]:
+    """What names a request and its trace in its response (HTTP headers, gRPC metadata);
+    called while the request is handled, so its span is the current one."""
+    trace_id, _ = current_ids()
+    return {"x-request-id": rid, **({"x-kvmesh-trace-id": trace_id} if trace_id else {})}
+
+
+class RecentRequests:
+    """The last requests this router answered, newest first (the operator page's list)."""
+
+    def __init__(self, size: int = 200) -> None:
+        self._items: deque[dict] = deque(maxlen=size)
+        self._by_id: dict[str, dict] = {}
+
+    def add(self, item: dict) -> None:
+        if len(self._items) == self._items.maxlen:
+            oldest = self._items[0]
+            if self._by_id.get(oldest["id"]) is oldest:  # (a client may reuse an id)
+                del self._by_id[oldest["id"]]
+        self._items.append(item)
+        self._by_id[item["id"]] = item
+
+    def latest(self, n: int) -> list[dict]:
+        return list(self._items)[-n:][::-1]
+
+    def get(self, rid: str) -> dict | None:
+        return self._by_id.get(rid)
+
+
+class RequestRecorder:
+    def __init__(self, router_id: str, started_at: float) -> None:
+        self.stats = RollingStats(router_id, started_at)  # the mesh's figures (stats.py)
+        self.recent = RecentRequests()  # the operator page's list
+
+    @contextlib.contextmanager
+    def handling(self, rid: str, endpoint: str, headers: Mapping[str, str]) -> Iterator[Outcome]:
+        """One request's span (its parent: the client's traceparent, if any), its request id
+        on every log line, and, when it is over, its metrics and statistics."""
+        outcome = Outcome()
+        with (
+            tracer.start_as_current_span(
+                endpoint,
+                context=extract(headers),
+                kind=SpanKind.SERVER,
+                attributes={REQUEST_ID: rid, "http.route": endpoint},
+            ) as span,
+            request_scope(rid),
+        ):
+            try:
+                yield outcome
+            except (asyncio.CancelledError, ConnectionResetError):
+                # The client went away: before its answer was out (499), or just after the
+                # last event, before the stream's end was written (it has the answer).
+                p = outcome.prepared
+                outcome.status = 200 if p is not None and p.delivered else 499
+                raise
+            except Exception:
+                if outcome.status == 200:  # else the API layer has said (gRPC's abort raises)
+                    outcome.status = 500
+                raise
+            finally:
+                self._finished(outcome, endpoint, span, rid)
+
+    def _finished(self, outcome: Outcome, endpoint: str, span: trace.Span, rid: str) -> None:
+        REQUESTS.labels(endpoint, str(outcome.status)).inc()
+        span.set_attribute("http.response.status_code", outcome.status)
+        self.stats.status(time.time(), outcome.status)
+        p = outcome.prepared
+        self._remember(outcome, endpoint, span, rid)
+        if p is None:
+            log.info("%s %d", endpoint, outcome.status)
+            return
+        log.info(
+            "%s %d: %d prompt tokens (%d cached), %d generated, %.1f ms",
+            endpoint,
+            outcome.status,
+            p.usage.prompt_tokens,
+            p.usage.cached_tokens,
+            p.usage.completion_tokens,
+            (time.perf_counter() - p.received_at) * 1e3,
+        )
+        t, u = p.timing, p.usage
+        cached = u.cached_tokens
+        span.set_attributes(
+            {
+                "model": p.job.model,
+                "traffic_class": p.job.retention,
+                "prompt_tokens": u.prompt_tokens,
+                "cached_tokens": cached,
+                "completion_tokens": u.completion_tokens,
+            }
+        )
+        if outcome.status != 200 or not t.first_token_at:
+            return
+        ttft = t.first_token_at - p.received_at
+        generation_s = t.last_token_at - t.first_token_at
+        span.set_attribute("ttft_ms", round(ttft * 1e3, 3))
+        TTFT.observe(ttft)
+        if u.completion_tokens > 1:
+            TPOT.observe(generation_s / (u.completion_tokens - 1))
+        memory = min(cached, t.cached_tokens_by_tier.get("memory", 0))  # (the rest: storage)
+        INPUT_TOKENS.labels("computed").inc(max(0, u.prompt_tokens - cached))
+        INPUT_TOKENS.labels("memory").inc(memory)
+        INPUT_TOKENS.labels("storage").inc(cached - memory)
+        OUTPUT_TOKENS.inc(u.completion_tokens)
+        self.stats.record(
+            time.time(),
+            p.job.retention,
+            u.prompt_tokens,
+            cached,
+            u.completion_tokens,
+            ttft,
+            generation_s,
+            p.tenant,
+            memory,
+        )
+
+    def _remember(self, outcome: Outcome, endpoint: str, span: trace.Span, rid: str) -> None:
+        """The request in the operator page's recent list."""
+        ctx = span.get_span_context()
+        p = outcome.prepared
+        t = p.timing if p is not None else None
+        ttft = (t.first_token_at - p.received_at) if p is not None and t.first_token_at else None
+        self.recent.add(
+            {
+                "id": rid,
+                "trace_id": f"{ctx.trace_id:032x}" if ctx.is_valid else "",
+                "time": time.time(),
+                "endpoint": endpoint,
+                "status": outcome.status,
+                "tenant": p.tenant if p is not None else "",
+                "model": p.job.model if p is not None else "",
+                "prompt_tokens": p.usage.prompt_tokens if p is not None else None,
+                "cached_tokens": p.usage.cached_tokens if p is not None else None,
+                "completion_tokens": p.usage.completion_tokens if p is not None else None,
+                "ttft_ms": round(ttft * 1e3, 3) if ttft is not None else None,
+                "route": t.decision(every=True) if t is not None else {},
+                "workers": t.workers if t is not None else [],
+            }
+        )

@@ -1,0 +1,320 @@
+"""The one renderer: a conversation to the token ids the workers see.
+
+Messages go through the model's chat template (images as unguessable markers, then each as
+its placeholder tokens, hashed by content); a raw prompt is tokenized as it is, or taken as
+token ids. The same conversation gives the same ids whichever API format carried it.
+
+Tokenizing keeps a cache of segments. A tokenizer splits its input at special tokens before
+anything else, so a prompt's ids are the ids of each text segment between special tokens,
+joined by the special tokens' own ids. A chat prompt's segments are its messages: the next
+turn of a conversation repeats all but the newest, and only those get tokenized again
+(tokenizing a 77K-token conversation takes over 100 ms here; a cached turn takes about a
+millisecond). Each segment also keeps its ids packed as block hashing reads them, so hashing
+a long prompt does not pack it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import struct
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from services.router.dispatch.encodes import ImageInput
+from services.router.dispatch.job import Segments
+from services.router.errors import ApiError
+from services.router.request.conversation import (
+    Conversation,
+    Image,
+    Text,
+    Tool,
+    ToolCall,
+    ToolResult,
+)
+from shared.kvstore.hashing import image_stream, pack_tokens
+from shared.messages.generate import ImageRef
+from shared.model.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from shared.model.text import TextModel
+from shared.telemetry.tracing import tracer
+
+LONG_TEXT_CHARS = 8192  # above this, tokenizing takes milliseconds: off the event loop
+PLACEHOLDER_ID = 0  # the token id under an image's positions (its embeddings replace it)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    ids: list[int]
+    segments: Segments  # what the ids were tokenized from (a next turn reuses their hashes)
+    images: tuple[ImageRef, ...] = ()  # each image's placeholder tokens
+
+
+class Renderer:
+    def __init__(self, token_cache_tokens: int) -> None:
+        self.token_cache_tokens = token_cache_tokens
+        self._tokenizers: dict[str, PromptTokenizer] = {}
+
+    def add(self, name: str, model: TextModel) -> None:
+        """Render for the model ``name`` from now on (its tokenizer, with a cache of
+        segments)."""
+        self._tokenizers[name] = PromptTokenizer(model.tokenizer, self.token_cache_tokens)
+
+    async def render(
+        self, conv: Conversation, model: TextModel, images: list[ImageInput]
+    ) -> Rendered:
+        """``images``: the conversation's, read and checked, in order."""
+        if conv.chat:
+            nonce = uuid.uuid4().hex  # a client cannot forge a marker it cannot guess
+            marker = f"\x00kvmesh-image-{nonce}-"
+            text = model.chat_template.render(chat_messages(conv, marker))
+            return await self._with_images(conv.model, text, marker, images)
+        if isinstance(conv.prompt, str):
+            return Rendered(*await self.encode(conv.model, conv.prompt))
+        assert conv.prompt is not None
+        vocab = model.config.vocab_size
+        bad = next((t for t in conv.prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary", param="prompt")
+        return Rendered(list(conv.prompt), ())
+
+    async def encode(self, model: str, text: str) -> tuple[list[int], Segments]:
+        """Token ids and their segments; a long text is tokenized on a thread, so other
+        requests keep moving."""
+        with tracer.start_as_current_span("tokenize") as span:
+            tokenizer = self._tokenizers[model]
+            if len(text) < LONG_TEXT_CHARS:
+                ids, segments = tokenizer.encode_segments(text)
+            else:
+                loop = asyncio.get_running_loop()
+                ids, segments = await loop.run_in_executor(None, tokenizer.encode_segments, text)
+            span.set_attributes({"chars": len(text), "tokens": len(ids)})
+        return ids, segments
+
+    async def _with_images(
+        self, model: str, rendered: str, marker: str, images: list[ImageInput]
+    ) -> Rendered:
+        """Token ids of a rendered chat whose images are markers: the text between them
+        tokenized, each image as its placeholder tokens (hashed by its content)."""
+        if not images:
+            return Rendered(*await self.encode(model, rendered))
+        pieces = re.split(re.escape(marker) + r"(\d+)\x00", rendered)
+        order = [int(k) for k in pieces[1::2]]
+        if order != list(range(len(images))):
+            raise ApiError(500, "the chat template lost or reordered images", code="internal")
+        parts: list = []
+        for n, piece in enumerate(pieces):
+            if n % 2:
+                parts.append(images[int(piece)])
+            elif piece:
+                parts.append(await self.encode(model, piece))
+        return Rendered(*join_prompt(parts))
+
+
+# Tools in the prompt (the model's own template has no tool syntax): a Hermes-style preamble
+# at the end of the system prompt, each call as <tool_call> JSON, results as <tool_response>
+# in a user turn. One form whichever API carried them, so a tool-heavy conversation keeps its
+# cache hits across formats.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{tools}\n</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def tool_spec(tool: Tool) -> str:
+    spec: dict = {"name": tool.name}
+    if tool.description:
+        spec["description"] = tool.description
+    spec["parameters"] = tool.parameters
+    return json.dumps({"type": "function", "function": spec}, ensure_ascii=False)
+
+
+def call_text(call: ToolCall) -> str:
+    """A call as the model writes it (and as the grammar forces it)."""
+    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
+
+
+def result_text(result: ToolResult) -> str:
+    return f"<tool_response>\n{result.content}\n</tool_response>"
+
+
+def part_text(part: Text | ToolCall | ToolResult) -> str:
+    """A text part's text; a tool call or result as the prompt renders it."""
+    if isinstance(part, ToolCall):
+        return call_text(part)
+    if isinstance(part, ToolResult):
+        return result_text(part)
+    return part.text
+
+
+def chat_messages(conv: Conversation, marker: str) -> list[dict[str, str]]:
+    """The messages for the chat template; image k (in order) as ``{marker}{k}\\0``; tool
+    results as user turns (consecutive ones in one), tools described in the system prompt."""
+    out: list[dict[str, str]] = []
+    k = 0
+    last_was_tool = False
+    for m in conv.messages:
+        if m.role == "tool":
+            text = "\n".join(result_text(p) for p in m.parts if isinstance(p, ToolResult))
+            if last_was_tool:
+                out[-1]["content"] += "\n" + text
+            else:
+                out.append({"role": "user", "content": text})
+            last_was_tool = True
+            continue
+        last_was_tool = False
+        text, calls = [], []
+        for part in m.parts:
+            if isinstance(part, Text):
+                text.append(part.text)
+            elif isinstance(part, Image):
+                text.append(f"{marker}{k}\x00")
+                k += 1
+            elif isinstance(part, ToolCall):
+                calls.append(call_text(part))
+        content = "".join(text)
+        if calls:
+            sep = "" if not content or content.endswith("\n") else "\n"
+            content += sep + "\n".join(calls)
+        out.append({"role": m.role, "content": content})
+    if conv.tools:
+        preamble = TOOLS_PREAMBLE.format(tools="\n".join(tool_spec(t) for t in conv.tools))
+        if out and out[0]["role"] == "system":
+            out[0]["content"] += "\n\n" + preamble
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
+    return out
+
+
+def join_prompt(
+    parts: list[tuple[list[int], Segments] | ImageInput],
+) -> tuple[list[int], Segments, tuple[ImageRef, ...]]:
+    """A prompt from its tokenized text pieces and its images, in order: the ids (an image as
+    its placeholder tokens), the segments (an image as its content's hash stream, so prefix
+    hashes built from segments equal ``block_hashes(ids, images=refs)``) and the image refs."""
+    ids: list[int] = []
+    segments: list[tuple[str, bytes]] = []
+    refs = []
+    for part in parts:
+        if isinstance(part, ImageInput):
+            refs.append(part.ref(len(ids)))
+            ids += [PLACEHOLDER_ID] * part.tokens
+            stream = image_stream(part.image_hash, part.tokens)
+            segments.append((f"\x00image {part.image_hash}", stream))
+        else:
+            ids += part[0]
+            segments += part[1]
+    return ids, tuple(segments), tuple(refs)
+
+
+class PromptTokenizer:
+    def __init__(self, tokenizer: Tokenizer, cache_tokens: int = 4_000_000) -> None:
+        self.tokenizer = tokenizer
+        specials = {
+            t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
+        }
+        self.special_ids = specials
+        self._special_packed = {t: pack_tokens([i]) for t, i in specials.items()}
+        self._split = (
+            re.compile(
+                "(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")"
+            )
+            if specials
+            else None
+        )
+        self.cache_tokens = cache_tokens
+        self._cache: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
+        self._cached_tokens = 0
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()  # encode may run on several threads
+
+    def encode(self, text: str) -> list[int]:
+        """The same ids as ``tokenizer.encode(text, add_special_tokens=False).ids``."""
+        return self.encode_segments(text)[0]
+
+    def encode_segments(self, text: str) -> tuple[list[int], Segments]:
+        """The ids, and the segments they came from: (text, its ids packed) in order."""
+        if self._split is None:
+            ids, packed = self._segment(text)
+            return list(ids), ((text, packed),)
+        ids: list[int] = []
+        segments = []
+        for i, part in enumerate(self._split.split(text)):
+            if i % 2:
+                ids.append(self.special_ids[part])
+                segments.append((part, self._special_packed[part]))
+            elif part:
+                seg, packed = self._segment(part)
+                ids.extend(seg)
+                segments.append((part, packed))
+        return ids, tuple(segments)
+
+    def _segment(self, text: str) -> tuple[list[int], bytes]:
+        with self._lock:
+            entry = self._cache.get(text)
+            if entry is not None:
+                self._cache.move_to_end(text)
+                self.hits += 1
+                return entry
+            self.misses += 1
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids  # the GIL is let go
+        entry = (ids, pack_tokens(ids))
+        with self._lock:
+            if len(ids) <= self.cache_tokens and text not in self._cache:
+                self._cache[text] = entry
+                self._cached_tokens += len(ids)
+                while self._cached_tokens > self.cache_tokens:
+                    _, (gone, _) = self._cache.popitem(last=False)
+                    self._cached_tokens -= len(gone)
+        return entry
+
+
+def locate(conv: Conversation, segments: Segments, tokenizer: Tokenizer, position: int) -> dict:
+    """The message, content part and character of the prompt's token ``position``: from the
+    segments it was tokenized from (an image's segment is its placeholder tokens). A
+    position in the template's own text (a role header) is given as its next part's start."""
+    tokens = chars = 0
+    pieces: list[str] = []
+    target_char = target_image = None
+    images = 0
+    for text, packed in segments:
+        n = len(packed) // 4
+        image = n > 0 and struct.unpack_from("<i", packed)[0] < 0  # image streams: high bit
+        if target_char is None and target_image is None and position < tokens + n:
+            if image:
+                target_image = images
+            else:
+                ids = struct.unpack_from(f"<{position - tokens}i", packed)
+                target_char = chars + len(tokenizer.decode(list(ids), skip_special_tokens=False))
+        if image:
+            images += 1
+        else:
+            pieces.append(text)
+            chars += len(text)
+        tokens += n
+    if not conv.chat:
+        return {"message": 0, "part": 0, "char": target_char or 0}
+    rendered, cursor, k = "".join(pieces), 0, 0
+    for i, m in enumerate(conv.messages):
+        for j, p in enumerate(m.parts):
+            if isinstance(p, Image):
+                if target_image == k:
+                    return {"message": i, "part": j, "char": 0}
+                k += 1
+                continue
+            text = part_text(p)
+            at = rendered.find(text, cursor)
+            if at < 0:
+                continue
+            if target_char is not None and target_char < at + max(1, len(text)):
+                return {"message": i, "part": j, "char": max(0, target_char - at)}
+            cursor = at + len(text)
+    return {"message": None, "part": None, "char": None}  # past every part: the template's end

@@ -1,0 +1,108 @@
+"""Who may come in, and with what: a request's caller (its key's tenant; with auth off, the
+tenant header's), its admission (the router's own bounds, then the key's limits), its KV
+options from the headers (retention class, tenant, explanations asked for), and the tenant's
+salt, part of every block hash the request makes.
+
+A key is accepted as ``Authorization: Bearer <key>`` (OpenAI clients), ``x-api-key: <key>``
+(Anthropic clients) or the same names in gRPC metadata. With no keys file configured, auth is
+off: every request is let in, and the tenant is what ``x-kvmesh-tenant`` says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.router.dispatch.workers import LoopLag
+from services.router.errors import ApiError, overloaded
+from services.router.settings import TenancySettings
+from services.router.tenancy.keys import ANONYMOUS, Caller, KeyRing
+from services.router.tenancy.limits import KeyLimiter
+from shared.messages.kvevents import RETENTIONS
+from shared.security.salt import SALT_SECRET, tenant_salt
+from shared.security.secret import load_or_create
+
+RETENTION_HEADER = "x-kvmesh-retention"
+TENANT_HEADER = "x-kvmesh-tenant"
+EXPLAIN_HEADER = "x-kvmesh-explain"
+
+
+@dataclass(frozen=True)
+class KvOptions:
+    """How a request's KV blocks are kept: retention class and tenant (salt of the hashes)."""
+
+    retention: str = "chat"
+    tenant: str = ""
+    explain: bool = False  # every candidate's routing terms in the response, not the best few
+
+
+PLAIN = KvOptions()  # chat retention, no tenant
+
+
+class Tenancy:
+    def __init__(self, settings: TenancySettings, secrets_dir: Path, lag: LoopLag) -> None:
+        self.settings = settings
+        self.keys = KeyRing(settings.keys_file) if settings.keys_file else None
+        self.limiter = KeyLimiter()
+        self.salt_secret = load_or_create(secrets_dir, SALT_SECRET)
+        self.lag = lag
+        self.inflight = 0  # requests admitted and not yet answered
+
+    def identify(self, headers: Mapping[str, str], role: str = "user") -> Caller:
+        """Who sent the request (401 without a valid key when auth is on; 403 when the
+        endpoint needs the admin role)."""
+        if self.keys is None:
+            return ANONYMOUS
+        caller = self.keys.identify(headers)
+        assert caller.key is not None
+        if role == "admin" and caller.key.role != "admin":
+            raise ApiError(403, f"this needs an admin key ({caller.key.id} is a user key)")
+        return caller
+
+    @contextlib.contextmanager
+    def admitted(self, caller: Caller = ANONYMOUS) -> Iterator[None]:
+        """A request in progress; 429 when there are already max_inflight, when the router's
+        loop runs more than max_loop_lag_s behind (its answers already wait), or when the
+        caller's key is over one of its limits."""
+        s = self.settings
+        if self.inflight >= s.max_inflight:
+            raise overloaded(f"too many requests in progress ({s.max_inflight})")
+        if self.lag.seconds > s.max_loop_lag_s:
+            raise overloaded(
+                f"this router runs {self.lag.seconds:.2f} s behind "
+                f"(KVMESH_ROUTER_MAX_LOOP_LAG_S {s.max_loop_lag_s:g})"
+            )
+        with self.limiter.admitted(caller) if caller.key else contextlib.nullcontext():
+            self.inflight += 1
+            try:
+                yield
+            finally:
+                self.inflight -= 1
+
+    def charge_tokens(self, caller: Caller, tokens: int) -> None:
+        """The prompt's tokens against the caller's key's input-token limit."""
+        if caller.key is not None:
+            self.limiter.charge_tokens(caller, tokens)
+
+    def kv_options(self, headers: Mapping[str, str], caller: Caller = ANONYMOUS) -> KvOptions:
+        """With auth on, the tenant is the key's (a tenant header is ignored)."""
+        retention = headers.get(RETENTION_HEADER, "chat") or "chat"
+        if retention not in RETENTIONS:
+            raise ApiError(
+                400,
+                f"{RETENTION_HEADER}: one of {', '.join(RETENTIONS)} (got {retention!r})",
+                param=RETENTION_HEADER,
+            )
+        if caller.key is not None:
+            tenant = caller.tenant
+        else:
+            tenant = headers.get(TENANT_HEADER, "")
+            if len(tenant) > 256:
+                raise ApiError(400, f"{TENANT_HEADER}: at most 256 characters", param=TENANT_HEADER)
+        return KvOptions(retention, tenant, headers.get(EXPLAIN_HEADER, "") == "all")
+
+    def salt(self, tenant: str) -> str:
+        """The tenant's salt: part of every hash of its blocks and images."""
+        return tenant_salt(self.salt_secret, tenant)
