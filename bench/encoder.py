@@ -38,9 +38,9 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from e2e import Stack, say  # noqa: E402
 
+from services.encoder.pixels import pixels  # noqa: E402
+from services.encoder.tower import TowerConfig, VisionTower  # noqa: E402
 from shared.settings import CommonSettings  # noqa: E402
-from shared.vision.pixels import pixels  # noqa: E402
-from shared.vision.tower import TowerConfig, VisionTower  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SIZE = (640, 480)

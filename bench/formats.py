@@ -33,10 +33,12 @@ import uuid
 from pathlib import Path
 
 from bench.e2e import Stack, say
-from services.router import anthropic_api, openai_api, responses_api
-from services.router.cachemiss import CacheMisses, Prompt, Seen
 from services.router.dispatch.plan import PrefixHashes
-from services.router.render import Renderer
+from services.router.formats import anthropic as anthropic_api
+from services.router.formats import openai as openai_api
+from services.router.formats import responses as responses_api
+from services.router.observe.cachemiss import CacheMisses, Prompt, PromptParts
+from services.router.request.render import Renderer
 from shared.model.text import TextModel, load_text_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,12 +148,12 @@ def explanation_cost(model: TextModel, system: str, turns: list, reps: int) -> f
     samples = []
     for i in range(reps):
         misses = CacheMisses(64 << 20)
-        old = Seen.of("t", before, [])
+        old = PromptParts.of("t", before, [])
         n = len(rendered_before.ids)
         earlier = Prompt(f"a{i}", "tiny", old.parts, n, 64, "".join(hashes_before))
         misses.remember("t", earlier, old.texts)
         started = time.perf_counter()
-        seen = Seen.of("t", conv, [])
+        seen = PromptParts.of("t", conv, [])
         prompt = Prompt(f"b{i}", "tiny", seen.parts, len(rendered.ids), 64, "".join(hashes))
         cached = len(hashes) * 64
         misses.explain("t", prompt, seen.texts, cached, conv, rendered.segments, model.tokenizer)

@@ -17,6 +17,13 @@ def png(seed: int, size: tuple[int, int] = (300, 200), mode: str = "RGB") -> byt
     return out.getvalue()
 
 
+def encoded(size: tuple[int, int], fmt: str = "PNG", **save) -> bytes:  # noqa: ANN003
+    """A noise image of ``size`` in ``fmt`` (saved with ``save``'s options)."""
+    out = io.BytesIO()
+    Image.effect_noise(size, 50).convert("RGB").save(out, fmt, **save)
+    return out.getvalue()
+
+
 def data_url(data: bytes, media: str = "image/png") -> str:
     return f"data:{media};base64,{base64.b64encode(data).decode()}"
 

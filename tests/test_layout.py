@@ -138,15 +138,140 @@ def test_nothing_imports_the_cli() -> None:
 
 
 def test_the_simulator_reuses_pure_code_only() -> None:
-    """No service's asyncio/NATS layer (its service.py) in the simulator."""
+    """No service's asyncio/NATS layer (its service.py) in the simulator, and of the router
+    only its pure routing stage."""
     bad = [
         str(i)
         for m, found in GRAPH.items()
         if part_of(m) == "simulator"
         for i in found
-        if i.module.startswith("services.") and i.module.endswith((".service", ".__main__"))
+        if i.module.startswith("services.")
+        and (
+            i.module.endswith((".service", ".__main__"))
+            or (part_of(i.module) == "services.router" and stage_of(i.module) != "routing")
+        )
     ]
     assert not bad, "\n".join(bad)
+
+
+# -- the router, in stages along the request path -------------------------------------------
+
+ROUTER = REPO / "services" / "router"
+# Each stage imports only the stages after it (and itself): transport → format → request →
+# dispatch → routing, with batch work beside the transports, what is recorded beside the
+# format, tenancy under the request. The root's modules: the composition (service, core)
+# above every stage, the settings and the one error type under them.
+STAGES = (
+    "__main__",
+    "service",
+    "api",
+    "core",
+    "batch",
+    "formats",
+    "observe",
+    "request",
+    "tenancy",
+    "dispatch",
+    "settings",
+    "routing",
+    "errors",
+)
+
+
+def stage_of(module: str) -> str:
+    """The router's stage (a folder) or root module that ``module`` belongs to."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+ROUTER_MODULES = {m: p for m, p in MODULES.items() if m.startswith("services.router.")}
+
+
+def test_every_router_module_is_in_a_stage() -> None:
+    unknown = sorted({stage_of(m) for m in ROUTER_MODULES} - set(STAGES))
+    assert not unknown, f"router modules outside the stages: {unknown} (see STAGES)"
+
+
+def test_the_router_stages_import_one_way() -> None:
+    rank = {stage: i for i, stage in enumerate(STAGES)}
+    bad = [
+        f"{i} ({stage_of(m)} → {stage_of(i.module)})"
+        for m in ROUTER_MODULES
+        for i in GRAPH[m]
+        if i.module.startswith("services.router.") and rank[stage_of(i.module)] < rank[stage_of(m)]
+    ]
+    assert not bad, "a stage imports a stage before it:\n" + "\n".join(bad)
+
+
+def test_no_api_adapter_imports_another() -> None:
+    """formats/<api>.py and <api>_writer.py import no other API's (the shared parts are in
+    wire.py; the endpoint table lists them all)."""
+
+    def api_of(module: str) -> str:
+        return module.rsplit(".", 1)[1].removesuffix("_writer")
+
+    adapters = {"openai", "anthropic", "responses"}
+    bad = [
+        str(i)
+        for m in ROUTER_MODULES
+        if stage_of(m) == "formats" and api_of(m) in adapters
+        for i in GRAPH[m]
+        if stage_of(i.module) == "formats"
+        and api_of(i.module) in adapters
+        and api_of(i.module) != api_of(m)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_routing_is_pure_and_synchronous() -> None:
+    """No event loop, bus or server in routing/: the simulator runs the same code."""
+    io = ("asyncio", "nats", "grpc", "aiohttp", "opentelemetry")
+    bad = []
+    for m, path in ROUTER_MODULES.items():
+        if stage_of(m) != "routing":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            bad += [f"{m}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in io]
+    assert not bad, "\n".join(bad)
+
+
+def test_each_router_stage_says_what_it_takes_and_gives() -> None:
+    missing = [
+        str(init.relative_to(REPO))
+        for init in ROUTER.glob("*/__init__.py")
+        if len(ast.get_docstring(ast.parse(init.read_text())) or "") < 80
+    ]
+    assert not missing, f"a stage folder's __init__.py says what it takes and gives: {missing}"
+
+
+# How big a room may grow before it is split (STYLE.md): files in a folder, lines in a file,
+# a class and a function, project modules one module imports.
+MOST_FILES, MOST_LINES, MOST_CLASS, MOST_FUNCTION, MOST_IMPORTS = 12, 400, 250, 60, 12
+
+
+def test_the_router_rooms_stay_small() -> None:
+    too_big = []
+    folders: dict[Path, int] = {}
+    for m, path in ROUTER_MODULES.items():
+        folders[path.parent] = folders.get(path.parent, 0) + 1
+        rel = path.relative_to(REPO)
+        if (n := len(path.read_text().splitlines())) > MOST_LINES:
+            too_big.append(f"{rel}: {n} lines (at most {MOST_LINES})")
+        if (n := len(GRAPH[m])) > MOST_IMPORTS:
+            too_big.append(f"{rel}: imports {n} project modules (at most {MOST_IMPORTS})")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            most = MOST_CLASS if isinstance(node, ast.ClassDef) else MOST_FUNCTION
+            if (n := node.end_lineno - node.lineno + 1) > most:
+                too_big.append(f"{rel}:{node.lineno} {node.name}: {n} lines (at most {most})")
+    for folder, n in folders.items():
+        if n > MOST_FILES:
+            too_big.append(f"{folder.relative_to(REPO)}: {n} files (at most {MOST_FILES})")
+    assert not too_big, "\n".join(too_big)
 
 
 def test_workers_reach_the_engine_through_its_interface() -> None:
@@ -229,7 +354,7 @@ ROUTER_WITHOUT_TORCH = textwrap.dedent(
             await runner.setup()  # the application started, on no socket
             stack.push_async_callback(runner.cleanup)
             for model in ("smollm2-135m-instruct", "tiny"):
-                text = await service.core.preparer.text_model(model)
+                text = await service.core.preparer.renderer.text_model(model)
                 chat = text.chat_template.render([{"role": "user", "content": "Hello"}])
                 assert text.tokenizer.encode(chat).ids, model
         print("loaded:", sorted(m for m in sys.modules if m.split(".")[0] == "torch"))

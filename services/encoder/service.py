@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 from opentelemetry.trace import SpanKind, StatusCode
 
+from services.encoder.pixels import pixels
 from services.encoder.settings import EncoderSettings
+from services.encoder.tower import TowerConfig, VisionTower
 from shared.bus import Bus, subjects
 from shared.kvstore.backend import FileStore, MemoryStore
 from shared.messages.encode import EMBEDS_SHAPE_HEADER, EncodeReply, EncodeRequest
@@ -31,8 +33,6 @@ from shared.settings import CommonSettings
 from shared.telemetry.metrics import BYTES, IMAGES
 from shared.telemetry.tracing import tracer
 from shared.vision.images import BadImage, content_hash
-from shared.vision.pixels import pixels
-from shared.vision.tower import TowerConfig, VisionTower
 
 log = logging.getLogger(__name__)
 

@@ -50,9 +50,7 @@ class Core:
         s, secrets = settings, common.resolved_secrets_dir
         mesh = Mesh(router_id, s, common.heartbeat_interval_s)
         policy = s.policy()
-        dispatcher = Dispatcher.built(
-            bus, router_id, mesh.registry, mesh.breakers, policy, s, secrets
-        )
+        dispatcher = Dispatcher(bus, router_id, mesh.registry, mesh.breakers, policy, s, secrets)
         tenancy = Tenancy(s, secrets, mesh.lag)
         images = ImageReader(s, common)
         preparer = Preparer(s, images, dispatcher, tenancy, Path(common.state_dir))

@@ -47,6 +47,23 @@ def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
     return bytes(_BYTE_OF[c] for c in piece if c in _BYTE_OF)
 
 
+_PIECES: dict[int, tuple[Tokenizer, list[bytes]]] = {}  # id(tokenizer) → it, its table
+
+
+def token_pieces(tokenizer: Tokenizer) -> list[bytes]:
+    """Each token id's bytes as an answer's text has them (a special token's: none; an added
+    token's: its text), built once per tokenizer: a detokenizer's table."""
+    if id(tokenizer) not in _PIECES:
+        if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+            raise ValueError("the detokenizer needs a byte-level BPE tokenizer")
+        n = tokenizer.get_vocab_size(with_added_tokens=True)
+        pieces = [token_bytes(tokenizer, i) for i in range(n)]
+        for i, added in tokenizer.get_added_tokens_decoder().items():
+            pieces[i] = b"" if added.special else added.content.encode()
+        _PIECES[id(tokenizer)] = (tokenizer, pieces)
+    return _PIECES[id(tokenizer)][1]
+
+
 def build_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     """A byte-level BPE tokenizer equal to transformers' GGUF conversion of the same file."""
     assert meta["tokenizer.ggml.model"] == "gpt2", "only byte-level BPE vocabularies"

@@ -22,8 +22,8 @@ from services.router.errors import ApiError
 from services.router.formats.openai import conversation
 from services.router.formats.openai_writer import response_id
 from services.router.observe.recorder import request_ids
-from services.router.request.answer import Answers, Delta, Prepared
-from services.router.request.prepare import Preparer
+from services.router.request.answer import Answers, Delta
+from services.router.request.prepare import Prepared, Preparer
 from services.router.settings import RouterSettings
 from shared.proto import api_pb2, api_pb2_grpc
 from shared.security.tls import add_port
@@ -146,7 +146,7 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
         cancels the request on its workers if the call ends early)."""
         call = current()
         body, chat = as_body(request)
-        p = await self.preparer.prepare(conversation(body, chat), call.rid, call.kv, call.caller)
+        p = await self.preparer.prepare(conversation(body, chat), call.rid, call.kv)
         call.outcome.prepared = p
         deltas = self.answers.deltas(p)
         try:

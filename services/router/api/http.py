@@ -27,8 +27,8 @@ from services.router.formats.endpoints import (
     count_error_body,
 )
 from services.router.observe.recorder import request_ids
-from services.router.request.answer import Answers, Delta, Prepared, Writer
-from services.router.request.prepare import Preparer
+from services.router.request.answer import Answers, Delta, Writer
+from services.router.request.prepare import Prepared, Preparer
 from services.router.settings import ApiSettings
 from services.router.tenancy.admission import KvOptions
 from services.router.tenancy.keys import Caller
@@ -70,7 +70,7 @@ class HttpApi:
     async def generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         call = current()
         conv = endpoint.adapter(await self._body(request))
-        p = await self.preparer.prepare(conv, call.rid, call.kv, call.caller)
+        p = await self.preparer.prepare(conv, call.rid, call.kv)
         call.outcome.prepared = p
         writer = endpoint.writer(p)
         if conv.stream:
@@ -91,8 +91,8 @@ class HttpApi:
         conv = endpoint.adapter(body)
         if conv.stream:
             raise ApiError(400, "stream: a batch line cannot stream", param="stream")
-        kv, caller = KvOptions(retention="chat", tenant=tenant), Caller(tenant=tenant)
-        p = await self.preparer.prepare(conv, rid, kv, caller, priority="batch")
+        kv = KvOptions(retention="chat", tenant=tenant, caller=Caller(tenant=tenant))
+        p = await self.preparer.prepare(conv, rid, kv, priority="batch")
         return await self._whole_body(p, endpoint.writer(p))
 
     async def _whole_body(self, p: Prepared, writer: Writer) -> dict:

@@ -2,8 +2,17 @@
 
 ``Dispatcher.generate`` is the whole stage on one screen: the cache plan (``plan.py``), then
 per attempt the routing decision and the task sent (``send.py``), the token events streamed
-back (``stream.py``), and on a failure the move to other workers (``job.py``). Leaving early
+back (``stream.py``), and on a failure the move to other workers (``Moves``). Leaving early
 (the client went away, a stop string) cancels the request on its workers.
+
+When a request's workers fail (no answer to the task, gone from the registry, an error event,
+or no token within the progress bounds), the request moves to other workers, at most
+``migration_limit`` times, then fails with 503. Before its first token it is sent again;
+mid-answer it resumes from the tokens already sent: its prompt plus them, on a decode worker
+that loads the blocks the failed one stored as they filled, with the sampler at the next
+position, so the client's stream goes on with no token missing or repeated. Each move has a
+request id of its own: a worker that wakes up late with an earlier one (and is told to cancel
+it) can never mix its tokens into the answer.
 """
 
 from __future__ import annotations
@@ -11,14 +20,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
-from services.router.dispatch.job import Attempt, Failed, Job, Moves
+from services.router.dispatch.job import Attempt, Failed, Job
 from services.router.dispatch.plan import CachePlanner
 from services.router.dispatch.send import InFlight, Sender
 from services.router.dispatch.stream import Replies
@@ -35,9 +46,10 @@ from services.router.routing.route import (
 from services.router.settings import DispatchSettings
 from shared.bus import Bus
 from shared.messages.generate import TokenEvent
-from shared.security.handoff import HANDOFF_SECRET
-from shared.security.secret import load_or_create
+from shared.telemetry.metrics import MOVES
 from shared.telemetry.tracing import tracer
+
+log = logging.getLogger(__name__)
 
 
 def route_attributes(policy: str, ranked: list[Ranked]) -> dict:
@@ -61,7 +73,7 @@ class Dispatcher:
         breakers: Breakers,
         policy: RoutingPolicy,
         settings: DispatchSettings,
-        handoff_secret: bytes,
+        secrets_dir: Path,
     ) -> None:
         self.bus = bus
         self.registry = registry
@@ -70,27 +82,11 @@ class Dispatcher:
         self.settings = settings
         self.plans = CachePlanner(bus, settings)
         self.inflight = InFlight(policy, breakers)
-        self.sender = Sender(bus, router_id, registry, self.inflight, settings, handoff_secret)
+        self.sender = Sender(bus, router_id, registry, self.inflight, settings, secrets_dir)
         self.replies = Replies(bus, router_id, registry, breakers, settings)
         # A burst of requests takes turns to start: the replies of those already asking
         # (cachemeta's, the workers' acks) are not left waiting behind a thousand others.
         self._starting = asyncio.Semaphore(settings.max_starting)
-
-    @classmethod
-    def built(
-        cls,
-        bus: Bus,
-        router_id: str,
-        registry: WorkerRegistry,
-        breakers: Breakers,
-        policy: RoutingPolicy,
-        settings: DispatchSettings,
-        secrets_dir: Path,
-    ) -> Dispatcher:
-        """With the mesh's KV handoff secret (from ``secrets_dir``): decode workers admit a
-        handed-off prompt only with the token it makes."""
-        secret = load_or_create(secrets_dir, HANDOFF_SECRET)
-        return cls(bus, router_id, registry, breakers, policy, settings, secret)
 
     async def start(self) -> None:
         await self.replies.start()
@@ -251,3 +247,92 @@ class Dispatcher:
         hashes of the prompt's full blocks (from the cache of recent prompts' hashes)."""
         bs = self.block_size(job.model)
         return bs, self.plans.hashes(job, bs)
+
+
+def resumed_event(event: TokenEvent, offset: int) -> TokenEvent:
+    """An event of a resumed request as its client sees it: after the ``offset`` tokens sent
+    before the move; the reuse figures stay the first attempt's."""
+    return event.model_copy(
+        update={"index": event.index + offset, "cached_tokens": None, "cached_by_tier": None}
+    )
+
+
+class Moves:
+    """A request across its attempts: the answer tokens sent so far, the workers given up on,
+    why each move happened, and the job the next attempt sends."""
+
+    def __init__(self, job: Job, limit: int) -> None:
+        self.first = job
+        self.job = job  # the next attempt's
+        self.limit = limit
+        self.move = 0
+        self.sent: list[int] = []  # answer tokens the client has
+        self.offset = 0  # of them, those sent before the current attempt
+        self.excluded: set[str] = set()
+        self.failures: list[str] = []
+
+    def attempt(self) -> Attempt:
+        self.offset = len(self.sent)
+        return Attempt(self.job)
+
+    def continued(self, event: TokenEvent) -> TokenEvent:
+        """An attempt's event as the client's answer goes on with it."""
+        if self.offset:
+            event = resumed_event(event, self.offset)
+        self.sent.extend(event.token_ids)
+        return event
+
+    def failed(self, failure: Failed) -> None:
+        """An attempt failed: its workers are left out from now on; ApiError(503) when no
+        move is left."""
+        self.failures.append(str(failure))
+        self.excluded.update(failure.service_ids)
+        if self.move == self.limit:
+            raise ApiError(
+                503,
+                f"request failed after {self.move} moves: {'; '.join(self.failures)}",
+                code="unavailable",
+            )
+        log.warning(
+            "%s: %s; %s on other workers",
+            self.first.request_id,
+            failure,
+            f"resuming after {len(self.sent)} tokens" if self.sent else "retrying",
+        )
+        MOVES.labels("resumed" if self.sent else "retried").inc()
+
+    def unservable(self, err: ApiError) -> ApiError:
+        """No worker is left to move to: the error says why the request had to move."""
+        if self.failures:
+            err.message += f" (after: {'; '.join(self.failures)})"
+        return err
+
+    def next_job(self) -> Job:
+        """The request again, for its next move: sent again as it was, or (mid-answer) its
+        prompt plus the answer tokens already sent, the answer's remaining length, the
+        sampler at the next position; its cache plan is made again (``needs_plan``)."""
+        self.move += 1
+        job, sent = self.first, self.sent
+        if not sent:
+            self.job = replace(job, request_id=f"{job.request_id}-retry{self.move}")
+            return self.job
+        sampling = replace(
+            job.sampling,
+            max_tokens=job.sampling.max_tokens - len(sent),
+            answer_offset=job.sampling.answer_offset + len(sent),
+        )
+        self.job = replace(
+            job,
+            request_id=f"{job.request_id}-resume{self.move}",
+            prompt_ids=[*job.prompt_ids, *sent],
+            sampling=sampling,
+            segments=(),
+            block_hashes=[],
+            cached_blocks={},
+        )
+        return self.job
+
+    @property
+    def needs_plan(self) -> bool:
+        """The next job's prompt is not the first's: its blocks are looked up again."""
+        return bool(self.sent)

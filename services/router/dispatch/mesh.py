@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 from services.router.dispatch.workers import Breakers, LoopLag, WorkerRegistry
@@ -33,7 +34,8 @@ class Mesh:
         self.lag = LoopLag()
         self.beat_interval_s = beat_interval_s
         self.gone: dict[str, tuple[str, float]] = {}  # services stopped or lost: role, when
-        self.on_sweep: list = []  # called with (unix time, ready workers) after each sweep
+        # Called after each sweep with (unix time, ready prefill and decode workers).
+        self.on_sweep: list[Callable[[float, int], None]] = []
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from services.router.dispatch.job import Attempt, Failed
 from services.router.dispatch.workers import Breakers, WorkerRegistry
@@ -24,7 +25,8 @@ from services.router.routing.route import Route, RouteRequest, RoutingPolicy
 from services.router.settings import DispatchSettings
 from shared.bus import Bus, BusError, NoResponders, subjects
 from shared.messages.generate import GenerateTask, TaskAck, TokenEvent
-from shared.security.handoff import handoff_token
+from shared.security.handoff import HANDOFF_SECRET, handoff_token
+from shared.security.secret import load_or_create
 
 NO_RESPONDERS_RETRY_S = 0.1  # between asks of a worker not subscribed at the moment
 
@@ -97,14 +99,15 @@ class Sender:
         registry: WorkerRegistry,
         inflight: InFlight,
         settings: DispatchSettings,
-        handoff_secret: bytes,
+        secrets_dir: Path,
     ) -> None:
         self.bus = bus
         self.reply_subject = subjects.replies(router_id)
         self.registry = registry
         self.inflight = inflight
         self.settings = settings
-        self.handoff_secret = handoff_secret
+        # The mesh's: a decode worker admits a handed-off prompt only with the token it makes.
+        self.handoff_secret = load_or_create(secrets_dir, HANDOFF_SECRET)
 
     async def send(self, attempt: Attempt, route: Route, req: RouteRequest) -> None:
         """Queue the attempt's task on the first pair that takes it; fills ``attempt`` (its

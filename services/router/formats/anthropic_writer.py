@@ -7,7 +7,8 @@ import json
 
 from services.router.errors import ApiError
 from services.router.formats import wire
-from services.router.request.answer import Delta, Prepared
+from services.router.request.answer import Delta
+from services.router.request.prepare import Prepared
 from services.router.request.toolcalls import calls_of
 
 # HTTP status → Anthropic's error type.

@@ -16,8 +16,9 @@ from services.router.formats import anthropic, anthropic_writer, openai, openai_
 from services.router.formats.anthropic_writer import MessageWriter
 from services.router.formats.openai_writer import OpenAIWriter
 from services.router.formats.responses_writer import ResponseWriter
-from services.router.request.answer import Prepared, Writer
+from services.router.request.answer import Writer
 from services.router.request.conversation import Conversation
+from services.router.request.prepare import Prepared
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer
 
 from services.router.errors import ApiError
 from services.router.formats import wire
-from services.router.request.answer import Delta, Prepared, Usage
+from services.router.request.answer import Delta
+from services.router.request.prepare import Prepared, Usage
 from services.router.request.toolcalls import calls_of
 from shared.httperrors import error_body as openai_error
 from shared.messages.generate import Logprobs

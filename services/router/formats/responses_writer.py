@@ -8,7 +8,8 @@ import time
 
 from services.router.errors import ApiError
 from services.router.formats import wire
-from services.router.request.answer import Delta, Prepared, Usage
+from services.router.request.answer import Delta
+from services.router.request.prepare import Prepared, Usage
 from services.router.request.toolcalls import calls_of
 
 

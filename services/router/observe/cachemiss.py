@@ -38,8 +38,8 @@ import xxhash
 from tokenizers import Tokenizer
 
 from services.router.dispatch.job import Job, Segments
-from services.router.request.answer import Prepared
 from services.router.request.conversation import Conversation, Image
+from services.router.request.prepare import Prepared
 from services.router.request.render import locate, part_text
 
 KINDS = (

@@ -17,7 +17,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from services.router.observe.stats import RollingStats
-from services.router.request.answer import Prepared
+from services.router.request.prepare import Prepared
 from shared.logs import request_scope
 from shared.telemetry.metrics import INPUT_TOKENS, OUTPUT_TOKENS, REQUESTS, TPOT, TTFT
 from shared.telemetry.tracing import REQUEST_ID, current_ids, extract, tracer

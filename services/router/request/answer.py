@@ -1,123 +1,34 @@
-"""A prepared request and its answer: what the request carries from preparation to its last
-byte (``Prepared``: the job, the conversation, its usage and timing as they fill in), and the
-answer as text deltas (``Answers``): the dispatcher's token events detokenized, stop strings
-cut, tool calls parsed out of the text. Shared by every API: a format's writer
-(``Writer``) turns the deltas into its bytes.
+"""A prepared request's answer as text deltas (``Answers``): the dispatcher's token events
+detokenized, stop strings cut, tool calls parsed out of the text, the request's usage and
+timing filled in as they come. Shared by every API: a format's writer (``Writer``) turns the
+deltas into its bytes.
+
+Detokenizing is incremental, safe for multi-byte UTF-8, and honours stop strings. The
+vocabulary is byte-level BPE (shared/model/tokenizer.py): a token stands for bytes, and an
+answer's text is its tokens' bytes decoded as UTF-8, special tokens skipped, which is what the
+tokenizer's own decode gives. So each token costs a table lookup and an incremental UTF-8
+decode (a character split over two tokens is released once its last byte arrives), not a
+decode of the answer's tail through the tokenizer. Text that could be the start of a stop
+string is held back until it is known not to be one; a stop string and what follows it are
+never sent.
 """
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from tokenizers import Tokenizer
+
 from services.router.dispatch.dispatcher import Dispatcher
-from services.router.dispatch.encodes import Encodes
-from services.router.dispatch.job import Job
 from services.router.errors import ApiError
-from services.router.request.conversation import Conversation
-from services.router.request.detokenizer import Detokenizer
+from services.router.request.prepare import Prepared
 from services.router.request.toolcalls import CallEvent, CallParser
-from shared.messages.generate import Logprobs, TokenEvent
-from shared.model.text import TextModel
-
-EXPLAINED = 4  # candidates listed in a response (all with the header x-kvmesh-explain: all)
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-
-@dataclass
-class Timing:
-    """Where a request's time went, in the workers (ms); the rest is the mesh's."""
-
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    kv_bytes: int = 0
-    kv_transfer_ms: float = 0.0
-    workers: list[str] = field(default_factory=list)
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    route: dict = field(default_factory=dict)  # the routing decision, with each candidate's terms
-    images: list[dict] = field(default_factory=list)  # per image: tokens, cached, encode_ms
-    first_token_at: float = 0.0  # perf_counter when the first token came, and the last
-    last_token_at: float = 0.0
-    explain_all: bool = False  # else only the best EXPLAINED candidates are listed
-    cache_miss: dict | None = None  # why the prompt missed the cache (observe/cachemiss.py)
-
-    def add(self, event: TokenEvent) -> None:
-        """What an event says of the workers' time and the tiers' hits."""
-        if event.cached_by_tier is not None:
-            self.cached_tokens_by_tier = event.cached_by_tier
-        if event.token_ids:
-            self.last_token_at = time.perf_counter()
-            self.first_token_at = self.first_token_at or self.last_token_at
-        self.prefill_ms += (event.prefill_s or 0.0) * 1e3
-        self.decode_ms += (event.decode_s or 0.0) * 1e3
-        self.kv_bytes += event.kv_bytes or 0
-        self.kv_transfer_ms += (event.kv_transfer_s or 0.0) * 1e3
-        if event.worker_id and event.worker_id not in self.workers:
-            self.workers.append(event.worker_id)
-
-    @property
-    def engine_ms(self) -> float:
-        return self.prefill_ms + self.decode_ms
-
-    def to_dict(self) -> dict:
-        return {
-            "engine_ms": round(self.engine_ms, 3),
-            "prefill_ms": round(self.prefill_ms, 3),
-            "decode_ms": round(self.decode_ms, 3),
-            "kv_bytes": self.kv_bytes,
-            "kv_transfer_ms": round(self.kv_transfer_ms, 3),
-            "workers": self.workers,
-            "cached_tokens_by_tier": self.cached_tokens_by_tier,
-            "route": self.decision(),
-            **({"images": self.images} if self.images else {}),
-            **({"cache_miss": self.cache_miss} if self.cache_miss else {}),
-        }
-
-    def decision(self, every: bool = False) -> dict:
-        """The routing decision with its candidates' terms (the best EXPLAINED of them
-        unless ``every`` or the request asked for all)."""
-        ranked = self.route.get("candidates")
-        if ranked is None:
-            return self.route
-        shown = ranked if every or self.explain_all else ranked[:EXPLAINED]
-        out = {**self.route, "candidates": [{"worker": r.service_id, **r.terms} for r in shown]}
-        if len(shown) < len(ranked):
-            out["others"] = len(ranked) - len(shown)
-        return out
-
-
-@dataclass
-class Prepared:
-    """A request checked, tokenized and ready to dispatch: what its answer's stream needs."""
-
-    job: Job
-    conversation: Conversation
-    text: TextModel
-    usage: Usage
-    timing: Timing = field(default_factory=Timing)
-    received_at: float = field(default_factory=time.perf_counter)
-    encodes: Encodes | None = None  # the images' encode requests, in flight
-    block_size: int = 0  # the model's KV block size (0 while no worker has said)
-    tenant: str = ""  # whose request (the key's tenant, or the tenant header with auth off)
-    delivered: bool = False  # a stream's last event written (the client has the answer)
-
-    def kvmesh(self) -> dict:
-        """The `kvmesh` extension of a response: where the time went, and the prompt's cache
-        hits and misses as DeepSeek's API names them."""
-        return {
-            **self.timing.to_dict(),
-            "router_ms": round((time.perf_counter() - self.received_at) * 1e3, 3),
-            "prompt_cache_hit_tokens": self.usage.cached_tokens,
-            "prompt_cache_miss_tokens": self.usage.prompt_tokens - self.usage.cached_tokens,
-        }
+from shared.messages.generate import Logprobs
+from shared.model.tokenizer import token_pieces
 
 
 class Writer(Protocol):
@@ -233,3 +144,65 @@ class Answers:
             if text:
                 yield Delta(text, logprobs=logprobs)
                 logprobs = []
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | tuple[str, ...] = ()) -> None:
+        self.pieces = token_pieces(tokenizer)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.stop = list(stop)
+        self.text = ""
+        self.sent = 0  # characters of self.text released so far
+        self.stopped = False
+        self.stop_hit: str | None = None  # the stop string that ended the answer
+
+    def add(self, token_ids: list[int]) -> str:
+        """Take new tokens; returns the text that is now safe to send (maybe empty)."""
+        if self.stopped:
+            return ""
+        pieces, n = self.pieces, len(self.pieces)
+        raw = b"".join([pieces[t] for t in token_ids if 0 <= t < n])
+        self.text += self.utf8.decode(raw)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The end of the answer: everything not yet sent (up to a stop string)."""
+        if not self.stopped:
+            self.text += self.utf8.decode(b"", final=True)  # a cut-off character: U+FFFD
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if not self.stop:
+            out = self.text[self.sent :]
+            self.sent = len(self.text)
+            return out
+        cut = self._stop_at()
+        if cut is not None:
+            cut, self.stop_hit = cut
+            self.text = self.text[:cut]
+            self.stopped = True
+            end = len(self.text)
+        elif final:
+            end = len(self.text)
+        else:
+            end = len(self.text) - self._held_back()
+        out = self.text[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return out
+
+    def _stop_at(self) -> tuple[int, str] | None:
+        """Where the earliest stop string begins in the text, and which, if one does."""
+        hits = [
+            (i, s) for s in self.stop if (i := self.text.find(s, max(0, self.sent - len(s)))) >= 0
+        ]
+        return min(hits) if hits else None
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is the beginning of some stop string."""
+        held = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), held, -1):
+                if self.text.endswith(s[:k]):
+                    held = k
+                    break
+        return held

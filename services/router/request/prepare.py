@@ -1,6 +1,7 @@
 """From a conversation to a prepared request: its model, tools and images checked, rendered to
 token ids, held to the model's context and the caller's limits, and made into the job that is
-dispatched.
+dispatched; and what a prepared request carries to its last byte (``Prepared``: the job, the
+conversation, its usage and timing as they fill in).
 
 Images are read first (a 400 names a bad one before anything else is done) and, unless
 KVMESH_ROUTER_ENCODE_AHEAD is off, sent to the encoders at once, so encoding overlaps the
@@ -10,27 +11,22 @@ the model's vocabulary here: a 400 names the field whose schema cannot be used.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.router.dispatch.dispatcher import Dispatcher
-from services.router.dispatch.encodes import Encodes, check_encoders
+from services.router.dispatch.encodes import Encodes, ImageInput, check_encoders
 from services.router.dispatch.job import Job
 from services.router.errors import ApiError
-from services.router.request.answer import Prepared, Timing, Usage
 from services.router.request.conversation import Conversation, ToolError
-from services.router.request.detokenizer import token_pieces
 from services.router.request.images import ImageReader
 from services.router.request.render import Renderer
 from services.router.settings import RequestSettings
 from services.router.tenancy.admission import PLAIN, KvOptions, Tenancy
-from services.router.tenancy.keys import ANONYMOUS, Caller
-from shared.engine.sampling import SamplingParams
-from shared.messages.generate import Priority
+from shared.messages.generate import Priority, TokenEvent
 from shared.model.grammar import (
     ANY_OBJECT,
     GrammarError,
@@ -39,10 +35,105 @@ from shared.model.grammar import (
     tool_call_grammar,
     vocabulary,
 )
-from shared.model.text import MODEL_NAMES, TextModel, load_text_model
-from shared.service import keep_for_good
+from shared.model.text import MODEL_NAMES, TextModel
 
 _CHECKED_SCHEMAS: set[str] = set()  # tool schemas the library compiled (agents resend them)
+EXPLAINED = 4  # candidates listed in a response (all with the header x-kvmesh-explain: all)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Timing:
+    """Where a request's time went, in the workers (ms); the rest is the mesh's."""
+
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    kv_bytes: int = 0
+    kv_transfer_ms: float = 0.0
+    workers: list[str] = field(default_factory=list)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    route: dict = field(default_factory=dict)  # the routing decision, with each candidate's terms
+    images: list[dict] = field(default_factory=list)  # per image: tokens, cached, encode_ms
+    first_token_at: float = 0.0  # perf_counter when the first token came, and the last
+    last_token_at: float = 0.0
+    explain_all: bool = False  # else only the best EXPLAINED candidates are listed
+    cache_miss: dict | None = None  # why the prompt missed the cache (observe/cachemiss.py)
+
+    def add(self, event: TokenEvent) -> None:
+        """What an event says of the workers' time and the tiers' hits."""
+        if event.cached_by_tier is not None:
+            self.cached_tokens_by_tier = event.cached_by_tier
+        if event.token_ids:
+            self.last_token_at = time.perf_counter()
+            self.first_token_at = self.first_token_at or self.last_token_at
+        self.prefill_ms += (event.prefill_s or 0.0) * 1e3
+        self.decode_ms += (event.decode_s or 0.0) * 1e3
+        self.kv_bytes += event.kv_bytes or 0
+        self.kv_transfer_ms += (event.kv_transfer_s or 0.0) * 1e3
+        if event.worker_id and event.worker_id not in self.workers:
+            self.workers.append(event.worker_id)
+
+    @property
+    def engine_ms(self) -> float:
+        return self.prefill_ms + self.decode_ms
+
+    def to_dict(self) -> dict:
+        return {
+            "engine_ms": round(self.engine_ms, 3),
+            "prefill_ms": round(self.prefill_ms, 3),
+            "decode_ms": round(self.decode_ms, 3),
+            "kv_bytes": self.kv_bytes,
+            "kv_transfer_ms": round(self.kv_transfer_ms, 3),
+            "workers": self.workers,
+            "cached_tokens_by_tier": self.cached_tokens_by_tier,
+            "route": self.decision(),
+            **({"images": self.images} if self.images else {}),
+            **({"cache_miss": self.cache_miss} if self.cache_miss else {}),
+        }
+
+    def decision(self, every: bool = False) -> dict:
+        """The routing decision with its candidates' terms (the best EXPLAINED of them
+        unless ``every`` or the request asked for all)."""
+        ranked = self.route.get("candidates")
+        if ranked is None:
+            return self.route
+        shown = ranked if every or self.explain_all else ranked[:EXPLAINED]
+        out = {**self.route, "candidates": [{"worker": r.service_id, **r.terms} for r in shown]}
+        if len(shown) < len(ranked):
+            out["others"] = len(ranked) - len(shown)
+        return out
+
+
+@dataclass
+class Prepared:
+    """A request checked, tokenized and ready to dispatch: what its answer's stream needs."""
+
+    job: Job
+    conversation: Conversation
+    text: TextModel
+    usage: Usage
+    timing: Timing = field(default_factory=Timing)
+    received_at: float = field(default_factory=time.perf_counter)
+    encodes: Encodes | None = None  # the images' encode requests, in flight
+    block_size: int = 0  # the model's KV block size (0 while no worker has said)
+    tenant: str = ""  # whose request (the key's tenant, or the tenant header with auth off)
+    delivered: bool = False  # a stream's last event written (the client has the answer)
+
+    def kvmesh(self) -> dict:
+        """The `kvmesh` extension of a response: where the time went, and the prompt's cache
+        hits and misses as DeepSeek's API names them."""
+        return {
+            **self.timing.to_dict(),
+            "router_ms": round((time.perf_counter() - self.received_at) * 1e3, 3),
+            "prompt_cache_hit_tokens": self.usage.cached_tokens,
+            "prompt_cache_miss_tokens": self.usage.prompt_tokens - self.usage.cached_tokens,
+        }
 
 
 class Preparer:
@@ -58,25 +149,22 @@ class Preparer:
         self.images = images
         self.dispatcher = dispatcher
         self.tenancy = tenancy
-        self.state_dir = state_dir
-        self.renderer = Renderer(settings.token_cache_tokens)
-        self._models: dict[str, TextModel] = {}
-        self._model_lock = asyncio.Lock()
+        self.renderer = Renderer(settings.token_cache_tokens, state_dir)
 
     async def prepare(
         self,
         conv: Conversation,
         rid: str,
         kv: KvOptions = PLAIN,
-        caller: Caller = ANONYMOUS,
         priority: Priority = "online",
     ) -> Prepared:
         """A conversation (from any format's adapter) checked, rendered and ready to run
-        (``priority``: batch work waits for online requests in the workers' queues)."""
+        (``kv``: whose it is and how its blocks are kept; ``priority``: batch work waits for
+        online requests in the workers' queues)."""
         check_model(conv)
         self.dispatcher.check_servable(conv.model)
         salt = self.tenancy.salt(kv.tenant)
-        images = await self.images.read_all(conv, salt, self.dispatcher.bus.nc.max_payload)
+        images = await self._images(conv, salt)
         encodes: Encodes | None = None
         if images:
             check_encoders(self.dispatcher.registry, conv.model)
@@ -84,7 +172,7 @@ class Preparer:
             if self.images.settings.encode_ahead:  # encoding overlaps everything that follows
                 self._encode(encodes, conv.model)
         try:
-            return await self._prepare(conv, rid, kv, salt, caller, encodes, priority)
+            return await self._prepare(conv, rid, kv, salt, encodes, priority)
         except BaseException:
             if encodes is not None:
                 encodes.cancel()
@@ -94,9 +182,8 @@ class Preparer:
         """The prompt's tokens, exactly as ``prepare`` renders them (images read and
         measured, not encoded; no worker involved)."""
         check_model(conv)
-        max_payload = self.dispatcher.bus.nc.max_payload
-        images = await self.images.read_all(conv, self.tenancy.salt(kv.tenant), max_payload)
-        text = await self.text_model(conv.model)
+        images = await self._images(conv, self.tenancy.salt(kv.tenant))
+        text = await self.renderer.text_model(conv.model)
         return len((await self.renderer.render(conv, text, images)).ids)
 
     async def _prepare(
@@ -105,11 +192,10 @@ class Preparer:
         rid: str,
         kv: KvOptions,
         salt: str,
-        caller: Caller,
         encodes: Encodes | None,
         priority: Priority,
     ) -> Prepared:
-        text = await self.text_model(conv.model)
+        text = await self.renderer.text_model(conv.model)
         rendered = await self.renderer.render(conv, text, encodes.images if encodes else [])
         ids = rendered.ids
         if encodes is not None:
@@ -117,7 +203,7 @@ class Preparer:
         if not ids:
             field = conv.prompt_field
             raise ApiError(400, f"{field}: the prompt is empty", param=field)
-        self.tenancy.charge_tokens(caller, len(ids))
+        self.tenancy.charge_tokens(kv.caller, len(ids))
         max_tokens = self._answer_length(conv, len(ids), text.config.max_context)
         if encodes is not None and not self.images.settings.encode_ahead:
             self._encode(encodes, conv.model)  # head start off (for comparison): encode now,
@@ -126,7 +212,7 @@ class Preparer:
             request_id=rid,
             model=conv.model,
             prompt_ids=ids,
-            sampling=sampling_for(conv, text, max_tokens),
+            sampling=replace(conv.sampling, max_tokens=max_tokens, grammar=checked(conv, text)),
             deadline=time.time() + self.settings.request_timeout_s,
             retention=kv.retention,
             salt=salt,
@@ -167,22 +253,11 @@ class Preparer:
     def _encode(self, encodes: Encodes, model: str) -> None:
         encodes.start(self.dispatcher.bus, model, self.images.settings.encode_timeout_s)
 
-    async def text_model(self, name: str) -> TextModel:
-        """A model's text side (config, tokenizer, chat template), loaded once, off the loop,
-        with the tables built from it (the vocabulary grammars are checked against, each
-        token's bytes for the detokenizer)."""
-        if name not in self._models:
-            async with self._model_lock:
-                if name not in self._models:
-                    loop = asyncio.get_running_loop()
-                    model = await loop.run_in_executor(None, load_text_model, name, self.state_dir)
-                    eos = tuple(model.config.eos_ids)
-                    await loop.run_in_executor(None, vocabulary, model.tokenizer, eos)  # 0.2 s
-                    await loop.run_in_executor(None, token_pieces, model.tokenizer)  # 0.1 s
-                    self.renderer.add(name, model)
-                    self._models[name] = model
-                    keep_for_good()  # the model's tables live as long as the router
-        return self._models[name]
+    async def _images(self, conv: Conversation, salt: str) -> list[ImageInput]:
+        """The conversation's images, read and checked (none for a text request)."""
+        if not conv.images():
+            return []
+        return await self.images.read_all(conv, salt, self.dispatcher.bus.nc.max_payload)
 
 
 def check_model(conv: Conversation) -> None:
@@ -197,16 +272,15 @@ def check_model(conv: Conversation) -> None:
         raise ApiError(400, str(err), param=err.param) from None
 
 
-def sampling_for(conv: Conversation, text: TextModel, max_tokens: int) -> SamplingParams:
-    """The conversation's sampling with the answer's length and the grammar its answer must
-    match; 400 for a logit bias outside the vocabulary."""
+def checked(conv: Conversation, text: TextModel) -> str | None:
+    """The conversation's sampling checked against the model (400 for a logit bias outside
+    its vocabulary); the grammar its answer must match (``answer_grammar``)."""
     vocab_size = text.config.vocab_size
     bad = next((t for t, _ in conv.sampling.logit_bias if not 0 <= t < vocab_size), None)
     if bad is not None:
         why = f"logit_bias: token id {bad} is outside the vocabulary ({vocab_size})"
         raise ApiError(400, why, param="logit_bias")
-    grammar = answer_grammar(conv, text)
-    return replace(conv.sampling, max_tokens=max_tokens, grammar=grammar)
+    return answer_grammar(conv, text)
 
 
 def answer_grammar(conv: Conversation, text: TextModel) -> str | None:

@@ -23,6 +23,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 from tokenizers import Tokenizer
 
@@ -39,8 +40,10 @@ from services.router.request.conversation import (
 )
 from shared.kvstore.hashing import image_stream, pack_tokens
 from shared.messages.generate import ImageRef
-from shared.model.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from shared.model.text import TextModel
+from shared.model.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, vocabulary
+from shared.model.text import TextModel, load_text_model
+from shared.model.tokenizer import token_pieces
+from shared.service import keep_for_good
 from shared.telemetry.tracing import tracer
 
 LONG_TEXT_CHARS = 8192  # above this, tokenizing takes milliseconds: off the event loop
@@ -55,14 +58,34 @@ class Rendered:
 
 
 class Renderer:
-    def __init__(self, token_cache_tokens: int) -> None:
+    def __init__(self, token_cache_tokens: int, state_dir: Path | None = None) -> None:
         self.token_cache_tokens = token_cache_tokens
+        self.state_dir = state_dir  # where models' text sides are read from (model.text)
         self._tokenizers: dict[str, PromptTokenizer] = {}
+        self._models: dict[str, TextModel] = {}
+        self._loading = asyncio.Lock()
 
     def add(self, name: str, model: TextModel) -> None:
         """Render for the model ``name`` from now on (its tokenizer, with a cache of
         segments)."""
         self._tokenizers[name] = PromptTokenizer(model.tokenizer, self.token_cache_tokens)
+
+    async def text_model(self, name: str) -> TextModel:
+        """A model's text side (config, tokenizer, chat template), loaded once, off the loop,
+        with the tables built from it (the vocabulary grammars are checked against, each
+        token's bytes for the detokenizer); rendered for from then on."""
+        if name not in self._models:
+            async with self._loading:
+                if name not in self._models:
+                    loop = asyncio.get_running_loop()
+                    model = await loop.run_in_executor(None, load_text_model, name, self.state_dir)
+                    eos = tuple(model.config.eos_ids)
+                    await loop.run_in_executor(None, vocabulary, model.tokenizer, eos)  # 0.2 s
+                    await loop.run_in_executor(None, token_pieces, model.tokenizer)  # 0.1 s
+                    self.add(name, model)
+                    self._models[name] = model
+                    keep_for_good()  # the model's tables live as long as the router
+        return self._models[name]
 
     async def render(
         self, conv: Conversation, model: TextModel, images: list[ImageInput]

@@ -31,11 +31,13 @@ EXPLAIN_HEADER = "x-kvmesh-explain"
 
 @dataclass(frozen=True)
 class KvOptions:
-    """How a request's KV blocks are kept: retention class and tenant (salt of the hashes)."""
+    """Whose a request is and how its KV blocks are kept: its caller, its tenant (the salt of
+    its hashes), its retention class."""
 
     retention: str = "chat"
     tenant: str = ""
     explain: bool = False  # every candidate's routing terms in the response, not the best few
+    caller: Caller = ANONYMOUS  # (its key's limits are charged its prompt's tokens)
 
 
 PLAIN = KvOptions()  # chat retention, no tenant
@@ -101,7 +103,7 @@ class Tenancy:
             tenant = headers.get(TENANT_HEADER, "")
             if len(tenant) > 256:
                 raise ApiError(400, f"{TENANT_HEADER}: at most 256 characters", param=TENANT_HEADER)
-        return KvOptions(retention, tenant, headers.get(EXPLAIN_HEADER, "") == "all")
+        return KvOptions(retention, tenant, headers.get(EXPLAIN_HEADER, "") == "all", caller)
 
     def salt(self, tenant: str) -> str:
         """The tenant's salt: part of every hash of its blocks and images."""

@@ -10,6 +10,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -48,7 +49,9 @@ async def bus(open_nats_url: str) -> AsyncIterator[Bus]:
 class Mesh:
     """A router's dispatch (its own id, registry and breakers) and the test's workers."""
 
-    def __init__(self, bus: Bus, settings: DispatchSettings, clock: list[float]) -> None:
+    def __init__(
+        self, bus: Bus, settings: DispatchSettings, clock: list[float], secrets: Path
+    ) -> None:
         self.bus = bus
         self.tag = f"t{next(_ids)}"
         self.registry = WorkerRegistry()
@@ -61,7 +64,7 @@ class Mesh:
             self.breakers,
             self.policy,
             settings,
-            b"handoff-secret",
+            secrets,
         )
         self.workers: dict[str, ScriptedWorker] = {}
 
@@ -90,8 +93,8 @@ class Mesh:
 
 
 @pytest.fixture
-async def mesh(bus: Bus) -> AsyncIterator[Mesh]:
-    m = Mesh(bus, FAST, [0.0])
+async def mesh(bus: Bus, tmp_path: Path) -> AsyncIterator[Mesh]:
+    m = Mesh(bus, FAST, [0.0], tmp_path)
     await m.dispatcher.start()
     yield m
     await m.dispatcher.stop()
@@ -263,14 +266,16 @@ async def test_leaving_early_cancels_on_the_workers_and_frees_every_count(mesh: 
     mesh.settled()
 
 
-async def test_worker_errors_fail_their_requests_and_open_its_breaker(bus: Bus) -> None:
+async def test_worker_errors_fail_their_requests_and_open_its_breaker(
+    bus: Bus, tmp_path: Path
+) -> None:
     async def broken(worker: ScriptedWorker, task: GenerateTask) -> TaskAck:
         error = worker.event(task, 0, [], error="out of memory", error_code="internal")
         worker.later(worker.publish(task, error))
         return TaskAck(accepted=True)
 
     clock = [0.0]
-    mesh = Mesh(bus, FAST, clock)
+    mesh = Mesh(bus, FAST, clock, tmp_path)
     await mesh.dispatcher.start()
     await mesh.worker("prefill", "p1", broken)
     await mesh.worker("decode", "d1", busy())
@@ -298,9 +303,11 @@ async def test_when_no_move_is_left_the_error_says_every_reason(mesh: Mesh) -> N
     mesh.settled()
 
 
-async def test_breakers_open_after_faults_in_a_row_and_the_worker_is_skipped(bus: Bus) -> None:
+async def test_breakers_open_after_faults_in_a_row_and_the_worker_is_skipped(
+    bus: Bus, tmp_path: Path
+) -> None:
     clock = [0.0]
-    mesh = Mesh(bus, FAST, clock)
+    mesh = Mesh(bus, FAST, clock, tmp_path)
     await mesh.dispatcher.start()
     p1 = await mesh.worker("prefill", "p1", silent())
     p2 = await mesh.worker("prefill", "p2", tokens(ANSWER))
@@ -324,9 +331,11 @@ async def test_breakers_open_after_faults_in_a_row_and_the_worker_is_skipped(bus
     await mesh.dispatcher.stop()
 
 
-async def test_the_deadline_ends_a_request_whose_answer_never_comes(bus: Bus) -> None:
+async def test_the_deadline_ends_a_request_whose_answer_never_comes(
+    bus: Bus, tmp_path: Path
+) -> None:
     slow = DispatchSettings(**{**FAST.model_dump(), "first_token_timeout_s": 30.0})
-    mesh = Mesh(bus, slow, [0.0])
+    mesh = Mesh(bus, slow, [0.0], tmp_path)
     await mesh.dispatcher.start()
     await mesh.worker("prefill", "p1", tokens(ANSWER, stop_at=0))
     await mesh.worker("decode", "d1", busy())
@@ -337,9 +346,11 @@ async def test_the_deadline_ends_a_request_whose_answer_never_comes(bus: Bus) ->
     await mesh.dispatcher.stop()
 
 
-async def test_a_short_uncached_prompt_goes_to_decode_which_prefills_it(bus: Bus) -> None:
+async def test_a_short_uncached_prompt_goes_to_decode_which_prefills_it(
+    bus: Bus, tmp_path: Path
+) -> None:
     local = DispatchSettings(**{**FAST.model_dump(), "local_prefill_max_tokens": 64})
-    mesh = Mesh(bus, local, [0.0])
+    mesh = Mesh(bus, local, [0.0], tmp_path)
     await mesh.dispatcher.start()
     p1 = await mesh.worker("prefill", "p1", tokens(ANSWER))
     d1 = await mesh.worker("decode", "d1", tokens(ANSWER))

@@ -10,8 +10,9 @@ import pytest
 from services.router.dispatch.job import Job
 from services.router.formats import wire
 from services.router.formats.openai_writer import OpenAIWriter
-from services.router.request.answer import Delta, Prepared, Usage
+from services.router.request.answer import Delta
 from services.router.request.conversation import Conversation
+from services.router.request.prepare import Prepared, Usage
 from shared.engine.sampling import SamplingParams
 from shared.model.text import TextModel
 

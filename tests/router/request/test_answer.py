@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.router.request.answer import EXPLAINED, Timing
+from services.router.request.prepare import EXPLAINED, Timing
 from services.router.routing.route import Ranked
 
 

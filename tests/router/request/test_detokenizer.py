@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.router.request.detokenizer import Detokenizer
+from services.router.request.answer import Detokenizer
 from shared.model.text import TextModel
 
 
