@@ -575,3 +575,110 @@ def test_responses_text_format_json_schema(stack: Stack) -> None:
         text={"format": {"type": "json_schema", "name": "berth", "schema": BERTH}},
     )
     jsonschema.validate(json.loads(out.output_text), BERTH)
+
+
+# -- the writers' bytes are what a client reads ---------------------------------------------
+
+VOLATILE = {"created", "created_at", "kvmesh"}  # the moment's, not the answer's
+
+
+def sse_frames(raw: bytes) -> list[bytes]:
+    """A stream's events, keep-alives left out (a comment, or Anthropic's ping)."""
+    return [
+        f
+        for f in raw.split(b"\n\n")
+        if f and not f.startswith(b":") and not f.startswith(b"event: ping")
+    ]
+
+
+def steady(frame: bytes) -> bytes:
+    """The frame with its moment's fields blanked, encoded again as the writers encode JSON
+    (so every other byte must be the writer's own)."""
+    head, _, data = frame.rpartition(b"data: ")
+    if data == b"[DONE]":
+        return frame
+
+    def blank(obj: object) -> object:
+        if isinstance(obj, dict):
+            if obj.get("type") == "message_start":  # (its usage is from before any token)
+                obj["message"]["usage"] = None
+            return {k: (0 if k in VOLATILE else blank(v)) for k, v in obj.items()}
+        return [blank(v) for v in obj] if isinstance(obj, list) else obj
+
+    parsed = json.loads(data)
+    assert json.dumps(parsed, separators=(",", ":")).encode() == data  # the writers' encoding
+    return head + b"data: " + json.dumps(blank(parsed), separators=(",", ":")).encode()
+
+
+def pieces_of(path: str, frames: list[bytes]) -> list[str]:
+    """The text pieces a stream carried, in order."""
+    out = []
+    for f in frames:
+        data = json.loads(f.rpartition(b"data: ")[2]) if not f.endswith(b"[DONE]") else {}
+        if path == "/v1/chat/completions" and data.get("choices"):
+            out.append(data["choices"][0]["delta"].get("content") or "")
+        elif data.get("type") == "content_block_delta":
+            out.append(data["delta"]["text"])
+        elif data.get("type") == "response.output_text.delta":
+            out.append(data["delta"])
+    return [p for p in out if p]
+
+
+STREAMED = {
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "Name a berth."}],
+        "stream_options": {"include_usage": True},
+    },
+    "/v1/messages": {"messages": [{"role": "user", "content": "Name a berth."}]},
+    "/v1/responses": {"input": "Name a berth."},
+}
+
+
+@pytest.mark.parametrize("path", list(STREAMED))
+def test_a_stream_is_byte_for_byte_its_formats_writer(
+    stack: Stack,
+    real_text,
+    path: str,  # noqa: ANN001
+) -> None:
+    from services.router.dispatch.job import Job
+    from services.router.formats.endpoints import ENDPOINTS
+    from services.router.request.answer import Delta
+    from services.router.request.prepare import Prepared, Usage
+    from shared.engine.sampling import SamplingParams
+
+    limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    ask = {"model": "tiny", "temperature": 0, limit: 6, "stream": True, **STREAMED[path]}
+    rid = f"bytes-{uuid.uuid4().hex[:12]}"
+    req = urllib.request.Request(
+        stack.url + path,
+        data=json.dumps(ask).encode(),
+        headers={"Content-Type": "application/json", "x-request-id": rid},
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        live = sse_frames(resp.read())
+    last = json.loads(live[-2 if path == "/v1/chat/completions" else -1].rpartition(b"data: ")[2])
+    usage = last.get("usage") or last.get("response", {}).get("usage")
+    if path == "/v1/messages":
+        usage = json.loads(live[-2].rpartition(b"data: ")[2])["usage"]
+        n_in = sum(
+            usage[k]
+            for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        )  # noqa: E501
+        counts = Usage(n_in, usage["output_tokens"], usage["cache_read_input_tokens"])
+    elif path == "/v1/responses":
+        cached = usage["input_tokens_details"]["cached_tokens"]
+        counts = Usage(usage["input_tokens"], usage["output_tokens"], cached)
+    else:
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        counts = Usage(usage["prompt_tokens"], usage["completion_tokens"], cached)
+    # The same answer, written in this process from the same body and the stream's texts.
+    endpoint = ENDPOINTS[path]
+    job = Job(rid, "tiny", [1] * counts.prompt_tokens, SamplingParams(max_tokens=6), 0.0)
+    conv = endpoint.adapter(json.dumps(ask).encode())
+    writer = endpoint.writer(Prepared(job, conv, real_text, counts, block_size=64))
+    ours = writer.start()
+    for piece in pieces_of(path, live):
+        ours += writer.text(Delta(piece))
+    ours += writer.end(Delta("", "length"))
+    ours = sse_frames(b"".join(ours))
+    assert [steady(f) for f in ours] == [steady(f) for f in live]

@@ -119,31 +119,34 @@ class Answers:
         events = self.dispatcher.generate(job, timing.route)
         if encodes is not None:
             events = encodes.guard(events)
-        async for event in events:
-            if encodes is not None and not timing.images:
-                timing.images = encodes.report()
-            if event.cached_tokens is not None:
-                usage.cached_tokens = event.cached_tokens
-            timing.add(event)
-            usage.completion_tokens += len(event.token_ids)
-            if event.logprobs:
-                logprobs += zip(event.token_ids, event.logprobs, strict=True)
-            text = detok.add(event.token_ids)
-            if detok.stopped:  # leaving the loop cancels the rest of the answer on decode
-                yield Delta(text, "stop", detok.stop_hit, logprobs)
-                return
-            if event.finish_reason == "abort":
-                if time.time() >= job.deadline:  # decode stops a request at its deadline
-                    raise ApiError(504, "request deadline passed", code="timeout")
-                raise ApiError(503, "the worker stopped this request", code="aborted")
-            if event.finish_reason:
-                text += detok.finish()
-                finish = "stop" if event.finish_reason == "stop" else "length"
-                yield Delta(text, finish, detok.stop_hit or event.stop_string, logprobs)
-                return
-            if text:
-                yield Delta(text, logprobs=logprobs)
-                logprobs = []
+        try:
+            async for event in events:
+                if encodes is not None and not timing.images:
+                    timing.images = encodes.report()
+                if event.cached_tokens is not None:
+                    usage.cached_tokens = event.cached_tokens
+                timing.add(event)
+                usage.completion_tokens += len(event.token_ids)
+                if event.logprobs:
+                    logprobs += zip(event.token_ids, event.logprobs, strict=True)
+                text = detok.add(event.token_ids)
+                if detok.stopped:  # the answer ends here (its events are closed below)
+                    yield Delta(text, "stop", detok.stop_hit, logprobs)
+                    return
+                if event.finish_reason == "abort":
+                    if time.time() >= job.deadline:  # decode stops a request at its deadline
+                        raise ApiError(504, "request deadline passed", code="timeout")
+                    raise ApiError(503, "the worker stopped this request", code="aborted")
+                if event.finish_reason:
+                    text += detok.finish()
+                    finish = "stop" if event.finish_reason == "stop" else "length"
+                    yield Delta(text, finish, detok.stop_hit or event.stop_string, logprobs)
+                    return
+                if text:
+                    yield Delta(text, logprobs=logprobs)
+                    logprobs = []
+        finally:
+            await events.aclose()  # a stop string: the rest is cancelled on the workers now
 
 
 class Detokenizer:

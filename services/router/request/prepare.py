@@ -204,7 +204,9 @@ class Preparer:
             field = conv.prompt_field
             raise ApiError(400, f"{field}: the prompt is empty", param=field)
         self.tenancy.charge_tokens(kv.caller, len(ids))
-        max_tokens = self._answer_length(conv, len(ids), text.config.max_context)
+        max_tokens = answer_length(
+            conv, len(ids), text.config.max_context, self.settings.default_max_tokens
+        )
         if encodes is not None and not self.images.settings.encode_ahead:
             self._encode(encodes, conv.model)  # head start off (for comparison): encode now,
             await encodes.wait()  # and only then route
@@ -232,24 +234,6 @@ class Preparer:
             tenant=kv.tenant,
         )
 
-    def _answer_length(self, conv: Conversation, n_prompt: int, context: int) -> int:
-        """The answer's most tokens: what the request asked for, or the router's default
-        within the context; 400 when the prompt and the answer exceed the context."""
-        room = context - n_prompt
-        max_tokens = conv.max_tokens
-        if max_tokens is None:
-            max_tokens = min(self.settings.default_max_tokens, room)
-        if room < 1 or n_prompt + max_tokens > context:
-            prompt_field, max_field = conv.prompt_field, conv.max_tokens_field
-            raise ApiError(
-                400,
-                f"{prompt_field} ({n_prompt} tokens) plus {max_field} ({max_tokens}) exceeds "
-                f"the model's context of {context} tokens",
-                param=max_field if room >= 1 else prompt_field,
-                code="context_length_exceeded",
-            )
-        return max_tokens
-
     def _encode(self, encodes: Encodes, model: str) -> None:
         encodes.start(self.dispatcher.bus, model, self.images.settings.encode_timeout_s)
 
@@ -270,6 +254,25 @@ def check_model(conv: Conversation) -> None:
         conv.check_tools()
     except ToolError as err:
         raise ApiError(400, str(err), param=err.param) from None
+
+
+def answer_length(conv: Conversation, n_prompt: int, context: int, default: int) -> int:
+    """The answer's most tokens: what the request asked for, or ``default`` within the
+    context; 400 when the prompt and the answer exceed the context."""
+    room = context - n_prompt
+    max_tokens = conv.max_tokens
+    if max_tokens is None:
+        max_tokens = min(default, room)
+    if room < 1 or n_prompt + max_tokens > context:
+        prompt_field, max_field = conv.prompt_field, conv.max_tokens_field
+        raise ApiError(
+            400,
+            f"{prompt_field} ({n_prompt} tokens) plus {max_field} ({max_tokens}) exceeds "
+            f"the model's context of {context} tokens",
+            param=max_field if room >= 1 else prompt_field,
+            code="context_length_exceeded",
+        )
+    return max_tokens
 
 
 def checked(conv: Conversation, text: TextModel) -> str | None:
