@@ -5,7 +5,7 @@ From the source (``services/router/``, every ``.py`` file under it):
 - files in its largest folder, the largest file and the largest class (lines);
 - functions over 60 lines (every ``def``, methods and nested ones included);
 - the most project modules one router module imports (every import statement, those inside
-  functions too, resolved to the project module it names, as ``tests/test_layout.py`` does).
+  functions too, resolved to the project module it names: ``tests/test_layout.py``'s graph).
 
 From one request: a router runs in this process, on a real `kvmesh up` stack (tiny model;
 the stack's own router beside it, unused), and one streamed chat request is sent to it after a
@@ -43,7 +43,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 ROUTER = REPO / "services" / "router"
-PARTS = ("shared", "services", "kvmesh", "simulator")
 LONG_FUNCTION = 60
 
 
@@ -57,44 +56,6 @@ def say(msg: str) -> None:
 def module_name(path: Path) -> str:
     parts = path.relative_to(REPO).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def project_modules() -> dict[str, Path]:
-    found = {}
-    for part in PARTS:
-        for path in (REPO / part).rglob("*.py"):
-            if not path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
-                found[module_name(path)] = path
-    return found
-
-
-def imported(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules ``module`` imports (the longest existing name for each import)."""
-
-    def resolve(name: str) -> str | None:
-        while name:
-            if name in modules:
-                return name
-            name = name.rpartition(".")[0]
-        return None
-
-    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package[: len(package) - (node.level - 1)]
-                base = ".".join(anchor + ([base] if base else []))
-            names = [f"{base}.{a.name}" for a in node.names]
-        for name in names:
-            target = resolve(name)
-            if target is not None and target != module:
-                found.add(target)
-    return found
 
 
 def code_figures() -> dict:
@@ -116,12 +77,11 @@ def code_figures() -> dict:
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and size > LONG_FUNCTION:
                 long_functions[f"{rel}:{node.name}"] = size
     largest_class = max(classes, key=classes.__getitem__)
-    modules = project_modules()
-    imports = {
-        m: len(imported(m, p, modules))
-        for m, p in modules.items()
-        if m.startswith("services.router")
-    }
+    # The import graph as the layout test reads it (every import statement, resolved to the
+    # project module it names).
+    from tests.test_layout import GRAPH
+
+    imports = {m: len(found) for m, found in GRAPH.items() if m.startswith("services.router")}
     most = max(imports, key=imports.__getitem__)
     return {
         "router_files": len(files),
@@ -244,66 +204,28 @@ async def trace_one_request(state_dir: Path, nats_url: str) -> dict:
             chunks = await streamed_chat(session, url, "Tell me about the sea, in one line.")
             calls.watching(False)
     request = set().union(*(v for k, v in calls.by_task.items() if k not in seen_idle))
-    modules = sorted({m for m, _ in request})
+    by_module: dict[str, list[str]] = {}
+    for module, function in sorted(request):
+        by_module.setdefault(module, []).append(function)
     return {
-        "request_modules": len(modules),
+        "request_modules": len(by_module),
         "request_functions": len(request),
-        "modules": modules,
+        "by_module": by_module,
         "chunks": chunks,
     }
 
 
-def run_stack(state_dir: Path, nats_port: int) -> subprocess.Popen:
-    from bench.e2e import free_port
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    env.update(
-        KVMESH_STATE_DIR=str(state_dir),
-        KVMESH_NATS_URL=f"nats://127.0.0.1:{nats_port}",
-        KVMESH_ROUTER_HTTP_PORT=str(free_port()),
-        KVMESH_ROUTER_GRPC_PORT="0",
-        KVMESH_PREFILL_MODEL="tiny",
-        KVMESH_DECODE_MODEL="tiny",
-        KVMESH_PREFILL_THREADS="1",
-        KVMESH_DECODE_THREADS="1",
-        KVMESH_PREFILL_KV_CACHE_TOKENS="4096",
-        KVMESH_DECODE_KV_CACHE_TOKENS="4096",
-        KVMESH_LOG_LEVEL="warning",
-        KVMESH_TRACE_EXPORTER="none",
-    )
-    log = open(state_dir / "up.log", "wb")  # noqa: SIM115
-    return subprocess.Popen(
-        [sys.executable, "-m", "kvmesh", "up", "--encoder", "0"],
-        env=env,
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-
-
 def trace_figures() -> dict:
-    import tempfile
+    from bench.e2e import Stack, free_port
 
-    from bench.e2e import free_port
-
-    state_dir = Path(tempfile.mkdtemp(prefix="kvmesh-layout-"))
-    nats_port = free_port()
+    nats_url = f"nats://127.0.0.1:{free_port()}"
     say("starting a stack (tiny model) for the traced request ...")
-    proc = run_stack(state_dir, nats_port)
+    stack = Stack("tiny", 1, extra={"KVMESH_NATS_URL": nats_url, "KVMESH_TRACE_EXPORTER": "none"})
     try:
-        deadline = time.monotonic() + 180
-        while not (state_dir / "secrets").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if proc.poll() is not None:
-            raise SystemExit(f"kvmesh up exited; see {state_dir / 'up.log'}")
-        figures = asyncio.run(trace_one_request(state_dir, f"nats://127.0.0.1:{nats_port}"))
+        stack.wait_ready()
+        return asyncio.run(trace_one_request(stack.dir, nats_url))
     finally:
-        proc.send_signal(2)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return figures
+        stack.stop()
 
 
 def suite_seconds() -> float:
@@ -350,8 +272,8 @@ def main() -> None:
         print(f"{name:<{width}}  {value}")
     for name, size in figures["long_functions"].items():
         print(f"  long: {name} ({size} lines)")
-    for module in figures.get("modules", []):
-        print(f"  on the request's path: {module}")
+    for module, functions in figures.get("by_module", {}).items():
+        print(f"  on the request's path: {module} ({len(functions)}): {', '.join(functions)}")
     keys = (
         "largest_folder_files",
         "largest_folder",

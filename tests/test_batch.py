@@ -141,6 +141,27 @@ def test_a_messages_batch_answers_in_anthropics_shape(client: openai.OpenAI) -> 
         assert body["usage"]["output_tokens"] == 6
 
 
+def test_a_responses_batch_answers_as_the_responses_api(client: openai.OpenAI) -> None:
+    """Every endpoint of the format table takes batches: OpenAI's Responses too."""
+    body = {"model": "tiny", "instructions": SYSTEM, "input": "Tide at berth 7?"}
+    lines = [
+        {
+            "custom_id": "r-0",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {**body, "max_output_tokens": 5, "temperature": 0},
+        }
+    ]
+    done = finished(client, run_batch(client, lines, endpoint="/v1/responses").id)
+    assert done.status == "completed", done
+    (out,) = lines_of(client, done.output_file_id)
+    answer = out["response"]["body"]
+    assert answer["object"] == "response" and answer["status"] == "incomplete"
+    assert answer["usage"]["output_tokens"] == 5
+    online = client.responses.create(**body, max_output_tokens=5, temperature=0)
+    assert answer["output"][0]["content"][0]["text"] == online.output_text
+
+
 def test_a_bad_line_goes_to_the_error_file_and_the_rest_run(client: openai.OpenAI) -> None:
     lines = [line(0), line(1, model="no-such-model"), line(2, max_tokens=-1), line(3)]
     done = finished(client, run_batch(client, lines).id)

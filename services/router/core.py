@@ -17,7 +17,7 @@ from services.router.observe.cachemiss import CacheMisses, Explainer
 from services.router.observe.recorder import RequestRecorder
 from services.router.observe.sharing import StatsSharing
 from services.router.request.answer import Answers
-from services.router.request.images import ImageReader
+from services.router.request.image_reader import ImageReader
 from services.router.request.prepare import Preparer
 from services.router.settings import RouterSettings
 from services.router.tenancy.admission import Tenancy

@@ -22,7 +22,7 @@ from services.router.dispatch.encodes import Encodes, ImageInput, check_encoders
 from services.router.dispatch.job import Job
 from services.router.errors import ApiError
 from services.router.request.conversation import Conversation, ToolError
-from services.router.request.images import ImageReader
+from services.router.request.image_reader import ImageReader
 from services.router.request.render import Renderer
 from services.router.settings import RequestSettings
 from services.router.tenancy.admission import PLAIN, KvOptions, Tenancy

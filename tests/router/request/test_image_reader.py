@@ -11,7 +11,7 @@ from services.router.dispatch.encodes import ImageInput
 from services.router.dispatch.plan import PrefixHashes
 from services.router.errors import ApiError
 from services.router.request import remote
-from services.router.request.images import ImageReader
+from services.router.request.image_reader import ImageReader
 from services.router.request.render import PLACEHOLDER_ID, PromptTokenizer, join_prompt
 from services.router.settings import ImageSettings
 from shared.kvstore.hashing import block_hashes
