@@ -160,7 +160,7 @@ def decision_latency(n_workers: int = 64, n_blocks: int = 1_000_000, rounds: int
     gc.collect()
     gc.freeze()
     times, parts = [], {"hash": [], "lookup": [], "rank": []}
-    # Tokenizing packs each segment's ids as hashing reads them (services/router/tokens.py).
+    # Tokenizing packs each segment's ids as hashing reads them (services/router/request/render.py).
     packed = [pack_tokens(toks) for toks in tokens]
     for r in range(rounds):
         toks = tokens[(r * 37) % len(tokens)]

@@ -95,7 +95,7 @@ def stats(router_id: str, minute: int) -> str:
     return f"{PREFIX}.stats.{_token(router_id)}.{minute}"
 
 
-# Batch work (services/router/batches.py, files.py): uploaded and written files in an object
+# Batch work (services/router/batch/): uploaded and written files in an object
 # store; batches' records and their lines' results in key-value buckets. Routers only.
 FILES_BUCKET = "KVMESH_FILES"
 BATCHES_BUCKET = "KVMESH_BATCHES"

@@ -24,7 +24,7 @@ class ImageRef(Message):
     tokens: int = Field(ge=1)
 
 
-# Online requests go first; batch work (services/router/batches.py) takes what they leave:
+# Online requests go first; batch work (services/router/batch/) takes what they leave:
 # it waits behind them in the prefill queue and is admitted by decode only with room to spare.
 Priority = Literal["online", "batch"]
 
