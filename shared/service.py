@@ -76,6 +76,12 @@ class Service(ABC):
         self.status: Status = "ready"
         self.http_url = ""
 
+    @classmethod
+    def check(cls, common: CommonSettings, settings: ServiceSettings) -> None:
+        """What the settings name and must exist (a model's files): SettingsError, naming the
+        setting, when it does not. Before anything starts; the process then exits 2."""
+        return None
+
     @abstractmethod
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         """Open what the service needs (subscriptions, servers); register their cleanup on stack."""
@@ -276,6 +282,7 @@ def run_service(service_cls: type[Service], settings_cls: type[ServiceSettings])
     try:
         common = load_settings(CommonSettings)
         settings = load_settings(settings_cls)
+        service_cls.check(common, settings)
     except SettingsError as err:
         print(f"kvmesh {service_cls.role}: {err}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -55,7 +56,24 @@ class KvmeshSettings(BaseSettings):
         if path:
             table = settings_cls.file_table  # type: ignore[attr-defined]
             sources.append(TomlConfigSettingsSource(settings_cls, Path(path), (table,)))
+            if "models" in settings_cls.model_fields:  # the file's own [models] table
+                sources.append(_ModelsTable(settings_cls, Path(path)))
         return tuple(sources)
+
+
+class _ModelsTable(PydanticBaseSettingsSource):
+    """The settings file's ``[models]`` table (served name = path) as the ``models`` field."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path) -> None:
+        super().__init__(settings_cls)
+        with open(path, "rb") as f:
+            self.table = tomllib.load(f).get("models", {})
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # noqa: ANN401
+        return self.table if field_name == "models" else None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return {"models": self.table} if self.table else {}
 
 
 class CommonSettings(KvmeshSettings):
@@ -108,6 +126,13 @@ class CommonSettings(KvmeshSettings):
         le=5,
         description="copies of each JetStream stream (KV events, statistics, embeddings) on "
         "a NATS cluster's nodes: 3 on a cluster of three or more, so losing a node loses none",
+    )
+
+    models: dict[str, str] = Field(
+        default_factory=dict,
+        description="a team's own models: served name → a GGUF file or a Hugging Face "
+        "directory (a JSON object; or [models] in the settings file, or kvmesh up --model "
+        "NAME=PATH); the bundled smollm2-135m-instruct and the tiny test models need none",
     )
 
     kv_store_dir: Path | None = Field(

@@ -14,7 +14,7 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, field_validator
 
 from shared.bus import Bus, subjects
 from shared.engine.interface import (
@@ -40,10 +40,11 @@ from shared.messages.generate import (
     TokenEvents,
 )
 from shared.messages.heartbeat import Load
-from shared.model.text import MODEL_NAMES
+from shared.model.catalog import ModelError, resolve
+from shared.model.text import check_model
 from shared.runner import EngineRunner
 from shared.service import Service, ServiceSettings
-from shared.settings import CommonSettings
+from shared.settings import CommonSettings, SettingsError, env_name
 from shared.telemetry.metrics import BYTES, PREFILL_TOKENS
 from shared.telemetry.tracing import REQUEST_ID, tracer
 
@@ -90,12 +91,11 @@ class WorkerSettings(ServiceSettings):
             raise ValueError(f"empty or one of {', '.join(DTYPES)}")
         return name
 
-    @field_validator("engine", "model")
+    @field_validator("engine")
     @classmethod
-    def _known_name(cls, name: str, info: ValidationInfo) -> str:
-        known = ENGINES if info.field_name == "engine" else MODEL_NAMES
-        if name not in known:
-            raise ValueError(f"one of {', '.join(known)}")
+    def _known_engine(cls, name: str) -> str:
+        if name not in ENGINES:
+            raise ValueError(f"one of {', '.join(ENGINES)}")
         return name
 
     def engine_options(self) -> EngineOptions:
@@ -110,6 +110,17 @@ class WorkerSettings(ServiceSettings):
 
 class WorkerService(Service):
     """A prefill or decode worker: loads its engine, then takes tasks and cancels."""
+
+    @classmethod
+    def check(cls, common: CommonSettings, settings: ServiceSettings) -> None:
+        """The model named is there and servable (its files read once: later starts find
+        its text side cached)."""
+        assert isinstance(settings, WorkerSettings)
+        try:
+            check_model(settings.model, Path(common.state_dir), common.models)
+        except ModelError as err:
+            setting = env_name(type(settings), "model")
+            raise SettingsError(f"{setting}={settings.model}: {err}") from None
 
     def __init__(self, common: CommonSettings, settings: WorkerSettings) -> None:
         super().__init__(common, settings)
@@ -173,7 +184,8 @@ class WorkerService(Service):
         started = time.monotonic()
 
         def build() -> Engine:
-            engine = load_engine(s.engine, s.model, Path(self.common.state_dir), s.engine_options())
+            source = resolve(s.model, self.common.models)
+            engine = load_engine(s.engine, source, Path(self.common.state_dir), s.engine_options())
             engine.start()
             return engine
 

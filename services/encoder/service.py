@@ -27,9 +27,10 @@ from shared.bus import Bus, subjects
 from shared.kvstore.backend import FileStore, MemoryStore
 from shared.messages.encode import EMBEDS_SHAPE_HEADER, EncodeReply, EncodeRequest
 from shared.messages.heartbeat import Load
-from shared.model.text import load_text_model
-from shared.service import Service
-from shared.settings import CommonSettings
+from shared.model.catalog import ModelError
+from shared.model.text import check_model, load_text_model, model_names
+from shared.service import Service, ServiceSettings
+from shared.settings import CommonSettings, SettingsError
 from shared.telemetry.metrics import BYTES, IMAGES
 from shared.telemetry.tracing import tracer
 from shared.vision.images import BadImage, content_hash
@@ -71,7 +72,9 @@ class EncoderService(Service):
         self.towers = await loop.run_in_executor(self.executor, self._build_towers)
         stack.callback(self.executor.shutdown, wait=False, cancel_futures=True)
         log.info(
-            "vision towers ready in %.1f s for %s", time.monotonic() - started, ", ".join(s.models)
+            "vision towers ready in %.1f s for %s",
+            time.monotonic() - started,
+            ", ".join(self.served),
         )
         await bus.ensure_stream(
             subjects.EMBEDS_STREAM,
@@ -92,11 +95,27 @@ class EncoderService(Service):
             concurrent=True,
         )
 
+    @classmethod
+    def check(cls, common: CommonSettings, settings: ServiceSettings) -> None:
+        """Every model named is one of the mesh's, its files there."""
+        assert isinstance(settings, EncoderSettings)
+        for model in settings.models:
+            try:
+                check_model(model, Path(common.state_dir), common.models)
+            except ModelError as err:
+                raise SettingsError(f"KVMESH_ENCODER_MODELS: {model}: {err}") from None
+
+    @property
+    def served(self) -> list[str]:
+        """The models it makes embeddings for: those named, or every model of the mesh."""
+        return self.settings.models or model_names(self.common.models)
+
     def _build_towers(self) -> dict[str, VisionTower]:
         s = self.settings
         towers = {}
-        for model in s.models:
-            hidden = load_text_model(model, Path(self.common.state_dir)).config.dim
+        for model in self.served:
+            text = load_text_model(model, Path(self.common.state_dir), models=self.common.models)
+            hidden = text.config.dim
             config = TowerConfig(
                 hidden=hidden,
                 grid=self.common.vision_grid,

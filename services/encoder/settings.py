@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from shared.model.text import MODEL_NAMES
 from shared.service import ServiceSettings
 
 
@@ -17,8 +16,9 @@ class EncoderSettings(ServiceSettings):
     file_table: ClassVar[str] = "encoder"
 
     models: list[str] = Field(
-        default_factory=lambda: list(MODEL_NAMES),
-        description="language models to make embeddings for (each has its own projector)",
+        default_factory=list,
+        description="language models to make embeddings for (each has its own projector); "
+        "empty: every model of the mesh (the built-in ones and KVMESH_MODELS')",
     )
     dim: int = Field(default=256, ge=16, le=4096, description="vision tower width")
     layers: int = Field(default=4, ge=1, le=64, description="vision tower depth")
@@ -45,11 +45,3 @@ class EncoderSettings(ServiceSettings):
     embeds_stream_bytes: int = Field(
         default=512 << 20, ge=1 << 20, description="the embeddings stream's size in memory"
     )
-
-    @field_validator("models")
-    @classmethod
-    def _known_models(cls, names: list[str]) -> list[str]:
-        unknown = [n for n in names if n not in MODEL_NAMES]
-        if unknown or not names:
-            raise ValueError(f"one or more of {', '.join(MODEL_NAMES)} (unknown: {unknown})")
-        return names

@@ -53,7 +53,7 @@ class Core:
         dispatcher = Dispatcher(bus, router_id, mesh.registry, mesh.breakers, policy, s, secrets)
         tenancy = Tenancy(s, secrets, mesh.lag)
         images = ImageReader(s, common)
-        preparer = Preparer(s, images, dispatcher, tenancy, Path(common.state_dir))
+        preparer = Preparer(s, images, dispatcher, tenancy, Path(common.state_dir), common.models)
         explainer = None
         if s.cache_explain_bytes:  # why a prompt missed the cache, in its response
             explainer = Explainer(CacheMisses(s.cache_explain_bytes), dispatcher.prompt_hashes)

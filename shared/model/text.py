@@ -1,31 +1,33 @@
-"""Models by name, as the router sees them: configuration, tokenizer and chat template.
+"""Models by name, as the router and each worker see them: configuration, tokenizer and chat
+template (no weights, no torch), from the source the catalog gives: the bundled GGUF, a seeded
+tiny config, a GGUF file or a Hugging Face directory by path.
 
-The real model's come from its GGUF file and are cached under the state dir (the file is read
-once per machine; later starts read a few small files). The tiny configs share the real
-tokenizer's vocabulary, so text goes in and out as for the real model.
+A GGUF file's text side is built once per machine and cached under the state dir (its
+configuration, tokenizer and template: later starts read a few small files); a Hugging Face
+directory's is read as it is. The tiny configs share the bundled model's tokenizer, so text
+goes in and out as for the real model.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from tokenizers import Tokenizer
 
 from shared.files import write_atomically
+from shared.model import gguf, hf
+from shared.model.catalog import ModelError, ModelSource, known, resolve
 from shared.model.config import TINY_CONFIGS, ModelConfig
-from shared.model.gguf import REAL_MODEL, find_gguf, read_gguf_config, read_metadata
-from shared.model.tokenizer import ChatTemplate, load_tokenizer
+from shared.model.identity import weights_id
+from shared.model.tokenizer import ChatTemplate, build_from_gguf
 
 log = logging.getLogger(__name__)
 
-MODEL_NAMES = (REAL_MODEL, *TINY_CONFIGS)
-
-
-class UnknownModel(ValueError):
-    pass
+NO_MODELS: Mapping[str, str] = {}
 
 
 @dataclass
@@ -37,54 +39,83 @@ class TextModel:
     chat_template: ChatTemplate
 
 
-def _cache_key() -> str:
-    stat = find_gguf().stat()
-    return f"{stat.st_size}-{stat.st_mtime_ns}"
+def model_names(models: Mapping[str, str | Path] = NO_MODELS) -> list[str]:
+    return known(models)
 
 
-def text_assets(
-    state_dir: Path, meta: dict[str, Any] | None = None
-) -> tuple[Tokenizer, ChatTemplate]:
-    """The real model's tokenizer and chat template, from the cache when possible.
+def load_text_model(
+    name: str, state_dir: Path, seed: int = 0, models: Mapping[str, str | Path] = NO_MODELS
+) -> TextModel:
+    """A model's config, tokenizer and template, without its weights: fast once cached."""
+    return text_of(resolve(name, models), state_dir, seed)
 
-    ``meta`` is the GGUF metadata when the caller has already read the file; otherwise the
-    file is opened only if the cache lacks something.
-    """
-    key = _cache_key()
+
+def load_config(
+    name: str, state_dir: Path, seed: int = 0, models: Mapping[str, str | Path] = NO_MODELS
+) -> ModelConfig:
+    return text_of(resolve(name, models), state_dir, seed).config
+
+
+def check_model(
+    name: str, state_dir: Path, models: Mapping[str, str | Path] = NO_MODELS
+) -> ModelSource:
+    """The model's source, once everything in it a service will read has been read:
+    ModelError (naming the setting, the file and what is supported) otherwise."""
+    source = resolve(name, models)
+    text_of(source, state_dir)
+    if source.kind == "gguf":
+        assert source.path is not None
+        try:
+            gguf.check_tensors(gguf.reader(source.path))
+        except gguf.GGUFError as err:
+            raise ModelError(f"{source.where()}: {err}") from None
+    elif source.kind == "hf":
+        hf.weight_files(source)
+    return source
+
+
+def text_of(source: ModelSource, state_dir: Path, seed: int = 0) -> TextModel:
+    if source.kind == "tiny":
+        bundled = text_of(ModelSource(gguf.REAL_MODEL, "bundled"), state_dir)
+        config = replace(TINY_CONFIGS[source.name], weights_id=f"seed:{seed}")
+        return TextModel(config, bundled.tokenizer, bundled.chat_template)
+    if source.kind == "hf":
+        assert source.path is not None
+        cache = state_dir / "cache"
+        config = hf.read_config(source, weights_id("hf", hf.weight_files(source), cache))
+        template, bos, eos = hf.read_template(source)
+        return TextModel(config, hf.read_tokenizer(source), ChatTemplate(template, bos, eos))
+    path = gguf.find_gguf() if source.kind == "bundled" else source.path
+    assert path is not None
+    try:
+        return _gguf_text(source, path, state_dir)
+    except gguf.GGUFError as err:
+        raise ModelError(f"{source.where()}: {err}") from None
+
+
+def _gguf_text(source: ModelSource, path: Path, state_dir: Path) -> TextModel:
+    """From the cache when this file's text side was built before on this machine."""
+    st = path.stat()
+    key = f"{source.name}-{st.st_size}-{st.st_mtime_ns}"
     cache = state_dir / "cache"
+    config_file = cache / f"config-{key}.json"
+    tokenizer_file = cache / f"tokenizer-{key}.json"
     template_file = cache / f"chat_template-{key}.jinja"
-    tok_file = cache / f"tokenizer-{key}.json"
-    if meta is None and not (template_file.is_file() and tok_file.is_file()):
-        meta = read_metadata(find_gguf(), "tokenizer.")
-    if not template_file.is_file():
-        assert meta is not None
+    specials_file = cache / f"special-{key}.json"
+    if not all(f.is_file() for f in (config_file, tokenizer_file, template_file, specials_file)):
+        log.info("reading %s's configuration and vocabulary from %s", source.name, path.name)
+        r = gguf.reader(path)
+        config = gguf.config_from_gguf(r, source.name, weights_id("gguf", [path], cache))
+        meta = gguf.metadata(r, "tokenizer.")
+        tokenizer = build_from_gguf(meta)
+        tokens = meta["tokenizer.ggml.tokens"]
+        bos, eos = tokens[config.bos_id], tokens[config.eos_ids[0]]
+        write_atomically(specials_file, json.dumps({"bos": bos, "eos": eos}))
         write_atomically(template_file, meta["tokenizer.chat_template"])
-    tokenizer = load_tokenizer(meta or {}, cache, key)
-    return tokenizer, ChatTemplate(template_file.read_text())
-
-
-def tiny_config(name: str, seed: int) -> ModelConfig:
-    return ModelConfig(**{**TINY_CONFIGS[name].__dict__, "weights_id": f"seed:{seed}"})
-
-
-def config_file(state_dir: Path) -> Path:
-    """Where the real model's configuration is cached (written by whoever reads it first)."""
-    return state_dir / "cache" / f"config-{_cache_key()}.json"
-
-
-def load_config(name: str, state_dir: Path, seed: int = 0) -> ModelConfig:
-    """A model's configuration by name (see MODEL_NAMES); raises UnknownModel."""
-    if name == REAL_MODEL:
-        path = config_file(state_dir)
-        if not path.is_file():  # first start: a worker's load writes it too
-            log.info("reading %s's configuration from the GGUF file", name)
-            write_atomically(path, read_gguf_config(find_gguf()).to_json())
-        return ModelConfig.from_json(path.read_text())
-    if name in TINY_CONFIGS:
-        return tiny_config(name, seed)
-    raise UnknownModel(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
-
-
-def load_text_model(name: str, state_dir: Path, seed: int = 0) -> TextModel:
-    """A model's config, tokenizer and template without its weights: fast once cached."""
-    return TextModel(load_config(name, state_dir, seed), *text_assets(state_dir))
+        cache.mkdir(parents=True, exist_ok=True)
+        write_atomically(tokenizer_file, tokenizer.to_str())
+        write_atomically(config_file, config.to_json())
+    specials = json.loads(specials_file.read_text())
+    template = ChatTemplate(template_file.read_text(), specials["bos"], specials["eos"])
+    config = ModelConfig.from_json(config_file.read_text())
+    return TextModel(config, Tokenizer.from_file(str(tokenizer_file)), template)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from shared.model.grammar import (
     tool_call_grammar,
     vocabulary,
 )
-from shared.model.text import MODEL_NAMES, TextModel
+from shared.model.text import TextModel
 
 _CHECKED_SCHEMAS: set[str] = set()  # tool schemas the library compiled (agents resend them)
 EXPLAINED = 4  # candidates listed in a response (all with the header x-kvmesh-explain: all)
@@ -144,12 +144,13 @@ class Preparer:
         dispatcher: Dispatcher,
         tenancy: Tenancy,
         state_dir: Path,
+        models: Mapping[str, str],
     ) -> None:
         self.settings = settings
         self.images = images
         self.dispatcher = dispatcher
         self.tenancy = tenancy
-        self.renderer = Renderer(settings.token_cache_tokens, state_dir)
+        self.renderer = Renderer(settings.token_cache_tokens, state_dir, models)
 
     async def prepare(
         self,
@@ -161,7 +162,7 @@ class Preparer:
         """A conversation (from any format's adapter) checked, rendered and ready to run
         (``kv``: whose it is and how its blocks are kept; ``priority``: batch work waits for
         online requests in the workers' queues)."""
-        check_model(conv)
+        check_model(conv, self.renderer.names)
         self.dispatcher.check_servable(conv.model)
         salt = self.tenancy.salt(kv.tenant)
         images = await self._images(conv, salt)
@@ -181,7 +182,7 @@ class Preparer:
     async def count(self, conv: Conversation, kv: KvOptions = PLAIN) -> int:
         """The prompt's tokens, exactly as ``prepare`` renders them (images read and
         measured, not encoded; no worker involved)."""
-        check_model(conv)
+        check_model(conv, self.renderer.names)
         images = await self._images(conv, self.tenancy.salt(kv.tenant))
         text = await self.renderer.text_model(conv.model)
         return len((await self.renderer.render(conv, text, images)).ids)
@@ -244,9 +245,10 @@ class Preparer:
         return await self.images.read_all(conv, salt, self.dispatcher.bus.nc.max_payload)
 
 
-def check_model(conv: Conversation) -> None:
-    """404 for a model this mesh does not know; 400 for tools that do not fit together."""
-    if conv.model not in MODEL_NAMES:
+def check_model(conv: Conversation, models: Collection[str]) -> None:
+    """404 for a model this mesh does not know (not in ``models``); 400 for tools that do
+    not fit together."""
+    if conv.model not in models:
         raise ApiError(
             404, f"model {conv.model!r} does not exist", param="model", code="model_not_found"
         )

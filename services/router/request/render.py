@@ -22,7 +22,9 @@ import struct
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -41,7 +43,7 @@ from services.router.request.conversation import (
 from shared.kvstore.hashing import image_stream, pack_tokens
 from shared.messages.generate import ImageRef
 from shared.model.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, vocabulary
-from shared.model.text import TextModel, load_text_model
+from shared.model.text import TextModel, load_text_model, model_names
 from shared.model.tokenizer import token_pieces
 from shared.service import keep_for_good
 from shared.telemetry.tracing import tracer
@@ -58,9 +60,16 @@ class Rendered:
 
 
 class Renderer:
-    def __init__(self, token_cache_tokens: int, state_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        token_cache_tokens: int,
+        state_dir: Path | None = None,
+        models: Mapping[str, str] | None = None,
+    ) -> None:
         self.token_cache_tokens = token_cache_tokens
-        self.state_dir = state_dir  # where models' text sides are read from (model.text)
+        self.state_dir = state_dir  # where models' text sides are cached (shared/model/text)
+        self.models = dict(models or {})  # a team's own: name → path (KVMESH_MODELS)
+        self.names = frozenset(model_names(self.models))  # every model the mesh can serve
         self._tokenizers: dict[str, PromptTokenizer] = {}
         self._models: dict[str, TextModel] = {}
         self._loading = asyncio.Lock()
@@ -78,7 +87,9 @@ class Renderer:
             async with self._loading:
                 if name not in self._models:
                     loop = asyncio.get_running_loop()
-                    model = await loop.run_in_executor(None, load_text_model, name, self.state_dir)
+                    model = await loop.run_in_executor(
+                        None, partial(load_text_model, name, self.state_dir, models=self.models)
+                    )
                     eos = tuple(model.config.eos_ids)
                     await loop.run_in_executor(None, vocabulary, model.tokenizer, eos)  # 0.2 s
                     await loop.run_in_executor(None, token_pieces, model.tokenizer)  # 0.1 s

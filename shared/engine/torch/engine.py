@@ -44,6 +44,7 @@ from shared.engine.torch.speculate import (
     choose_lengths,
 )
 from shared.eplb.balancer import BalancerOptions, ExpertBalancer
+from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 from shared.model.grammar import GrammarError, Matcher, vocabulary
 
@@ -99,7 +100,7 @@ class TorchEngine(Engine):
     # -- lifecycle -------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, model: str, state_dir: Path, options: EngineOptions) -> TorchEngine:
+    def load(cls, model: ModelSource, state_dir: Path, options: EngineOptions) -> TorchEngine:
         return cls(load_model(model, state_dir), options)
 
     def start(self) -> None:

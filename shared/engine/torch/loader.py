@@ -1,25 +1,20 @@
-"""Models by name with their weights: the real SmolLM2 from its GGUF file, or a tiny seeded
-config. The text side (config, tokenizer, template) is ``shared/model``'s."""
+"""Models with their weights, by the catalog's source: the bundled SmolLM2 and GGUF files by
+path (dequantized), Hugging Face checkpoints (safetensors), or a tiny seeded config. The text
+side (config, tokenizer, template) is ``shared/model``'s."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.engine.torch.weights import Weights, random_weights, read_gguf
-from shared.files import write_atomically
-from shared.model.config import TINY_CONFIGS
-from shared.model.gguf import REAL_MODEL, find_gguf
-from shared.model.text import (
-    MODEL_NAMES,
-    TextModel,
-    UnknownModel,
-    config_file,
-    text_assets,
-    tiny_config,
-)
+from shared.engine.torch.weights import Weights, random_weights, read_gguf, read_safetensors
+from shared.model import hf
+from shared.model.catalog import ModelSource, resolve
+from shared.model.gguf import find_gguf
+from shared.model.text import NO_MODELS, TextModel, text_of
 
 log = logging.getLogger(__name__)
 
@@ -29,22 +24,32 @@ class LoadedModel(TextModel):
     weights: Weights
 
 
-def load_model(name: str, state_dir: Path, seed: int = 0) -> LoadedModel:
-    """Load a model by name (see MODEL_NAMES); logs progress, as it can take seconds."""
+def load_model(
+    model: str | ModelSource,
+    state_dir: Path,
+    seed: int = 0,
+    models: Mapping[str, str | Path] = NO_MODELS,
+) -> LoadedModel:
+    """Load a model by name (resolved in ``models`` and the built-ins) or by its source;
+    logs progress, as it can take seconds."""
+    source = model if isinstance(model, ModelSource) else resolve(model, models)
     started = time.monotonic()
-    if name == REAL_MODEL:
-        log.info("loading %s: reading and dequantizing the GGUF file", name)
-        gguf = read_gguf(find_gguf())
-        config, weights, meta = gguf.config, gguf.weights, gguf.metadata
-        write_atomically(config_file(state_dir), config.to_json())
-    elif name in TINY_CONFIGS:
-        config = tiny_config(name, seed)
+    text = text_of(source, state_dir, seed)
+    config = text.config
+    if source.kind == "tiny":
         weights = random_weights(config, seed)
-        meta = None
+    elif source.kind == "hf":
+        log.info("loading %s: reading its safetensors", source.name)
+        weights = read_safetensors(hf.weight_files(source), config)
     else:
-        raise UnknownModel(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
-    tokenizer, template = text_assets(state_dir, meta)
+        path = find_gguf() if source.kind == "bundled" else source.path
+        assert path is not None
+        log.info("loading %s: reading and dequantizing %s", source.name, path.name)
+        weights = read_gguf(path, config)
     log.info(
-        "loaded %s in %.1f s (fingerprint %s)", name, time.monotonic() - started, config.fingerprint
+        "loaded %s in %.1f s (fingerprint %s)",
+        source.name,
+        time.monotonic() - started,
+        config.fingerprint,
     )
-    return LoadedModel(config, tokenizer, template, weights)
+    return LoadedModel(config, text.tokenizer, text.chat_template, weights)

@@ -7,6 +7,7 @@ in one slot: slot = block_id × block_size + offset in block.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,10 +73,36 @@ def _project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.permute(2, 0, 1).contiguous().view(m, out_dim)
 
 
-def _rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, [max_context, E], in the half-split layout (HF's rotate_half)."""
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """RoPE's per-pair frequencies [E/2], scaled as the checkpoint says (``RopeScaling``:
+    transformers' ``linear`` and ``llama3``, or the divisors a GGUF file carries)."""
     e = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, e, 2, dtype=torch.float64) / e))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    if s.kind == "linear":
+        return inv_freq / s.factor
+    if s.kind == "factors":
+        return inv_freq / torch.tensor(s.factors, dtype=torch.float64)
+    assert s.kind == "llama3", s.kind
+    # Wavelengths longer than the trained context's share are slowed by the factor, shorter
+    # ones kept, and those between blended smoothly.
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_context / s.low_freq_factor
+    high_wavelen = s.original_context / s.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_context / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def _rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, [max_context, E], in the half-split layout (HF's rotate_half)."""
+    inv_freq = inverse_frequencies(config)
     angles = torch.outer(torch.arange(config.max_context, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
@@ -159,9 +186,13 @@ class Transformer:
             p = f"layers.{i}."
             h = self._norm(x, self.w[p + "attn_norm"])
             qkv = _project(h, self.w[p + "wqkv"])
+            if c.qkv_bias:
+                qkv = qkv + self.w[p + "bqkv"]
             q = qkv[:, :q_dim].view(-1, c.n_heads, c.head_dim)
             k = qkv[:, q_dim : q_dim + c.kv_dim].view(-1, c.n_kv_heads, c.head_dim)
             v = qkv[:, q_dim + c.kv_dim :].view(-1, c.n_kv_heads, c.head_dim)
+            if c.qk_norm:  # each head's queries and keys normed (over E) before the rotation
+                q, k = self._norm(q, self.w[p + "q_norm"]), self._norm(k, self.w[p + "k_norm"])
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             cache.k[i].index_copy_(0, new_slots, k.to(cache.k.dtype))
             cache.v[i].index_copy_(0, new_slots, v.to(cache.v.dtype))

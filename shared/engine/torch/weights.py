@@ -1,33 +1,27 @@
-"""Model weights: the real SmolLM2 from its GGUF file (dequantized to fp32), or seeded random.
+"""Model weights: from a GGUF file (dequantized to fp32), from a Hugging Face checkpoint's
+safetensors, or seeded random (the tiny test models).
 
 Weights are kept in the layout the model computes with: the query, key and value projections
-fused into one ``wqkv`` matrix and gate+up into one ``w13`` (fewer, larger matrix products).
+fused into one ``wqkv`` matrix (and their biases into ``bqkv``) and gate+up into one ``w13``
+(fewer, larger matrix products). Both file formats are read through the Hugging Face names, so
+one mapping (``fused``) makes the layout.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from shared.model.config import ModelConfig
-from shared.model.gguf import config_from_meta
 
 log = logging.getLogger(__name__)
 
 Weights = dict[str, torch.Tensor]
-
-
-@dataclass
-class GGUFModel:
-    config: ModelConfig
-    weights: Weights
-    metadata: dict[str, Any]  # GGUF key → value (tokenizer vocabulary, chat template, ...)
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -36,39 +30,108 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> GGUFModel:
+def fused(config: ModelConfig, tensor: Callable[[str], torch.Tensor | None]) -> Weights:
+    """The model's weights in its computing layout, from ``tensor`` (a layer's part by its
+    Hugging Face name, ``None`` where the checkpoint has none)."""
+
+    def need(name: str) -> torch.Tensor:
+        t = tensor(name)
+        if t is None:
+            raise ValueError(f"the checkpoint has no tensor {name}")
+        return t
+
+    w: Weights = {"tok_emb": need("model.embed_tokens.weight"), "norm": need("model.norm.weight")}
+    if not config.tie_embeddings:
+        w["lm_head"] = need("lm_head.weight")
+    for i in range(config.n_layers):
+        hf, p = f"model.layers.{i}.", f"layers.{i}."
+        att = hf + "self_attn."
+        w[p + "wqkv"] = torch.cat([need(f"{att}{x}_proj.weight") for x in "qkv"])
+        if config.qkv_bias:
+            w[p + "bqkv"] = torch.cat([need(f"{att}{x}_proj.bias") for x in "qkv"])
+        if config.qk_norm:
+            w[p + "q_norm"], w[p + "k_norm"] = (
+                need(att + "q_norm.weight"),
+                need(att + "k_norm.weight"),
+            )
+        w[p + "wo"] = need(att + "o_proj.weight")
+        w[p + "w13"] = torch.cat(
+            [need(hf + "mlp.gate_proj.weight"), need(hf + "mlp.up_proj.weight")]
+        )
+        w[p + "w2"] = need(hf + "mlp.down_proj.weight")
+        w[p + "attn_norm"] = need(hf + "input_layernorm.weight")
+        w[p + "ffn_norm"] = need(hf + "post_attention_layernorm.weight")
+    return w
+
+
+# A GGUF tensor's name → the Hugging Face name of the same tensor (per layer: blk.N.*).
+GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """A GGUF tensor's Hugging Face name (None for one the model does not use)."""
+    if gguf_name in GGUF_NAMES:
+        return GGUF_NAMES[gguf_name]
+    blk, i, part, kind = (gguf_name.split(".") + ["", "", "", ""])[:4]
+    if blk != "blk" or part not in GGUF_LAYER_NAMES:
+        return None
+    return f"model.layers.{i}.{GGUF_LAYER_NAMES[part]}.{kind}"
+
+
+def read_gguf(path: Path, config: ModelConfig) -> Weights:
+    """A GGUF file's weights, dequantized to fp32 (the file's q and k rows back in the
+    half-split rope layout where llama.cpp permuted them: its ``llama`` architecture)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     started = time.monotonic()
-    reader = GGUFReader(path)
-    meta = {key: field.contents() for key, field in reader.fields.items()}
-    config = config_from_meta(meta, path)
-    raw: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        raw[t.name] = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-    w: Weights = {
-        "tok_emb": torch.from_numpy(raw["token_embd.weight"].copy()),
-        "norm": torch.from_numpy(raw["output_norm.weight"].copy()),
-    }
-    if "output.weight" in raw:
-        w["lm_head"] = torch.from_numpy(raw["output.weight"].copy())
-        config = replace(config, tie_embeddings=False)
-    for i in range(config.n_layers):
-        p = f"blk.{i}."
-        q = _unpermute_rope(raw[p + "attn_q.weight"], config.n_heads)
-        k = _unpermute_rope(raw[p + "attn_k.weight"], config.n_kv_heads)
-        v = raw[p + "attn_v.weight"]
-        w[f"layers.{i}.wqkv"] = torch.from_numpy(np.concatenate([q, k, v]))
-        w[f"layers.{i}.wo"] = torch.from_numpy(raw[p + "attn_output.weight"].copy())
-        w[f"layers.{i}.w13"] = torch.from_numpy(
-            np.concatenate([raw[p + "ffn_gate.weight"], raw[p + "ffn_up.weight"]])
-        )
-        w[f"layers.{i}.w2"] = torch.from_numpy(raw[p + "ffn_down.weight"].copy())
-        w[f"layers.{i}.attn_norm"] = torch.from_numpy(raw[p + "attn_norm.weight"].copy())
-        w[f"layers.{i}.ffn_norm"] = torch.from_numpy(raw[p + "ffn_norm.weight"].copy())
+    raw: dict[str, torch.Tensor] = {}
+    for t in GGUFReader(path).tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        x = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if config.arch in ("llama", "mistral") and name.endswith(
+            ("q_proj.weight", "k_proj.weight")
+        ):
+            heads = config.n_heads if "q_proj" in name else config.n_kv_heads
+            x = _unpermute_rope(x, heads)
+        raw[name] = torch.from_numpy(np.ascontiguousarray(x))
+    w = fused(config, raw.get)
     log.info("read %s in %.1f s", path.name, time.monotonic() - started)
-    return GGUFModel(config, w, meta)
+    return w
+
+
+def read_safetensors(files: list[Path], config: ModelConfig) -> Weights:
+    """A Hugging Face checkpoint's weights (every shard), in fp32."""
+    from safetensors import safe_open
+
+    started = time.monotonic()
+    raw: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                raw[name] = f.get_tensor(name).float()
+    w = fused(config, raw.get)
+    log.info("read %d safetensors files in %.1f s", len(files), time.monotonic() - started)
+    return w
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> Weights:
@@ -87,6 +150,10 @@ def random_weights(config: ModelConfig, seed: int = 0) -> Weights:
     for i in range(config.n_layers):
         p = f"layers.{i}."
         w[p + "wqkv"] = rand(qkv_rows, d)
+        if config.qkv_bias:
+            w[p + "bqkv"] = rand(qkv_rows, scale=0.1)
+        if config.qk_norm:
+            w[p + "q_norm"], w[p + "k_norm"] = 1 + rand(hd, scale=0.1), 1 + rand(hd, scale=0.1)
         w[p + "wo"] = rand(d, config.n_heads * hd)
         w[p + "attn_norm"] = 1 + rand(d, scale=0.1)
         w[p + "ffn_norm"] = 1 + rand(d, scale=0.1)

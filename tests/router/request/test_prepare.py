@@ -24,14 +24,14 @@ def chat(**fields: object) -> Conversation:
 
 def test_an_unknown_model_is_404_and_tools_that_do_not_fit_together_400() -> None:
     with pytest.raises(ApiError) as err:
-        check_model(Conversation("gpt-9"))
+        check_model(Conversation("gpt-9"), {"tiny"})
     assert (err.value.status, err.value.param, err.value.code) == (404, "model", "model_not_found")
     two = (Tool("a", "", {}, "tools[0]"), Tool("a", "", {}, "tools[1]"))
     with pytest.raises(ApiError) as err:
-        check_model(Conversation("tiny", tools=two))
+        check_model(Conversation("tiny", tools=two), {"tiny"})
     assert err.value.status == 400 and err.value.param == "tools[0]"  # (a second one named so)
     with pytest.raises(ApiError) as err:
-        check_model(Conversation("tiny", tool_choice=ToolChoice("required")))
+        check_model(Conversation("tiny", tool_choice=ToolChoice("required")), {"tiny"})
     assert err.value.param == "tool_choice"
 
 
