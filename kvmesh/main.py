@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvmesh import batch, eplb, init, keys, sim, status, trace, up
+from kvmesh import batch, eplb, init, keys, model, sim, status, trace, up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     init.add_parser(commands)
     batch.add_parser(commands)
     eplb.add_parser(commands)
+    model.add_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

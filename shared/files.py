@@ -30,3 +30,18 @@ def write_atomically(path: Path, data: str | bytes) -> None:
             tmp.write_text(data)
         else:
             tmp.write_bytes(data)
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (a lock file, made if missing) for the block: another
+    process taking it meanwhile waits (two workers starting at once build a cache once)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -15,6 +15,8 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from shared.model.config import ModelConfig, RopeScaling
 
 if TYPE_CHECKING:
@@ -145,3 +147,48 @@ def _rope_scaling(key, r: GGUFReader, tensors: set[str]) -> RopeScaling | None: 
     if kind != "linear":
         raise GGUFError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
     return RopeScaling("linear", float(key("rope.scaling.factor")))
+
+
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation, back to the half-split RoPE layout HF uses."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def permuted(config: ModelConfig, hf_tensor: str) -> bool:
+    """Whether llama.cpp's converter permuted this tensor's rows (q and k of its ``llama``
+    architecture, Mistral's included)."""
+    return config.arch in ("llama", "mistral") and hf_tensor.endswith(
+        ("q_proj.weight", "k_proj.weight")
+    )
+
+
+# A GGUF tensor's name → the Hugging Face name of the same tensor (per layer: blk.N.*).
+GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """A GGUF tensor's Hugging Face name (None for one the model does not use)."""
+    if gguf_name in GGUF_NAMES:
+        return GGUF_NAMES[gguf_name]
+    blk, i, part, kind = (gguf_name.split(".") + ["", "", "", ""])[:4]
+    if blk != "blk" or part not in GGUF_LAYER_NAMES:
+        return None
+    return f"model.layers.{i}.{GGUF_LAYER_NAMES[part]}.{kind}"

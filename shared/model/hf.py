@@ -49,8 +49,9 @@ def architecture(config: dict[str, Any], source: ModelSource) -> str:
     return arch
 
 
-def _refuse(source: ModelSource, what: str) -> None:
-    raise ModelError(f"{source.where()}: config.json: {what} is not supported")
+def _refuse(source: ModelSource, what: str, supported: str = "") -> None:
+    also = f" (supported: {supported})" if supported else ""
+    raise ModelError(f"{source.where()}: config.json: {what} is not supported{also}")
 
 
 def _rope(config: dict[str, Any]) -> dict[str, Any]:
@@ -67,7 +68,7 @@ def _rope_scaling(config: dict[str, Any], source: ModelSource) -> RopeScaling | 
     scaling = _rope(config)
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind not in ROPE_KINDS:
-        _refuse(source, f"rope_scaling {kind!r} (supported: {', '.join(ROPE_KINDS)})")
+        _refuse(source, f"rope_scaling {kind!r}", ", ".join(ROPE_KINDS))
     if kind == "default":
         return None
     if kind == "linear":
@@ -100,7 +101,7 @@ def read_config(source: ModelSource, weights_id: str) -> ModelConfig:
     c = read_json(source.path / "config.json", source)
     arch = architecture(c, source)
     if c.get("hidden_act", "silu") != "silu":
-        _refuse(source, f"hidden_act {c['hidden_act']!r} (supported: silu)")
+        _refuse(source, f"hidden_act {c['hidden_act']!r}", "silu")
     if c.get("mlp_bias"):
         _refuse(source, "mlp_bias")
     if c.get("attention_bias") and arch != "qwen2":  # (Qwen2's q, k, v biases are its own)

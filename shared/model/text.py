@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from shared.files import write_atomically
+from shared.files import locked, write_atomically
 from shared.model import gguf, hf
 from shared.model.catalog import ModelError, ModelSource, known, resolve
 from shared.model.config import TINY_CONFIGS, ModelConfig
@@ -102,20 +102,27 @@ def _gguf_text(source: ModelSource, path: Path, state_dir: Path) -> TextModel:
     tokenizer_file = cache / f"tokenizer-{key}.json"
     template_file = cache / f"chat_template-{key}.jinja"
     specials_file = cache / f"special-{key}.json"
-    if not all(f.is_file() for f in (config_file, tokenizer_file, template_file, specials_file)):
-        log.info("reading %s's configuration and vocabulary from %s", source.name, path.name)
-        r = gguf.reader(path)
-        config = gguf.config_from_gguf(r, source.name, weights_id("gguf", [path], cache))
-        meta = gguf.metadata(r, "tokenizer.")
-        tokenizer = build_from_gguf(meta)
-        tokens = meta["tokenizer.ggml.tokens"]
-        bos, eos = tokens[config.bos_id], tokens[config.eos_ids[0]]
-        write_atomically(specials_file, json.dumps({"bos": bos, "eos": eos}))
-        write_atomically(template_file, meta["tokenizer.chat_template"])
-        cache.mkdir(parents=True, exist_ok=True)
-        write_atomically(tokenizer_file, tokenizer.to_str())
-        write_atomically(config_file, config.to_json())
+    files = (config_file, tokenizer_file, template_file, specials_file)
+    if not all(f.is_file() for f in files):
+        with locked(cache / f"text-{key}.lock"):  # (services starting at once build it once)
+            if not all(f.is_file() for f in files):
+                _build_gguf_text(source, path, cache, files)
     specials = json.loads(specials_file.read_text())
     template = ChatTemplate(template_file.read_text(), specials["bos"], specials["eos"])
     config = ModelConfig.from_json(config_file.read_text())
     return TextModel(config, Tokenizer.from_file(str(tokenizer_file)), template)
+
+
+def _build_gguf_text(source: ModelSource, path: Path, cache: Path, files: tuple) -> None:
+    config_file, tokenizer_file, template_file, specials_file = files
+    log.info("reading %s's configuration and vocabulary from %s", source.name, path.name)
+    r = gguf.reader(path)
+    config = gguf.config_from_gguf(r, source.name, weights_id("gguf", [path], cache))
+    meta = gguf.metadata(r, "tokenizer.")
+    tokenizer = build_from_gguf(meta)
+    tokens = meta["tokenizer.ggml.tokens"]
+    bos, eos = tokens[config.bos_id], tokens[config.eos_ids[0]]
+    write_atomically(specials_file, json.dumps({"bos": bos, "eos": eos}))
+    write_atomically(template_file, meta["tokenizer.chat_template"])
+    write_atomically(tokenizer_file, tokenizer.to_str())
+    write_atomically(config_file, config.to_json())  # (last: the one that says "built")

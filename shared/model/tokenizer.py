@@ -103,6 +103,7 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos: str = "", eos: str = "") -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self.source = source
         self.template = env.from_string(source)
         self.bos, self.eos = bos, eos
 

@@ -41,6 +41,7 @@ from shared.engine.torch.speculate import (
     CostCurve,
     Draft,
     NgramIndex,
+    cached_costs,
     choose_lengths,
 )
 from shared.eplb.balancer import BalancerOptions, ExpertBalancer
@@ -72,6 +73,7 @@ class TorchEngine(Engine):
                 f"speculative: one of {', '.join(MODES)} (got {options.speculative!r})"
             )
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.cache_dir: Path | None = None  # where machine-bound measurements are kept
         self.costs: dict[int, CostCurve] = {}  # forward seconds by tokens, per batch size
         self._base_cost: CostCurve | None = None
         self.acceptance = AcceptanceTable()  # every sequence's, by match length and position
@@ -101,13 +103,29 @@ class TorchEngine(Engine):
 
     @classmethod
     def load(cls, model: ModelSource, state_dir: Path, options: EngineOptions) -> TorchEngine:
-        return cls(load_model(model, state_dir), options)
+        engine = cls(load_model(model, state_dir), options)
+        engine.cache_dir = state_dir / "cache"
+        return engine
 
     def start(self) -> None:
         if self.options.threads:
             torch.set_num_threads(self.options.threads)
         if self.options.speculative == "adaptive":
-            self._base_cost = self._measure_costs()
+            self._base_cost = self._costs()
+
+    def _costs(self) -> CostCurve:
+        """Speculation's cost curve, measured once per machine and model (``cached_costs``:
+        the model, dtype, threads and pool size are what it depends on here)."""
+        if self.cache_dir is None:
+            return self._measure_costs()
+        depends = [
+            self.config.fingerprint,
+            str(self.dtype),
+            torch.get_num_threads(),
+            self.options.max_draft,
+            self.pool.n_blocks * self.block_size,
+        ]
+        return cached_costs(self.cache_dir, depends, self._measure_costs)
 
     def _measure_costs(self, repeats: int = 5, context: int = 256) -> CostCurve:
         """Seconds per forward pass of 1, 2, … new tokens of one sequence after a

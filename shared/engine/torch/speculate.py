@@ -19,7 +19,20 @@ valid choice: a step then costs what plain decode costs.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+
+from shared.files import write_atomically
+
+log = logging.getLogger(__name__)
 
 MODES = ("off", "fixed", "adaptive")
 PRIOR_ACCEPT = 0.5  # a position's acceptance before the engine has seen any
@@ -158,6 +171,37 @@ class CostCurve:
         self.scale += self.alpha * (seconds / expected - self.scale)
         mean, passes = self.seen.get(tokens, (seconds, 0))
         self.seen[tokens] = (mean + self.SEEN_ALPHA * (seconds - mean), passes + 1)
+
+
+COSTS_KEPT_S = 30 * 86400.0  # a cost curve older than this is measured again
+
+
+def cached_costs(cache_dir: Path, depends: list, measure: Callable[[], CostCurve]) -> CostCurve:
+    """A cost curve measured once per machine and what ``depends`` names (the model, ...):
+    cached under ``cache_dir`` with the machine (host, CPU, cores, torch build) in its key;
+    measured again (``measure``) when the cache is missing, damaged or over a month old."""
+    cpu = next((ln for ln in _cpuinfo().splitlines() if ln.startswith("model name")), "cpu")
+    what = [*depends, version("torch"), platform.node(), cpu, os.cpu_count()]
+    key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
+    path = cache_dir / f"costs-{key}.json"
+    try:
+        cached = json.loads(path.read_text())
+        if time.time() - cached["measured_at"] < COSTS_KEPT_S:
+            log.info("speculation's cost curve from %s (measured before)", path.name)
+            return CostCurve({int(n): float(s) for n, s in cached["seconds"].items()})
+    except (OSError, ValueError, KeyError):
+        pass  # missing or damaged: measured now
+    curve = measure()
+    seconds = dict(zip(curve.sizes, curve.seconds, strict=True))
+    write_atomically(path, json.dumps({"measured_at": time.time(), "seconds": seconds}))
+    return curve
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
 def choose_lengths(candidates: list[tuple[list[float], int]], cost: CostCurve) -> list[int]:

@@ -18,16 +18,11 @@ import numpy as np
 import torch
 
 from shared.model.config import ModelConfig
+from shared.model.gguf import hf_name, unpermute_rope
 
 log = logging.getLogger(__name__)
 
 Weights = dict[str, torch.Tensor]
-
-
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation, back to the half-split RoPE layout HF uses."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
 def fused(config: ModelConfig, tensor: Callable[[str], torch.Tensor | None]) -> Weights:
@@ -64,37 +59,6 @@ def fused(config: ModelConfig, tensor: Callable[[str], torch.Tensor | None]) -> 
     return w
 
 
-# A GGUF tensor's name → the Hugging Face name of the same tensor (per layer: blk.N.*).
-GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """A GGUF tensor's Hugging Face name (None for one the model does not use)."""
-    if gguf_name in GGUF_NAMES:
-        return GGUF_NAMES[gguf_name]
-    blk, i, part, kind = (gguf_name.split(".") + ["", "", "", ""])[:4]
-    if blk != "blk" or part not in GGUF_LAYER_NAMES:
-        return None
-    return f"model.layers.{i}.{GGUF_LAYER_NAMES[part]}.{kind}"
-
-
 def read_gguf(path: Path, config: ModelConfig) -> Weights:
     """A GGUF file's weights, dequantized to fp32 (the file's q and k rows back in the
     half-split rope layout where llama.cpp permuted them: its ``llama`` architecture)."""
@@ -112,7 +76,9 @@ def read_gguf(path: Path, config: ModelConfig) -> Weights:
             ("q_proj.weight", "k_proj.weight")
         ):
             heads = config.n_heads if "q_proj" in name else config.n_kv_heads
-            x = _unpermute_rope(x, heads)
+            x = unpermute_rope(x, heads)
+        if not x.flags.writeable:  # (an F32 tensor is a view of the file's map)
+            x = x.copy()
         raw[name] = torch.from_numpy(np.ascontiguousarray(x))
     w = fused(config, raw.get)
     log.info("read %s in %.1f s", path.name, time.monotonic() - started)
