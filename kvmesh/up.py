@@ -1,5 +1,6 @@
 """`kvmesh up`: NATS (one node or a cluster), one cachemeta, N routers and N of each worker
-role, as child processes.
+role, as child processes; with ``--model`` (repeatable), N prefill and N decode workers of each
+model named (``NAME=PATH`` serves a GGUF file or a Hugging Face directory as NAME).
 
 It waits until a router has registered every child, prints the API URLs, shows each child's
 log lines prefixed by its name (and keeps them under the state dir's logs/), and on Ctrl-C or
@@ -11,12 +12,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import uvloop
@@ -28,6 +32,8 @@ from shared.bus import Bus, BusError, subjects
 from shared.bus.auth import connect_options
 from shared.logs import setup_logging
 from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot
+from shared.model.catalog import SETTING, ModelError
+from shared.model.text import check_model
 from shared.security.tls import client_context
 from shared.settings import CommonSettings, SettingsError, load_settings
 
@@ -54,6 +60,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="N",
         help="NATS nodes: N > 1 starts a cluster on consecutive ports (routes on the client "
         "port + 2000), streams kept on min(N, 3) nodes",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME[=PATH]",
+        help="serve this model (repeatable): --prefill and --decode workers of its own; PATH "
+        "(a GGUF file or a Hugging Face directory) serves that checkpoint as NAME. Without "
+        "it, the workers serve their KVMESH_PREFILL_MODEL / KVMESH_DECODE_MODEL",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every service")
     p.add_argument(
@@ -87,6 +102,7 @@ class Stack:
         counts: dict[str, int],
         tls: bool = False,
         nats_nodes: int = 1,
+        models: list[str] | None = None,
     ) -> None:
         self.common = common
         self.prepared = prepare(common, tls)
@@ -99,8 +115,7 @@ class Stack:
                 env["KVMESH_ROUTER_GRPC_PORT"] = str(router.grpc_port + i)
             self.children.append(Child(f"router-{i}", "router", env))
             self.api_urls.append(f"{scheme}://{router.http_host}:{router.http_port + i}")
-        for role in ("prefill", "decode", "encoder"):
-            self.children += [Child(f"{role}-{i}", role) for i in range(counts[role])]
+        self.children += workers(counts, models or [])
         self.nats_nodes = nats_nodes
         self.nats: list[NatsServer] = []
         self.nats_url = common.nats_url
@@ -153,7 +168,10 @@ class Stack:
 
     async def spawn(self, child: Child) -> None:
         env = dict(os.environ)
-        env.update(KVMESH_NATS_URL=self.nats_url, KVMESH_SERVICE_ID=child.name, **child.env)
+        env.update(KVMESH_NATS_URL=self.nats_url, KVMESH_SERVICE_ID=child.name)
+        if self.common.models:  # what --model added, for every service
+            env[SETTING] = json.dumps({k: str(v) for k, v in self.common.models.items()})
+        env.update(child.env)
         if self.nats_nodes > 1 and "KVMESH_JETSTREAM_REPLICAS" not in env:
             env["KVMESH_JETSTREAM_REPLICAS"] = str(min(3, self.nats_nodes))
         if self.prepared.tls is not None:
@@ -288,6 +306,67 @@ class Stack:
                 await asyncio.wait_for(stop.wait(), 0.5)
 
 
+def workers(counts: dict[str, int], models: list[str]) -> list[Child]:
+    """The workers: ``counts[role]`` of each role, serving their own settings' model; with
+    ``models``, that many prefill and decode workers per model (named after it when there are
+    several) and encoders making embeddings for those models only."""
+    if not models:
+        return [
+            Child(f"{role}-{i}", role)
+            for role in ("prefill", "decode", "encoder")
+            for i in range(counts[role])
+        ]
+    children = []
+    for model in models:
+        tag = "" if len(models) == 1 else f"{service_tag(model)}-"
+        for role in ("prefill", "decode"):
+            env = {f"KVMESH_{role.upper()}_MODEL": model}
+            children += [Child(f"{role}-{tag}{i}", role, env) for i in range(counts[role])]
+    encoder_env = {"KVMESH_ENCODER_MODELS": json.dumps(models)}
+    return children + [
+        Child(f"encoder-{i}", "encoder", encoder_env) for i in range(counts["encoder"])
+    ]
+
+
+def service_tag(model: str) -> str:
+    """A model name as part of a service id (letters, digits, ``_.-``; at most 40)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", model).strip("-")[:40] or "model"
+
+
+def served_models(options: list[str], common: CommonSettings) -> dict[str, str | None]:
+    """``--model`` options as name → path (None: a name the catalog already knows); a
+    ValueError naming the option when one is malformed or given twice."""
+    models: dict[str, str | None] = {}
+    for option in options:
+        name, sep, path = option.partition("=")
+        name = name.strip()
+        if not name or (sep and not path.strip()):
+            raise ValueError(f"--model {option!r}: give NAME or NAME=PATH")
+        if name in models or (sep and name in common.models):
+            raise ValueError(f"--model {name}: given twice (here or in {SETTING})")
+        models[name] = str(Path(path.strip()).expanduser().resolve()) if sep else None
+    return models
+
+
+def with_models(common: CommonSettings, options: list[str]) -> tuple[CommonSettings, list[str]]:
+    """The settings with ``--model`` paths added to the catalog, and the names to serve,
+    each checked as a worker would at start (ValueError naming the option and the file)."""
+    models = served_models(options, common)
+    paths = {name: path for name, path in models.items() if path is not None}
+    common = common.model_copy(update={"models": {**common.models, **paths}})
+    seen: set[str] = set()
+    for name in models:
+        tag = service_tag(name)
+        if len(models) > 1 and tag in seen:
+            raise ValueError(f"--model {name}: its service ids would repeat another model's")
+        seen.add(tag)
+        try:
+            check_model(name, Path(common.state_dir), common.models)
+        except ModelError as err:
+            raise ValueError(f"--model {name}: {err}") from None
+    return common, list(models)
+
+
 def run(args: argparse.Namespace) -> int:
     counts = {"prefill": args.prefill, "decode": args.decode, "encoder": args.encoder}
     for role, n in counts.items():
@@ -314,7 +393,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     setup_logging(common.log_level)
     try:
-        stack = Stack(common, router, counts, args.tls, args.nats_cluster)
+        common, models = with_models(common, args.model)
+    except ValueError as err:
+        print(f"kvmesh up: {err}", file=sys.stderr)
+        return 2
+    try:
+        stack = Stack(common, router, counts, args.tls, args.nats_cluster, models)
         return uvloop.run(stack.run(args.timeout))
     except NatsServerError as err:
         print(f"kvmesh up: {err}", file=sys.stderr)

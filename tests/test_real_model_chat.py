@@ -1,5 +1,7 @@
 """The real model through the whole mesh: `make run`'s promise, and a two-turn conversation
-whose second turn, on another prefill worker, reuses the first from the storage tier."""
+whose second turn, on another prefill worker, reuses the first from the storage tier; beside
+it, a team's own checkpoint by path (a tiny Qwen2 in a Hugging Face directory) served by
+workers of its own in the same mesh."""
 
 from __future__ import annotations
 
@@ -7,8 +9,10 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
+import openai
 import pytest
 
+from tests.checkpoints import hf_checkpoint
 from tests.conftest import REAL
 from tests.procs import wait_until
 from tests.stack import Stack
@@ -20,15 +24,25 @@ LONG_TEXT = " ".join(
 )
 
 
+OWN = "team-qwen"  # the second model: a checkpoint by path
+OWN_WORKERS = ("prefill-own", "decode-own")
+
+
 @pytest.fixture(scope="module")
-def real_stack(stacks) -> Stack:
-    return stacks(
+def real_stack(stacks, tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    checkpoint = tmp_path_factory.mktemp("checkpoint") / "team-qwen"
+    hf_checkpoint(checkpoint, "qwen2")
+    stack = stacks(
         ("cachemeta-0", "router-0", "prefill-0", "prefill-1", "decode-0"),
         KVMESH_PREFILL_MODEL=REAL,
         KVMESH_DECODE_MODEL=REAL,
+        KVMESH_MODELS=json.dumps({OWN: str(checkpoint)}),
         KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",  # the KV moves, as for any real prompt
         KVMESH_DECODE_KV_CACHE_TOKENS="12288",  # room for 8 answers at once (tools below)
     )
+    stack.start(*OWN_WORKERS, KVMESH_PREFILL_MODEL=OWN, KVMESH_DECODE_MODEL=OWN)
+    stack.wait_ready(OWN_WORKERS)
+    return stack
 
 
 def chat(stack: Stack, messages: list[dict], **headers: str):
@@ -217,3 +231,53 @@ def test_auto_tool_choice_answers_in_text_when_no_tool_is_needed(real_stack: Sta
     choice = answer.choices[0]
     assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
     assert choice.message.content and "<tool_call>" not in choice.message.content
+
+
+# -- two models in one mesh (the last tests: the second model's workers stop) ----------------
+
+
+def test_two_models_each_answered_by_its_own_workers_never_sharing_kv(real_stack: Stack) -> None:
+    client = real_stack.client()
+    listed = {m.id for m in client.models.list()}
+    assert {REAL, OWN} <= listed and "tiny" not in listed  # no worker serves tiny here
+    prompt = [{"role": "user", "content": LONG_TEXT[:600] + "\nSummarize."}]
+
+    def ask(model: str):
+        return client.chat.completions.create(
+            model=model, messages=prompt, max_tokens=8, temperature=0
+        )
+
+    real = [ask(REAL), ask(REAL)]
+    own = [ask(OWN), ask(OWN)]
+    for answer in real:
+        assert answer.model == REAL
+        assert not set(answer.model_extra["kvmesh"]["workers"]) & set(OWN_WORKERS)
+    for answer in own:
+        assert answer.model == OWN
+        assert set(answer.model_extra["kvmesh"]["workers"]) == set(OWN_WORKERS)
+    # The same text, two models: each one's second ask finds its first in the cache, and the
+    # first ask of the other model found none of it (its blocks have other hashes).
+    assert real[1].usage.prompt_tokens_details.cached_tokens > 0
+    assert own[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert own[1].usage.prompt_tokens_details.cached_tokens > 0
+    with pytest.raises(openai.NotFoundError, match="no-such-model"):
+        ask("no-such-model")
+
+
+def test_a_model_whose_workers_are_gone_is_503_naming_it(real_stack: Stack) -> None:
+    for sid in OWN_WORKERS:
+        real_stack.procs[sid].stop()
+    wait_until(
+        lambda: not set(OWN_WORKERS) & set(real_stack.health()),
+        30,
+        what="the second model's workers gone",
+    )
+    client = real_stack.client()
+    with pytest.raises(openai.InternalServerError, match=OWN) as err:
+        client.chat.completions.create(
+            model=OWN, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+    assert err.value.status_code == 503
+    assert OWN not in {m.id for m in client.models.list()}
+    paris = chat(real_stack, [{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in paris.choices[0].message.content  # the other model still answers

@@ -289,3 +289,52 @@ def test_killing_kvmesh_up_leaves_no_process_behind(state_dir: Path) -> None:
         wait_until(lambda: kvmesh_pids(str(state_dir)) == [], 30, what="every child gone")
     finally:
         up.stop()
+
+
+def test_up_serves_two_checkpoints_by_path_each_on_its_own_workers(
+    state_dir: Path, tmp_path: Path
+) -> None:
+    from tests.checkpoints import gguf_checkpoint, hf_checkpoint
+
+    hf_checkpoint(tmp_path / "alpha", "llama")
+    beta = gguf_checkpoint(
+        tmp_path / "beta.gguf", hf_checkpoint(tmp_path / "b", "qwen2", 1), "qwen2"
+    )
+    http_port = free_port()
+    env = up_env(state_dir, free_port(), http_port)
+    args = [
+        "up",
+        "--encoder",
+        "0",
+        "--model",
+        f"alpha={tmp_path / 'alpha'}",
+        "--model",
+        f"beta={beta}",
+    ]
+    up = Proc([*KVMESH, *args], env, state_dir / "up.log")
+    try:
+        wait_until(lambda: "kvmesh is up" in up.output(), 120, what="kvmesh up to be ready")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none")
+        assert {m.id for m in client.models.list()} == {"alpha", "beta"}
+        for model in ("alpha", "beta"):
+            answer = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "Hello " * 80}],  # through a prefill worker
+                max_tokens=4,
+                temperature=0,
+            )
+            assert answer.model == model
+            assert set(answer.model_extra["kvmesh"]["workers"]) == {
+                f"prefill-{model}-0",
+                f"decode-{model}-0",
+            }
+    finally:
+        up.stop()
+
+
+def test_up_with_a_model_path_that_does_not_exist_starts_nothing(state_dir: Path) -> None:
+    env = up_env(state_dir, free_port(), free_port())
+    done = kvmesh(["up", "--model", "mine=/nonexistent/model.gguf"], env)
+    assert done.returncode == 2
+    assert "--model mine:" in done.stderr and "/nonexistent/model.gguf" in done.stderr
+    assert kvmesh_pids(str(state_dir)) == []
