@@ -25,6 +25,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from shared.model.tokenizer import token_bytes
+from shared.model.tools import FALLBACK, LLAMA3, MISTRAL, MISTRAL_MARK, ToolSyntax
 
 TOOL_CALL_OPEN = "<tool_call>\n"
 TOOL_CALL_CLOSE = "\n</tool_call>"
@@ -80,25 +81,33 @@ def json_grammar(schema: dict) -> str:
         raise GrammarError(str(err)) from None
 
 
-def tool_call_grammar(tools: list[tuple[str, dict]]) -> str:
-    """An answer that is one tool call, ``<tool_call>\\n{"name": ..., "arguments": ...}
-    \\n</tool_call>``, of one of ``tools`` ((name, its parameters' schema)), its arguments
-    matching that tool's schema."""
+def tool_call_grammar(
+    tools: list[tuple[str, dict]], syntax: ToolSyntax = FALLBACK, mark: int | None = None
+) -> str:
+    """An answer that is one tool call of one of ``tools`` ((name, its parameters' schema)),
+    its arguments matching that tool's schema, in ``syntax`` (shared/model/tools.py): Hermes'
+    ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, Llama 3's
+    ``{"name": ..., "parameters": ...}``, Mistral's ``[TOOL_CALLS][{...}]``. ``mark``: the id
+    of the special token that starts Mistral's calls, when the tokenizer has one."""
+    key = syntax.arguments_key
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": params or ANY_OBJECT},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": name}, key: params or ANY_OBJECT},
+            "required": ["name", key],
             "additionalProperties": False,
         }
         for name, params in tools
     ]
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_FORM}
-    lark = (
-        f"start: {json.dumps(TOOL_CALL_OPEN)} call {json.dumps(TOOL_CALL_CLOSE)}\n"
-        f"call: %json {json.dumps(schema)}\n"
-    )
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+    if syntax.kind == MISTRAL:
+        start = f"<[{mark}]>" if mark is not None else json.dumps(MISTRAL_MARK)
+        rule = f'start: {start} "[" call "]"'
+    elif syntax.kind == LLAMA3:
+        rule = "start: call"
+    else:
+        rule = f"start: {json.dumps(TOOL_CALL_OPEN)} call {json.dumps(TOOL_CALL_CLOSE)}"
+    return llguidance.LLMatcher.grammar_from_lark(f"{rule}\ncall: %json {json.dumps(schema)}\n")
 
 
 def check(grammar: str, vocab: llguidance.LLTokenizer) -> None:

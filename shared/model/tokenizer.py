@@ -6,15 +6,19 @@ as a tokenizer.json under the state dir, keyed by the GGUF file's digest.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from shared.files import replacing
+from shared.model.tools import tool_syntax
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +103,49 @@ def load_tokenizer(meta: dict[str, Any], cache_dir: Path, key: str) -> Tokenizer
 
 
 class ChatTemplate:
-    """Renders messages with the model's own Jinja chat template (ChatML for SmolLM2)."""
+    """Renders messages with the model's own Jinja chat template (ChatML for SmolLM2), with
+    what Hugging Face gives templates: ``tojson`` as ``json.dumps`` writes it (not HTML-safe
+    escaped), ``raise_exception``, ``strftime_now``, and ``tools`` when a request has them."""
 
     def __init__(self, source: str, bos: str = "", eos: str = "") -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         self.source = source
         self.template = env.from_string(source)
         self.bos, self.eos = bos, eos
+        self.tool_syntax = tool_syntax(source)
 
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos,
-            eos_token=self.eos,
-        )
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        extra = {"tools": tools} if tools else {}
+        try:
+            return self.template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos,
+                eos_token=self.eos,
+                **extra,
+            )
+        except TemplateError as err:  # the template's own refusal (raise_exception)
+            raise ChatTemplateError(str(err)) from None
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the conversation; the message is the template's."""
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **_: Any) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return time.strftime(fmt)

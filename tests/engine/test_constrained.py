@@ -9,8 +9,10 @@ import json
 import jsonschema
 import pytest
 
+from services.router.request.toolcalls import call_parser, calls_of
 from shared.engine.sampling import SamplingParams
 from shared.model.grammar import json_grammar, tool_call_grammar
+from shared.model.tools import ToolSyntax
 from tests.engine.conftest import make_engine
 from tests.engine.test_batching import run_alone, run_staggered
 from tests.engine.test_handoff import hand_off
@@ -62,6 +64,29 @@ def test_a_forced_tool_call_names_a_tool_and_its_arguments_match(tiny_models) ->
     call = json.loads(out.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
     schema = dict(tools)[call["name"]]
     jsonschema.validate(call["arguments"], schema)
+
+
+TIDE_SCHEMA = {
+    "type": "object",
+    "properties": {"port": {"type": "string", "maxLength": 20}},
+    "required": ["port"],
+    "additionalProperties": False,  # (else random weights may write keys until max_tokens)
+}
+
+
+@pytest.mark.parametrize("kind", ["hermes", "llama3", "mistral"])
+def test_a_forced_call_is_written_in_the_syntax_and_parses_back(tiny_models, kind: str) -> None:
+    model = tiny_models["tiny"]  # random weights: the grammar alone makes it a call
+    syntax = ToolSyntax(kind, native=True)
+    grammar = tool_call_grammar([("get_tide", TIDE_SCHEMA)], syntax)
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=3, grammar=grammar)
+    out = model.tokenizer.decode(run_alone(model, prompt(20), params), skip_special_tokens=True)
+    parser = call_parser(syntax, streamed=True)
+    text, events = parser.feed(out)
+    rest, more = parser.finish()
+    (call,) = calls_of(events + more)
+    assert call.name == "get_tide" and (text + rest).strip() == ""
+    jsonschema.validate(json.loads(call.arguments), TIDE_SCHEMA)
 
 
 def test_constrained_and_free_answers_share_a_batch(tiny_models) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -295,8 +296,13 @@ def test_up_serves_two_checkpoints_by_path_each_on_its_own_workers(
     state_dir: Path, tmp_path: Path
 ) -> None:
     from tests.checkpoints import gguf_checkpoint, hf_checkpoint
+    from tests.templates import LLAMA
 
     hf_checkpoint(tmp_path / "alpha", "llama")
+    config_file = tmp_path / "alpha" / "tokenizer_config.json"  # alpha's template: Llama 3's
+    config_file.write_text(
+        json.dumps({**json.loads(config_file.read_text()), "chat_template": LLAMA})
+    )
     beta = gguf_checkpoint(
         tmp_path / "beta.gguf", hf_checkpoint(tmp_path / "b", "qwen2", 1), "qwen2"
     )
@@ -328,6 +334,27 @@ def test_up_serves_two_checkpoints_by_path_each_on_its_own_workers(
                 f"prefill-{model}-0",
                 f"decode-{model}-0",
             }
+        # A forced call in each model's own syntax (alpha: Llama 3's JSON; beta, whose
+        # template has none: the Hermes tags), parsed back into tool_calls.
+        tide = {
+            "type": "object",
+            "properties": {"port": {"enum": ["Oslo", "Bergen"]}},
+            "required": ["port"],
+            "additionalProperties": False,
+        }
+        tools = [{"type": "function", "function": {"name": "get_tide", "parameters": tide}}]
+        for model in ("alpha", "beta"):
+            answer = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "High tide in Oslo?"}],
+                tools=tools,
+                tool_choice="required",
+                max_tokens=40,
+            )
+            (call,) = answer.choices[0].message.tool_calls or [answer]  # (the answer, if none)
+            assert call.function.name == "get_tide", model
+            assert json.loads(call.function.arguments)["port"] in ("Oslo", "Bergen")
+            assert answer.choices[0].finish_reason == "tool_calls"
     finally:
         up.stop()
 

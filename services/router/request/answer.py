@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 from services.router.dispatch.dispatcher import Dispatcher
 from services.router.errors import ApiError
 from services.router.request.prepare import Prepared
-from services.router.request.toolcalls import CallEvent, CallParser
+from services.router.request.toolcalls import CallEvent, call_parser
 from shared.messages.generate import Logprobs
 from shared.model.tokenizer import token_pieces
 
@@ -91,7 +91,7 @@ class Answers:
         conv = p.conversation
         calls = None
         if conv.calls_tools:  # forced calls stream as they come
-            calls = CallParser(streamed=bool(conv.forced_tools))
+            calls = call_parser(p.text.chat_template.tool_syntax, bool(conv.forced_tools))
         try:
             async for delta in inner:
                 if calls is not None:

@@ -44,7 +44,8 @@ from shared.kvstore.hashing import image_stream, pack_tokens
 from shared.messages.generate import ImageRef
 from shared.model.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, vocabulary
 from shared.model.text import TextModel, load_text_model, model_names
-from shared.model.tokenizer import token_pieces
+from shared.model.tokenizer import ChatTemplateError, token_pieces
+from shared.model.tools import FALLBACK, HERMES, ToolSyntax, short_call_id
 from shared.service import keep_for_good
 from shared.telemetry.tracing import tracer
 
@@ -105,7 +106,19 @@ class Renderer:
         if conv.chat:
             nonce = uuid.uuid4().hex  # a client cannot forge a marker it cannot guess
             marker = f"\x00kvmesh-image-{nonce}-"
-            text = model.chat_template.render(chat_messages(conv, marker))
+            template = model.chat_template
+            try:
+                if template.tool_syntax.native:
+                    tools = [tool_spec(t) for t in conv.tools]
+                    text = template.render(template_messages(conv, marker), tools=tools)
+                else:
+                    text = template.render(chat_messages(conv, marker))
+            except ChatTemplateError as err:
+                raise ApiError(
+                    400,
+                    f"messages: the model's chat template refused them: {err}",
+                    param="messages",
+                ) from None
             return await self._with_images(conv.model, text, marker, images)
         if isinstance(conv.prompt, str):
             return Rendered(*await self.encode(conv.model, conv.prompt))
@@ -149,10 +162,12 @@ class Renderer:
         return Rendered(*join_prompt(parts))
 
 
-# Tools in the prompt (the model's own template has no tool syntax): a Hermes-style preamble
-# at the end of the system prompt, each call as <tool_call> JSON, results as <tool_response>
-# in a user turn. One form whichever API carried them, so a tool-heavy conversation keeps its
-# cache hits across formats.
+# Tools in the prompt. A template that renders tools itself gets them, and the calls and
+# results, as Hugging Face passes them (``template_messages``), and the model writes calls in
+# its own form (shared/model/tools.py). One whose template has no tool syntax gets kvmesh's: a
+# Hermes-style preamble at the end of the system prompt, each call as <tool_call> JSON, results
+# as <tool_response> in a user turn (``chat_messages``). Either is one form whichever API
+# carried the conversation, so a tool-heavy conversation keeps its cache hits across formats.
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
@@ -162,31 +177,72 @@ TOOLS_PREAMBLE = (
 )
 
 
-def tool_spec(tool: Tool) -> str:
+def tool_spec(tool: Tool) -> dict:
     spec: dict = {"name": tool.name}
     if tool.description:
         spec["description"] = tool.description
     spec["parameters"] = tool.parameters
-    return json.dumps({"type": "function", "function": spec}, ensure_ascii=False)
+    return {"type": "function", "function": spec}
 
 
-def call_text(call: ToolCall) -> str:
+def call_text(call: ToolCall, syntax: ToolSyntax = FALLBACK) -> str:
     """A call as the model writes it (and as the grammar forces it)."""
-    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
-    return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
+    body = {"name": call.name, syntax.arguments_key: call.arguments}
+    text = json.dumps(body, ensure_ascii=False)
+    return (
+        text
+        if syntax.native and syntax.kind != HERMES
+        else f"{TOOL_CALL_OPEN}{text}{TOOL_CALL_CLOSE}"
+    )
 
 
-def result_text(result: ToolResult) -> str:
+def result_text(result: ToolResult, syntax: ToolSyntax = FALLBACK) -> str:
+    if syntax.native:  # the template wraps it
+        return result.content
     return f"<tool_response>\n{result.content}\n</tool_response>"
 
 
-def part_text(part: Text | ToolCall | ToolResult) -> str:
+def part_text(part: Text | ToolCall | ToolResult, syntax: ToolSyntax = FALLBACK) -> str:
     """A text part's text; a tool call or result as the prompt renders it."""
     if isinstance(part, ToolCall):
-        return call_text(part)
+        return call_text(part, syntax)
     if isinstance(part, ToolResult):
-        return result_text(part)
+        return result_text(part, syntax)
     return part.text
+
+
+def template_messages(conv: Conversation, marker: str) -> list[dict]:
+    """The messages as Hugging Face gives them to a template that renders tools: an
+    assistant's calls in ``tool_calls`` (arguments as objects), each result a ``tool``
+    message with its call's id; image k (in order) as ``{marker}{k}\\0``. Ids are 9 letters or
+    digits made from the client's (as Mistral's templates require; the others ignore them)."""
+    out: list[dict] = []
+    k = 0
+    for m in conv.messages:
+        if m.role == "tool":
+            out += [
+                {"role": "tool", "tool_call_id": short_call_id(p.call_id), "content": p.content}
+                for p in m.parts
+                if isinstance(p, ToolResult)
+            ]
+            continue
+        text, calls = [], []
+        for part in m.parts:
+            if isinstance(part, Text):
+                text.append(part.text)
+            elif isinstance(part, Image):
+                text.append(f"{marker}{k}\x00")
+                k += 1
+            elif isinstance(part, ToolCall):
+                function = {"name": part.name, "arguments": part.arguments}
+                calls.append(
+                    {"id": short_call_id(part.id), "type": "function", "function": function}
+                )
+        message: dict = {"role": m.role, "content": "".join(text)}
+        if calls:
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
 
 
 def chat_messages(conv: Conversation, marker: str) -> list[dict[str, str]]:
@@ -220,7 +276,8 @@ def chat_messages(conv: Conversation, marker: str) -> list[dict[str, str]]:
             content += sep + "\n".join(calls)
         out.append({"role": m.role, "content": content})
     if conv.tools:
-        preamble = TOOLS_PREAMBLE.format(tools="\n".join(tool_spec(t) for t in conv.tools))
+        specs = (json.dumps(tool_spec(t), ensure_ascii=False) for t in conv.tools)
+        preamble = TOOLS_PREAMBLE.format(tools="\n".join(specs))
         if out and out[0]["role"] == "system":
             out[0]["content"] += "\n\n" + preamble
         else:

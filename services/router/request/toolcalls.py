@@ -1,6 +1,10 @@
-"""Tool calls in an answer: the model writes each as ``<tool_call>\\n{"name": ..., "arguments":
-{...}}\\n</tool_call>`` (the form the renderer teaches it, shared/model/grammar.py forces it),
-and this splits the streamed text into the answer's text and its calls.
+"""Tool calls in an answer, in the syntax of the model's template (shared/model/tools.py):
+this splits the streamed text into the answer's text and its calls.
+
+The Hermes form (``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``: Qwen's
+templates, and the form the renderer teaches a model whose template has none) is parsed by
+``CallParser``; the forms where the calls are the answer itself (Llama 3's JSON object,
+Mistral's ``[TOOL_CALLS]`` list) by ``LeadingCallsParser``.
 
 A forced call (``tool_choice`` required or named: the grammar guarantees its form) streams as
 it comes: its start (id and name) once the name is complete, then the arguments in pieces as
@@ -15,6 +19,9 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from typing import Protocol
+
+from shared.model.tools import LLAMA3, MISTRAL, MISTRAL_MARK, ToolSyntax
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -49,6 +56,20 @@ def calls_of(events: list[CallEvent]) -> list[Call]:
             calls[e.index] = Call(e.id, e.name, "")
         calls[e.index].arguments += e.arguments
     return list(calls.values())
+
+
+class Parser(Protocol):
+    calls: int
+
+    def feed(self, text: str) -> tuple[str, list[CallEvent]]: ...
+    def finish(self) -> tuple[str, list[CallEvent]]: ...
+
+
+def call_parser(syntax: ToolSyntax, streamed: bool) -> Parser:
+    """The parser for answers written in ``syntax``; ``streamed``: the calls are forced."""
+    if syntax.kind in (LLAMA3, MISTRAL):
+        return LeadingCallsParser(syntax)
+    return CallParser(streamed)
 
 
 class CallParser:
@@ -215,3 +236,89 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:k]):
             return k
     return 0
+
+
+class LeadingCallsParser:
+    """Calls that are the answer itself: Llama 3's ``{"name": ..., "parameters": {...}}``
+    (several joined by ``;``) or Mistral's ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]``
+    (the marker is a special token, so it may not be in the text). Whether the answer is calls
+    is decided by its first character; calls are sent whole as each one completes, anything
+    that does not parse as calls is text, as written."""
+
+    def __init__(self, syntax: ToolSyntax) -> None:
+        self.kind = syntax.kind
+        self._opens = "[" if syntax.kind == MISTRAL else "{"
+        self._buf = ""
+        self._mode = ""  # "" until decided, then "text" or "calls"
+        self.calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[CallEvent]]:
+        self._buf += text
+        if not self._mode:
+            head = self._head()
+            if head is None:
+                return "", []  # nothing but blanks (or part of the marker) yet
+            self._mode = "calls" if head.startswith(self._opens) else "text"
+        if self._mode == "text":
+            out, self._buf = self._buf, ""
+            return ("" if self.calls and not out.strip() else out), []
+        events = self._take()
+        if self._mode == "text":  # what follows the calls
+            return self.feed("")[0], events
+        return "", events
+
+    def finish(self) -> tuple[str, list[CallEvent]]:
+        events = self._take() if self._mode == "calls" else []
+        rest, self._buf = self._buf, ""
+        if self.calls and not rest.strip(" \n;"):
+            rest = ""
+        return rest, events
+
+    def _head(self) -> str | None:
+        """The answer's text from its first non-blank character, past Mistral's marker;
+        None while it could still be only blanks or part of the marker."""
+        head = self._buf.lstrip()
+        if self.kind == MISTRAL:
+            if MISTRAL_MARK.startswith(head):
+                return None
+            head = head.removeprefix(MISTRAL_MARK).lstrip()
+        return head or None
+
+    def _take(self) -> list[CallEvent]:
+        """Every complete call at the buffer's start, as events; a value that is complete
+        but not calls turns the rest of the answer into text."""
+        events: list[CallEvent] = []
+        decoder = json.JSONDecoder()
+        while True:
+            head = self._head() if self.calls == 0 else self._buf.lstrip(" \n;")
+            if not head or not head.startswith(self._opens):
+                if head and self.calls:
+                    self._mode = "text"  # text after the calls
+                return events
+            try:
+                value, end = decoder.raw_decode(head)
+            except ValueError:
+                return events  # not complete yet (or not JSON: text at the finish)
+            calls = [_leading_call(v) for v in (value if isinstance(value, list) else [value])]
+            if not calls or None in calls:
+                self._mode = "text"
+                return events
+            for name, arguments in calls:
+                start = CallEvent(self.calls, id=uuid.uuid4().hex[:24], name=name)
+                events += [start, CallEvent(self.calls, arguments=arguments)]
+                events.append(CallEvent(self.calls, done=True))
+                self.calls += 1
+            self._buf = head[end:]
+            if self.kind == MISTRAL:  # one list holds all of them
+                self._mode = "text"
+                return events
+
+
+def _leading_call(value: object) -> tuple[str, str] | None:
+    """A call object's name and arguments (as JSON text), or None if it is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = value.get("parameters", value.get("arguments", {}))
+    if not isinstance(args, dict):
+        return None
+    return value["name"], json.dumps(args, ensure_ascii=False)
