@@ -63,13 +63,16 @@ def tokenizer_files(directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def hf_checkpoint(directory: Path, arch: str, seed: int = 0, dtype: str = "float32"):  # noqa: ANN201
+def hf_checkpoint(  # noqa: ANN201
+    directory: Path, arch: str, seed: int = 0, dtype: str = "float32", size: dict | None = None
+):
     """A random checkpoint of ``arch`` saved as a Hugging Face directory; the transformers
-    model it was saved from (fp32, eager attention)."""
+    model it was saved from (fp32, eager attention). ``size``: dimensions other than SMALL's
+    (the benchmark's are SmolLM2-135M's)."""
     import transformers
 
     config_cls, model_cls, extra = ARCHS[arch]
-    config = getattr(transformers, config_cls)(**{**SMALL, **extra})
+    config = getattr(transformers, config_cls)(**{**SMALL, **extra, **(size or {})})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
