@@ -5,8 +5,8 @@ qwen2, qwen3) a checkpoint of SmolLM2-135M's size with random weights is written
 Face directory (bf16 safetensors, as checkpoints ship) and as a GGUF file (Q8_0); the bundled
 SmolLM2 is measured as its GGUF file and exported to a Hugging Face directory. Each one is
 loaded in a fresh process twice: cold (an empty state dir: conversion, the weights cache
-written) and warm (the cache read, memory-mapped), and measured: load time, resident memory
-after loading, prefill tok/s (one 512-token prompt; eight 64-token prompts in one pass) and
+written) and warm (the cache read, memory-mapped), and measured: load time, peak resident
+memory, prefill tok/s (one 512-token prompt; eight 64-token prompts in one pass) and
 decode tok/s (batch 1 and 8), and the max |logit difference| against transformers' fp32
 forward pass of the same checkpoint (a GGUF file: against the weights it was quantized from).
 Then `kvmesh up` (what `make run` starts: the real model, every service) is timed to a
@@ -23,11 +23,13 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,11 +55,13 @@ def say(msg: str) -> None:
 # -- one model in one process (run as: models.py --one KIND PATH STATE REFERENCE) ---------------
 
 
-def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
+def peak_rss_mib() -> float:
+    """The process's peak resident memory (weights, KV pool pages touched, torch)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def median(run: Callable[[], float], repeats: int = 3) -> float:
+    return statistics.median(run() for _ in range(repeats))
 
 
 def measure_one(kind: str, path: str, state: str, reference: str, threads: int) -> dict:
@@ -78,7 +82,6 @@ def measure_one(kind: str, path: str, state: str, reference: str, threads: int) 
     load_s = time.perf_counter() - t
     engine = TorchEngine(model, EngineOptions(kv_cache_tokens=16384, threads=threads))
     engine.start()
-    rss = rss_mib()
     g = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
@@ -87,16 +90,24 @@ def measure_one(kind: str, path: str, state: str, reference: str, threads: int) 
     one = SamplingParams(max_tokens=1)
     engine.prefill("warm", ids(64), one)  # (first-call costs out of the timings)
     engine.free("warm")
-    t = time.perf_counter()
-    engine.prefill("p1", ids(512), one)
-    prefill_b1 = 512 / (time.perf_counter() - t)
-    engine.free("p1")
-    batch = [PrefillRequest(f"p8-{i}", ids(64), one) for i in range(8)]
-    t = time.perf_counter()
-    engine.prefill_batch(batch)
-    prefill_b8 = 8 * 64 / (time.perf_counter() - t)
-    for r in batch:
-        engine.free(r.seq_id)
+
+    def prefill_b1() -> float:
+        t = time.perf_counter()
+        engine.prefill("p1", ids(512), one)
+        elapsed = time.perf_counter() - t
+        engine.free("p1")
+        return 512 / elapsed
+
+    def prefill_b8() -> float:
+        batch = [PrefillRequest(f"p8-{i}", ids(64), one) for i in range(8)]
+        t = time.perf_counter()
+        engine.prefill_batch(batch)
+        elapsed = time.perf_counter() - t
+        for r in batch:
+            engine.free(r.seq_id)
+        return 8 * 64 / elapsed
+
+    prefill = {1: median(prefill_b1), 8: median(prefill_b8)}  # (a pass here is ±20% at times)
     decode = {}
     for n in (1, 8):
         params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -114,9 +125,9 @@ def measure_one(kind: str, path: str, state: str, reference: str, threads: int) 
         diff = logit_diff(model, reference, ids(64))
     return {
         "load_s": round(load_s, 2),
-        "rss_mib": round(rss),
-        "prefill_b1_tok_s": round(prefill_b1, 1),
-        "prefill_b8_tok_s": round(prefill_b8, 1),
+        "rss_mib": round(peak_rss_mib()),  # after the runs: what serving touched
+        "prefill_b1_tok_s": round(prefill[1], 1),
+        "prefill_b8_tok_s": round(prefill[8], 1),
         "decode_b1_tok_s": round(decode[1], 1),
         "decode_b8_tok_s": round(decode[8], 1),
         "max_logit_diff": diff,
@@ -164,7 +175,7 @@ def checkpoints(work: Path, archs: list[str]) -> list[tuple[str, str, str, str, 
         out += [(arch, "gguf Q8_0", "gguf", str(gguf), str(work / arch))]
     say("exporting the bundled SmolLM2 to a Hugging Face directory")
     exported = export(resolve("smollm2-135m-instruct", {}), work / "export-state", work / "smollm2")
-    out += [("smollm2 (bundled)", "gguf", "name", "smollm2-135m-instruct", str(exported))]
+    out += [("smollm2 (bundled)", "gguf Q4_1", "name", "smollm2-135m-instruct", str(exported))]
     out += [("smollm2 (exported)", "hf fp32", "hf", str(exported), str(exported))]
     return out
 
@@ -252,7 +263,15 @@ def main() -> None:
             up["cold_s"] = round(time_up(work / "up-state"), 1)
             say("kvmesh up: warm (the same state dir)")
             up["warm_s"] = round(time_up(work / "up-state"), 1)
-    head = ("arch", "format", "load cold s", "load warm s", "RSS MiB", "prefill b1", "prefill b8")
+    head = (
+        "arch",
+        "format",
+        "load cold s",
+        "load warm s",
+        "peak RSS MiB",
+        "prefill b1",
+        "prefill b8",
+    )
     head += ("decode b1", "decode b8", "max |dlogit|")
     print(" | ".join(head))
     for r in rows:
