@@ -82,13 +82,13 @@ def json_grammar(schema: dict) -> str:
 
 
 def tool_call_grammar(
-    tools: list[tuple[str, dict]], syntax: ToolSyntax = FALLBACK, mark: int | None = None
+    tools: list[tuple[str, dict]], syntax: ToolSyntax = FALLBACK, tokenizer: Tokenizer | None = None
 ) -> str:
     """An answer that is one tool call of one of ``tools`` ((name, its parameters' schema)),
     its arguments matching that tool's schema, in ``syntax`` (shared/model/tools.py): Hermes'
     ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, Llama 3's
-    ``{"name": ..., "parameters": ...}``, Mistral's ``[TOOL_CALLS][{...}]``. ``mark``: the id
-    of the special token that starts Mistral's calls, when the tokenizer has one."""
+    ``{"name": ..., "parameters": ...}``, Mistral's ``[TOOL_CALLS][{...}]`` (its marker as the
+    special token, when ``tokenizer`` has one)."""
     key = syntax.arguments_key
     calls = [
         {
@@ -101,6 +101,7 @@ def tool_call_grammar(
     ]
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_FORM}
     if syntax.kind == MISTRAL:
+        mark = tokenizer.token_to_id(MISTRAL_MARK) if tokenizer is not None else None
         start = f"<[{mark}]>" if mark is not None else json.dumps(MISTRAL_MARK)
         rule = f'start: {start} "[" call "]"'
     elif syntax.kind == LLAMA3:

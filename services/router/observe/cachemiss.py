@@ -39,8 +39,9 @@ from tokenizers import Tokenizer
 
 from services.router.dispatch.job import Job, Segments
 from services.router.request.conversation import Conversation, Image
+from services.router.request.messages import part_text
 from services.router.request.prepare import Prepared
-from services.router.request.render import locate, part_text
+from services.router.request.render import locate
 
 KINDS = (
     "system_changed",

@@ -36,7 +36,6 @@ from shared.model.grammar import (
     vocabulary,
 )
 from shared.model.text import TextModel
-from shared.model.tools import MISTRAL_MARK
 
 _CHECKED_SCHEMAS: set[str] = set()  # tool schemas the library compiled (agents resend them)
 EXPLAINED = 4  # candidates listed in a response (all with the header x-kvmesh-explain: all)
@@ -304,8 +303,7 @@ def answer_grammar(conv: Conversation, text: TextModel) -> str | None:
     forced = conv.forced_tools
     if forced:
         syntax = text.chat_template.tool_syntax
-        mark = text.tokenizer.token_to_id(MISTRAL_MARK)  # a special token in Mistral's
-        return tool_call_grammar([(t.name, t.parameters) for t in forced], syntax, mark)
+        return tool_call_grammar([(t.name, t.parameters) for t in forced], syntax, text.tokenizer)
     wanted = conv.json
     if wanted is None:
         return None
