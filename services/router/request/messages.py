@@ -16,6 +16,7 @@ import json
 from services.router.request.conversation import (
     Conversation,
     Image,
+    Part,
     Text,
     Tool,
     ToolCall,
@@ -82,21 +83,17 @@ def template_messages(conv: Conversation, marker: str) -> list[dict]:
                 if isinstance(p, ToolResult)
             ]
             continue
-        text, calls = [], []
-        for part in m.parts:
-            if isinstance(part, Text):
-                text.append(part.text)
-            elif isinstance(part, Image):
-                text.append(f"{marker}{k}\x00")
-                k += 1
-            elif isinstance(part, ToolCall):
-                function = {"name": part.name, "arguments": part.arguments}
-                calls.append(
-                    {"id": short_call_id(part.id), "type": "function", "function": function}
-                )
-        message: dict = {"role": m.role, "content": "".join(text)}
+        content, calls, k = _text_and_calls(m.parts, marker, k)
+        message: dict = {"role": m.role, "content": content}
         if calls:
-            message["tool_calls"] = calls
+            message["tool_calls"] = [
+                {
+                    "id": short_call_id(c.id),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in calls
+            ]
         out.append(message)
     return out
 
@@ -117,19 +114,10 @@ def chat_messages(conv: Conversation, marker: str) -> list[dict[str, str]]:
             last_was_tool = True
             continue
         last_was_tool = False
-        text, calls = [], []
-        for part in m.parts:
-            if isinstance(part, Text):
-                text.append(part.text)
-            elif isinstance(part, Image):
-                text.append(f"{marker}{k}\x00")
-                k += 1
-            elif isinstance(part, ToolCall):
-                calls.append(call_text(part))
-        content = "".join(text)
+        content, calls, k = _text_and_calls(m.parts, marker, k)
         if calls:
             sep = "" if not content or content.endswith("\n") else "\n"
-            content += sep + "\n".join(calls)
+            content += sep + "\n".join(call_text(c) for c in calls)
         out.append({"role": m.role, "content": content})
     if conv.tools:
         specs = (json.dumps(tool_spec(t), ensure_ascii=False) for t in conv.tools)
@@ -139,3 +127,19 @@ def chat_messages(conv: Conversation, marker: str) -> list[dict[str, str]]:
         else:
             out.insert(0, {"role": "system", "content": preamble})
     return out
+
+
+def _text_and_calls(
+    parts: tuple[Part, ...], marker: str, k: int
+) -> tuple[str, list[ToolCall], int]:
+    """A message's text (image k as ``{marker}{k}\\0``), its calls, and the next image's k."""
+    text, calls = [], []
+    for part in parts:
+        if isinstance(part, Text):
+            text.append(part.text)
+        elif isinstance(part, Image):
+            text.append(f"{marker}{k}\x00")
+            k += 1
+        elif isinstance(part, ToolCall):
+            calls.append(part)
+    return "".join(text), calls, k
