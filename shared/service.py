@@ -67,6 +67,12 @@ class Service(ABC):
     """One kvmesh process of a role. Subclasses add their work in ``start`` and ``drain``."""
 
     role: ClassVar[Role]
+    whole: ClassVar[bool] = False  # decode: takes whole requests (an engine that owns its KV)
+
+    @classmethod
+    def implementation(cls, settings: ServiceSettings) -> type[Service]:
+        """The class that serves with ``settings`` (a role may have more than one)."""
+        return cls
 
     def __init__(self, common: CommonSettings, settings: ServiceSettings) -> None:
         self.common = common
@@ -125,6 +131,7 @@ class Service(ABC):
             status=self.status,
             addresses=self.addresses(),
             models=self.models(),
+            whole=self.whole,
             load=self.load(),
             interval_s=self.common.heartbeat_interval_s,
             started_at=self.started_at,
@@ -282,6 +289,7 @@ def run_service(service_cls: type[Service], settings_cls: type[ServiceSettings])
     try:
         common = load_settings(CommonSettings)
         settings = load_settings(settings_cls)
+        service_cls = service_cls.implementation(settings)
         service_cls.check(common, settings)
     except SettingsError as err:
         print(f"kvmesh {service_cls.role}: {err}", file=sys.stderr)

@@ -4,4 +4,5 @@ from services.decode.service import DecodeService
 from services.decode.settings import DecodeSettings
 from shared.service import run_service
 
-sys.exit(run_service(DecodeService, DecodeSettings))
+if __name__ == "__main__":  # (engines that start processes of their own import this)
+    sys.exit(run_service(DecodeService, DecodeSettings))

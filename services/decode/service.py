@@ -18,6 +18,7 @@ from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
 from shared.engine.interface import ImageEmbeds, PoolExhausted, Prefix, StepOutput
 from shared.engine.kvformat import KVFormatError
+from shared.engine.registry import OWNING
 from shared.eplb.balancer import BalancerStats
 from shared.messages.generate import (
     Cancel,
@@ -71,6 +72,15 @@ class Active:
 
 class DecodeService(WorkerService):
     role = "decode"
+
+    @classmethod
+    def implementation(cls, settings) -> type[WorkerService]:  # noqa: ANN001
+        """An engine that owns its KV takes whole requests: services/decode/whole.py."""
+        if settings.engine in OWNING:
+            from services.decode.whole import WholeRequests
+
+            return WholeRequests
+        return cls
 
     def __init__(self, common: CommonSettings, settings: DecodeSettings) -> None:
         super().__init__(common, settings)

@@ -4,4 +4,5 @@ from services.prefill.service import PrefillService
 from services.prefill.settings import PrefillSettings
 from shared.service import run_service
 
-sys.exit(run_service(PrefillService, PrefillSettings))
+if __name__ == "__main__":  # (engines that start processes of their own import this)
+    sys.exit(run_service(PrefillService, PrefillSettings))

@@ -12,6 +12,10 @@ A sequence's life, as workers drive it:
 - KV from the tiers:           ``import_blocks`` → ``prefill(prefix=…)`` → ``release(prefix)``
 - KV to the tiers:             ``export_blocks`` (full blocks, one kvformat blob each)
 
+An engine that schedules, batches and keeps its own KV (vLLM, SGLang) is the second kind,
+``OwningEngine``: it takes a whole request (token ids in) and streams its answer
+(``Generated`` pieces); the worker adds nothing between its steps.
+
 KV crosses the boundary only as kvformat bytes (``shared/engine/kvformat.py``): a header naming
 the model's fingerprint, block size and layer layout, then one K/V cell per layer and block,
 each with its own CRC32. Any two engines that agree on the header can exchange KV, whatever
@@ -21,7 +25,7 @@ runs inside them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol
@@ -332,3 +336,62 @@ class Engine(ABC):
     @abstractmethod
     def release(self, prefix: Prefix) -> None:
         """Drop a hold taken by an import (blocks stay while a sequence uses them)."""
+
+
+# -- engines that own their KV --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A piece of an answer from an engine that owns its KV: the new tokens (with their
+    log-probabilities when asked for), and on the last piece why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None  # the stop string that ended it, when one did
+    cached_tokens: int = 0  # (first piece) prompt tokens its own prefix cache had
+
+
+class OwningEngine(ABC):
+    """An engine that schedules, batches, keeps its own prefix cache and moves its own KV
+    (vLLM: shared/engine/vllm/). It runs on the worker's event loop: ``generate`` streams
+    one request's answer while others stream beside it; nothing here blocks the loop.
+
+    ``config`` is the model's text-side configuration (its fingerprint names the KV, as for
+    ``Engine``); ``block_size`` is the engine's, equal to kvmesh's (checked at load)."""
+
+    config: ModelConfig
+    block_size: int
+
+    @classmethod
+    @abstractmethod
+    def load(cls, model: ModelSource, state_dir: Path, options: EngineOptions) -> OwningEngine:
+        """Build the engine for a model (its files checked by the caller); nothing runs yet."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Start it (its processes, its weights: seconds)."""
+
+    @abstractmethod
+    def generate(
+        self, seq_id: str, token_ids: list[int], params: SamplingParams, salt: str = ""
+    ) -> AsyncIterator[Generated]:
+        """The answer to a prompt, in pieces. ``salt``: the tenant's, so one tenant's cached
+        prefix is never another's. Closing the iterator early aborts the request."""
+
+    @abstractmethod
+    async def abort(self, seq_id: str) -> None:
+        """Stop a request; its stream ends with finish_reason "abort"."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """Blocks used and total, requests held (running and waiting) and running."""
+
+    def peer_address(self) -> str:
+        """Where a P/D peer reaches this engine's KV ("" when it takes no peer)."""
+        return ""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Abort everything and stop its processes."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from shared.engine.interface import Engine, EngineOptions
+from shared.engine.interface import Engine, EngineOptions, OwningEngine
 from shared.model.catalog import ModelSource
 
 # name → "module:class" of an Engine subclass
@@ -15,18 +15,33 @@ ENGINES: dict[str, str] = {
     "torch": "shared.engine.torch.engine:TorchEngine",
     # benchmarks of the mesh only: real prefill, decode a paced fixed token (see its module)
     "fake-paced": "shared.engine.fake:PacedFakeEngine",
+    # an engine that owns its KV (OwningEngine): vLLM, from the vllm extra
+    "vllm": "shared.engine.vllm.engine:VllmEngine",
 }
+OWNING = frozenset({"vllm"})  # the backends that are OwningEngines (known before importing)
 
 
-def engine_class(name: str) -> type[Engine]:
+def engine_class(name: str) -> type[Engine] | type[OwningEngine]:
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; one of {', '.join(ENGINES)}")
     module, _, cls = ENGINES[name].partition(":")
     found = getattr(importlib.import_module(module), cls)
-    assert issubclass(found, Engine), f"{ENGINES[name]} is not an Engine"
+    kind = OwningEngine if name in OWNING else Engine
+    assert issubclass(found, kind), f"{ENGINES[name]} is not an {kind.__name__}"
     return found
 
 
 def load_engine(name: str, model: ModelSource, state_dir: Path, options: EngineOptions) -> Engine:
-    """Build backend ``name`` serving ``model`` (loads its weights: seconds)."""
-    return engine_class(name).load(model, state_dir, options)
+    """Build step-engine backend ``name`` serving ``model`` (loads its weights: seconds)."""
+    cls = engine_class(name)
+    assert issubclass(cls, Engine), f"{name} owns its KV: load_owning_engine"
+    return cls.load(model, state_dir, options)
+
+
+def load_owning_engine(
+    name: str, model: ModelSource, state_dir: Path, options: EngineOptions
+) -> OwningEngine:
+    """Build backend ``name``, an engine that owns its KV (started later, on the loop)."""
+    cls = engine_class(name)
+    assert issubclass(cls, OwningEngine), f"{name} is a step engine: load_engine"
+    return cls.load(model, state_dir, options)

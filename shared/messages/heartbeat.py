@@ -40,6 +40,11 @@ class Heartbeat(Message):
     status: Status = "ready"
     addresses: dict[str, str] = Field(default_factory=dict, description="name → URL")
     models: list[str] = Field(default_factory=list, description="models this worker serves")
+    whole: bool = Field(
+        default=False,
+        description="decode: computes whole requests (an engine that owns its KV): a request "
+        "of its model needs no prefill worker",
+    )
     load: Load = Field(default_factory=Load)
     interval_s: float = Field(gt=0, description="the sender's heartbeat interval")
     started_at: float = Field(description="unix time the service started")

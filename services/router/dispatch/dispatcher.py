@@ -145,6 +145,7 @@ class Dispatcher:
                 w.service_id,
                 w.heartbeat.load.kv_blocks_total - w.heartbeat.load.kv_blocks_used,
                 max(self.inflight[w.service_id], w.heartbeat.load.inflight),
+                w.heartbeat.whole,
             )
             for w in self.candidates("decode", job.model, excluded)
         ]
@@ -213,8 +214,10 @@ class Dispatcher:
 
     def check_servable(self, model: str) -> None:
         """503 unless a ready prefill and a ready decode worker serve the model, and one of
-        each is not skipped by its circuit breaker."""
-        for role in ("prefill", "decode"):
+        each is not skipped by its circuit breaker (a decode worker that takes whole requests
+        needs no prefill worker)."""
+        whole = any(w.heartbeat.whole for w in self.candidates("decode", model, set()))
+        for role in ("decode",) if whole else ("prefill", "decode"):
             if self.candidates(role, model, set()):
                 continue
             if self.candidates(role, model, set(), breakers=False):

@@ -98,13 +98,14 @@ class Mesh:
         return RegistrySnapshot(router_id=self.router_id, workers=entries)
 
     def served_models(self) -> dict[str, float]:
-        """Models that a ready prefill worker and a ready decode worker both serve, each with
-        when its oldest decode worker started."""
+        """Models that a ready prefill worker and a ready decode worker both serve (or a
+        decode worker that takes whole requests), each with when its oldest decode worker
+        started."""
         served: dict[str, float] = {}
         prefill = {m for r in self.registry.ready("prefill") for m in r.heartbeat.models}
         for record in self.registry.ready("decode"):
             for model in record.heartbeat.models:
-                if model in prefill:
+                if model in prefill or record.heartbeat.whole:
                     started = record.heartbeat.started_at
                     served[model] = min(served.get(model, started), started)
         return served

@@ -179,6 +179,7 @@ class DecodeScore:
     service_id: str
     headroom_blocks: int  # free KV blocks now
     active: int  # sequences decoding (the router's count of what it sent, or the worker's)
+    whole: bool = False  # it takes whole requests (an engine that owns its KV: vLLM)
 
 
 def rank_decode(scores: list[DecodeScore], needed_blocks: int) -> list[DecodeScore]:
@@ -232,6 +233,9 @@ def route(
         return Route([], {})
     decode = ranked[0].service_id
     uncached = uncached_on(req, decode)
+    if ranked[0].whole:  # its engine prefills, decodes and keeps its KV itself
+        pairs = [(d.service_id, d.service_id) for d in ranked if d.whole]
+        return Route(pairs, {"prefill": "on decode (whole requests)"}, True)
     if uncached <= local_max_tokens:
         pairs = [(d.service_id, d.service_id) for d in ranked]
         return Route(pairs, {"prefill": "on decode", "uncached_tokens": uncached}, True)

@@ -1,0 +1,209 @@
+"""vLLM in the worker's process, through its async engine (``AsyncLLM``, as Dynamo's vLLM
+worker runs it): token ids in (the router tokenizes), token ids and log-probabilities out,
+vLLM's own scheduler, batching and prefix cache.
+
+The model is a Hugging Face directory; a GGUF model (the bundled SmolLM2) is exported to one
+once per machine, under the state dir (``shared/model/export.py``). vLLM starts its engine
+core as a process of its own; its KV pool is sized from ``kv_cache_tokens``, its block size is
+kvmesh's, and it runs eagerly (no compilation: answers equal across runs, start in seconds).
+A request's tenant salt is vLLM's ``cache_salt``: one tenant's cached prefix is never
+another's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from shared.engine.interface import (
+    EngineOptions,
+    EngineStats,
+    Generated,
+    OwningEngine,
+)
+from shared.engine.sampling import SamplingParams, TokenLogprobs
+from shared.files import locked
+from shared.model.catalog import ModelSource
+from shared.model.config import ModelConfig
+from shared.model.text import text_of
+
+log = logging.getLogger(__name__)
+
+BYTES_PER_VALUE = 4  # fp32 on CPUs (vLLM's KV in the model's compute dtype)
+
+
+def hf_directory(source: ModelSource, config: ModelConfig, state_dir: Path) -> Path:
+    """The model as a Hugging Face directory: its own, or a GGUF model's export (made once
+    per machine, under a lock when workers start together)."""
+    if source.kind == "hf":
+        assert source.path is not None
+        return source.path
+    from shared.model.export import export
+
+    to = state_dir / "cache" / f"hf-{config.fingerprint}"
+    with locked(to.with_suffix(".lock")):
+        if not (to / "config.json").is_file():
+            export(source, state_dir, to)
+    return to
+
+
+class VllmEngine(OwningEngine):
+    def __init__(self, config: ModelConfig, directory: Path, options: EngineOptions) -> None:
+        self.config = config
+        self.block_size = options.block_size
+        self.directory = directory
+        self.options = options
+        self._engine = None  # vllm's AsyncLLM, once started
+        self._stats = _Stats()
+
+    @classmethod
+    def load(cls, model: ModelSource, state_dir: Path, options: EngineOptions) -> VllmEngine:
+        config = text_of(model, state_dir).config
+        return cls(config, hf_directory(model, config, state_dir), options)
+
+    def kv_cache_gib(self) -> float:
+        """vLLM's CPU KV space (it takes GiB) for ``kv_cache_tokens`` tokens."""
+        c = self.config
+        per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * BYTES_PER_VALUE
+        return max(1, math.ceil(self.options.kv_cache_tokens * per_token / 2**30 * 10) / 10)
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # The engine core (a process of vLLM's) reads these as it starts.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib())
+        if self.options.threads:
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        args = AsyncEngineArgs(
+            model=str(self.directory),
+            tokenizer=str(self.directory),
+            dtype="float32",
+            enforce_eager=True,
+            block_size=self.block_size,
+            enable_prefix_caching=True,
+            max_model_len=self.config.max_context,
+            max_num_seqs=self.options.max_running,
+            seed=0,
+            disable_log_stats=False,
+        )
+        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
+        total = self._engine.vllm_config.cache_config.num_gpu_blocks or 0
+        self._stats.blocks_total = int(total)
+        log.info(
+            "vLLM ready: %s, %d KV blocks of %d tokens", self.directory, total, self.block_size
+        )
+
+    async def generate(
+        self, seq_id: str, token_ids: list[int], params: SamplingParams, salt: str = ""
+    ) -> AsyncIterator[Generated]:
+        from vllm.inputs import TokensPrompt
+
+        assert self._engine is not None, "start() first"
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        if salt:
+            prompt["cache_salt"] = salt
+        first = True
+        stream = self._engine.generate(prompt, vllm_params(params), request_id=seq_id)
+        try:
+            async for out in stream:
+                piece = out.outputs[0]
+                finish = piece.finish_reason
+                stop = piece.stop_reason if isinstance(piece.stop_reason, str) else None
+                yield Generated(
+                    token_ids=list(piece.token_ids),
+                    logprobs=logprobs_of(piece, params.logprobs),
+                    finish_reason=finish if finish in ("stop", "length", "abort") else None,
+                    stop_string=stop,
+                    cached_tokens=(out.num_cached_tokens or 0) if first else 0,
+                )
+                first = False
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    async def abort(self, seq_id: str) -> None:
+        if self._engine is not None:
+            await self._engine.abort(seq_id)
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        used = round(s.kv_usage * s.blocks_total)
+        held = s.running + s.waiting
+        return EngineStats(used, s.blocks_total, self.block_size, held, s.running)
+
+    async def stop(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+
+def vllm_params(p: SamplingParams):  # noqa: ANN201 (vllm's SamplingParams)
+    """kvmesh's sampling parameters as vLLM's (answers streamed as deltas)."""
+    from vllm import SamplingParams as Params
+    from vllm.sampling_params import RequestOutputKind
+
+    if p.grammar is not None:
+        raise ValueError("a grammar (structured output) is not passed to vLLM yet")
+    return Params(
+        n=1,
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k if p.top_k > 0 else 0,
+        seed=p.seed,
+        stop_token_ids=list(p.stop_token_ids),
+        stop=list(p.stop),
+        ignore_eos=p.ignore_eos,
+        logit_bias=dict(p.logit_bias) or None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logprobs=p.logprobs,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def logprobs_of(piece, wanted: int | None) -> list[TokenLogprobs] | None:  # noqa: ANN001
+    """Each new token's log-probability and the ``wanted`` most likely (id, log-probability)."""
+    if wanted is None or piece.logprobs is None:
+        return None
+    out = []
+    for token, ranked in zip(piece.token_ids, piece.logprobs, strict=False):
+        top = sorted(
+            ((t, lp.logprob) for t, lp in ranked.items() if lp.rank and lp.rank <= wanted),
+            key=lambda x: -x[1],
+        )
+        out.append(TokenLogprobs(ranked[token].logprob, tuple(top[:wanted])))
+    return out
+
+
+class _Stats:
+    """What vLLM's scheduler last reported (a stat logger of vLLM's, called per step)."""
+
+    def __init__(self) -> None:
+        self.running = self.waiting = self.blocks_total = 0
+        self.kv_usage = 0.0
+
+    def factory(self, vllm_config, engine_index: int = 0):  # noqa: ANN001, ANN201
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self
+
+        class Logger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:  # noqa: ANN001
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):  # noqa: ANN001, ANN201
+                if scheduler_stats is not None:
+                    stats.running = scheduler_stats.num_running_reqs
+                    stats.waiting = scheduler_stats.num_waiting_reqs
+                    stats.kv_usage = scheduler_stats.kv_cache_usage
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return Logger(vllm_config, engine_index)

@@ -1,0 +1,142 @@
+"""vLLM as a decode engine that owns its KV (`KVMESH_DECODE_ENGINE=vllm`): the real SmolLM2
+(its GGUF exported to a Hugging Face directory once per machine) served by a vLLM worker that
+takes whole requests, no prefill worker in the mesh; what it answers through the mesh is what
+vLLM itself answers for the same prompt, token for token (greedy, eager mode)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import anthropic
+import pytest
+
+from tests.conftest import REAL
+from tests.stack import Stack
+
+vllm = pytest.importorskip("vllm", reason="the vllm extra (make test installs it)")
+
+WORKER = "decode-vllm"
+PROMPT = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    7018,
+    411,
+    407,
+    19712,
+    8182,
+    2,
+    198,
+    1,
+    4093,
+    198,
+    1780,
+    314,
+    260,
+    3575,
+    282,
+    4649,
+    47,
+    2,
+    198,
+    1,
+    520,
+    9531,
+    198,
+]  # fmt: skip  (SmolLM2's chat template around "What is the capital of France?")
+
+
+@pytest.fixture(scope="module")
+def vllm_stack(stacks) -> Stack:
+    return stacks(
+        ("cachemeta-0", "router-0", WORKER),
+        KVMESH_DECODE_ENGINE="vllm",
+        KVMESH_DECODE_MODEL=REAL,
+        KVMESH_PREFILL_MODEL=REAL,
+    )
+
+
+@pytest.fixture(scope="module")
+def own_answer(vllm_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> list[int]:
+    """vLLM's own greedy answer to PROMPT, from an engine of its own in this process."""
+    from shared.engine.interface import EngineOptions
+    from shared.engine.sampling import SamplingParams
+    from shared.engine.vllm.engine import VllmEngine
+    from shared.model.catalog import resolve
+
+    state = Path(vllm_stack.dir)  # the export the worker made is reused
+    engine = VllmEngine.load(resolve(REAL, {}), state, EngineOptions(kv_cache_tokens=4096))
+
+    async def run() -> list[int]:
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=24, temperature=0)
+            return [t async for g in engine.generate("own", PROMPT, params) for t in g.token_ids]
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())
+
+
+def test_the_model_is_served_by_its_vllm_worker_alone(vllm_stack: Stack) -> None:
+    client = vllm_stack.client()
+    assert REAL in {m.id for m in client.models.list()}  # no prefill worker: vLLM does it all
+    answer = client.chat.completions.create(
+        model=REAL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert "Paris" in answer.choices[0].message.content
+    assert answer.model_extra["kvmesh"]["workers"] == [WORKER]
+
+
+def test_greedy_through_the_mesh_is_vllms_own_answer_token_for_token(
+    vllm_stack: Stack, own_answer: list[int]
+) -> None:
+    client = vllm_stack.client()
+    whole = client.completions.create(
+        model=REAL, prompt=PROMPT, max_tokens=24, temperature=0, logprobs=1
+    )
+    tokens = whole.choices[0].logprobs.tokens
+    assert len(tokens) == len(own_answer)
+    from shared.model.text import load_text_model
+
+    tokenizer = load_text_model(REAL, Path(vllm_stack.dir)).tokenizer
+    own_text = tokenizer.decode(own_answer, skip_special_tokens=True)
+    assert whole.choices[0].text == own_text and "Paris" in own_text
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=REAL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True
+        )
+    )
+    assert streamed == own_text
+
+
+def test_the_anthropic_and_responses_formats_get_the_same_answer(vllm_stack: Stack) -> None:
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = vllm_stack.client().chat.completions.create(
+        model=REAL, messages=question, max_tokens=24, temperature=0
+    )
+    messages = anthropic.Anthropic(base_url=vllm_stack.url, api_key="none").messages.create(
+        model=REAL, messages=question, max_tokens=24, extra_body={"temperature": 0}
+    )
+    responses = vllm_stack.client().responses.create(
+        model=REAL, input=question, max_output_tokens=24, temperature=0
+    )
+    text = chat.choices[0].message.content
+    assert messages.content[0].text == text
+    assert responses.output_text == text
