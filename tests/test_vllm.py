@@ -6,12 +6,15 @@ vLLM itself answers for the same prompt, token for token (greedy, eager mode).""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import anthropic
 import pytest
 
+from shared.messages.kvevents import memory_location
 from tests.conftest import REAL
+from tests.procs import wait_until
 from tests.stack import Stack
 
 vllm = pytest.importorskip("vllm", reason="the vllm extra (make test installs it)")
@@ -140,3 +143,80 @@ def test_the_anthropic_and_responses_formats_get_the_same_answer(vllm_stack: Sta
     text = chat.choices[0].message.content
     assert messages.content[0].text == text
     assert responses.output_text == text
+
+
+BERTH = {
+    "type": "object",
+    "properties": {"berth": {"type": "integer", "minimum": 1, "maximum": 12}},
+    "required": ["berth"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_and_a_forced_tool_call_are_vllms_to_keep(vllm_stack: Stack) -> None:
+    client = vllm_stack.client()
+    question = [{"role": "user", "content": "Which berth is free? Answer as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "berth", "schema": BERTH}}
+    answer = client.chat.completions.create(
+        model=REAL, messages=question, response_format=fmt, max_tokens=30, temperature=0.8, seed=3
+    )
+    assert 1 <= json.loads(answer.choices[0].message.content)["berth"] <= 12
+    tools = [{"type": "function", "function": {"name": "book_berth", "parameters": BERTH}}]
+    called = client.chat.completions.create(
+        model=REAL, messages=question, tools=tools, tool_choice="required", max_tokens=40
+    )
+    (call,) = called.choices[0].message.tool_calls
+    assert call.function.name == "book_berth"
+    assert 1 <= json.loads(call.function.arguments)["berth"] <= 12
+
+
+def test_seeds_logprobs_and_stop_strings(vllm_stack: Stack) -> None:
+    client = vllm_stack.client()
+    question = [{"role": "user", "content": "Tell me about the sea."}]
+
+    def ask(**options):
+        return client.chat.completions.create(
+            model=REAL, messages=question, max_tokens=20, **options
+        )
+
+    a, b = ask(temperature=1.0, seed=11), ask(temperature=1.0, seed=11)
+    assert a.choices[0].message.content == b.choices[0].message.content  # vLLM's per-request seed
+    scored = ask(temperature=0, logprobs=True, top_logprobs=2)
+    content = scored.choices[0].logprobs.content
+    assert len(content) == scored.usage.completion_tokens
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
+    reference = ask(temperature=0).choices[0].message.content
+    stop = reference.split()[2]
+    cut = ask(temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == reference[: reference.index(stop)]
+
+
+def test_vllms_cache_is_in_cachemeta_under_kvmeshs_hashes_and_tenants_stay_apart(
+    vllm_stack: Stack,
+) -> None:
+    client = vllm_stack.client()
+    ids = list(range(1000, 1200))  # three full blocks of 64
+
+    def ask(tenant: str):
+        return client.completions.create(
+            model=REAL,
+            prompt=ids,
+            max_tokens=4,
+            temperature=0,
+            extra_headers={"x-kvmesh-tenant": tenant},
+        )
+
+    first = ask("harbour")
+    assert first.model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0
+    here = memory_location(WORKER)
+    hashes = vllm_stack.hashes(ids, tenant="harbour", model=REAL)
+    wait_until(
+        lambda: (vllm_stack.lookup(hashes) or {}).get(here) == 3,
+        20,
+        what="vLLM's three blocks in cachemeta, under kvmesh's hashes",
+    )
+    assert ask("harbour").model_extra["kvmesh"]["prompt_cache_hit_tokens"] >= 192  # vLLM's own
+    assert ask("customs").model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0  # another salt
+    other = vllm_stack.hashes(ids, tenant="nobody", model=REAL)
+    assert here not in (vllm_stack.lookup(other) or {})

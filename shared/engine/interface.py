@@ -25,7 +25,7 @@ runs inside them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol
@@ -353,6 +353,11 @@ class Generated:
     cached_tokens: int = 0  # (first piece) prompt tokens its own prefix cache had
 
 
+# What an engine that owns its KV says of its cache: ("stored" or "removed", kvmesh's hashes
+# of the blocks), for the worker to publish as KV events.
+BlockEvents = Callable[[str, list[str]], Awaitable[None]]
+
+
 class OwningEngine(ABC):
     """An engine that schedules, batches, keeps its own prefix cache and moves its own KV
     (vLLM: shared/engine/vllm/). It runs on the worker's event loop: ``generate`` streams
@@ -370,8 +375,9 @@ class OwningEngine(ABC):
         """Build the engine for a model (its files checked by the caller); nothing runs yet."""
 
     @abstractmethod
-    async def start(self) -> None:
-        """Start it (its processes, its weights: seconds)."""
+    async def start(self, on_blocks: BlockEvents | None = None) -> None:
+        """Start it (its processes, its weights: seconds). ``on_blocks``: called as blocks
+        enter and leave its prefix cache, with kvmesh's hashes of them."""
 
     @abstractmethod
     def generate(

@@ -109,6 +109,9 @@ def test_a_worker_picks_its_engine_by_name(monkeypatch: pytest.MonkeyPatch, role
 
 
 def test_an_unknown_engine_stops_the_worker_at_start() -> None:
-    done = start_with("decode", "KVMESH_DECODE_ENGINE", "vllm")
+    done = start_with("decode", "KVMESH_DECODE_ENGINE", "sglang")
     assert done.returncode == 2
-    assert "KVMESH_DECODE_ENGINE: Value error, one of torch, fake-paced (got 'vllm')" in done.stderr
+    assert (
+        "KVMESH_DECODE_ENGINE: Value error, one of torch, fake-paced, vllm (got 'sglang')"
+        in done.stderr
+    )

@@ -233,8 +233,13 @@ def route(
         return Route([], {})
     decode = ranked[0].service_id
     uncached = uncached_on(req, decode)
-    if ranked[0].whole:  # its engine prefills, decodes and keeps its KV itself
-        pairs = [(d.service_id, d.service_id) for d in ranked if d.whole]
+    if ranked[0].whole:  # its engine prefills, decodes and keeps its KV itself:
+        # the one whose cache holds most of the prompt first (then by load, as ranked)
+        whole = sorted(
+            (d for d in ranked if d.whole),
+            key=lambda d: -req.counts.get(memory_location(d.service_id), 0),
+        )
+        pairs = [(d.service_id, d.service_id) for d in whole]
         return Route(pairs, {"prefill": "on decode (whole requests)"}, True)
     if uncached <= local_max_tokens:
         pairs = [(d.service_id, d.service_id) for d in ranked]

@@ -13,6 +13,7 @@ another's.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -20,12 +21,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from shared.engine.interface import (
+    BlockEvents,
     EngineOptions,
     EngineStats,
     Generated,
     OwningEngine,
 )
 from shared.engine.sampling import SamplingParams, TokenLogprobs
+from shared.engine.vllm.events import KvEventBridge
 from shared.files import locked
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
@@ -59,6 +62,7 @@ class VllmEngine(OwningEngine):
         self.options = options
         self._engine = None  # vllm's AsyncLLM, once started
         self._stats = _Stats()
+        self._bridge: KvEventBridge | None = None
 
     @classmethod
     def load(cls, model: ModelSource, state_dir: Path, options: EngineOptions) -> VllmEngine:
@@ -71,9 +75,16 @@ class VllmEngine(OwningEngine):
         per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * BYTES_PER_VALUE
         return max(1, math.ceil(self.options.kv_cache_tokens * per_token / 2**30 * 10) / 10)
 
-    async def start(self) -> None:
+    async def start(self, on_blocks: BlockEvents | None = None) -> None:
+        from vllm.config import KVEventsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        events = None
+        if on_blocks is not None:  # its cache's events, bridged into kvmesh's hashes
+            self._bridge = KvEventBridge(self.config.fingerprint, self.block_size, on_blocks)
+            endpoint = self._bridge.bind()
+            events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
 
         # The engine core (a process of vLLM's) reads these as it starts.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib())
@@ -90,10 +101,15 @@ class VllmEngine(OwningEngine):
             max_num_seqs=self.options.max_running,
             seed=0,
             disable_log_stats=False,
+            # the router's grammars are llguidance's: the same library applies them here
+            structured_outputs_config={"backend": "guidance"},
+            kv_events_config=events,
         )
         self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
         total = self._engine.vllm_config.cache_config.num_gpu_blocks or 0
         self._stats.blocks_total = int(total)
+        if self._bridge is not None:
+            self._bridge.start()
         log.info(
             "vLLM ready: %s, %d KV blocks of %d tokens", self.directory, total, self.block_size
         )
@@ -137,6 +153,8 @@ class VllmEngine(OwningEngine):
         return EngineStats(used, s.blocks_total, self.block_size, held, s.running)
 
     async def stop(self) -> None:
+        if self._bridge is not None:
+            await self._bridge.stop()
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
@@ -147,8 +165,11 @@ def vllm_params(p: SamplingParams):  # noqa: ANN201 (vllm's SamplingParams)
     from vllm import SamplingParams as Params
     from vllm.sampling_params import RequestOutputKind
 
+    structured = None
     if p.grammar is not None:
-        raise ValueError("a grammar (structured output) is not passed to vLLM yet")
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(grammar=lark_of(p.grammar))
     return Params(
         n=1,
         max_tokens=p.max_tokens,
@@ -164,7 +185,27 @@ def vllm_params(p: SamplingParams):  # noqa: ANN201 (vllm's SamplingParams)
         frequency_penalty=p.frequency_penalty,
         logprobs=p.logprobs,
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=structured,
     )
+
+
+def lark_of(grammar: str) -> str:
+    """The router's grammar (llguidance's serialized form: shared/model/grammar.py) as the
+    Lark text vLLM's guidance backend takes; the same llguidance compiles it there, so the
+    answer's constraint is the one the torch engine applies. (A Lark grammar is already
+    that text: llguidance keeps it as given.)"""
+    if not grammar.lstrip().startswith("{"):
+        return grammar
+    spec = json.loads(grammar)
+    grammars = spec.get("grammars") or []
+    if len(grammars) != 1:
+        raise ValueError(f"a grammar of {len(grammars)} parts cannot be passed to vLLM")
+    (one,) = grammars
+    if one.get("lark_grammar"):
+        return one["lark_grammar"]
+    if one.get("json_schema") is not None:
+        return f"start: %json {json.dumps(one['json_schema'])}\n"
+    raise ValueError("a grammar that is neither Lark nor a JSON schema cannot be passed to vLLM")
 
 
 def logprobs_of(piece, wanted: int | None) -> list[TokenLogprobs] | None:  # noqa: ANN001
