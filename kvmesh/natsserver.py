@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -13,13 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from shared.orphans import die_with_parent
+
 CONFIG = Path(__file__).with_name("nats.conf")  # what every configuration starts with
-
-
-def die_with_parent() -> None:
-    """Run in a child before exec: it gets SIGKILL when its parent dies, so none is orphaned."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class NatsServerError(Exception):

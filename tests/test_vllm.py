@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import anthropic
+import openai
 import pytest
 
 from shared.messages.kvevents import memory_location
@@ -220,3 +221,67 @@ def test_vllms_cache_is_in_cachemeta_under_kvmeshs_hashes_and_tenants_stay_apart
     assert ask("customs").model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0  # another salt
     other = vllm_stack.hashes(ids, tenant="nobody", model=REAL)
     assert here not in (vllm_stack.lookup(other) or {})
+
+
+def test_a_streamed_answer_closed_early_is_aborted_in_vllm(vllm_stack: Stack) -> None:
+    client = vllm_stack.client()
+    stream = client.chat.completions.create(
+        model=REAL,
+        messages=[{"role": "user", "content": "Write a long story about the sea."}],
+        max_tokens=2000,
+        temperature=0,
+        stream=True,
+    )
+    for n, _ in enumerate(stream):
+        if n == 5:
+            break
+    stream.close()
+    wait_until(
+        lambda: vllm_stack.health()[WORKER]["load"]["inflight"] == 0,
+        15,
+        what="vLLM running nothing once the client has gone",
+    )
+
+
+def test_a_mesh_of_two_engines_routes_each_model_to_its_own(vllm_stack: Stack) -> None:
+    torch_workers = ("prefill-tiny", "decode-tiny")
+    vllm_stack.start(
+        *torch_workers,
+        KVMESH_PREFILL_MODEL="tiny",
+        KVMESH_DECODE_MODEL="tiny",
+        KVMESH_DECODE_ENGINE="torch",
+    )
+    vllm_stack.wait_ready(torch_workers)
+    client = vllm_stack.client()
+    assert {REAL, "tiny"} <= {m.id for m in client.models.list()}
+    for model, workers in ((REAL, {WORKER}), ("tiny", set(torch_workers))):
+        answer = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hello " * 80}],  # past prefill on decode
+            max_tokens=4,
+            temperature=0,
+        )
+        assert set(answer.model_extra["kvmesh"]["workers"]) == workers, model
+
+
+def test_a_killed_vllm_worker_leaves_the_index_and_its_model_is_503(vllm_stack: Stack) -> None:
+    """(The module's last test: its vLLM worker is gone after it.)"""
+    ids = list(range(2000, 2200))
+    vllm_stack.client().completions.create(model=REAL, prompt=ids, max_tokens=2)
+    hashes = vllm_stack.hashes(ids, model=REAL)
+    wait_until(
+        lambda: (vllm_stack.lookup(hashes) or {}).get(memory_location(WORKER)) == 3,
+        20,
+        what="the prompt's blocks in cachemeta",
+    )
+    vllm_stack.procs[WORKER].popen.kill()
+    wait_until(
+        lambda: memory_location(WORKER) not in (vllm_stack.lookup(hashes) or {}),
+        30,
+        what="the killed worker's blocks out of cachemeta",
+    )
+    with pytest.raises(openai.InternalServerError, match=REAL) as err:
+        vllm_stack.client().chat.completions.create(
+            model=REAL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+    assert err.value.status_code == 503

@@ -4,5 +4,5 @@ from services.decode.service import DecodeService
 from services.decode.settings import DecodeSettings
 from shared.service import run_service
 
-if __name__ == "__main__":  # (engines that start processes of their own import this)
+if __name__ == "__main__":
     sys.exit(run_service(DecodeService, DecodeSettings))

@@ -4,5 +4,5 @@ from services.prefill.service import PrefillService
 from services.prefill.settings import PrefillSettings
 from shared.service import run_service
 
-if __name__ == "__main__":  # (engines that start processes of their own import this)
+if __name__ == "__main__":
     sys.exit(run_service(PrefillService, PrefillSettings))

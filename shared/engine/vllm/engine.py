@@ -33,6 +33,7 @@ from shared.files import locked
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 from shared.model.text import text_of
+from shared.orphans import spawned_children_die_with_us
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,11 @@ def hf_directory(source: ModelSource, config: ModelConfig, state_dir: Path) -> P
 
 
 class VllmEngine(OwningEngine):
-    def __init__(self, config: ModelConfig, directory: Path, options: EngineOptions) -> None:
+    def __init__(
+        self, config: ModelConfig, directory: Path, options: EngineOptions, state_dir: Path
+    ) -> None:
         self.config = config
+        self.state_dir = state_dir
         self.block_size = options.block_size
         self.directory = directory
         self.options = options
@@ -67,7 +71,7 @@ class VllmEngine(OwningEngine):
     @classmethod
     def load(cls, model: ModelSource, state_dir: Path, options: EngineOptions) -> VllmEngine:
         config = text_of(model, state_dir).config
-        return cls(config, hf_directory(model, config, state_dir), options)
+        return cls(config, hf_directory(model, config, state_dir), options, state_dir)
 
     def kv_cache_gib(self) -> float:
         """vLLM's CPU KV space (it takes GiB) for ``kv_cache_tokens`` tokens."""
@@ -86,7 +90,10 @@ class VllmEngine(OwningEngine):
             endpoint = self._bridge.bind()
             events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
 
-        # The engine core (a process of vLLM's) reads these as it starts.
+        # vLLM's engine core is a process of its own: it goes with this worker, even one
+        # killed with SIGKILL (its own workers go with it).
+        spawned_children_die_with_us(self.state_dir)
+        # The engine core reads these as it starts.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib())
         if self.options.threads:
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
