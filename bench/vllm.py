@@ -68,6 +68,15 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
     raise SystemExit(f"{url} not up within {timeout_s} s")
 
 
+def stop(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Ctrl-C, as a person would stop it; killed if it does not end in time."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
@@ -134,11 +143,7 @@ def vllm_alone(directory: Path, args: argparse.Namespace) -> dict:
         wait_http(f"http://127.0.0.1:{port}/health", 300, proc)
         return measure(f"http://127.0.0.1:{port}/v1", MODEL, args)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 30)
 
 
 def kvmesh_in_front(state: Path, args: argparse.Namespace) -> dict:
@@ -166,11 +171,7 @@ def kvmesh_in_front(state: Path, args: argparse.Namespace) -> dict:
             time.sleep(0.5)
         return measure(f"http://127.0.0.1:{http}/v1", MODEL, args)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 60)
         log.close()
 
 
