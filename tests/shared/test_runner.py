@@ -14,10 +14,17 @@ from shared.runner import EngineRunner, EngineStopped
 
 async def test_calls_still_queued_or_made_after_the_engine_stops_fail_at_once() -> None:
     runner = EngineRunner(SimpleNamespace(running=[]))  # no steps: calls only
-    gate = threading.Event()
-    busy = runner.call(gate.wait, 10)  # the engine thread is in a call
+    gate, inside = threading.Event(), threading.Event()
+
+    def wait() -> bool:
+        inside.set()
+        return gate.wait(10)
+
+    busy = runner.call(wait)  # the engine thread is in a call
     queued = runner.call(sum, [1, 2])  # waits behind it
-    closing = asyncio.get_running_loop().run_in_executor(None, runner.close)
+    loop = asyncio.get_running_loop()
+    assert await loop.run_in_executor(None, inside.wait, 10)  # (under load it takes a while)
+    closing = loop.run_in_executor(None, runner.close)
     await asyncio.sleep(0.1)  # the stop is queued ahead of the waiting call
     gate.set()
     await closing
