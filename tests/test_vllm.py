@@ -264,19 +264,47 @@ def test_a_mesh_of_two_engines_routes_each_model_to_its_own(vllm_stack: Stack) -
         assert set(answer.model_extra["kvmesh"]["workers"]) == workers, model
 
 
+def test_a_vllm_worker_killed_mid_stream_the_answer_goes_on_unchanged(vllm_stack: Stack) -> None:
+    second = "decode-vllm-b"
+    vllm_stack.start(second)
+    vllm_stack.wait_ready([second], timeout_s=180)
+    client = vllm_stack.client()
+    question = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+    ask = dict(model=REAL, messages=question, max_tokens=120, temperature=0)
+    reference = client.chat.completions.create(**ask).choices[0].message.content
+    stream = client.chat.completions.create(**ask, stream=True)
+    pieces, killed = [], ""
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if len(pieces) == 10 and not killed:
+            busy = {
+                sid
+                for sid, entry in vllm_stack.health().items()
+                if sid in (WORKER, second) and entry["load"]["inflight"]
+            }
+            killed = busy.pop() if busy else ""
+            assert killed, "no vLLM worker reports the stream in flight"
+            vllm_stack.procs[killed].popen.kill()
+    assert killed and "".join(pieces) == reference  # resumed on the other, token for token
+
+
 def test_a_killed_vllm_worker_leaves_the_index_and_its_model_is_503(vllm_stack: Stack) -> None:
-    """(The module's last test: its vLLM worker is gone after it.)"""
+    """(The module's last test: its vLLM workers are gone after it.)"""
     ids = list(range(2000, 2200))
-    vllm_stack.client().completions.create(model=REAL, prompt=ids, max_tokens=2)
+    answer = vllm_stack.client().completions.create(model=REAL, prompt=ids, max_tokens=2)
+    (serving,) = answer.model_extra["kvmesh"]["workers"]
     hashes = vllm_stack.hashes(ids, model=REAL)
     wait_until(
-        lambda: (vllm_stack.lookup(hashes) or {}).get(memory_location(WORKER)) == 3,
+        lambda: (vllm_stack.lookup(hashes) or {}).get(memory_location(serving)) == 3,
         20,
         what="the prompt's blocks in cachemeta",
     )
-    vllm_stack.procs[WORKER].popen.kill()
+    for sid, proc in vllm_stack.procs.items():
+        if sid.startswith("decode-vllm") and proc.alive():
+            proc.popen.kill()
     wait_until(
-        lambda: memory_location(WORKER) not in (vllm_stack.lookup(hashes) or {}),
+        lambda: memory_location(serving) not in (vllm_stack.lookup(hashes) or {}),
         30,
         what="the killed worker's blocks out of cachemeta",
     )
