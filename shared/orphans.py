@@ -23,8 +23,9 @@ def die_with_parent() -> None:
 
 LAUNCHER = """#!{python}
 # Written by kvmesh (shared/orphans.py): starts a Python child that dies with its parent.
-import ctypes, os, signal, sys
-ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+import os, sys
+from shared.orphans import die_with_parent
+die_with_parent()
 os.execv({python!r}, [{python!r}, *sys.argv[1:]])
 """
 

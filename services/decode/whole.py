@@ -16,10 +16,10 @@ from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
 from shared.engine.interface import OwningEngine
 from shared.engine.registry import load_owning_engine
-from shared.kvstore.tiers import EVENT_RETRY_S
+from shared.kvstore.tiers import publish_kv_event
 from shared.messages.generate import Cancel, GenerateTask, Logprobs, TaskAck, TokenEvent
 from shared.messages.heartbeat import Load
-from shared.messages.kvevents import KvEvent, memory_location
+from shared.messages.kvevents import memory_location
 from shared.model.catalog import resolve
 from shared.settings import CommonSettings
 from shared.worker import WorkerService
@@ -36,7 +36,6 @@ class WholeRequests(WorkerService):
         self.settings: DecodeSettings = settings
         self.owning: OwningEngine | None = None
         self.answers: dict[str, asyncio.Task] = {}  # request id → its answer streaming
-        self.kv_bytes_per_token = 0
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         self.bus = bus
@@ -52,11 +51,9 @@ class WholeRequests(WorkerService):
             Path(self.common.state_dir),
             s.engine_options(),
         )
+        self.owning = engine  # (its cache's events may come as it starts)
         await engine.start(self.blocks)
         stack.push_async_callback(engine.stop)
-        self.owning = engine
-        c = engine.config
-        self.kv_bytes_per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
         stats = engine.stats()
         log.info(
             "decode engine ready in %.1f s: %s on %s (whole requests), %d KV blocks of %d tokens",
@@ -72,21 +69,13 @@ class WholeRequests(WorkerService):
     async def blocks(self, kind: str, hashes: list[str]) -> None:
         """The engine's cache changed: KV events at this worker's memory location, so the
         router's lookups find what its engine holds (and its death drops them)."""
-        assert self.bus is not None
-        bs = self.owning.block_size if self.owning else self.settings.block_size
-        event = KvEvent(
-            kind=kind,  # type: ignore[arg-type]
-            location=memory_location(self.service_id),
-            hashes=hashes,
-            sizes=[bs * self.kv_bytes_per_token] * len(hashes) if kind == "stored" else [],
-            at=time.time(),
+        assert self.bus is not None and self.owning is not None
+        block_bytes = self.owning.block_size * self.owning.config.kv_bytes_per_token()
+        sizes = [block_bytes] * len(hashes) if kind == "stored" else []
+        location = memory_location(self.service_id)
+        await publish_kv_event(
+            self.bus, subjects.kv_events(self.role), kind, location, hashes, sizes
         )
-        try:
-            await self.bus.publish_durable(
-                subjects.kv_events(self.role), event, retry_s=EVENT_RETRY_S
-            )
-        except Exception as err:  # cachemeta learns later, or the blocks age out
-            log.warning("could not publish %d %s blocks: %s", len(hashes), kind, err)
 
     def load(self) -> Load:
         if self.owning is None:

@@ -224,17 +224,33 @@ class KvTiers:
         sizes: list[int] | None = None,
         retention: str = "chat",
     ) -> None:
-        if not hashes:
-            return
-        event = KvEvent(
-            kind=kind,  # type: ignore[arg-type]
-            location=location,
-            hashes=hashes,
-            sizes=sizes or [],
-            retention=retention,  # type: ignore[arg-type]
-            at=time.time(),
+        await publish_kv_event(
+            self.bus, self.events_subject, kind, location, hashes, sizes, retention
         )
-        try:
-            await self.bus.publish_durable(self.events_subject, event, retry_s=EVENT_RETRY_S)
-        except Exception as err:  # cachemeta learns of it later, or the block just ages out
-            log.warning("KV event not published: %s", err)
+
+
+async def publish_kv_event(
+    bus: Bus,
+    subject: str,
+    kind: str,
+    location: str,
+    hashes: list[str],
+    sizes: list[int] | None = None,
+    retention: str = "chat",
+) -> None:
+    """Blocks stored at or removed from ``location``, on the KV event stream; a failure is
+    logged, not raised (cachemeta learns of it later, or the block just ages out)."""
+    if not hashes:
+        return
+    event = KvEvent(
+        kind=kind,  # type: ignore[arg-type]
+        location=location,
+        hashes=hashes,
+        sizes=sizes or [],
+        retention=retention,  # type: ignore[arg-type]
+        at=time.time(),
+    )
+    try:
+        await bus.publish_durable(subject, event, retry_s=EVENT_RETRY_S)
+    except Exception as err:
+        log.warning("KV event not published: %s", err)

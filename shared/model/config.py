@@ -105,6 +105,10 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
+        """K and V of one token in every layer, at ``itemsize`` bytes a value."""
+        return 2 * self.n_layers * self.kv_dim * itemsize
+
     def window(self, layer: int) -> int:
         """The layer's attention window in tokens; 0 means the whole context."""
         return self.sliding_window if layer in self.swa_layers else 0

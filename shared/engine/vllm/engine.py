@@ -37,8 +37,6 @@ from shared.orphans import spawned_children_die_with_us
 
 log = logging.getLogger(__name__)
 
-BYTES_PER_VALUE = 4  # fp32 on CPUs (vLLM's KV in the model's compute dtype)
-
 
 def hf_directory(source: ModelSource, config: ModelConfig, state_dir: Path) -> Path:
     """The model as a Hugging Face directory: its own, or a GGUF model's export (made once
@@ -75,8 +73,7 @@ class VllmEngine(OwningEngine):
 
     def kv_cache_gib(self) -> float:
         """vLLM's CPU KV space (it takes GiB) for ``kv_cache_tokens`` tokens."""
-        c = self.config
-        per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * BYTES_PER_VALUE
+        per_token = self.config.kv_bytes_per_token()  # fp32 here: its compute dtype
         return max(1, math.ceil(self.options.kv_cache_tokens * per_token / 2**30 * 10) / 10)
 
     async def start(self, on_blocks: BlockEvents | None = None) -> None:
