@@ -15,7 +15,7 @@ import pytest
 
 from shared.messages.kvevents import memory_location
 from tests.conftest import REAL
-from tests.procs import wait_until
+from tests.procs import get_json, wait_until
 from tests.stack import Stack
 
 vllm = pytest.importorskip("vllm", reason="the vllm extra (make test installs it)")
@@ -278,12 +278,12 @@ def test_a_vllm_worker_killed_mid_stream_the_answer_goes_on_unchanged(vllm_stack
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
         if len(pieces) == 10 and not killed:
-            busy = {
-                sid
-                for sid, entry in vllm_stack.health().items()
-                if sid in (WORKER, second) and entry["load"]["inflight"]
+            # Asked of the workers themselves: the router's view is a heartbeat old.
+            inflight = {
+                sid: get_json(f"{vllm_stack.advertised(sid)}/health")[1]["load"]["inflight"]
+                for sid in (WORKER, second)
             }
-            killed = busy.pop() if busy else ""
+            killed = next((sid for sid, n in inflight.items() if n), "")
             assert killed, "no vLLM worker reports the stream in flight"
             vllm_stack.procs[killed].popen.kill()
     assert killed and "".join(pieces) == reference  # resumed on the other, token for token

@@ -81,8 +81,8 @@ class WholeRequests(WorkerService):
         if self.owning is None:
             return Load()
         stats = self.owning.stats()
-        return Load(
-            inflight=stats.running,
+        return Load(  # inflight: what this worker accepted (the engine's own count lags a step)
+            inflight=len(self.answers),
             queued=max(0, stats.sequences - stats.running),
             kv_blocks_used=stats.kv_blocks_used,
             kv_blocks_total=stats.kv_blocks_total,
