@@ -10,16 +10,17 @@ import asyncio
 import logging
 import time
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from pathlib import Path
 
 from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
-from shared.engine.interface import OwningEngine
+from shared.engine.interface import EngineOptions, OwningEngine
 from shared.engine.registry import load_owning_engine
-from shared.kvstore.tiers import publish_kv_event
+from shared.kvstore.tiers import MEMORY, publish_kv_event
 from shared.messages.generate import Cancel, GenerateTask, Logprobs, TaskAck, TokenEvent
 from shared.messages.heartbeat import Load
-from shared.messages.kvevents import memory_location
+from shared.messages.kvevents import STORE, memory_location
 from shared.model.catalog import resolve
 from shared.settings import CommonSettings
 from shared.worker import WorkerService
@@ -49,7 +50,7 @@ class WholeRequests(WorkerService):
             s.engine,
             source,
             Path(self.common.state_dir),
-            s.engine_options(),
+            self.engine_options(),
         )
         self.owning = engine  # (its cache's events may come as it starts)
         await engine.start(self.blocks)
@@ -66,15 +67,22 @@ class WholeRequests(WorkerService):
         await bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
         await bus.serve(subjects.tasks(self.role, self.service_id), GenerateTask, self.on_task)
 
-    async def blocks(self, kind: str, hashes: list[str]) -> None:
-        """The engine's cache changed: KV events at this worker's memory location, so the
-        router's lookups find what its engine holds (and its death drops them)."""
+    def engine_options(self) -> EngineOptions:
+        """The worker's engine options, with the storage tier the engine reads and writes."""
+        s = self.settings
+        store = self.common.resolved_kv_store_dir if s.kv_store else ""
+        return replace(s.engine_options(), kv_store_dir=str(store), store_dtype=s.store_dtype)
+
+    async def blocks(self, kind: str, hashes: list[str], tier: str, retention: str) -> None:
+        """The engine's blocks changed: KV events at this worker's memory location (its own
+        cache: the router's lookups find what it holds, and its death drops them) or at the
+        storage tier (what its storage connector wrote or found damaged)."""
         assert self.bus is not None and self.owning is not None
         block_bytes = self.owning.block_size * self.owning.config.kv_bytes_per_token()
         sizes = [block_bytes] * len(hashes) if kind == "stored" else []
-        location = memory_location(self.service_id)
+        location = memory_location(self.service_id) if tier == MEMORY else STORE
         await publish_kv_event(
-            self.bus, subjects.kv_events(self.role), kind, location, hashes, sizes
+            self.bus, subjects.kv_events(self.role), kind, location, hashes, sizes, retention
         )
 
     def load(self) -> Load:
@@ -118,7 +126,10 @@ class WholeRequests(WorkerService):
         rid, index, started = task.request_id, 0, time.perf_counter()
         first_at = started
         try:
-            async for piece in self.owning.generate(rid, task.token_ids, task.sampling, task.salt):
+            pieces = self.owning.generate(
+                rid, task.token_ids, task.sampling, task.salt, task.retention
+            )
+            async for piece in pieces:
                 if not piece.token_ids and piece.finish_reason is None:
                     continue
                 figures: dict = {}
@@ -131,6 +142,8 @@ class WholeRequests(WorkerService):
                     )
                 if piece.finish_reason is not None:
                     figures["decode_s"] = time.perf_counter() - first_at
+                    if piece.cached_by_tier is not None:
+                        figures["cached_by_tier"] = piece.cached_by_tier
                 event = TokenEvent(
                     request_id=rid,
                     index=index,

@@ -82,6 +82,9 @@ class EngineOptions:
     eplb_replan_steps: int = 10_000
     eplb_move_cost: float = 0.05  # mean-card decode steps per expert moved
     eplb_record: str = ""  # a load file the per-step expert counts are written to
+    # Engines that own their KV (vLLM) read and write the shared storage tier themselves.
+    kv_store_dir: str = ""  # empty: no storage tier
+    store_dtype: str = ""  # of stored blocks; empty: the engine's
 
 
 @dataclass(frozen=True)
@@ -350,12 +353,14 @@ class Generated:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_string: str | None = None  # the stop string that ended it, when one did
-    cached_tokens: int = 0  # (first piece) prompt tokens its own prefix cache had
+    cached_tokens: int = 0  # (first piece) prompt tokens with KV at hand, of all tiers
+    cached_by_tier: dict[str, int] | None = None  # (last piece) those tokens by tier
 
 
-# What an engine that owns its KV says of its cache: ("stored" or "removed", kvmesh's hashes
-# of the blocks), for the worker to publish as KV events.
-BlockEvents = Callable[[str, list[str]], Awaitable[None]]
+# What an engine that owns its KV says of its blocks: ("stored" or "removed", kvmesh's hashes
+# of the blocks, the tier: "memory" (its own cache) or "storage", their retention class), for
+# the worker to publish as KV events.
+BlockEvents = Callable[[str, list[str], str, str], Awaitable[None]]
 
 
 class OwningEngine(ABC):
@@ -381,10 +386,16 @@ class OwningEngine(ABC):
 
     @abstractmethod
     def generate(
-        self, seq_id: str, token_ids: list[int], params: SamplingParams, salt: str = ""
+        self,
+        seq_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        salt: str = "",
+        retention: str = "chat",
     ) -> AsyncIterator[Generated]:
         """The answer to a prompt, in pieces. ``salt``: the tenant's, so one tenant's cached
-        prefix is never another's. Closing the iterator early aborts the request."""
+        prefix is never another's; ``retention``: the class its stored blocks are kept under.
+        Closing the iterator early aborts the request."""
 
     @abstractmethod
     async def abort(self, seq_id: str) -> None:

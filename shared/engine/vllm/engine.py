@@ -76,6 +76,25 @@ class VllmEngine(OwningEngine):
         per_token = self.config.kv_bytes_per_token()  # fp32 here: its compute dtype
         return max(1, math.ceil(self.options.kv_cache_tokens * per_token / 2**30 * 10) / 10)
 
+    def storage_connector(self):  # noqa: ANN201 (vllm's KVTransferConfig)
+        """kvmesh's storage tier as vLLM's KV connector (shared/engine/vllm/connector.py),
+        loaded by vLLM by its module path; None without a storage tier."""
+        from vllm.config import KVTransferConfig
+
+        if not self.options.kv_store_dir:
+            return None
+        return KVTransferConfig(
+            kv_connector="KvmeshStorageConnector",
+            kv_connector_module_path="shared.engine.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",  # a damaged block is computed again
+            kv_connector_extra_config={
+                "store_dir": self.options.kv_store_dir,
+                "fingerprint": self.config.fingerprint,
+                "store_dtype": self.options.store_dtype,
+            },
+        )
+
     async def start(self, on_blocks: BlockEvents | None = None) -> None:
         from vllm.config import KVEventsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -108,6 +127,7 @@ class VllmEngine(OwningEngine):
             # the router's grammars are llguidance's: the same library applies them here
             structured_outputs_config={"backend": "guidance"},
             kv_events_config=events,
+            kv_transfer_config=self.storage_connector(),
         )
         self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
         total = self._engine.vllm_config.cache_config.num_gpu_blocks or 0
@@ -119,27 +139,43 @@ class VllmEngine(OwningEngine):
         )
 
     async def generate(
-        self, seq_id: str, token_ids: list[int], params: SamplingParams, salt: str = ""
+        self,
+        seq_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        salt: str = "",
+        retention: str = "chat",
     ) -> AsyncIterator[Generated]:
         from vllm.inputs import TokensPrompt
+
+        from shared.engine.vllm.connector import RETENTION_KEY, STORAGE_TOKENS
 
         assert self._engine is not None, "start() first"
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         if salt:
             prompt["cache_salt"] = salt
-        first = True
-        stream = self._engine.generate(prompt, vllm_params(params), request_id=seq_id)
+        first, cached = True, 0
+        asked = vllm_params(params)
+        asked.extra_args = {**(asked.extra_args or {}), RETENTION_KEY: retention}
+        stream = self._engine.generate(prompt, asked, request_id=seq_id)
         try:
             async for out in stream:
                 piece = out.outputs[0]
                 finish = piece.finish_reason
                 stop = piece.stop_reason if isinstance(piece.stop_reason, str) else None
+                if first:
+                    cached = out.num_cached_tokens or 0
+                tiers = None
+                if finish is not None:  # how many came from the storage tier: known at the end
+                    storage = (out.kv_transfer_params or {}).get(STORAGE_TOKENS, 0)
+                    tiers = {"memory": max(0, cached - storage), "storage": storage}
                 yield Generated(
                     token_ids=list(piece.token_ids),
                     logprobs=logprobs_of(piece, params.logprobs),
                     finish_reason=finish if finish in ("stop", "length", "abort") else None,
                     stop_string=stop,
-                    cached_tokens=(out.num_cached_tokens or 0) if first else 0,
+                    cached_tokens=cached if first else 0,
+                    cached_by_tier=tiers,
                 )
                 first = False
         finally:

@@ -19,6 +19,11 @@ import logging
 
 from shared.engine.interface import BlockEvents
 from shared.kvstore.hashing import pack_tokens, packed_block_hashes
+from shared.kvstore.tiers import MEMORY, STORAGE
+
+# The medium of the storage connector's events (shared/engine/vllm/connector.py), which carry
+# kvmesh's hashes already: "kvmesh:<retention>".
+STORAGE_MEDIUM = "kvmesh"
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +87,20 @@ class KvEventBridge:
     async def resync(self) -> None:
         """Forget every block: reported removed (the engine reports them again when used)."""
         gone, self.ours = list(self.ours.values()), {}
-        await self.publish("removed", gone)
+        await self.publish("removed", gone, MEMORY, "chat")
 
     async def apply(self, events: list) -> None:
         stored: list[str] = []
         removed: list[str] = []
         for event in events:
             kind = type(event).__name__
-            if kind == "BlockStored":
+            medium = getattr(event, "medium", None) or ""
+            if medium.startswith(f"{STORAGE_MEDIUM}:"):  # the storage connector's: our hashes
+                retention = medium.split(":", 1)[1]
+                hashes = [bytes(h).hex() for h in event.block_hashes]
+                change = "stored" if kind == "BlockStored" else "removed"
+                await self.publish(change, hashes, STORAGE, retention)
+            elif kind == "BlockStored":
                 stored += self.stored(event)
             elif kind == "BlockRemoved":
                 removed += [h for b in event.block_hashes if (h := self.ours.pop(b, None))]
@@ -97,9 +108,9 @@ class KvEventBridge:
                 removed += list(self.ours.values())
                 self.ours.clear()
         if removed:
-            await self.publish("removed", removed)
+            await self.publish("removed", removed, MEMORY, "chat")
         if stored:
-            await self.publish("stored", stored)
+            await self.publish("stored", stored, MEMORY, "chat")
 
     def stored(self, event) -> list[str]:  # noqa: ANN001 (vllm's BlockStored)
         """kvmesh's hashes of a BlockStored's blocks (none when its parent is unknown)."""
