@@ -13,7 +13,7 @@ import anthropic
 import openai
 import pytest
 
-from shared.messages.kvevents import memory_location
+from shared.messages.kvevents import STORE, memory_location
 from tests.conftest import REAL
 from tests.procs import get_json, wait_until
 from tests.stack import Stack
@@ -264,10 +264,85 @@ def test_a_mesh_of_two_engines_routes_each_model_to_its_own(vllm_stack: Stack) -
         assert set(answer.model_extra["kvmesh"]["workers"]) == workers, model
 
 
+SECOND = "decode-vllm-b"
+
+
+def both_workers(stack: Stack) -> None:
+    """The second vLLM worker beside the first (started once, by whichever test needs it)."""
+    if SECOND not in stack.procs or not stack.procs[SECOND].alive():
+        stack.start(SECOND)
+    stack.wait_ready([WORKER, SECOND], timeout_s=180)
+
+
+def test_turn_two_on_restarted_workers_comes_from_the_storage_tier(vllm_stack: Stack) -> None:
+    """vLLM's storage connector writes each full block of prompt and answer to kvmesh's tier;
+    after every vLLM process restarts (their own caches empty), turn 2 loads turn 1 from it.
+    Another tenant loads nothing; a damaged block file is a miss and the answer is unchanged."""
+    both_workers(vllm_stack)
+    client = vllm_stack.client()
+    system = "You keep the harbour's records. " * 90  # about 630 tokens, shared by both turns
+    turn1 = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Tell me a long story about a lighthouse keeper."},
+    ]
+    first = client.chat.completions.create(model=REAL, messages=turn1, max_tokens=64, temperature=0)
+    turn1_tokens = first.usage.prompt_tokens + first.usage.completion_tokens
+    ids = list(range(3000, 3256))  # four full blocks, asked as token ids
+    plain = client.completions.create(model=REAL, prompt=ids, max_tokens=2, temperature=0)
+    hashes = vllm_stack.hashes(ids, model=REAL)
+    wait_until(
+        lambda: (vllm_stack.lookup(hashes) or {}).get(STORE) == 4,
+        30,
+        what="the blocks vLLM wrote, in cachemeta at the storage tier",
+    )
+
+    for sid in (WORKER, SECOND):  # every vLLM process, at once
+        vllm_stack.procs[sid].stop()
+    vllm_stack.start(WORKER)
+    vllm_stack.start(SECOND)
+    vllm_stack.wait_ready([WORKER, SECOND], timeout_s=180)
+
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And what happened next?"},
+    ]
+
+    def ask(tenant: str):
+        return client.chat.completions.create(
+            model=REAL,
+            messages=turn2,
+            max_tokens=8,
+            temperature=0,
+            extra_headers={"x-kvmesh-tenant": tenant} if tenant else None,
+        )
+
+    tiers = ask("").model_extra["kvmesh"]["cached_tokens_by_tier"]
+    assert tiers["storage"] >= 0.9 * turn1_tokens, (tiers, turn1_tokens)
+    assert ask("customs").model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0
+
+    damaged = Path(vllm_stack.dir, "kvstore", hashes[1][:2], f"{hashes[1]}.kvb")
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    for sid in (WORKER, SECOND):  # neither has the ids in its own cache now: one reads the tier
+        vllm_stack.procs[sid].stop()
+    vllm_stack.start(WORKER)
+    vllm_stack.wait_ready([WORKER], timeout_s=180)
+    again = client.completions.create(model=REAL, prompt=ids, max_tokens=2, temperature=0)
+    assert again.choices[0].text == plain.choices[0].text
+    assert not damaged.exists()  # deleted by the reader, and out of the index
+    wait_until(
+        lambda: (vllm_stack.lookup(hashes) or {}).get(STORE, 0) < 2,
+        30,
+        what="the damaged block out of cachemeta",
+    )
+    both_workers(vllm_stack)
+
+
 def test_a_vllm_worker_killed_mid_stream_the_answer_goes_on_unchanged(vllm_stack: Stack) -> None:
-    second = "decode-vllm-b"
-    vllm_stack.start(second)
-    vllm_stack.wait_ready([second], timeout_s=180)
+    second = SECOND
+    both_workers(vllm_stack)
     client = vllm_stack.client()
     question = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
     ask = dict(model=REAL, messages=question, max_tokens=120, temperature=0)

@@ -227,6 +227,9 @@ class KvmeshStorageConnector(KVConnectorBase_V1):
             return int(next(p for p in name.split(".") if p.isdigit()))
 
         self.caches = [kv_caches[n] for n in sorted(kv_caches, key=layer)]
+        shape = tuple(self.caches[0].shape[2:])
+        if shape[0] != self.block_size or shape[1] % 2 or not self.caches[0].is_contiguous():
+            raise RuntimeError(f"the storage connector knows vLLM's CPU KV layout, not {shape}")
         self.writer = threading.Thread(target=self._write_loop, name="kvmesh-kv-writer")
         self.writer.daemon = True
         self.writer.start()
@@ -234,6 +237,14 @@ class KvmeshStorageConnector(KVConnectorBase_V1):
     @property
     def head_dim(self) -> int:
         return self.caches[0].shape[-1] // 2
+
+    def kv_of(self, cache: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block of one layer's cache as views: its keys [H, E, N] and values [H, N, E].
+        vLLM's CPU layout keeps, per block and head, the keys transposed then the values
+        (its [blocks, heads, N, 2 E] tensor is that memory, viewed)."""
+        heads, n, e = cache.shape[1], self.block_size, self.head_dim
+        flat = cache[block].view(heads, 2 * n * e)
+        return flat[:, : n * e].view(heads, e, n), flat[:, n * e :].view(heads, n, e)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._get_connector_metadata()
@@ -260,11 +271,11 @@ class KvmeshStorageConnector(KVConnectorBase_V1):
             len(self.caches),
         ) or (header.block_size, header.n_kv_heads, header.head_dim) != shape:
             raise kvformat.KVFormatError("another model's or another layout's block")
-        e = self.head_dim
         for layer, cache in enumerate(self.caches):
             k, v = kvformat.read_cell(f, header, start, layer, 0)  # [N, H, E] each
-            cache[block, :, :, :e] = k.transpose(0, 1).to(cache.dtype)
-            cache[block, :, :, e:] = v.transpose(0, 1).to(cache.dtype)
+            keys, values = self.kv_of(cache, block)
+            keys.copy_(k.permute(1, 2, 0))
+            values.copy_(v.transpose(0, 1))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -275,12 +286,13 @@ class KvmeshStorageConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         plan = self._get_connector_metadata()
         assert isinstance(plan, Plan)
-        e = self.head_dim
         for h, block, retention in plan.saves:
             # [layers, 1 block, N, H, E], copied now: the block may be reused once freed
-            kv = torch.stack([c[block] for c in self.caches]).transpose(1, 2).unsqueeze(1)
+            kvs = [self.kv_of(c, block) for c in self.caches]
+            k = torch.stack([keys.permute(2, 0, 1) for keys, _ in kvs]).unsqueeze(1)
+            v = torch.stack([values.transpose(0, 1) for _, values in kvs]).unsqueeze(1)
             try:
-                self.writes.put_nowait((h, kv[..., :e].clone(), kv[..., e:].clone(), retention))
+                self.writes.put_nowait((h, k, v, retention))
             except queue.Full:
                 log.warning("KV write queue full: block %s not stored", h)
 
