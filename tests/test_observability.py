@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterable
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,12 +35,14 @@ def stack(stacks) -> Stack:
     )
 
 
-def trace_of(stack: Stack, rid: str, names: set[str]) -> list[dict]:
-    """The request's spans, once every span named in ``names`` is on disk."""
+def trace_of(stack: Stack, rid: str, names: set[str], services: Iterable[str] = ()) -> list[dict]:
+    """The request's spans, once every span named in ``names`` is on disk, and a span of each
+    of ``services`` (a name can be two services' spans: each exports in its own time)."""
 
     def found() -> list[dict] | None:
         spans = request_trace(read_spans(stack.dir / "traces"), rid)
-        return spans if names <= {s["name"] for s in spans} else None
+        seen = {s["service"].removeprefix("kvmesh-") for s in spans}
+        return spans if names <= {s["name"] for s in spans} and set(services) <= seen else None
 
     return wait_until(found, 30, what=f"spans {sorted(names)} of {rid}")
 
@@ -71,7 +74,7 @@ def test_one_request_gives_one_trace_across_every_service(stack: Stack) -> None:
         "kv.receive",
         "kv.store",
     }
-    spans = trace_of(stack, rid, names)
+    spans = trace_of(stack, rid, names, ROLES)
     assert {s["trace_id"] for s in spans} == {client_trace}  # one trace: the client's
     assert {s["service"].removeprefix("kvmesh-") for s in spans} == set(ROLES)
     by_id = {s["span_id"]: s for s in spans}
