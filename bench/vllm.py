@@ -10,7 +10,10 @@ answer length, on this machine, one after the other:
 
 At 1 and 4 concurrent clients: TTFT and inter-token latency p50 / p99, and the mesh's added
 TTFT (kvmesh's p50 minus vLLM's). Each prompt is new (a unique first line), so no prefix cache
-serves it. Prints a table, then as its last line one JSON object with those figures.
+serves it. Then turn 2 of conversations whose turn 1 had 2K and 4K prompt tokens, on an engine
+whose own cache is empty: its TTFT with turn 1 loaded from kvmesh's storage tier (vLLM's KV
+connector) against computing it again. Prints tables, then as its last line one JSON object
+with those figures.
 
     .venv/bin/python bench/vllm.py [--requests 12] [--max-tokens 32]
 """
@@ -21,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -175,10 +179,67 @@ def kvmesh_in_front(state: Path, args: argparse.Namespace) -> dict:
         log.close()
 
 
+def turn_two_from_storage(state: Path, lengths: list[int], reps: int) -> dict:
+    """Turn-2 TTFT of an engine whose own cache is empty: turn 1 (prompt and answer) loaded
+    from kvmesh's storage tier through the connector, against the same engine computing it
+    again (no tier). Turn 1 is computed by a first engine, which then stops: what the second
+    finds is only what the tier holds, as for a turn that lands on another worker."""
+    from shared.engine.interface import EngineOptions
+    from shared.engine.sampling import SamplingParams
+    from shared.engine.vllm.engine import VllmEngine
+    from shared.model.catalog import resolve
+
+    rng = random.Random(0)
+    store = state / "kvstore-turn2"
+
+    def engine(tier: bool) -> VllmEngine:
+        options = EngineOptions(kv_cache_tokens=32768, kv_store_dir=str(store) if tier else "")
+        return VllmEngine.load(resolve(MODEL, {}), state, options)
+
+    async def ask(e: VllmEngine, rid: str, ids: list[int], n: int) -> tuple[float, list[int]]:
+        start, first, out = time.perf_counter(), 0.0, []
+        async for piece in e.generate(rid, ids, SamplingParams(max_tokens=n, temperature=0)):
+            first = first or time.perf_counter()
+            out += piece.token_ids
+        return (first - start) * 1e3, out
+
+    async def run() -> dict:
+        turns: dict[int, list[list[int]]] = {}
+        writer = engine(tier=True)
+        await writer.start()
+        say("  turn 1 on a first engine (its blocks written to the tier)")
+        for n in lengths:
+            for r in range(reps):
+                prompt = [rng.randrange(100, 40000) for _ in range(n)]
+                _, answer = await ask(writer, f"t1-{n}-{r}", prompt, 32)
+                question = [rng.randrange(100, 40000) for _ in range(24)]
+                turns.setdefault(n, []).append(prompt + answer + question)
+        await asyncio.sleep(2)  # the writer thread's last blocks
+        await writer.stop()
+        figures: dict = {}
+        for tier in (True, False):
+            e = engine(tier)
+            await e.start()
+            await ask(e, "warm", [rng.randrange(100, 40000) for _ in range(80)], 2)
+            name = "storage" if tier else "recompute"
+            say(f"  turn 2 on a fresh engine: {name}")
+            for n, asks in turns.items():
+                times = [(await ask(e, f"t2-{name}-{n}-{i}", t, 1))[0] for i, t in enumerate(asks)]
+                figures.setdefault(n, {})[f"{name}_ttft_ms"] = round(statistics.median(times), 1)
+            await e.stop()
+        for f in figures.values():
+            f["speedup"] = round(f["recompute_ttft_ms"] / f["storage_ttft_ms"], 2)
+        return figures
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--turn2-lengths", default="2048,4096", help="turn-1 prompt tokens")
+    parser.add_argument("--turn2-reps", type=int, default=3)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from shared.model.catalog import resolve
@@ -190,6 +251,9 @@ def main() -> None:
         directory = export(resolve(MODEL, {}), work / "state", work / "smollm2")
         alone = vllm_alone(directory, args)
         mesh = kvmesh_in_front(work / "state", args)
+        say("turn 2 from kvmesh's storage tier vs recomputed (vLLM engines in this process)")
+        lengths = [int(n) for n in args.turn2_lengths.split(",")]
+        turn2 = turn_two_from_storage(work / "state", lengths, args.turn2_reps)
     print("setup | clients | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms")
     for name, figures in (("vLLM alone", alone), ("kvmesh + vLLM", mesh)):
         for clients, f in figures.items():
@@ -200,6 +264,9 @@ def main() -> None:
     added = {c: round(mesh[c]["ttft_p50_ms"] - alone[c]["ttft_p50_ms"], 1) for c in (1, 4)}
     share = round(added[1] / alone[1]["ttft_p50_ms"], 3)
     print(f"mesh's added TTFT p50: {added[1]} ms at 1 client ({share:.1%}), {added[4]} ms at 4")
+    print("turn-1 prompt tokens | turn-2 TTFT from the tier ms | recomputed ms | speed-up")
+    for n, f in turn2.items():
+        print(f"{n} | {f['storage_ttft_ms']} | {f['recompute_ttft_ms']} | {f['speedup']}")
     print(
         json.dumps(
             {
@@ -207,6 +274,7 @@ def main() -> None:
                 "kvmesh_vllm": mesh,
                 "mesh_added_ttft_p50_ms": added,
                 "mesh_added_ttft_share_1": share,
+                "turn2_storage_vs_recompute": turn2,
             }
         )
     )

@@ -71,10 +71,10 @@ class VllmEngine(OwningEngine):
         config = text_of(model, state_dir).config
         return cls(config, hf_directory(model, config, state_dir), options, state_dir)
 
-    def kv_cache_gib(self) -> float:
-        """vLLM's CPU KV space (it takes GiB) for ``kv_cache_tokens`` tokens."""
+    def kv_cache_gib(self) -> int:
+        """vLLM's CPU KV space for ``kv_cache_tokens`` tokens, in whole GiB (it reads an int)."""
         per_token = self.config.kv_bytes_per_token()  # fp32 here: its compute dtype
-        return max(1, math.ceil(self.options.kv_cache_tokens * per_token / 2**30 * 10) / 10)
+        return max(1, math.ceil(self.options.kv_cache_tokens * per_token / 2**30))
 
     def storage_connector(self):  # noqa: ANN201 (vllm's KVTransferConfig)
         """kvmesh's storage tier as vLLM's KV connector (shared/engine/vllm/connector.py),
