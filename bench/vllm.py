@@ -1,27 +1,30 @@
-"""vLLM alone against kvmesh's router in front of the same vLLM engine (aggregated).
+"""kvmesh with vLLM workers, against vLLM alone; four parts, run one after the other on this
+machine with the same model (the bundled SmolLM2, exported to a Hugging Face directory) and
+the same vLLM settings (eager, fp32, prefix caching, block size 64):
 
-The same model (the bundled SmolLM2, exported to a Hugging Face directory), the same vLLM
-settings (eager, fp32, prefix caching, block size 64), the same streamed chat prompts and
-answer length, on this machine, one after the other:
+(a) vLLM's own OpenAI server against `kvmesh up --prefill 0 --decode 1` with a vLLM decode
+    worker (whole requests), streamed chats with new prompts at 1 and 4 clients: TTFT and
+    inter-token latency p50 / p99, and the mesh's added TTFT (kvmesh's p50 minus vLLM's).
+(c) turn 2 of conversations whose turn 1 had 2K and 4K prompt tokens, on an engine whose own
+    cache is empty: TTFT with turn 1 loaded from kvmesh's storage tier (vLLM's KV connector)
+    against computing it again.
+(b) agent sessions (a shared system prompt, histories growing turn by turn,
+    ``bench/vllm_workloads.py``) over 2 vLLM workers behind kvmesh's ttft policy, behind round
+    robin, and over one vLLM server with its own prefix cache only: hit ratio against the
+    infinite-cache bound, TTFT mean / p99.
+(d) new long prompts, 4 at a time: P/D (a vLLM prefill worker, a vLLM decode worker, the KV
+    through the storage tier) against 2 aggregated vLLM workers: TTFT and inter-token latency.
 
-- vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`);
-- `kvmesh up --prefill 0 --decode 1 --encoder 0` with `KVMESH_DECODE_ENGINE=vllm`: the router,
-  cachemeta and one decode worker running vLLM in its process (whole requests).
+Prints tables, then as its last line one JSON object with those figures.
 
-At 1 and 4 concurrent clients: TTFT and inter-token latency p50 / p99, and the mesh's added
-TTFT (kvmesh's p50 minus vLLM's). Each prompt is new (a unique first line), so no prefix cache
-serves it. Then turn 2 of conversations whose turn 1 had 2K and 4K prompt tokens, on an engine
-whose own cache is empty: its TTFT with turn 1 loaded from kvmesh's storage tier (vLLM's KV
-connector) against computing it again. Prints tables, then as its last line one JSON object
-with those figures.
-
-    .venv/bin/python bench/vllm.py [--requests 12] [--max-tokens 32]
+    .venv/bin/python bench/vllm.py [--parts acbd] [--requests 12] [--sessions 6] ...
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -34,11 +37,17 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 
 REPO = Path(__file__).resolve().parent.parent
+# Run as a script, this file's folder leads the path, where it would shadow vLLM itself.
+sys.path[:] = [str(REPO), *(p for p in sys.path if Path(p or ".").resolve() != REPO / "bench")]
+
+from bench.vllm_workloads import agent_sessions, run_new_prompts, run_sessions, summary  # noqa: E402
+
 MODEL = "smollm2-135m-instruct"
 TEXT = (
     "You are reviewing a design document about a distributed cache for language model serving. "
@@ -134,23 +143,31 @@ def measure(base: str, model: str, args: argparse.Namespace) -> dict:
     return out
 
 
-def vllm_alone(directory: Path, args: argparse.Namespace) -> dict:
+@contextlib.contextmanager
+def vllm_server(directory: Path) -> Iterator[str]:
+    """vLLM's own OpenAI server for the model; yields its base URL."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory)]
     cmd += ["--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1"]
     cmd += ["--dtype", "float32", "--enforce-eager", "--block-size", "64", "--seed", "0"]
     cmd += ["--enable-prefix-caching", "--max-model-len", "8192"]
+    cmd += ["--enable-prompt-tokens-details"]  # cached tokens in usage, as kvmesh gives them
     say("vLLM's own OpenAI server: starting")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 300, proc)
-        return measure(f"http://127.0.0.1:{port}/v1", MODEL, args)
+        yield f"http://127.0.0.1:{port}/v1"
     finally:
         stop(proc, 30)
 
 
-def kvmesh_in_front(state: Path, args: argparse.Namespace) -> dict:
+@contextlib.contextmanager
+def kvmesh(state: Path, prefill: int, decode: int, policy: str = "ttft") -> Iterator[str]:
+    """`kvmesh up` with vLLM workers (``prefill`` of them, ``decode`` of them), the router
+    on ``policy``; yields the router's base URL."""
     http = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     env.update(
@@ -158,11 +175,15 @@ def kvmesh_in_front(state: Path, args: argparse.Namespace) -> dict:
         KVMESH_NATS_URL=f"nats://127.0.0.1:{free_port()}",
         KVMESH_ROUTER_HTTP_PORT=str(http),
         KVMESH_ROUTER_GRPC_PORT="0",
+        KVMESH_ROUTER_ROUTING_POLICY=policy,
+        KVMESH_PREFILL_ENGINE="vllm",
+        KVMESH_PREFILL_MODEL=MODEL,
         KVMESH_DECODE_ENGINE="vllm",
         KVMESH_DECODE_MODEL=MODEL,
     )
-    cmd = [sys.executable, "-m", "kvmesh", "up", "--prefill", "0", "--encoder", "0"]
-    say("kvmesh (router, cachemeta, one vLLM decode worker): starting")
+    cmd = [sys.executable, "-m", "kvmesh", "up", "--prefill", str(prefill)]
+    cmd += ["--decode", str(decode), "--encoder", "0"]
+    say(f"kvmesh ({prefill} vLLM prefill, {decode} vLLM decode, {policy}): starting")
     log = (state / "up.log").open("wb")
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -173,10 +194,55 @@ def kvmesh_in_front(state: Path, args: argparse.Namespace) -> dict:
             if time.monotonic() - start > 300:
                 raise SystemExit("kvmesh up not up within 300 s")
             time.sleep(0.5)
-        return measure(f"http://127.0.0.1:{http}/v1", MODEL, args)
+        yield f"http://127.0.0.1:{http}/v1"
     finally:
         stop(proc, 60)
         log.close()
+
+
+def vllm_alone(directory: Path, args: argparse.Namespace) -> dict:
+    with vllm_server(directory) as base:
+        return measure(base, MODEL, args)
+
+
+def kvmesh_in_front(state: Path, args: argparse.Namespace) -> dict:
+    with kvmesh(state, prefill=0, decode=1) as base:
+        return measure(base, MODEL, args)
+
+
+def agents(work: Path, directory: Path, args: argparse.Namespace) -> dict:
+    """(b) the agent sessions over 2 vLLM workers behind kvmesh (ttft, round robin), and
+    over one vLLM server with its own prefix cache only."""
+    sessions = agent_sessions(args.sessions, args.turns, system=768, step=160, answer=24)
+    n = sum(len(s.turns) for s in sessions)
+
+    def run(base: str) -> dict:
+        say(f"  {len(sessions)} sessions of {args.turns} turns ({n} requests), 3 at a time")
+        asyncio.run(run_new_prompts(base, MODEL, 2, 80, 1, 2, seed=99))  # warm-up
+        return summary(asyncio.run(run_sessions(base, MODEL, sessions, 3, 16)))
+
+    out = {}
+    for policy in ("ttft", "round_robin"):
+        with kvmesh(work / f"state-{policy}", prefill=0, decode=2, policy=policy) as base:
+            out[f"kvmesh_{policy}"] = run(base)
+    with vllm_server(directory) as base:
+        out["vllm_one"] = run(base)
+    return out
+
+
+def pd_vs_aggregated(work: Path, args: argparse.Namespace) -> dict:
+    """(d) new long prompts: 1 vLLM prefill + 1 vLLM decode (P/D through the storage tier)
+    against 2 vLLM workers that do both (aggregated, ttft)."""
+    out = {}
+    for name, prefill, decode in (("pd", 1, 1), ("aggregated", 0, 2)):
+        with kvmesh(work / f"state-{name}", prefill=prefill, decode=decode) as base:
+            say(f"  {args.pd_requests} new {args.pd_tokens}-token prompts, 4 at a time")
+            asyncio.run(run_new_prompts(base, MODEL, 2, 80, 1, 2, seed=99))  # warm-up
+            asked = asyncio.run(
+                run_new_prompts(base, MODEL, args.pd_requests, args.pd_tokens, 4, 48)
+            )
+            out[name] = summary(asked)
+    return out
 
 
 def turn_two_from_storage(state: Path, lengths: list[int], reps: int) -> dict:
@@ -234,50 +300,85 @@ def turn_two_from_storage(state: Path, lengths: list[int], reps: int) -> dict:
     return asyncio.run(run())
 
 
+PARTS = "acbd"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default=PARTS, help="which parts to run (a, b, c, d)")
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--turn2-lengths", default="2048,4096", help="turn-1 prompt tokens")
     parser.add_argument("--turn2-reps", type=int, default=3)
+    parser.add_argument("--sessions", type=int, default=6, help="(b) agent sessions")
+    parser.add_argument("--turns", type=int, default=4, help="(b) turns per session")
+    parser.add_argument("--pd-requests", type=int, default=12, help="(d) prompts")
+    parser.add_argument("--pd-tokens", type=int, default=1024, help="(d) tokens per prompt")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     from shared.model.catalog import resolve
     from shared.model.export import export
 
+    figures: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-vllm-") as tmp:
         work = Path(tmp)
         say("exporting the bundled SmolLM2 to a Hugging Face directory")
         directory = export(resolve(MODEL, {}), work / "state", work / "smollm2")
-        alone = vllm_alone(directory, args)
-        mesh = kvmesh_in_front(work / "state", args)
-        say("turn 2 from kvmesh's storage tier vs recomputed (vLLM engines in this process)")
-        lengths = [int(n) for n in args.turn2_lengths.split(",")]
-        turn2 = turn_two_from_storage(work / "state", lengths, args.turn2_reps)
-    print("setup | clients | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms")
-    for name, figures in (("vLLM alone", alone), ("kvmesh + vLLM", mesh)):
-        for clients, f in figures.items():
+        if "a" in args.parts:
+            say("(a) vLLM alone vs kvmesh's router in front of it")
+            figures["vllm_alone"] = vllm_alone(directory, args)
+            figures["kvmesh_vllm"] = kvmesh_in_front(work / "state", args)
+        if "c" in args.parts:
+            say("(c) turn 2 from kvmesh's storage tier vs recomputed (engines in this process)")
+            lengths = [int(n) for n in args.turn2_lengths.split(",")]
+            turn2 = turn_two_from_storage(work / "state", lengths, args.turn2_reps)
+            figures["turn2_storage_vs_recompute"] = turn2
+        if "b" in args.parts:
+            say("(b) agent sessions: kvmesh ttft vs round robin over 2 vLLM workers, one vLLM")
+            figures["agents"] = agents(work, directory, args)
+        if "d" in args.parts:
+            say("(d) P/D vs aggregated")
+            figures["pd_vs_aggregated"] = pd_vs_aggregated(work, args)
+    print_tables(figures)
+    print(json.dumps(figures))
+
+
+def print_tables(figures: dict) -> None:
+    if "vllm_alone" in figures:
+        alone, mesh = figures["vllm_alone"], figures["kvmesh_vllm"]
+        print("setup | clients | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms")
+        for name, by_clients in (("vLLM alone", alone), ("kvmesh + vLLM", mesh)):
+            for clients, f in by_clients.items():
+                print(
+                    f"{name} | {clients} | {f['ttft_p50_ms']} | {f['ttft_p99_ms']} | "
+                    f"{f['itl_p50_ms']} | {f['itl_p99_ms']}"
+                )
+        added = {c: round(mesh[c]["ttft_p50_ms"] - alone[c]["ttft_p50_ms"], 1) for c in (1, 4)}
+        share = round(added[1] / alone[1]["ttft_p50_ms"], 3)
+        figures.update(mesh_added_ttft_p50_ms=added, mesh_added_ttft_share_1=share)
+        print(f"mesh's added TTFT p50: {added[1]} ms at 1 client ({share:.1%}), {added[4]} at 4")
+    if "turn2_storage_vs_recompute" in figures:
+        print("turn-1 prompt tokens | turn-2 TTFT from the tier ms | recomputed ms | speed-up")
+        for n, f in figures["turn2_storage_vs_recompute"].items():
+            print(f"{n} | {f['storage_ttft_ms']} | {f['recompute_ttft_ms']} | {f['speedup']}")
+    for part in ("agents", "pd_vs_aggregated"):
+        if part not in figures:
+            continue
+        print(
+            "setup | hit ratio | infinite-cache bound | TTFT mean ms | TTFT p50 | TTFT p99 | "
+            "ITL p50 ms | ITL p99"
+        )
+        for name, f in figures[part].items():
             print(
-                f"{name} | {clients} | {f['ttft_p50_ms']} | {f['ttft_p99_ms']} | "
+                f"{name} | {f['hit_ratio']} | {f['infinite_cache_hit_ratio']} | "
+                f"{f['ttft_mean_ms']} | {f['ttft_p50_ms']} | {f['ttft_p99_ms']} | "
                 f"{f['itl_p50_ms']} | {f['itl_p99_ms']}"
             )
-    added = {c: round(mesh[c]["ttft_p50_ms"] - alone[c]["ttft_p50_ms"], 1) for c in (1, 4)}
-    share = round(added[1] / alone[1]["ttft_p50_ms"], 3)
-    print(f"mesh's added TTFT p50: {added[1]} ms at 1 client ({share:.1%}), {added[4]} ms at 4")
-    print("turn-1 prompt tokens | turn-2 TTFT from the tier ms | recomputed ms | speed-up")
-    for n, f in turn2.items():
-        print(f"{n} | {f['storage_ttft_ms']} | {f['recompute_ttft_ms']} | {f['speedup']}")
-    print(
-        json.dumps(
-            {
-                "vllm_alone": alone,
-                "kvmesh_vllm": mesh,
-                "mesh_added_ttft_p50_ms": added,
-                "mesh_added_ttft_share_1": share,
-                "turn2_storage_vs_recompute": turn2,
-            }
-        )
-    )
+    if "agents" in figures:
+        a = figures["agents"]
+        ttft = a["kvmesh_ttft"]
+        share = round(ttft["hit_ratio"] / max(1e-9, ttft["infinite_cache_hit_ratio"]), 3)
+        figures["agents_ttft_hit_vs_bound"] = share
+        print(f"(b) ttft's hit ratio / the infinite-cache bound: {share}")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ class Service(ABC):
     """One kvmesh process of a role. Subclasses add their work in ``start`` and ``drain``."""
 
     role: ClassVar[Role]
-    whole: ClassVar[bool] = False  # decode: takes whole requests (an engine that owns its KV)
+    whole: ClassVar[bool] = False  # its engine owns its KV (decode: it takes whole requests)
 
     @classmethod
     def implementation(cls, settings: ServiceSettings) -> type[Service]:

@@ -131,6 +131,8 @@ class DecodeService(WorkerService):
             return TaskAck(accepted=False, reason="busy", queued=self.pending)
         if task.model != self.settings.model:
             return TaskAck(accepted=False, reason=f"this worker serves {self.settings.model}")
+        if task.handover is not None:  # (its KV comes over gRPC, with the first token)
+            return TaskAck(accepted=False, reason="a hand-over through the storage tier")
         params = task.sampling
         if not self.has_room(task) or not self.engine.can_admit(len(task.token_ids), params, None):
             return TaskAck(accepted=False, reason="busy", queued=self.pending)

@@ -24,6 +24,7 @@ from shared.engine.interface import (
     Prefix,
     StepOutput,
 )
+from shared.engine.registry import OWNING
 from shared.kvstore.tiers import CachedPrefix
 from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck
 from shared.messages.heartbeat import Load
@@ -45,6 +46,15 @@ class HandoffFailed(Exception):
 
 class PrefillService(WorkerService):
     role = "prefill"
+
+    @classmethod
+    def implementation(cls, settings) -> type[WorkerService]:  # noqa: ANN001
+        """An engine that owns its KV prefills whole prompts: services/prefill/whole.py."""
+        if settings.engine in OWNING:
+            from services.prefill.whole import WholePrefill
+
+            return WholePrefill
+        return cls
 
     def __init__(self, common: CommonSettings, settings: PrefillSettings) -> None:
         super().__init__(common, settings)

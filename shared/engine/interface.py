@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol
 
@@ -355,6 +355,9 @@ class Generated:
     stop_string: str | None = None  # the stop string that ended it, when one did
     cached_tokens: int = 0  # (first piece) prompt tokens with KV at hand, of all tiers
     cached_by_tier: dict[str, int] | None = None  # (last piece) those tokens by tier
+    # (last piece) kvmesh's hashes of the blocks its storage connector writes for it (they
+    # may still be on their way to the tier: a P/D prefill worker waits for them)
+    stored: list[str] = field(default_factory=list)
 
 
 # What an engine that owns its KV says of its blocks: ("stored" or "removed", kvmesh's hashes
@@ -378,6 +381,12 @@ class OwningEngine(ABC):
     @abstractmethod
     def load(cls, model: ModelSource, state_dir: Path, options: EngineOptions) -> OwningEngine:
         """Build the engine for a model (its files checked by the caller); nothing runs yet."""
+
+    @classmethod
+    def refusal(cls, options: EngineOptions) -> str:
+        """Why the engine cannot run with these options (a block size it cannot page in);
+        "" when it can. Asked before anything loads."""
+        return ""
 
     @abstractmethod
     async def start(self, on_blocks: BlockEvents | None = None) -> None:

@@ -72,3 +72,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def continues_as_prompt(self) -> bool:
+        """Whether an engine given the answer's first tokens as part of the prompt goes on
+        with the answer this request would have had (one that keeps no per-request sampler
+        state across the split: vLLM's): greedy or unseeded sampling, no penalty that counts
+        the answer's tokens, no grammar over the whole answer."""
+        return (self.greedy or self.seed is None) and not self.penalized and self.grammar is None

@@ -29,6 +29,16 @@ class ImageRef(Message):
 Priority = Literal["online", "batch"]
 
 
+class Handover(Message):
+    """A P/D hand-over between workers whose engines own their KV (``services/prefill/
+    whole.py``): the prompt's KV is in the storage tier; the answer's first tokens that the
+    prefill worker sent (none when decode must sample every token itself: see
+    ``SamplingParams.continues_as_prompt``). Decode goes on after them, numbering its events
+    from there, and leaves the reuse figures to the prefill worker's event."""
+
+    answer_ids: list[int] = Field(default_factory=list)
+
+
 class GenerateTask(Message):
     """Compute a prompt and stream its answer. Sent to a prefill worker, which hands the KV to
     ``decode_id`` at ``decode_kv_address``; or, for a short uncached prompt, straight to the
@@ -56,6 +66,11 @@ class GenerateTask(Message):
         "come from the embeddings stream)",
     )
     priority: Priority = "online"
+    handover: Handover | None = Field(
+        default=None,
+        description="set by a prefill worker whose engine owns its KV, handing the request to "
+        "decode_id once the prompt's KV is in the storage tier",
+    )
 
 
 class TaskAck(Message):

@@ -42,8 +42,9 @@ class Heartbeat(Message):
     models: list[str] = Field(default_factory=list, description="models this worker serves")
     whole: bool = Field(
         default=False,
-        description="decode: computes whole requests (an engine that owns its KV): a request "
-        "of its model needs no prefill worker",
+        description="its engine owns its KV (vLLM): a decode worker of it computes whole "
+        "requests (a request of its model needs no prefill worker); it pairs only with "
+        "workers of its kind",
     )
     load: Load = Field(default_factory=Load)
     interval_s: float = Field(gt=0, description="the sender's heartbeat interval")

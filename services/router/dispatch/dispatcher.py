@@ -140,18 +140,25 @@ class Dispatcher:
 
     def _route(self, job: Job, excluded: set[str]) -> tuple[Route, RouteRequest]:
         """The routing decision over the workers not left out (503 when there is none)."""
+        decoders = self.candidates("decode", job.model, excluded)
+        # Workers pair with their own kind: engines that own their KV hand a request over
+        # through the storage tier, the others over gRPC.
+        whole = any(w.heartbeat.whole for w in decoders)
         decodes = [
             DecodeScore(
                 w.service_id,
                 w.heartbeat.load.kv_blocks_total - w.heartbeat.load.kv_blocks_used,
                 max(self.inflight[w.service_id], w.heartbeat.load.inflight),
                 w.heartbeat.whole,
+                w.heartbeat.load.queued_tokens,
             )
-            for w in self.candidates("decode", job.model, excluded)
+            for w in decoders
+            if w.heartbeat.whole == whole
         ]
         prefills = {
             w.service_id: w.heartbeat.load.queued_tokens
             for w in self.candidates("prefill", job.model, excluded)
+            if w.heartbeat.whole == whole
         }
         req = RouteRequest(
             job.request_id,
@@ -171,7 +178,7 @@ class Dispatcher:
                 if not chosen.decision:
                     raise unavailable("no decode worker has room for this request")
                 raise unavailable("every prefill worker failed this request")
-            if chosen.on_decode:
+            if not chosen.ranked:
                 span.set_attributes(chosen.decision)
             elif span.is_recording():  # the terms are built only for a recorded trace
                 span.set_attributes(

@@ -44,15 +44,17 @@ class InFlight:
     def __getitem__(self, service_id: str) -> int:
         return self.requests.get(service_id, 0)
 
-    def take(self, attempt: Attempt, worker: str, decode: str, route: RouteRequest) -> None:
+    def take(
+        self, attempt: Attempt, worker: str, decode: str, route: RouteRequest, ranked: bool
+    ) -> None:
         """The attempt's task is on its way to ``worker`` (a prefill worker, or ``decode``
-        itself when it prefills)."""
+        itself when it prefills); ``ranked``: the policy chose it, and follows it."""
         attempt.workers = tuple(dict.fromkeys((worker, decode)))
         attempt.decode, attempt.route = decode, route
         for w in attempt.workers:
             self.requests[w] = self.requests.get(w, 0) + 1
             self.breakers.trying(w)
-        if worker != decode:
+        if ranked:
             attempt.prefill = worker
             self.policy.dispatched(worker, route)
 
@@ -115,7 +117,7 @@ class Sender:
         role = "decode" if route.on_decode else "prefill"
         busy = 0
         for worker, decode in route.pairs:
-            self.inflight.take(attempt, worker, decode, req)
+            self.inflight.take(attempt, worker, decode, req, route.ranked)
             try:
                 ack = await self._ask(subjects.tasks(role, worker), self._task(attempt, decode))
             except BusError as err:

@@ -180,6 +180,7 @@ class DecodeScore:
     headroom_blocks: int  # free KV blocks now
     active: int  # sequences decoding (the router's count of what it sent, or the worker's)
     whole: bool = False  # it takes whole requests (an engine that owns its KV: vLLM)
+    queued_tokens: int = 0  # (whole) prompt tokens its last heartbeat says wait there
 
 
 def rank_decode(scores: list[DecodeScore], needed_blocks: int) -> list[DecodeScore]:
@@ -215,6 +216,7 @@ class Route:
     pairs: list[tuple[str, str]]
     decision: dict
     on_decode: bool = False  # the decode worker prefills (the task goes to decode)
+    ranked: bool = False  # the policy ranked who prefills (it follows the request)
 
 
 def route(
@@ -226,21 +228,24 @@ def route(
 ) -> Route:
     """The pairs to try for ``req``. ``prefills``: the prefill candidates, each with the
     uncached tokens its last heartbeat says wait there; ``decodes``: the decode candidates.
-    No pair when no decode worker has room, or no prefill worker is left for a long prompt."""
+    No pair when no decode worker has room, or no prefill worker is left for a long prompt.
+
+    Decode workers whose engine owns its KV (``whole``: vLLM) prefill, decode and keep their
+    KV themselves: with no prefill worker for the model, every request is theirs (aggregated),
+    and the policy ranks them as it ranks prefill workers, by what their caches hold and
+    what waits there."""
     bs = max(1, req.block_size or 64)
     ranked = rank_decode(decodes, -(-(req.n_prompt + req.answer_tokens) // bs))
     if not ranked:
         return Route([], {})
     decode = ranked[0].service_id
     uncached = uncached_on(req, decode)
-    if ranked[0].whole:  # its engine prefills, decodes and keeps its KV itself:
-        # the one whose cache holds most of the prompt first (then by load, as ranked)
-        whole = sorted(
-            (d for d in ranked if d.whole),
-            key=lambda d: -req.counts.get(memory_location(d.service_id), 0),
-        )
-        pairs = [(d.service_id, d.service_id) for d in whole]
-        return Route(pairs, {"prefill": "on decode (whole requests)"}, True)
+    if ranked[0].whole and not prefills:
+        for d in ranked:
+            policy.reported(d.service_id, d.queued_tokens)
+        chosen = policy.rank(req, [d.service_id for d in ranked])
+        decision = {"policy": policy.name, "candidates": chosen, "prefill": "on decode (whole)"}
+        return Route([(r.service_id, r.service_id) for r in chosen], decision, True, True)
     if uncached <= local_max_tokens:
         pairs = [(d.service_id, d.service_id) for d in ranked]
         return Route(pairs, {"prefill": "on decode", "uncached_tokens": uncached}, True)
@@ -249,4 +254,4 @@ def route(
     chosen = policy.rank(req, sorted(prefills)) if prefills else []
     # (the candidates' terms are built only when the decision is shown: Ranked)
     decision = {"policy": policy.name, "candidates": chosen}
-    return Route([(r.service_id, decode) for r in chosen], decision)
+    return Route([(r.service_id, decode) for r in chosen], decision, ranked=True)

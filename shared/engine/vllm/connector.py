@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 RETENTION_KEY = "kvmesh_retention"  # in a request's SamplingParams.extra_args
 STORAGE_TOKENS = "kvmesh_storage_tokens"  # in the finished request's kv_transfer_params
+STORED = "kvmesh_stored"  # ... and the hashes of the blocks written for it (maybe on their way)
 WRITE_QUEUE = 256  # blocks waiting to be written; beyond it they are skipped
 
 
@@ -92,6 +93,7 @@ class _Tracked:
     load_from: int = 0  # the blocks [load_from, stored) are to be loaded, once
     load: bool = False
     storage_tokens: int = 0
+    saving: list[str] = field(default_factory=list)  # hashes of the blocks planned to be saved
 
 
 class KvmeshStorageConnector(KVConnectorBase_V1):
@@ -184,6 +186,7 @@ class KvmeshStorageConnector(KVConnectorBase_V1):
             for j, h in enumerate(self.hashes_of(t, full)[t.stored :], start=t.stored):
                 if h not in self.store:
                     plan.saves.append((h, t.block_ids[j], t.retention))
+                    t.saving.append(h)
             t.stored = max(t.stored, full)
         return plan
 
@@ -218,7 +221,9 @@ class KvmeshStorageConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         t = self.tracked.pop(request.request_id, None)
-        return False, {STORAGE_TOKENS: t.storage_tokens if t else 0}
+        if t is None:
+            return False, {STORAGE_TOKENS: 0, STORED: []}
+        return False, {STORAGE_TOKENS: t.storage_tokens, STORED: t.saving}
 
     # ---- the worker's half ----
 

@@ -37,6 +37,8 @@ from shared.orphans import spawned_children_die_with_us
 
 log = logging.getLogger(__name__)
 
+BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend's kernel block sizes (MultipleOf(32))
+
 
 def hf_directory(source: ModelSource, config: ModelConfig, state_dir: Path) -> Path:
     """The model as a Hugging Face directory: its own, or a GGUF model's export (made once
@@ -65,6 +67,15 @@ class VllmEngine(OwningEngine):
         self._engine = None  # vllm's AsyncLLM, once started
         self._stats = _Stats()
         self._bridge: KvEventBridge | None = None
+
+    @classmethod
+    def refusal(cls, options: EngineOptions) -> str:
+        if options.block_size % BLOCK_MULTIPLE:
+            return (
+                f"vLLM's CPU attention pages KV in blocks of a multiple of {BLOCK_MULTIPLE} "
+                "tokens, and its block size must be kvmesh's (one hash per block)"
+            )
+        return ""
 
     @classmethod
     def load(cls, model: ModelSource, state_dir: Path, options: EngineOptions) -> VllmEngine:
@@ -148,7 +159,7 @@ class VllmEngine(OwningEngine):
     ) -> AsyncIterator[Generated]:
         from vllm.inputs import TokensPrompt
 
-        from shared.engine.vllm.connector import RETENTION_KEY, STORAGE_TOKENS
+        from shared.engine.vllm.connector import RETENTION_KEY, STORAGE_TOKENS, STORED
 
         assert self._engine is not None, "start() first"
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
@@ -165,10 +176,12 @@ class VllmEngine(OwningEngine):
                 stop = piece.stop_reason if isinstance(piece.stop_reason, str) else None
                 if first:
                     cached = out.num_cached_tokens or 0
-                tiers = None
-                if finish is not None:  # how many came from the storage tier: known at the end
-                    storage = (out.kv_transfer_params or {}).get(STORAGE_TOKENS, 0)
+                tiers, stored = None, []
+                if finish is not None:  # what came from the storage tier: known at the end
+                    transfer = out.kv_transfer_params or {}
+                    storage = transfer.get(STORAGE_TOKENS, 0)
                     tiers = {"memory": max(0, cached - storage), "storage": storage}
+                    stored = list(transfer.get(STORED, ()))
                 yield Generated(
                     token_ids=list(piece.token_ids),
                     logprobs=logprobs_of(piece, params.logprobs),
@@ -176,6 +189,7 @@ class VllmEngine(OwningEngine):
                     stop_string=stop,
                     cached_tokens=cached if first else 0,
                     cached_by_tier=tiers,
+                    stored=stored,
                 )
                 first = False
         finally:

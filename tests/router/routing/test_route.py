@@ -71,3 +71,42 @@ def test_no_pair_when_no_decode_worker_has_room_or_no_prefill_worker_is_left() -
     policy = POLICIES["ttft"]()
     assert route(policy, request(640), {"p0": 0}, [DecodeScore("d0", 0, 0)], 64).pairs == []
     assert route(policy, request(640), {}, [DecodeScore("d0", 100, 0)], 64).pairs == []
+
+
+# -- workers whose engine owns its KV (whole: vLLM) ---------------------------------------------
+
+
+def whole(service_id: str, active: int = 0, queued_tokens: int = 0) -> DecodeScore:
+    return DecodeScore(service_id, 100, active, whole=True, queued_tokens=queued_tokens)
+
+
+def test_with_no_prefill_worker_the_policy_ranks_whole_workers_by_what_their_caches_hold() -> None:
+    policy = POLICIES["ttft"]()
+    req = request(640, {"mem:v1": 9})  # v1's own cache holds the prefix
+    chosen = route(policy, req, {}, [whole("v0"), whole("v1", active=3)], local_max_tokens=64)
+    assert chosen.on_decode and chosen.ranked
+    assert chosen.pairs == [("v1", "v1"), ("v0", "v0")]  # despite v1's load
+    assert chosen.decision["policy"] == "ttft"
+    assert set(policy.workers) == {"v0", "v1"}  # the policy follows what it sends them
+
+
+def test_round_robin_takes_whole_workers_in_turn_whatever_they_hold() -> None:
+    policy = POLICIES["round_robin"]()
+    req = request(640, {"mem:v1": 9})
+    firsts = [route(policy, req, {}, [whole("v0"), whole("v1")], 64).pairs[0][0] for _ in range(4)]
+    assert firsts == ["v0", "v1", "v0", "v1"]
+
+
+def test_what_a_whole_worker_reports_queued_is_seen_by_the_policy() -> None:
+    policy = POLICIES["ttft"]()
+    decodes = [whole("v0", queued_tokens=40_000), whole("v1")]
+    assert route(policy, request(640), {}, decodes, 64).pairs[0][0] == "v1"
+
+
+def test_with_whole_prefill_workers_a_long_prompt_goes_pd_and_a_short_one_stays() -> None:
+    policy = POLICIES["ttft"]()
+    decodes = [whole("v0", active=2), whole("v1")]
+    long = route(policy, request(640), {"vp0": 0}, decodes, local_max_tokens=64)
+    assert not long.on_decode and long.pairs == [("vp0", "v1")] and long.ranked
+    short = route(policy, request(40), {"vp0": 0}, decodes, local_max_tokens=64)
+    assert short.on_decode and short.pairs[0] == ("v1", "v1") and not short.ranked

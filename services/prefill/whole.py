@@ -1,0 +1,182 @@
+"""A prefill worker whose engine owns its KV (vLLM): P/D with such engines on both sides.
+
+The engine computes the prompt and samples the first token; its storage connector writes the
+prompt's full blocks to the storage tier meanwhile (``shared/engine/vllm/connector.py``). The
+first token goes to the router at once (time to first token is this worker's); once the
+blocks are in the tier, the request goes to the decode worker the router chose, with that
+token: the decode engine's own connector loads the prompt's blocks from the tier and computes
+only the partial last block and the token, then streams the rest of the answer.
+
+vLLM keeps no sampler state a request could carry across the split, so a request whose answer
+depends on it (a seed with temperature, penalties counting the answer's tokens, a grammar
+over the whole answer: ``SamplingParams.continues_as_prompt``) has its first token sampled by
+decode too: the token computed here only makes the KV, and the client's first token is
+decode's (the same answer as decoded in one place, a step later).
+
+The KV travels through the tier, not a stream between the two: the bytes are written once
+(into the page cache of the shared file system) and the decode engine reads them straight into
+its cache in its own process, where a stream would arrive in the worker's process and still
+have to reach the engine's. The tier is therefore required here (``kv_store``). When the
+blocks are not all there within ``handoff_timeout_s`` (a write skipped under load), the
+request goes on anyway: decode computes what it does not find.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+from opentelemetry.trace import SpanKind
+
+from services.prefill.settings import PrefillSettings
+from shared.bus import BusError, subjects
+from shared.engine.interface import Generated
+from shared.kvstore.backend import FileStore
+from shared.messages.generate import Cancel, GenerateTask, Handover, Logprobs, TaskAck, TokenEvent
+from shared.owning_worker import OwningWorker
+from shared.service import ServiceSettings
+from shared.settings import CommonSettings, SettingsError, env_name
+from shared.telemetry.tracing import tracer
+
+log = logging.getLogger(__name__)
+
+TIER_POLL_S = 0.002  # between looks for the blocks still being written
+
+
+class WholePrefill(OwningWorker):
+    role = "prefill"
+
+    @classmethod
+    def check(cls, common: CommonSettings, settings: ServiceSettings) -> None:
+        super().check(common, settings)
+        assert isinstance(settings, PrefillSettings)
+        if not settings.kv_store:
+            raise SettingsError(
+                f"{env_name(PrefillSettings, 'kv_store')}=false with "
+                f"{env_name(PrefillSettings, 'engine')}={settings.engine}: the prompt's KV "
+                "reaches the decode worker through the storage tier, which must be on"
+            )
+
+    def __init__(self, common: CommonSettings, settings: PrefillSettings) -> None:
+        super().__init__(common, settings)
+        self.settings: PrefillSettings = settings
+        self.store = FileStore(common.resolved_kv_store_dir)
+        self.cancelled: set[str] = set()  # of the requests being answered here
+
+    async def on_cancel(self, cancel: Cancel) -> None:
+        if cancel.request_id in self.answers:  # (its hand-over, if not yet made, is not)
+            self.cancelled.add(cancel.request_id)
+        await super().on_cancel(cancel)
+
+    async def answer(self, task: GenerateTask) -> None:
+        assert self.owning is not None
+        try:
+            await self.prefill(task)
+        finally:
+            self.cancelled.discard(task.request_id)
+
+    async def prefill(self, task: GenerateTask) -> None:
+        assert self.owning is not None
+        rid, started = task.request_id, time.perf_counter()
+        one = replace(task.sampling, max_tokens=1)
+        pieces: list[Generated] = []
+        try:
+            pieces = [
+                p
+                async for p in self.owning.generate(
+                    rid, task.token_ids, one, task.salt, task.retention
+                )
+            ]
+        except Exception as err:
+            log.exception("prefill of %s failed", rid)
+            self.close_span(rid, error=str(err))
+            code = "internal" if isinstance(err, ValueError) else "unavailable"
+            await self.send(task.reply_subject, self.error_event(rid, str(err), code))
+            return
+        took = time.perf_counter() - started
+        first, last = pieces[0], pieces[-1]
+        if last.finish_reason == "abort" or rid in self.cancelled:  # nobody waits for it
+            self.close_span(rid, error="cancelled")
+            return
+        # The first token goes to the client now when decode can go on after it as if it
+        # had sampled it; else decode samples every token (the one here only made the KV).
+        keep = task.sampling.continues_as_prompt
+        tokens = [t for p in pieces for t in p.token_ids] if keep else []
+        ended = keep and (last.finish_reason == "stop" or task.sampling.max_tokens <= len(tokens))
+        logprobs = [lp for p in pieces for lp in p.logprobs or ()] if first.logprobs else None
+        event = TokenEvent(
+            request_id=rid,
+            index=0,
+            token_ids=tokens,
+            logprobs=None if logprobs is None or not keep else [Logprobs.of(lp) for lp in logprobs],
+            finish_reason=last.finish_reason if ended else None,
+            stop_string=last.stop_string if ended else None,
+            cached_tokens=first.cached_tokens,
+            cached_by_tier=last.cached_by_tier,
+            prefill_s=took,
+            worker_id=self.service_id,
+        )
+        await self.send(task.reply_subject, event)
+        if ended:
+            self.close_span(rid, tokens=len(tokens))
+            return
+        await self.hand_over(task, tokens, last.stored)
+
+    async def hand_over(self, task: GenerateTask, sent: list[int], stored: list[str]) -> None:
+        """Once the prompt's blocks are in the tier, the rest of the request to decode."""
+        rid = task.request_id
+        with tracer.start_as_current_span(
+            "kv.handoff",
+            context=self.span_context(rid),
+            kind=SpanKind.CLIENT,
+            attributes={"to": task.decode_id, "via": "storage tier", "blocks": len(stored)},
+        ) as span:
+            waited = await self.in_tier(stored, self.settings.handoff_timeout_s)
+            span.set_attribute("tier_wait_s", round(waited, 4))
+            if rid in self.cancelled:
+                self.close_span(rid, error="cancelled")
+                return
+            rest = task.model_copy(update={"handover": Handover(answer_ids=sent)})
+            subject = subjects.tasks("decode", task.decode_id)
+            try:
+                ack = await self.bus.request(
+                    subject, rest, TaskAck, self.settings.handoff_timeout_s
+                )
+            except BusError as err:
+                ack = TaskAck(accepted=False, reason=f"did not answer: {err}")
+        if ack.accepted:
+            self.close_span(rid, tokens=len(sent))
+            return
+        # The router moves the answer on from the tokens it has (the decode worker's fault
+        # when it did not answer; none when it was busy).
+        self.close_span(rid, error=f"{task.decode_id}: {ack.reason}")
+        code = "busy" if ack.reason == "busy" else "unavailable"
+        failed = TokenEvent(
+            request_id=rid,
+            index=len(sent),
+            error=f"decode {task.decode_id} did not take the request: {ack.reason}",
+            error_code=code,
+            worker_id=task.decode_id,
+        )
+        await self.send(task.reply_subject, failed)
+
+    async def in_tier(self, hashes: list[str], timeout_s: float) -> float:
+        """Wait until the blocks are in the storage tier (at most ``timeout_s``); returns
+        the seconds waited."""
+        started = time.monotonic()
+        missing = [h for h in hashes if h not in self.store]
+        while missing:
+            waited = time.monotonic() - started
+            if waited >= timeout_s:
+                log.warning(
+                    "%d of %d blocks not in the storage tier after %.1f s: decode computes them",
+                    len(missing),
+                    len(hashes),
+                    waited,
+                )
+                break
+            await asyncio.sleep(TIER_POLL_S)
+            missing = [h for h in missing if h not in self.store]
+        return time.monotonic() - started

@@ -1,0 +1,267 @@
+"""P/D with vLLM on both sides (`KVMESH_PREFILL_ENGINE=vllm`, `KVMESH_DECODE_ENGINE=vllm`):
+a vLLM prefill worker computes the prompt and sends the first token, its storage connector
+writes the prompt's blocks to kvmesh's tier, and a vLLM decode worker loads them from there
+and streams the rest. The answer is vLLM's own, token for token (greedy, eager mode); a short
+prompt is decoded in place; a later turn on another prefill worker comes from the tier."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import anthropic
+import pytest
+
+from shared.messages.kvevents import STORE
+from tests.conftest import REAL
+from tests.procs import wait_until
+from tests.stack import Stack
+
+vllm = pytest.importorskip("vllm", reason="the vllm extra (make test installs it)")
+
+PREFILLS = ("prefill-vllm-a", "prefill-vllm-b")
+DECODE = "decode-vllm"
+SYSTEM = "You keep the harbour's records, and you answer in full sentences. " * 12
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def pd_stack(stacks) -> Stack:
+    return stacks(
+        ("cachemeta-0", "router-0", *PREFILLS, DECODE),
+        KVMESH_PREFILL_ENGINE="vllm",
+        KVMESH_DECODE_ENGINE="vllm",
+        KVMESH_PREFILL_MODEL=REAL,
+        KVMESH_DECODE_MODEL=REAL,
+    )
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(pd_stack: Stack) -> list[int]:
+    """A chat prompt of ~200 tokens (past what decode prefills in place), as token ids."""
+    from shared.model.text import load_text_model
+
+    tokenizer = load_text_model(REAL, Path(pd_stack.dir)).tokenizer
+    text = (
+        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
+        f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tokenizer.encode(text).ids
+    assert 150 < len(ids) < 400, len(ids)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def own_answer(pd_stack: Stack, prompt_ids: list[int]) -> list[int]:
+    """vLLM's own greedy answer, from an engine of its own in this process (no connector)."""
+    from shared.engine.interface import EngineOptions
+    from shared.engine.sampling import SamplingParams
+    from shared.engine.vllm.engine import VllmEngine
+    from shared.model.catalog import resolve
+
+    state = Path(pd_stack.dir)  # the export the workers made is reused
+    engine = VllmEngine.load(resolve(REAL, {}), state, EngineOptions(kv_cache_tokens=4096))
+
+    async def run() -> list[int]:
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=24, temperature=0)
+            return [
+                t async for g in engine.generate("own", prompt_ids, params) for t in g.token_ids
+            ]
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())
+
+
+def test_a_long_prompt_is_prefilled_on_one_vllm_worker_and_decoded_on_another(
+    pd_stack: Stack, prompt_ids: list[int], own_answer: list[int]
+) -> None:
+    from shared.model.text import load_text_model
+
+    client = pd_stack.client()
+    whole = client.completions.create(
+        model=REAL, prompt=prompt_ids, max_tokens=24, temperature=0, logprobs=1
+    )
+    kvmesh = whole.model_extra["kvmesh"]
+    assert kvmesh["workers"][0] in PREFILLS and kvmesh["workers"][1:] == [DECODE]
+    assert len(whole.choices[0].logprobs.tokens) == len(own_answer)
+    tokenizer = load_text_model(REAL, Path(pd_stack.dir)).tokenizer
+    own_text = tokenizer.decode(own_answer, skip_special_tokens=True)
+    assert whole.choices[0].text == own_text and "Paris" in own_text
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=REAL, prompt=prompt_ids, max_tokens=24, temperature=0, stream=True
+        )
+    )
+    assert streamed == own_text
+    # The prompt's full blocks went through the tier, under kvmesh's hashes.
+    hashes = pd_stack.hashes(prompt_ids, model=REAL)
+    assert (pd_stack.lookup(hashes) or {}).get(STORE) == len(hashes)
+
+
+def fresh(tag: str) -> list[dict]:
+    """A chat no worker has seen (its system prompt starts with ``tag``): past what decode
+    prefills in place, so it goes P/D; asked again, its prompt is in the tier and decode
+    prefills it in place."""
+    return [
+        {"role": "system", "content": f"[{tag}] {SYSTEM}"},
+        {"role": "user", "content": QUESTION},
+    ]
+
+
+def test_chat_anthropic_and_responses_get_the_same_answer_pd_and_in_place(
+    pd_stack: Stack,
+) -> None:
+    question = fresh("formats")
+    chat = pd_stack.client().chat.completions.create(
+        model=REAL, messages=question, max_tokens=24, temperature=0
+    )
+    assert chat.model_extra["kvmesh"]["workers"][1:] == [DECODE]  # P/D
+    messages = anthropic.Anthropic(base_url=pd_stack.url, api_key="none").messages.create(
+        model=REAL,
+        system=question[0]["content"],
+        messages=question[1:],
+        max_tokens=24,
+        extra_body={"temperature": 0},
+    )
+    responses = pd_stack.client().responses.create(
+        model=REAL, input=question, max_output_tokens=24, temperature=0
+    )
+    text = chat.choices[0].message.content
+    assert "Paris" in text
+    assert messages.content[0].text == text  # (in place: the prompt is in the tier now)
+    assert responses.output_text == text
+
+
+def test_logprobs_stop_strings_and_a_one_token_answer_across_the_handoff(pd_stack: Stack) -> None:
+    client = pd_stack.client()
+
+    def ask(tag: str, **options):
+        return client.chat.completions.create(model=REAL, messages=fresh(tag), **options)
+
+    scored = ask("logprobs", max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    assert scored.model_extra["kvmesh"]["workers"][1:] == [DECODE]
+    content = scored.choices[0].logprobs.content  # the first from prefill, the rest decode's
+    assert len(content) == scored.usage.completion_tokens == 6
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
+    reference = ask("stop", max_tokens=24, temperature=0).choices[0].message.content
+    stop = reference.split()[3]
+    cut = ask("stop", max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == reference[: reference.index(stop)]
+    one = ask("one", max_tokens=1, temperature=0)  # the prefill worker's token is all of it
+    assert one.model_extra["kvmesh"]["workers"] == [one.model_extra["kvmesh"]["workers"][0]]
+    assert one.model_extra["kvmesh"]["workers"][0] in PREFILLS
+    assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == 1
+
+
+def test_a_seeded_answer_is_the_same_pd_and_in_place(pd_stack: Stack) -> None:
+    """vLLM's seeded sampler is per request: through P/D, decode samples every token."""
+    client = pd_stack.client()
+    ask = dict(model=REAL, messages=fresh("seed"), max_tokens=16, temperature=1.0, seed=5)
+    pd = client.chat.completions.create(**ask)
+    assert pd.model_extra["kvmesh"]["workers"][1:] == [DECODE]
+    here = client.chat.completions.create(**ask)
+    assert here.model_extra["kvmesh"]["workers"] == [DECODE]
+    assert pd.choices[0].message.content == here.choices[0].message.content
+
+
+def test_structured_output_through_pd(pd_stack: Stack) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    answer = pd_stack.client().chat.completions.create(
+        model=REAL, messages=fresh("json"), response_format=fmt, max_tokens=30, temperature=0
+    )
+    assert answer.model_extra["kvmesh"]["workers"][1:] == [DECODE]
+    assert isinstance(json.loads(answer.choices[0].message.content)["city"], str)
+
+
+def test_a_short_prompt_is_decoded_in_place(pd_stack: Stack) -> None:
+    answer = pd_stack.client().chat.completions.create(
+        model=REAL, messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0
+    )
+    assert answer.model_extra["kvmesh"]["workers"] == [DECODE]
+
+
+def test_turn_two_on_the_other_prefill_worker_comes_from_the_storage_tier(pd_stack: Stack) -> None:
+    """Turn 1 (prompt and answer) is in the tier: the prefill worker wrote the prompt, the
+    decode worker the answer as it filled blocks. With turn 1's prefill worker gone, turn 2
+    goes to the other, whose own cache is empty: it loads turn 1 from the tier."""
+    client = pd_stack.client()
+    turn1 = [
+        {"role": "system", "content": "You keep the lighthouse's log. " * 60},
+        {"role": "user", "content": "Tell me a long story about a lighthouse keeper."},
+    ]
+    first = client.chat.completions.create(model=REAL, messages=turn1, max_tokens=96, temperature=0)
+    turn1_tokens = first.usage.prompt_tokens + first.usage.completion_tokens
+    prefilled = first.model_extra["kvmesh"]["workers"][0]
+    assert prefilled in PREFILLS
+    pd_stack.procs[prefilled].stop()
+    other = next(p for p in PREFILLS if p != prefilled)
+    wait_until(
+        lambda: prefilled not in pd_stack.ready_ids().get("prefill", []),
+        30,
+        what=f"{prefilled} out of the router's registry",
+    )
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        # (past what decode prefills in place: turn 2 goes P/D too)
+        {"role": "user", "content": "And what happened next? " + "Tell me every detail. " * 20},
+    ]
+    second = client.chat.completions.create(model=REAL, messages=turn2, max_tokens=8, temperature=0)
+    kvmesh = second.model_extra["kvmesh"]
+    assert kvmesh["workers"] == [other, DECODE]
+    tiers = kvmesh["cached_tokens_by_tier"]
+    assert tiers["storage"] >= 0.9 * turn1_tokens, (tiers, turn1_tokens)
+    customs = client.chat.completions.create(
+        model=REAL,
+        messages=turn2,
+        max_tokens=8,
+        temperature=0,
+        extra_headers={"x-kvmesh-tenant": "customs"},
+    )
+    assert customs.model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0
+    assert customs.choices[0].message.content == second.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("role", "setting", "value", "named"),
+    [
+        ("decode", "KVMESH_DECODE_BLOCK_SIZE", "48", "a multiple of 32"),
+        ("prefill", "KVMESH_PREFILL_BLOCK_SIZE", "80", "a multiple of 32"),
+        ("prefill", "KVMESH_PREFILL_KV_STORE", "false", "through the storage tier"),
+    ],
+)
+def test_a_vllm_worker_refuses_settings_it_cannot_serve_with(
+    tmp_path: Path, role: str, setting: str, value: str, named: str
+) -> None:
+    """Exit 2 before anything starts, naming the settings (the block size and the engine)."""
+    engine = f"KVMESH_{role.upper()}_ENGINE"
+    done = subprocess.run(
+        [sys.executable, "-m", f"services.{role}"],
+        env={
+            "PATH": "/usr/bin:/bin",
+            "KVMESH_STATE_DIR": str(tmp_path),
+            engine: "vllm",
+            setting: value,
+        },
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{setting}={value}" in done.stderr and f"{engine}=vllm" in done.stderr
+    assert named in done.stderr
