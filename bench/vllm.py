@@ -184,6 +184,7 @@ def kvmesh(state: Path, prefill: int, decode: int, policy: str = "ttft") -> Iter
     cmd = [sys.executable, "-m", "kvmesh", "up", "--prefill", str(prefill)]
     cmd += ["--decode", str(decode), "--encoder", "0"]
     say(f"kvmesh ({prefill} vLLM prefill, {decode} vLLM decode, {policy}): starting")
+    state.mkdir(parents=True, exist_ok=True)
     log = (state / "up.log").open("wb")
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -242,7 +243,74 @@ def pd_vs_aggregated(work: Path, args: argparse.Namespace) -> dict:
                 run_new_prompts(base, MODEL, args.pd_requests, args.pd_tokens, 4, 48)
             )
             out[name] = summary(asked)
+    say(f"  the prompt's KV ({args.pd_tokens} tokens) through the tier vs over gRPC")
+    out["transport"] = kv_transport(work / "state", args.pd_tokens)
     return out
+
+
+def kv_transport(state: Path, tokens: int, reps: int = 3) -> dict:
+    """The two ways a P/D prompt's KV could travel, for ``tokens`` of the model's KV (fp32,
+    64-token blocks, kvformat): through the storage tier (``FileStore`` put, then get, as the
+    prefill and decode engines' connectors do) and over kvmesh's gRPC handoff stream on
+    loopback (1 MiB chunks, as the prefill worker sends them). Best of ``reps``, ms."""
+    import grpc
+
+    from shared.kvstore.backend import FileStore
+    from shared.model.text import load_config
+    from shared.proto import kv_pb2, kv_pb2_grpc
+
+    block = 64 * load_config(MODEL, state).kv_bytes_per_token()
+    blobs = [os.urandom(block) for _ in range(tokens // 64)]
+    store = FileStore(state / "kvstore-transport")
+
+    def through_tier(rep: int) -> float:
+        start = time.perf_counter()
+        for i, b in enumerate(blobs):
+            store.put(f"{rep:04x}{i:060x}", b)
+        for i in range(len(blobs)):
+            assert store.get(f"{rep:04x}{i:060x}") is not None
+        return (time.perf_counter() - start) * 1e3
+
+    class Sink(kv_pb2_grpc.KvHandoffServicer):
+        async def Handoff(self, chunks, context):  # noqa: ANN001, ANN201, N802
+            got = 0
+            async for chunk in chunks:
+                got += len(chunk.data)
+                if chunk.done:
+                    yield kv_pb2.HandoffStatus(ok=True, error=str(got))
+
+    async def over_grpc() -> list[float]:
+        server = grpc.aio.server()
+        kv_pb2_grpc.add_KvHandoffServicer_to_server(Sink(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        opts = [("grpc.max_receive_message_length", 8 << 20)]
+        times = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) as channel:
+            stub = kv_pb2_grpc.KvHandoffStub(channel)
+            data = b"".join(blobs)
+            for _ in range(reps):
+                start = time.perf_counter()
+                call = stub.Handoff()
+                for offset in range(0, len(data), 1 << 20):
+                    await call.write(kv_pb2.KvChunk(data=data[offset : offset + (1 << 20)]))
+                await call.write(kv_pb2.KvChunk(done=b"{}"))
+                status = await call.read()
+                assert int(status.error) == len(data)
+                times.append((time.perf_counter() - start) * 1e3)
+                call.cancel()
+        await server.stop(None)
+        return times
+
+    tier = min(through_tier(r) for r in range(reps))
+    stream = min(asyncio.run(over_grpc()))
+    mb = len(blobs) * block / 1e6
+    return {
+        "tokens": tokens,
+        "mb": round(mb, 1),
+        "tier_ms": round(tier, 1),
+        "grpc_ms": round(stream, 1),
+    }
 
 
 def turn_two_from_storage(state: Path, lengths: list[int], reps: int) -> dict:
@@ -253,6 +321,7 @@ def turn_two_from_storage(state: Path, lengths: list[int], reps: int) -> dict:
     from shared.engine.interface import EngineOptions
     from shared.engine.sampling import SamplingParams
     from shared.engine.vllm.engine import VllmEngine
+    from shared.kvstore.backend import FileStore
     from shared.model.catalog import resolve
 
     rng = random.Random(0)
@@ -262,11 +331,14 @@ def turn_two_from_storage(state: Path, lengths: list[int], reps: int) -> dict:
         options = EngineOptions(kv_cache_tokens=32768, kv_store_dir=str(store) if tier else "")
         return VllmEngine.load(resolve(MODEL, {}), state, options)
 
+    written: list[str] = []  # what the connector writes for turn 1 (maybe on its way)
+
     async def ask(e: VllmEngine, rid: str, ids: list[int], n: int) -> tuple[float, list[int]]:
         start, first, out = time.perf_counter(), 0.0, []
         async for piece in e.generate(rid, ids, SamplingParams(max_tokens=n, temperature=0)):
             first = first or time.perf_counter()
             out += piece.token_ids
+            written.extend(piece.stored)
         return (first - start) * 1e3, out
 
     async def run() -> dict:
@@ -280,7 +352,9 @@ def turn_two_from_storage(state: Path, lengths: list[int], reps: int) -> dict:
                 _, answer = await ask(writer, f"t1-{n}-{r}", prompt, 32)
                 question = [rng.randrange(100, 40000) for _ in range(24)]
                 turns.setdefault(n, []).append(prompt + answer + question)
-        await asyncio.sleep(2)  # the writer thread's last blocks
+        tier = FileStore(store)
+        while any(h not in tier for h in written):  # the writer thread's last blocks
+            await asyncio.sleep(0.01)
         await writer.stop()
         figures: dict = {}
         for tier in (True, False):
@@ -363,15 +437,22 @@ def print_tables(figures: dict) -> None:
     for part in ("agents", "pd_vs_aggregated"):
         if part not in figures:
             continue
+        transport = figures[part].pop("transport", None)
         print(
             "setup | hit ratio | infinite-cache bound | TTFT mean ms | TTFT p50 | TTFT p99 | "
-            "ITL p50 ms | ITL p99"
+            "ITL p50 ms | ITL p99 | 1st→2nd token p50 ms"
         )
         for name, f in figures[part].items():
             print(
                 f"{name} | {f['hit_ratio']} | {f['infinite_cache_hit_ratio']} | "
                 f"{f['ttft_mean_ms']} | {f['ttft_p50_ms']} | {f['ttft_p99_ms']} | "
-                f"{f['itl_p50_ms']} | {f['itl_p99_ms']}"
+                f"{f['itl_p50_ms']} | {f['itl_p99_ms']} | {f['second_token_gap_p50_ms']}"
+            )
+        if transport is not None:
+            figures[part]["transport"] = transport
+            print(
+                f"a {transport['tokens']}-token prompt's KV ({transport['mb']} MB): through the "
+                f"tier {transport['tier_ms']} ms, over gRPC {transport['grpc_ms']} ms"
             )
     if "agents" in figures:
         a = figures["agents"]

@@ -148,6 +148,7 @@ def summary(asked: list[Asked]) -> dict:
     inter-token latency."""
     ttft = [a.ttft_ms for a in asked]
     gaps = [g for a in asked for g in a.gaps_ms]
+    seconds = [a.gaps_ms[0] for a in asked if a.gaps_ms]  # first token → second
     prompt_tokens = sum(len(a.prompt) for a in asked)
     in_order = sorted(asked, key=lambda a: a.sent)
     bound = sum(infinite_cache_tokens([a.prompt for a in in_order]))
@@ -160,4 +161,6 @@ def summary(asked: list[Asked]) -> dict:
         "ttft_p99_ms": round(pct(ttft, 99), 1),
         "itl_p50_ms": round(statistics.median(gaps), 1) if gaps else None,
         "itl_p99_ms": round(pct(gaps, 99), 1) if gaps else None,
+        # (P/D: the hand-over, the KV loaded from the tier and the last block computed)
+        "second_token_gap_p50_ms": round(statistics.median(seconds), 1) if seconds else None,
     }

@@ -93,12 +93,15 @@ class OwningWorker(WorkerService):
         store = self.common.resolved_kv_store_dir if s.kv_store else ""
         return replace(s.engine_options(), kv_store_dir=str(store), store_dtype=s.store_dtype)
 
-    async def blocks(self, kind: str, hashes: list[str], tier: str, retention: str) -> None:
+    async def blocks(
+        self, kind: str, hashes: list[str], tier: str, retention: str, block_bytes: int = 0
+    ) -> None:
         """The engine's blocks changed: KV events at this worker's memory location (its own
         cache: the router's lookups find what it holds, and its death drops them) or at the
         storage tier (what its storage connector wrote or found damaged)."""
         assert self.bus is not None and self.owning is not None
-        block_bytes = self.owning.block_size * self.owning.config.kv_bytes_per_token()
+        if not block_bytes:  # (its own cache's: in memory, at the engine's dtype)
+            block_bytes = self.owning.block_size * self.owning.config.kv_bytes_per_token()
         sizes = [block_bytes] * len(hashes) if kind == "stored" else []
         location = memory_location(self.service_id) if tier == MEMORY else STORE
         await publish_kv_event(

@@ -5,7 +5,6 @@ vLLM itself answers for the same prompt, token for token (greedy, eager mode).""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from shared.messages.kvevents import STORE, memory_location
 from tests.conftest import REAL
 from tests.procs import get_json, wait_until
 from tests.stack import Stack
+from tests.vllm_answers import answered_as_vllm, own_greedy_answer
 
 vllm = pytest.importorskip("vllm", reason="the vllm extra (make test installs it)")
 
@@ -73,25 +73,8 @@ def vllm_stack(stacks) -> Stack:
 
 
 @pytest.fixture(scope="module")
-def own_answer(vllm_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> list[int]:
-    """vLLM's own greedy answer to PROMPT, from an engine of its own in this process."""
-    from shared.engine.interface import EngineOptions
-    from shared.engine.sampling import SamplingParams
-    from shared.engine.vllm.engine import VllmEngine
-    from shared.model.catalog import resolve
-
-    state = Path(vllm_stack.dir)  # the export the worker made is reused
-    engine = VllmEngine.load(resolve(REAL, {}), state, EngineOptions(kv_cache_tokens=4096))
-
-    async def run() -> list[int]:
-        await engine.start()
-        try:
-            params = SamplingParams(max_tokens=24, temperature=0)
-            return [t async for g in engine.generate("own", PROMPT, params) for t in g.token_ids]
-        finally:
-            await engine.stop()
-
-    return asyncio.run(run())
+def own_answer(vllm_stack: Stack) -> list[int]:
+    return own_greedy_answer(Path(vllm_stack.dir), PROMPT)
 
 
 def test_the_model_is_served_by_its_vllm_worker_alone(vllm_stack: Stack) -> None:
@@ -110,24 +93,7 @@ def test_the_model_is_served_by_its_vllm_worker_alone(vllm_stack: Stack) -> None
 def test_greedy_through_the_mesh_is_vllms_own_answer_token_for_token(
     vllm_stack: Stack, own_answer: list[int]
 ) -> None:
-    client = vllm_stack.client()
-    whole = client.completions.create(
-        model=REAL, prompt=PROMPT, max_tokens=24, temperature=0, logprobs=1
-    )
-    tokens = whole.choices[0].logprobs.tokens
-    assert len(tokens) == len(own_answer)
-    from shared.model.text import load_text_model
-
-    tokenizer = load_text_model(REAL, Path(vllm_stack.dir)).tokenizer
-    own_text = tokenizer.decode(own_answer, skip_special_tokens=True)
-    assert whole.choices[0].text == own_text and "Paris" in own_text
-    streamed = "".join(
-        c.choices[0].text
-        for c in client.completions.create(
-            model=REAL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True
-        )
-    )
-    assert streamed == own_text
+    assert answered_as_vllm(vllm_stack, PROMPT, own_answer)["workers"] == [WORKER]
 
 
 def test_the_anthropic_and_responses_formats_get_the_same_answer(vllm_stack: Stack) -> None:

@@ -6,7 +6,6 @@ prompt is decoded in place; a later turn on another prefill worker comes from th
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from shared.messages.kvevents import STORE
 from tests.conftest import REAL
 from tests.procs import wait_until
 from tests.stack import Stack
+from tests.vllm_answers import answered_as_vllm, own_greedy_answer
 
 vllm = pytest.importorskip("vllm", reason="the vllm extra (make test installs it)")
 
@@ -56,50 +56,14 @@ def prompt_ids(pd_stack: Stack) -> list[int]:
 
 @pytest.fixture(scope="module")
 def own_answer(pd_stack: Stack, prompt_ids: list[int]) -> list[int]:
-    """vLLM's own greedy answer, from an engine of its own in this process (no connector)."""
-    from shared.engine.interface import EngineOptions
-    from shared.engine.sampling import SamplingParams
-    from shared.engine.vllm.engine import VllmEngine
-    from shared.model.catalog import resolve
-
-    state = Path(pd_stack.dir)  # the export the workers made is reused
-    engine = VllmEngine.load(resolve(REAL, {}), state, EngineOptions(kv_cache_tokens=4096))
-
-    async def run() -> list[int]:
-        await engine.start()
-        try:
-            params = SamplingParams(max_tokens=24, temperature=0)
-            return [
-                t async for g in engine.generate("own", prompt_ids, params) for t in g.token_ids
-            ]
-        finally:
-            await engine.stop()
-
-    return asyncio.run(run())
+    return own_greedy_answer(Path(pd_stack.dir), prompt_ids)
 
 
 def test_a_long_prompt_is_prefilled_on_one_vllm_worker_and_decoded_on_another(
     pd_stack: Stack, prompt_ids: list[int], own_answer: list[int]
 ) -> None:
-    from shared.model.text import load_text_model
-
-    client = pd_stack.client()
-    whole = client.completions.create(
-        model=REAL, prompt=prompt_ids, max_tokens=24, temperature=0, logprobs=1
-    )
-    kvmesh = whole.model_extra["kvmesh"]
+    kvmesh = answered_as_vllm(pd_stack, prompt_ids, own_answer)
     assert kvmesh["workers"][0] in PREFILLS and kvmesh["workers"][1:] == [DECODE]
-    assert len(whole.choices[0].logprobs.tokens) == len(own_answer)
-    tokenizer = load_text_model(REAL, Path(pd_stack.dir)).tokenizer
-    own_text = tokenizer.decode(own_answer, skip_special_tokens=True)
-    assert whole.choices[0].text == own_text and "Paris" in own_text
-    streamed = "".join(
-        c.choices[0].text
-        for c in client.completions.create(
-            model=REAL, prompt=prompt_ids, max_tokens=24, temperature=0, stream=True
-        )
-    )
-    assert streamed == own_text
     # The prompt's full blocks went through the tier, under kvmesh's hashes.
     hashes = pd_stack.hashes(prompt_ids, model=REAL)
     assert (pd_stack.lookup(hashes) or {}).get(STORE) == len(hashes)

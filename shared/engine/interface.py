@@ -361,9 +361,10 @@ class Generated:
 
 
 # What an engine that owns its KV says of its blocks: ("stored" or "removed", kvmesh's hashes
-# of the blocks, the tier: "memory" (its own cache) or "storage", their retention class), for
+# of the blocks, the tier: "memory" (its own cache) or "storage", their retention class, the
+# bytes each block takes there: 0 when the engine does not say, then its in-memory size), for
 # the worker to publish as KV events.
-BlockEvents = Callable[[str, list[str], str, str], Awaitable[None]]
+BlockEvents = Callable[[str, list[str], str, str, int], Awaitable[None]]
 
 
 class OwningEngine(ABC):

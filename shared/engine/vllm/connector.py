@@ -194,10 +194,10 @@ class KvmeshStorageConnector(KVConnectorBase_V1):
         report = connector_output.kv_connector_worker_meta
         if not isinstance(report, Report):
             return
-        by_retention: dict[str, list[str]] = {}
-        for h, _, retention in report.written:
-            by_retention.setdefault(retention, []).append(h)
-        for retention, hashes in by_retention.items():
+        by_kind: dict[tuple[str, int], list[str]] = {}  # (retention, file bytes) → hashes
+        for h, size, retention in report.written:
+            by_kind.setdefault((retention, size), []).append(h)
+        for (retention, size), hashes in by_kind.items():
             self.events.append(
                 BlockStored(
                     block_hashes=[bytes.fromhex(h) for h in hashes],
@@ -205,7 +205,7 @@ class KvmeshStorageConnector(KVConnectorBase_V1):
                     token_ids=[],
                     block_size=self.block_size,
                     lora_id=None,
-                    medium=f"{MEDIUM}:{retention}",
+                    medium=f"{MEDIUM}:{retention}:{size}",
                     lora_name=None,
                 )
             )

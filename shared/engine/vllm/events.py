@@ -22,7 +22,8 @@ from shared.kvstore.hashing import pack_tokens, packed_block_hashes
 from shared.kvstore.tiers import MEMORY, STORAGE
 
 # The medium of the storage connector's events (shared/engine/vllm/connector.py), which carry
-# kvmesh's hashes already: "kvmesh:<retention>".
+# kvmesh's hashes already: "kvmesh:<retention>:<bytes of each block's file>" (vLLM's events
+# have no field for a size).
 STORAGE_MEDIUM = "kvmesh"
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class KvEventBridge:
     async def resync(self) -> None:
         """Forget every block: reported removed (the engine reports them again when used)."""
         gone, self.ours = list(self.ours.values()), {}
-        await self.publish("removed", gone, MEMORY, "chat")
+        await self.publish("removed", gone, MEMORY, "chat", 0)
 
     async def apply(self, events: list) -> None:
         stored: list[str] = []
@@ -96,10 +97,10 @@ class KvEventBridge:
             kind = type(event).__name__
             medium = getattr(event, "medium", None) or ""
             if medium.startswith(f"{STORAGE_MEDIUM}:"):  # the storage connector's: our hashes
-                retention = medium.split(":", 1)[1]
+                _, retention, size = (medium.split(":") + ["0"])[:3]
                 hashes = [bytes(h).hex() for h in event.block_hashes]
                 change = "stored" if kind == "BlockStored" else "removed"
-                await self.publish(change, hashes, STORAGE, retention)
+                await self.publish(change, hashes, STORAGE, retention, int(size or 0))
             elif kind == "BlockStored":
                 stored += self.stored(event)
             elif kind == "BlockRemoved":
@@ -108,9 +109,9 @@ class KvEventBridge:
                 removed += list(self.ours.values())
                 self.ours.clear()
         if removed:
-            await self.publish("removed", removed, MEMORY, "chat")
+            await self.publish("removed", removed, MEMORY, "chat", 0)
         if stored:
-            await self.publish("stored", stored, MEMORY, "chat")
+            await self.publish("stored", stored, MEMORY, "chat", 0)
 
     def stored(self, event) -> list[str]:  # noqa: ANN001 (vllm's BlockStored)
         """kvmesh's hashes of a BlockStored's blocks (none when its parent is unknown)."""
