@@ -19,6 +19,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -115,7 +116,7 @@ class Stack:
                 env["KVMESH_ROUTER_GRPC_PORT"] = str(router.grpc_port + i)
             self.children.append(Child(f"router-{i}", "router", env))
             self.api_urls.append(f"{scheme}://{router.http_host}:{router.http_port + i}")
-        self.children += workers(counts, models or [])
+        self.children += pinned(workers(counts, models or []), os.environ)
         self.nats_nodes = nats_nodes
         self.nats: list[NatsServer] = []
         self.nats_url = common.nats_url
@@ -326,6 +327,23 @@ def workers(counts: dict[str, int], models: list[str]) -> list[Child]:
     return children + [
         Child(f"encoder-{i}", "encoder", encoder_env) for i in range(counts["encoder"])
     ]
+
+
+def pinned(children: list[Child], environ: Mapping[str, str]) -> list[Child]:
+    """The workers, each vLLM one with CPU cores of its own (round robin over this process's
+    cores) unless its role's cores are set: left to itself, every vLLM engine on a host binds
+    its threads to the same first cores, and two engines then share one."""
+    cores = sorted(os.sched_getaffinity(0))
+    n = 0
+    for child in children:
+        role = child.role.upper()
+        engine = child.env.get(f"KVMESH_{role}_ENGINE", environ.get(f"KVMESH_{role}_ENGINE", ""))
+        setting = f"KVMESH_{role}_CPU_CORES"
+        if engine != "vllm" or setting in environ or setting in child.env:
+            continue
+        child.env[setting] = str(cores[n % len(cores)])
+        n += 1
+    return children
 
 
 def service_tag(model: str) -> str:

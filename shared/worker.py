@@ -67,6 +67,13 @@ class WorkerSettings(ServiceSettings):
         default=16384, ge=64, description="KV pool size in tokens (whole blocks)"
     )
     threads: int = Field(default=0, ge=0, le=1024, description="torch threads; 0: all cores")
+    cpu_cores: str = Field(
+        default="",
+        pattern=r"^(\d+(-\d+)?(,\d+(-\d+)?)*)?$",
+        description="CPU cores a vLLM engine's threads are bound to (e.g. 1 or 0-3,8); empty: "
+        "vLLM's own choice, which binds every engine on a host to the same first cores "
+        "(`kvmesh up` gives each vLLM worker it starts cores of its own)",
+    )
     prefill_chunk: int = Field(default=512, ge=1, description="tokens per prefill forward pass")
     max_running: int = Field(default=64, ge=1, description="sequences held at once")
     memory_tier_bytes: int = Field(
@@ -103,6 +110,7 @@ class WorkerSettings(ServiceSettings):
             block_size=self.block_size,
             kv_cache_tokens=self.kv_cache_tokens,
             threads=self.threads,
+            cpu_cores=self.cpu_cores,
             prefill_chunk=self.prefill_chunk,
             max_running=self.max_running,
         )

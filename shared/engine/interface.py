@@ -66,6 +66,7 @@ class EngineOptions:
     kv_cache_tokens: int = 65536  # pool size, in tokens (rounded down to whole blocks)
     dtype: str = "float32"
     threads: int = 0  # 0: leave the backend's default
+    cpu_cores: str = ""  # cores its threads are bound to ("1", "0-3,8"); "": the backend's choice
     prefill_chunk: int = 512  # tokens per forward pass in prefill (bounds attention memory)
     max_running: int = 64  # sequences decoding together
     # Speculative decoding (shared/engine/torch/speculate.py): off, fixed (every sequence

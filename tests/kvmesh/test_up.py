@@ -365,3 +365,29 @@ def test_up_with_a_model_path_that_does_not_exist_starts_nothing(state_dir: Path
     assert done.returncode == 2
     assert "--model mine:" in done.stderr and "/nonexistent/model.gguf" in done.stderr
     assert kvmesh_pids(str(state_dir)) == []
+
+
+def test_each_vllm_worker_up_starts_gets_cores_of_its_own() -> None:
+    """Left to itself, every vLLM engine on a host binds its threads to the same first core."""
+    from kvmesh.up import pinned, workers
+
+    counts = {"prefill": 1, "decode": 2, "encoder": 1}
+    cores = sorted(os.sched_getaffinity(0))
+    env = {"KVMESH_PREFILL_ENGINE": "vllm", "KVMESH_DECODE_ENGINE": "vllm"}
+    given = {
+        c.name: c.env.get(f"KVMESH_{c.role.upper()}_CPU_CORES")
+        for c in pinned(workers(counts, []), env)
+    }
+    assert given == {
+        "prefill-0": str(cores[0]),
+        "decode-0": str(cores[1 % len(cores)]),
+        "decode-1": str(cores[2 % len(cores)]),
+        "encoder-0": None,
+    }
+    # Torch workers, and cores the operator set, are left as they are.
+    env = {"KVMESH_DECODE_ENGINE": "vllm", "KVMESH_DECODE_CPU_CORES": "3"}
+    given = {
+        c.name: c.env.get(f"KVMESH_{c.role.upper()}_CPU_CORES")
+        for c in pinned(workers(counts, []), env)
+    }
+    assert set(given.values()) == {None}

@@ -124,6 +124,8 @@ class VllmEngine(OwningEngine):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib())
         if self.options.threads:
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        if self.options.cpu_cores:  # (vLLM's own choice pins every engine to the first cores)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.options.cpu_cores
         args = AsyncEngineArgs(
             model=str(self.directory),
             tokenizer=str(self.directory),
