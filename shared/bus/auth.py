@@ -115,8 +115,10 @@ def _worker(role: str) -> Permissions:
     subscribe = [subjects.tasks_all(role), subjects.CANCEL, subjects.SPANS_QUERY]
     # Images' embeddings, from the encoder's stream (decode prefills short prompts itself).
     publish += _stream_reader(subjects.EMBEDS_STREAM)
-    if role == "prefill":  # the rest of a request, to its decode worker (engines owning their
-        publish.append(subjects.tasks_all("decode"))  # KV: with the router's handoff token)
+    if role == "prefill":
+        # P/D with engines that own their KV: the rest of a request goes to its decode worker
+        # as a task (with the router's handoff token, which decode checks).
+        publish.append(subjects.tasks_all("decode"))
     return Permissions(tuple(publish), tuple(subscribe), responds=True)
 
 

@@ -6,8 +6,10 @@ the live router and `kvmesh sim` drive the same code.
 could load itself, from its own memory tier or the storage tier, leaves at most
 ``local_max_tokens`` to compute), the decode worker prefills it: no KV moves. Otherwise a
 routing policy (``policies.py``, picked by name) ranks the prefill workers, and each is paired
-with the best decode worker. Dispatch tries the pairs in order (a busy worker is skipped for
-the next) and tells the policy what became of the request (``dispatched``, ``prefilled``).
+with the best decode worker. Decode workers whose engine owns its KV (vLLM) with no prefill
+worker beside them take every request, ranked by the policy as prefill workers are. Dispatch
+tries the pairs in order (a busy worker is skipped for the next) and tells the policy what
+became of the request (``dispatched``, ``prefilled``).
 
 A policy sees the request (its block hashes and, per location, the leading blocks cachemeta
 says it holds) and the candidate workers; it keeps whatever per-worker state it needs.
