@@ -7,6 +7,7 @@ prompt is decoded in place; a later turn on another prefill worker comes from th
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,12 +31,15 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def pd_stack(stacks) -> Stack:
+    cores = sorted(os.sched_getaffinity(0))  # (each engine on a core of its own role's)
     return stacks(
         ("cachemeta-0", "router-0", *PREFILLS, DECODE),
         KVMESH_PREFILL_ENGINE="vllm",
         KVMESH_DECODE_ENGINE="vllm",
         KVMESH_PREFILL_MODEL=REAL,
         KVMESH_DECODE_MODEL=REAL,
+        KVMESH_PREFILL_CPU_CORES=str(cores[0]),
+        KVMESH_DECODE_CPU_CORES=str(cores[-1]),
     )
 
 
@@ -149,6 +153,24 @@ def test_structured_output_through_pd(pd_stack: Stack) -> None:
     )
     assert answer.model_extra["kvmesh"]["workers"][1:] == [DECODE]
     assert isinstance(json.loads(answer.choices[0].message.content)["city"], str)
+
+
+def test_a_stream_closed_early_is_aborted_on_decode(pd_stack: Stack) -> None:
+    story = [{"role": "system", "content": f"[cancel] {SYSTEM}"}]
+    story.append({"role": "user", "content": "Write a long story about the sea."})
+    stream = pd_stack.client().chat.completions.create(
+        model=REAL, messages=story, max_tokens=2000, temperature=0, stream=True
+    )
+    for n, chunk in enumerate(stream):
+        assert not (chunk.choices and chunk.choices[0].finish_reason), "it ended by itself"
+        if n == 5:
+            break
+    stream.close()
+    wait_until(
+        lambda: all(pd_stack.health()[w]["load"]["inflight"] == 0 for w in (DECODE, *PREFILLS)),
+        15,
+        what="no vLLM worker running the request once the client has gone",
+    )
 
 
 def test_a_short_prompt_is_decoded_in_place(pd_stack: Stack) -> None:
