@@ -281,6 +281,8 @@ def test_the_bus_refuses_strangers_and_holds_each_role_to_its_subjects(stack: St
             await nc.publish(subjects.tasks("decode", "decode-0"), b"{}")  # the router's tasks
             await nc.subscribe(subjects.CACHEMETA_LOOKUP)  # posing as cachemeta
             await nc.subscribe("_INBOX.router.>")  # reading the router's replies
+            # (a prefill worker's hand-over to decode has a subject of its own: let through)
+            await nc.publish(subjects.handovers("decode-0"), b"{}")
 
             async def refused_four() -> bool:
                 return len(errors) >= 4

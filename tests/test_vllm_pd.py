@@ -6,10 +6,12 @@ prompt is decoded in place; a later turn on another prefill worker comes from th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anthropic
@@ -171,6 +173,50 @@ def test_a_stream_closed_early_is_aborted_on_decode(pd_stack: Stack) -> None:
         15,
         what="no vLLM worker running the request once the client has gone",
     )
+
+
+def test_a_hand_over_without_the_routers_token_is_refused(pd_stack: Stack) -> None:
+    """What a prefill identity can send decode is a hand-over, on its own subject, and only
+    with the router's token for that request and that decode worker."""
+    from shared.bus import subjects
+    from shared.engine.sampling import SamplingParams
+    from shared.messages.generate import GenerateTask, Handover, TaskAck
+    from shared.security.handoff import HANDOFF_SECRET, handoff_token
+    from shared.security.secret import load_or_create
+    from tests.procs import connect_as, secrets_dir
+
+    secrets = secrets_dir(pd_stack.dir)
+    deadline = time.time() + 60
+    task = GenerateTask(
+        request_id="forged",
+        model=REAL,
+        token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=2),
+        reply_subject=subjects.replies("nobody"),
+        decode_id=DECODE,
+        decode_kv_address="",
+        deadline=deadline,
+        handover=Handover(answer_ids=[]),
+    )
+    other = handoff_token(load_or_create(secrets, HANDOFF_SECRET), "another", DECODE, deadline)
+
+    async def ask() -> list[TaskAck]:
+        bus = await connect_as(pd_stack.nats_url, "prefill", secrets)
+        try:
+            subject = subjects.handovers(DECODE)
+            return [
+                await bus.request(
+                    subject, task.model_copy(update={"handoff_token": t}), TaskAck, 10
+                )
+                for t in ("", other)
+            ]
+        finally:
+            await bus.close()
+
+    acks = asyncio.run(ask())
+    assert [a.accepted for a in acks] == [False, False]
+    assert acks[0].reason == "refused: no handoff token"
+    assert acks[1].reason == "refused: a handoff token that is not this request's"
 
 
 def test_a_short_prompt_is_decoded_in_place(pd_stack: Stack) -> None:

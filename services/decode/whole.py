@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import AsyncExitStack
 from dataclasses import replace
 
-from shared.messages.generate import GenerateTask, Logprobs, TokenEvent
+from shared.bus import Bus, subjects
+from shared.messages.generate import GenerateTask, Logprobs, TaskAck, TokenEvent
 from shared.owning_worker import OwningWorker
 from shared.security.handoff import HANDOFF_SECRET, handoff_refusal
 from shared.security.secret import load_or_create
@@ -23,8 +25,18 @@ log = logging.getLogger(__name__)
 class WholeRequests(OwningWorker):
     role = "decode"
 
+    async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
+        await super().start(stack, bus)
+        await bus.serve(subjects.handovers(self.service_id), GenerateTask, self.on_handover)
+
+    async def on_handover(self, task: GenerateTask) -> TaskAck:
+        if task.handover is None:
+            return TaskAck(accepted=False, reason="not a hand-over")
+        return await self.on_task(task)
+
     def refusal(self, task: GenerateTask) -> str:
-        """A prefill worker's hand-over comes with the router's token for this worker."""
+        """A prefill worker's hand-over (on its own subject) comes with the router's token
+        for this worker; the router's own tasks have none to carry."""
         if task.handover is not None:
             secret = load_or_create(self.common.resolved_secrets_dir, HANDOFF_SECRET)
             why = handoff_refusal(

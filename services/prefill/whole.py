@@ -139,7 +139,7 @@ class WholePrefill(OwningWorker):
                 self.close_span(rid, error="cancelled")
                 return
             rest = task.model_copy(update={"handover": Handover(answer_ids=sent)})
-            subject = subjects.tasks("decode", task.decode_id)
+            subject = subjects.handovers(task.decode_id)
             try:
                 ack = await self.bus.request(
                     subject, rest, TaskAck, self.settings.handoff_timeout_s

@@ -115,10 +115,12 @@ def _worker(role: str) -> Permissions:
     subscribe = [subjects.tasks_all(role), subjects.CANCEL, subjects.SPANS_QUERY]
     # Images' embeddings, from the encoder's stream (decode prefills short prompts itself).
     publish += _stream_reader(subjects.EMBEDS_STREAM)
+    # P/D with engines that own their KV: prefill hands the rest of a request to decode (with
+    # the router's handoff token, which decode checks), on a subject of its own.
     if role == "prefill":
-        # P/D with engines that own their KV: the rest of a request goes to its decode worker
-        # as a task (with the router's handoff token, which decode checks).
-        publish.append(subjects.tasks_all("decode"))
+        publish.append(subjects.handovers_all())
+    else:
+        subscribe.append(subjects.handovers_all())
     return Permissions(tuple(publish), tuple(subscribe), responds=True)
 
 

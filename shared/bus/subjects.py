@@ -40,6 +40,17 @@ def tasks_all(role: str) -> str:
     return f"{PREFIX}.{role}.*.tasks"
 
 
+# P/D between workers whose engines own their KV: a prefill worker hands a request, its
+# prompt's KV in the storage tier, to the decode worker the router chose (request/reply: a
+# TaskAck). Its own subject: a decode worker's task subject stays the routers' alone.
+def handovers(decode_id: str) -> str:
+    return f"{PREFIX}.decode.{_token(decode_id)}.handover"
+
+
+def handovers_all() -> str:
+    return f"{PREFIX}.decode.*.handover"
+
+
 def reply_all() -> str:
     """Every router's reply subject (what the workers that serve requests may publish on)."""
     return f"{PREFIX}.reply.>"
