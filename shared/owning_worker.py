@@ -74,16 +74,7 @@ class OwningWorker(WorkerService):
         self.owning = engine  # (its cache's events may come as it starts)
         await engine.start(self.blocks)
         stack.push_async_callback(engine.stop)
-        stats = engine.stats()
-        log.info(
-            "%s engine ready in %.1f s: %s on %s (it owns its KV), %d KV blocks of %d tokens",
-            self.role,
-            time.monotonic() - started,
-            s.model,
-            s.engine,
-            stats.kv_blocks_total,
-            stats.block_size,
-        )
+        self.say_ready(started, engine.stats(), " (it owns its KV)")
         await bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
         await bus.serve(subjects.tasks(self.role, self.service_id), GenerateTask, self.on_task)
 

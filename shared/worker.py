@@ -20,6 +20,7 @@ from shared.bus import Bus, subjects
 from shared.engine.interface import (
     Engine,
     EngineOptions,
+    EngineStats,
     ImageEmbeds,
     PoolExhausted,
     Prefix,
@@ -200,22 +201,27 @@ class WorkerService(Service):
         engine = await loop.run_in_executor(None, build)
         self.runner = EngineRunner(engine)
         stack.callback(self.runner.close)
-        stats = engine.stats()
-        log.info(
-            "%s engine ready in %.1f s: %s on %s, %d KV blocks of %d tokens",
-            self.role,
-            time.monotonic() - started,
-            s.model,
-            s.engine,
-            stats.kv_blocks_total,
-            stats.block_size,
-        )
+        self.say_ready(started, engine.stats())
         store = FileStore(self.common.resolved_kv_store_dir) if s.kv_store else None
         self.tiers = KvTiers(
             bus, self.role, self.service_id, s.memory_tier_bytes, store, s.write_queue_blocks
         )
         await self.tiers.start(stack)
         await bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+
+    def say_ready(self, started: float, stats: EngineStats, what: str = "") -> None:
+        """The engine is ready (``started``: the monotonic clock when its loading began)."""
+        s = self.worker_settings
+        log.info(
+            "%s engine ready in %.1f s: %s on %s%s, %d KV blocks of %d tokens",
+            self.role,
+            time.monotonic() - started,
+            s.model,
+            s.engine,
+            what,
+            stats.kv_blocks_total,
+            stats.block_size,
+        )
 
     def worker_load(self, **figures: int) -> Load:
         """Load with the engine's and the tiers' figures filled in."""
