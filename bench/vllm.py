@@ -440,13 +440,14 @@ def print_tables(figures: dict) -> None:
         transport = figures[part].pop("transport", None)
         print(
             "setup | hit ratio | infinite-cache bound | TTFT mean ms | TTFT p50 | TTFT p99 | "
-            "ITL p50 ms | ITL p99 | 1st→2nd token p50 ms"
+            "ITL p50 ms | ITL p99 | 1st→2nd token p50 ms | 429s"
         )
         for name, f in figures[part].items():
             print(
                 f"{name} | {f['hit_ratio']} | {f['infinite_cache_hit_ratio']} | "
                 f"{f['ttft_mean_ms']} | {f['ttft_p50_ms']} | {f['ttft_p99_ms']} | "
-                f"{f['itl_p50_ms']} | {f['itl_p99_ms']} | {f['second_token_gap_p50_ms']}"
+                f"{f['itl_p50_ms']} | {f['itl_p99_ms']} | {f['second_token_gap_p50_ms']} | "
+                f"{f['refused_429']}"
             )
         if transport is not None:
             figures[part]["transport"] = transport

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import openai
 
 BLOCK = 64
+RETRY_S = 0.2  # after a 429
 
 
 @dataclass
@@ -74,21 +75,29 @@ class Asked:
     cached: int
     gaps_ms: list[float]
     sent: float = 0.0  # perf_counter when it was sent
+    refused: int = 0  # 429s before it was taken
 
 
 async def ask(client: openai.AsyncOpenAI, model: str, prompt: list[int], n: int) -> Asked:
-    """One streamed completion: TTFT, gaps between tokens, cached prompt tokens (usage)."""
+    """One streamed completion: TTFT (from the first ask), gaps between tokens, cached prompt
+    tokens (usage)."""
     start = time.perf_counter()
     first = last = 0.0
-    gaps, cached = [], 0
-    stream = await client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=n,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+    gaps, cached, refused = [], 0, 0
+    while True:  # a 429 (overloaded) is asked again shortly, as clients do; its wait counts
+        try:
+            stream = await client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=n,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            break
+        except openai.RateLimitError:
+            refused += 1
+            await asyncio.sleep(RETRY_S)
     async for chunk in stream:
         if chunk.usage is not None:
             details = chunk.usage.prompt_tokens_details
@@ -101,7 +110,7 @@ async def ask(client: openai.AsyncOpenAI, model: str, prompt: list[int], n: int)
         else:
             gaps.append((now - last) * 1e3)
         last = now
-    return Asked(prompt, (first - start) * 1e3, cached, gaps, start)
+    return Asked(prompt, (first - start) * 1e3, cached, gaps, start, refused)
 
 
 async def run_sessions(
@@ -154,6 +163,7 @@ def summary(asked: list[Asked]) -> dict:
     bound = sum(infinite_cache_tokens([a.prompt for a in in_order]))
     return {
         "requests": len(asked),
+        "refused_429": sum(a.refused for a in asked),
         "hit_ratio": round(sum(a.cached for a in asked) / prompt_tokens, 4),
         "infinite_cache_hit_ratio": round(bound / prompt_tokens, 4),
         "ttft_mean_ms": round(statistics.mean(ttft), 1),

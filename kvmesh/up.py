@@ -330,19 +330,22 @@ def workers(counts: dict[str, int], models: list[str]) -> list[Child]:
 
 
 def pinned(children: list[Child], environ: Mapping[str, str]) -> list[Child]:
-    """The workers, each vLLM one with CPU cores of its own (round robin over this process's
-    cores) unless its role's cores are set: left to itself, every vLLM engine on a host binds
-    its threads to the same first cores, and two engines then share one."""
+    """The workers, each vLLM one with CPU cores of its own (this process's cores split evenly
+    among them; one each, round robin, when they outnumber the cores) unless its role's cores
+    are set: left to itself, every vLLM engine on a host binds its threads to the same first
+    cores, and two engines then share them."""
     cores = sorted(os.sched_getaffinity(0))
-    n = 0
+    vllm = []
     for child in children:
         role = child.role.upper()
         engine = child.env.get(f"KVMESH_{role}_ENGINE", environ.get(f"KVMESH_{role}_ENGINE", ""))
         setting = f"KVMESH_{role}_CPU_CORES"
-        if engine != "vllm" or setting in environ or setting in child.env:
-            continue
-        child.env[setting] = str(cores[n % len(cores)])
-        n += 1
+        if engine == "vllm" and setting not in environ and setting not in child.env:
+            vllm.append((child, setting))
+    share = max(1, len(cores) // max(1, len(vllm)))
+    for i, (child, setting) in enumerate(vllm):
+        first = (i * share) % len(cores)
+        child.env[setting] = ",".join(str(c) for c in cores[first : first + share])
     return children
 
 

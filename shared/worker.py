@@ -73,7 +73,7 @@ class WorkerSettings(ServiceSettings):
         pattern=r"^(\d+(-\d+)?(,\d+(-\d+)?)*)?$",
         description="CPU cores a vLLM engine's threads are bound to (e.g. 1 or 0-3,8); empty: "
         "vLLM's own choice, which binds every engine on a host to the same first cores "
-        "(`kvmesh up` gives each vLLM worker it starts cores of its own)",
+        "(`kvmesh up` splits the host's among the vLLM workers it starts)",
     )
     prefill_chunk: int = Field(default=512, ge=1, description="tokens per prefill forward pass")
     max_running: int = Field(default=64, ge=1, description="sequences held at once")
