@@ -36,6 +36,7 @@ from simulator.replay import (
     speed_for_utilization,
 )
 from simulator.traces import TraceError, read_trace
+from simulator.world import ProfiledWorld, WorldSettings
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -82,6 +83,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="storage TTL after last use for every class (default 7 d chat, 3 d agent)",
     )
+    p.add_argument(
+        "--world",
+        default="policy",
+        help="how long the simulated workers take: 'policy' (the router's own estimate) or a "
+        "world file (JSON: an engine profile from bench/profile.py and the tier's bandwidths; "
+        "simulator/world.py)",
+    )
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     p.add_argument("--png", type=Path, help="write the TTFT CDF of each policy here")
     p.set_defaults(run=run)
@@ -112,7 +120,15 @@ def run(args: argparse.Namespace) -> int:
         requests = requests[: args.limit]
     if not requests:
         return fail("--trace: no requests in it")
+    world = None
+    if args.world != "policy":
+        try:
+            world = WorldSettings.read(Path(args.world))
+            ProfiledWorld(world)  # its profile is read now: a bad one fails here, named
+        except ValueError as err:
+            return fail(f"--world: {err}")
     cfg = SimConfig(
+        world=world,
         prefill=args.prefill,
         decode=args.decode,
         prefill_tok_s=args.prefill_tok_s,
@@ -130,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     refs = sum(len(r.hashes) for r in requests)
     print(
         f"{len(requests)} requests, {refs:,} block references ({block_size} tokens), "
-        f"{args.prefill} prefill + {args.decode} decode workers, speed {speed:.2f}x",
+        f"{args.prefill} prefill + {args.decode} decode workers, speed {speed:.2f}x, "
+        f"world: {args.world}",
         file=sys.stderr,
     )
     results, summaries = {}, {}

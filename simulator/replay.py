@@ -1,13 +1,16 @@
 """`kvmesh sim`: replay a trace through the real routing policies and block index, against
 simulated workers.
 
-Cost model, per card (defaults from DeepInfer's published figures): prefill computes uncached
-tokens at 60K tok/s and loads cached tokens from the storage tier at 1.5M tok/s (hits in the
-worker's own memory tier are free); a decode card makes 14K tok/s shared by its sequences,
-each at most 1/min_tpot. Each prefill worker serves one request at a time, in arrival order.
-Every prefill worker has a memory tier (LRU, in blocks); the storage tier has a capacity (LRU)
-and a retention (TTL after last use, by class). Stores and evictions become KV events applied
-to cachemeta's BlockIndex, which answers the router's lookups, as in the live mesh.
+Cost model, per card (defaults from DeepInfer's published figures): by default the router's
+own estimate (``PolicyWorld``): prefill computes uncached tokens at 60K tok/s and loads cached
+tokens from the storage tier at 1.5M tok/s (hits in the worker's own memory tier are free);
+``SimConfig.world`` replays in a world that is not the estimate (``simulator/world.py``: an
+engine profile, varying compute, a shared storage bandwidth, memory copies). A decode card
+makes 14K tok/s shared by its sequences, each at most 1/min_tpot. Each prefill worker serves
+one request at a time, in arrival order. Every prefill worker has a memory tier (LRU, in
+blocks); the storage tier has a capacity (LRU) and a retention (TTL after last use, by class).
+Stores and evictions become KV events applied to cachemeta's BlockIndex, which answers the
+router's lookups, as in the live mesh.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from services.router.routing.route import RouteRequest
 from services.router.routing.ttft import CostDefaults
 from shared.messages.kvevents import STORE, KvEvent, memory_location
 from simulator.traces import TraceRequest
+from simulator.world import PolicyWorld, ProfiledWorld, World, WorldSettings
 
 UNBOUNDED = 10**12  # blocks: a tier that never evicts
 BUSY_SHARE = 0.9  # of a trace's reference work: the busy window holds this much
@@ -43,6 +47,12 @@ class SimConfig:
     store_blocks: int = UNBOUNDED  # the storage tier's capacity, in trace blocks
     ttl_s: tuple[tuple[str, float], ...] = (("chat", 7 * 86400.0), ("agent", 3 * 86400.0))
     speed: float = 1.0  # arrival times are divided by this
+    world: WorldSettings | None = None  # None: the policy's own estimate (simulator/world.py)
+
+    def make_world(self) -> World:
+        if self.world is None:
+            return PolicyWorld(self.prefill_tok_s, self.load_tok_s)
+        return ProfiledWorld(self.world)
 
 
 @dataclass
@@ -215,6 +225,7 @@ def simulate(
     ttl = dict(cfg.ttl_s)
     costs = CostDefaults(prefill_tok_s=cfg.prefill_tok_s, load_tok_s=cfg.load_tok_s)
     policy = POLICIES[policy_name](costs)
+    world = cfg.make_world()
     index = BlockIndex(ttl)
     prefills = [f"p{i}" for i in range(cfg.prefill)]
     memory = {p: _Lru(cfg.memory_blocks) for p in prefills}
@@ -258,11 +269,11 @@ def simulate(
         mem_tokens = min(hit_tokens, mem * block_size)
         loaded = hit_tokens - mem_tokens
         uncached = r.n_in - hit_tokens
-        service = uncached / cfg.prefill_tok_s + loaded / cfg.load_tok_s
-        busy_until[p] = now + service
-        result.busy_s[p] += service
+        service = world.service(p, mem_tokens, loaded, uncached, now)
+        busy_until[p] = now + service.total_s
+        result.busy_s[p] += service.total_s
         push(
-            now + service,
+            now + service.total_s,
             "prefilled",
             (p, i, route, arrived, mem_tokens, loaded, uncached, service),
         )
@@ -293,15 +304,8 @@ def simulate(
                 new, evicted = tier.put(r.hashes, now)
                 emit("removed", location, evicted, now, r.retention)
                 emit("stored", location, new, now, r.retention)
-            policy.prefilled(
-                p,
-                route,
-                now,
-                uncached,
-                loaded,
-                uncached / cfg.prefill_tok_s,
-                loaded / cfg.load_tok_s,
-            )
+            # (what the worker reports: the world's times, not the estimate's)
+            policy.prefilled(p, route, now, uncached, loaded, service.compute_s, service.load_s)
             d = min(range(cfg.decode), key=lambda k: decode_active[k])
             decode_active[d] += 1
             tpot = max(cfg.min_tpot_s, decode_active[d] / cfg.decode_tok_s)

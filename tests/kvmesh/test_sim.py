@@ -109,3 +109,29 @@ def test_target_util_is_over_the_busy_window_unless_asked_for_the_span(tmp_path:
     run = sim(*common, "--util-basis", "day")
     assert run.returncode == 2 and "--util-basis" in run.stderr
     assert "busy window" in sim("--help").stdout
+
+
+def test_sim_in_a_world_from_a_profile_and_in_the_policys_own(tmp_path: Path) -> None:
+    from tests.simulator.test_profile import measured
+
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": i * 20, "input_length": 2048, "output_length": 8, "hash_ids": [i % 3, i]}
+        for i in range(100)
+    ]
+    trace.write_text("\n".join(json.dumps(x) for x in lines))
+    (tmp_path / "profile.json").write_text(measured().to_json())
+    (tmp_path / "world.json").write_text(json.dumps({"profile": "profile.json"}))
+    base = ["--trace", str(trace), "--prefill", "2", "--decode", "2", "--policy", "ttft"]
+
+    def figures(*more: str) -> dict:
+        run = sim(*base, *more)
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout.strip().splitlines()[-1])["ttft"]
+
+    default, policy = figures(), figures("--world", "policy")
+    assert default == policy  # today's world, kept exactly
+    profiled = figures("--world", str(tmp_path / "world.json"))
+    assert profiled["ttft_mean_s"] != default["ttft_mean_s"]
+    run = sim(*base, "--world", str(tmp_path / "nope.json"))
+    assert run.returncode == 2 and "--world" in run.stderr and "nope.json" in run.stderr

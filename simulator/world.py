@@ -1,0 +1,129 @@
+"""How long a simulated prefill worker takes over a request: the world the routing policies are
+replayed in.
+
+``PolicyWorld`` is the router's own estimate (uncached tokens at the prefill rate, loaded ones
+at the load rate, memory-tier hits free): a world built from the formula the ``ttft`` policy
+ranks with, fair only between policies that share that estimate. ``ProfiledWorld`` is not:
+
+- compute comes from a measured engine profile (``simulator/profile.py``, ``bench/profile.py``)
+  scaled to a card's rate, so a token after a long context costs more than one after none;
+- each request's compute varies (the profile's own spread, or more);
+- the storage tier has a cluster-wide read bandwidth that the loads running at once share
+  (a load gets the share free when it starts), and each worker a link it cannot exceed;
+- a memory-tier hit costs a copy into the engine.
+
+Each default says where it comes from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from simulator.profile import EngineProfile
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Service:
+    """A request's time on its prefill worker, by part (seconds), in the order they run."""
+
+    load_s: float  # its cached blocks read from the storage tier
+    copy_s: float  # its cached blocks copied from the worker's memory tier
+    compute_s: float  # its uncached tokens computed
+
+    @property
+    def total_s(self) -> float:
+        return self.load_s + self.copy_s + self.compute_s
+
+
+class World(ABC):
+    @abstractmethod
+    def service(
+        self, worker: str, memory_tokens: int, loaded_tokens: int, uncached: int, now: float
+    ) -> Service:
+        """A request starting on ``worker`` at ``now``: ``memory_tokens`` of its prompt in the
+        worker's memory tier, then ``loaded_tokens`` in the storage tier, then ``uncached``."""
+
+
+class PolicyWorld(World):
+    def __init__(self, prefill_tok_s: float, load_tok_s: float) -> None:
+        self.prefill_tok_s = prefill_tok_s
+        self.load_tok_s = load_tok_s
+
+    def service(
+        self, worker: str, memory_tokens: int, loaded_tokens: int, uncached: int, now: float
+    ) -> Service:
+        return Service(loaded_tokens / self.load_tok_s, 0.0, uncached / self.prefill_tok_s)
+
+
+@dataclass(frozen=True)
+class WorldSettings:
+    """A world's description (``kvmesh sim --world FILE``: a JSON object of these fields)."""
+
+    profile: str  # an engine profile file (bench/profile.py writes one)
+    # The card's rate the profile is scaled to, for 1024 uncached tokens and nothing cached
+    # (DeepInfer's published prefill figure without cache hits).
+    prefill_tok_s: float = 60_000.0
+    variation: float = -1.0  # relative spread of a request's compute; < 0: the profile's own
+    # KV bytes per token: DeepSeek-V3's MLA latent, (512 + 64) × 61 layers × 2 bytes.
+    kv_bytes_per_token: int = 70_272
+    # The storage tier's aggregate read bandwidth: 3FS's published 6.6 TiB/s (180 nodes).
+    store_gb_s: float = 6.6 * 2**40 / GB
+    # A worker's link to it: a 3FS client node's 1 × 200 Gb/s InfiniBand NIC.
+    link_gb_s: float = 25.0
+    # Host memory into the engine: PCIe 5.0 × 16's 64 GB/s.
+    memory_gb_s: float = 64.0
+    seed: int = 0
+
+    @classmethod
+    def read(cls, path: Path) -> WorldSettings:
+        """A world file; ValueError naming the file and the field when it is not one."""
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: not a world description ({err})") from None
+        known = {f.name for f in fields(cls)}
+        if not isinstance(raw, dict) or "profile" not in raw:
+            raise ValueError(f"{path}: a JSON object with at least 'profile' (a profile file)")
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown fields {unknown}; known: {sorted(known)}")
+        profile = Path(raw["profile"])
+        if not profile.is_absolute():  # relative to the world file
+            raw["profile"] = str(Path(path).parent / profile)
+        return cls(**raw)
+
+
+class ProfiledWorld(World):
+    def __init__(self, settings: WorldSettings, profile: EngineProfile | None = None) -> None:
+        self.settings = settings
+        base = profile or EngineProfile.read(Path(settings.profile))
+        self.profile = base.scaled(settings.prefill_tok_s)
+        spread = settings.variation if settings.variation >= 0 else base.spread
+        # a lognormal of median 1 whose median |x - 1| is about ``spread`` (small spreads)
+        self.sigma = spread / 0.6745
+        self.rng = random.Random(settings.seed)
+        self.loads_until: list[float] = []  # when each load running now ends
+
+    def service(
+        self, worker: str, memory_tokens: int, loaded_tokens: int, uncached: int, now: float
+    ) -> Service:
+        s = self.settings
+        load_s = 0.0
+        if loaded_tokens:
+            self.loads_until = [t for t in self.loads_until if t > now]
+            share = min(s.link_gb_s, s.store_gb_s / (len(self.loads_until) + 1)) * GB
+            load_s = loaded_tokens * s.kv_bytes_per_token / share
+            self.loads_until.append(now + load_s)
+        copy_s = memory_tokens * s.kv_bytes_per_token / (s.memory_gb_s * GB)
+        compute_s = 0.0
+        if uncached:
+            noise = math.exp(self.rng.gauss(0.0, self.sigma)) if self.sigma else 1.0
+            compute_s = self.profile.prefill_s(memory_tokens + loaded_tokens, uncached) * noise
+        return Service(load_s, copy_s, compute_s)

@@ -1,0 +1,95 @@
+"""The simulated worlds (simulator/world.py): the policy's own estimate, kept exactly, and one
+built from an engine profile, where loads running at once share the storage tier's bandwidth,
+a longer context costs more per token, a memory hit costs a copy and compute varies."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from simulator.replay import SimConfig, simulate
+from simulator.traces import TraceRequest
+from simulator.world import GB, PolicyWorld, ProfiledWorld, WorldSettings
+from tests.simulator.test_profile import measured
+
+BYTES = 70_272  # per token (the default: DeepSeek-V3's latent)
+
+
+def world(**settings) -> ProfiledWorld:
+    defaults = dict(profile="", variation=0.0, store_gb_s=10.0, link_gb_s=25.0)
+    return ProfiledWorld(WorldSettings(**{**defaults, **settings}), measured())
+
+
+def test_the_policys_world_is_its_formula_to_the_bit() -> None:
+    s = PolicyWorld(60_000.0, 1_500_000.0).service("p0", 640, 3000, 1234, 0.0)
+    assert s.total_s == 1234 / 60_000.0 + 3000 / 1_500_000.0
+    assert s.copy_s == 0.0  # memory hits are free in it
+    one = [TraceRequest(0.0, 1000, 4, [f"b{i}" for i in range(15)])]
+    result = simulate(one, 64, SimConfig(prefill=2, decode=1), "ttft")
+    assert result.ttft_s == [1000 / 60_000.0]
+
+
+def test_two_loads_at_once_share_the_storage_tiers_bandwidth() -> None:
+    w = world()
+    alone = w.service("p0", 0, 10_000, 0, now=0.0).load_s
+    assert alone == pytest.approx(10_000 * BYTES / (10 * GB))  # the tier's 10 GB/s, all its
+    w = world()
+    first = w.service("p0", 0, 10_000, 0, now=0.0).load_s
+    second = w.service("p1", 0, 10_000, 0, now=0.0).load_s  # while the first runs
+    assert first == pytest.approx(alone) and second == pytest.approx(2 * alone)
+    later = w.service("p2", 0, 10_000, 0, now=10.0).load_s  # both done by then
+    assert later == pytest.approx(alone)
+    # A worker's link caps it, whatever the tier could give.
+    assert world(store_gb_s=1000.0).service("p0", 0, 10_000, 0, 0.0).load_s == pytest.approx(
+        10_000 * BYTES / (25 * GB)
+    )
+
+
+def test_a_longer_context_costs_more_per_token_and_a_memory_hit_a_copy() -> None:
+    w = world()
+    none = w.service("p0", 0, 0, 512, 0.0)
+    after = w.service("p0", 4096, 0, 512, 0.0)
+    assert after.compute_s > none.compute_s
+    assert after.copy_s == pytest.approx(4096 * BYTES / (64 * GB)) and none.copy_s == 0.0
+    # scaled to the card's rate: 1024 tokens with nothing cached at 60K tok/s
+    assert w.service("p0", 0, 0, 1024, 0.0).compute_s == pytest.approx(1024 / 60_000)
+
+
+def test_compute_varies_around_the_profile_by_its_spread() -> None:
+    w = world(variation=0.1, seed=3)
+    times = [w.service("p0", 0, 0, 1024, 0.0).compute_s for _ in range(2000)]
+    median = statistics.median(times)
+    assert median == pytest.approx(1024 / 60_000, rel=0.03)
+    spread = statistics.median(abs(t / median - 1) for t in times)
+    assert spread == pytest.approx(0.1, rel=0.15)
+    again = world(variation=0.1, seed=3)
+    assert [again.service("p0", 0, 0, 1024, 0.0).compute_s for _ in range(5)] == times[:5]
+
+
+def test_a_trace_replays_in_a_profiled_world_from_its_files(tmp_path: Path) -> None:
+    (tmp_path / "profile.json").write_text(measured().to_json())
+    (tmp_path / "world.json").write_text(json.dumps({"profile": "profile.json", "seed": 1}))
+    settings = WorldSettings.read(tmp_path / "world.json")
+    trace = [
+        TraceRequest(i * 0.001, 4096, 4, [f"s{j}" for j in range(48)] + [f"u{i}"])
+        for i in range(40)
+    ]
+    cfg = SimConfig(prefill=2, decode=2)
+    policy_world = simulate(trace, 64, cfg, "ttft").summary(2)
+    profiled = simulate(trace, 64, replace(cfg, world=settings), "ttft").summary(2)
+    assert profiled["requests"] == policy_world["requests"] == 40
+    assert profiled["ttft_mean_s"] != policy_world["ttft_mean_s"]
+
+
+def test_a_bad_world_file_is_named_with_what_is_wrong(tmp_path: Path) -> None:
+    path = tmp_path / "world.json"
+    path.write_text(json.dumps({"profile": "p.json", "store_gbs": 1}))
+    with pytest.raises(ValueError, match=r"world.json: unknown fields \['store_gbs'\]"):
+        WorldSettings.read(path)
+    path.write_text("[1]")
+    with pytest.raises(ValueError, match="world.json: a JSON object with at least 'profile'"):
+        WorldSettings.read(path)
