@@ -50,6 +50,7 @@ from simulator.replay import (  # noqa: E402
     speed_for_utilization,
 )
 from simulator.traces import MOONCAKE_BLOCK, TraceRequest, read_trace  # noqa: E402
+from simulator.world import WorldSettings  # noqa: E402
 
 TRACES_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
 TRACE_FILES = {
@@ -83,6 +84,7 @@ class Run:
     policy: str
     seed: int = 0  # of the agent trace
     memory_share: float = MEMORY_SHARE
+    world: str = ""  # a world file (simulator/world.py); "": the policies' own estimate
 
     @property
     def cell(self) -> str:
@@ -97,6 +99,7 @@ def config(run: Run) -> SimConfig:
         prefill=run.workers,
         decode=run.workers,
         memory_blocks=max(50, int(unique * run.memory_share / run.workers)),
+        world=WorldSettings.read(Path(run.world)) if run.world else None,
     )
     return replace(cfg, speed=speed_for_utilization(requests, bs, cfg, run.load))
 
@@ -242,6 +245,11 @@ def main() -> None:
         default=MEMORY_SHARE,
         help="of a trace's distinct blocks the pool's memory tiers hold together",
     )
+    ap.add_argument(
+        "--world",
+        default="",
+        help="a world file (simulator/world.py); default: the policies' own estimate",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="replays at once")
     ap.add_argument("--no-decision", action="store_true", help="skip the decision latency")
     args = ap.parse_args()
@@ -254,7 +262,7 @@ def main() -> None:
     sizes = [int(n) for n in args.sizes.split(",")]
     loads = [float(x) for x in args.loads.split(",")]
     runs = [
-        Run(t, n, load, p, args.seed, args.memory_share)
+        Run(t, n, load, p, args.seed, args.memory_share, args.world)
         for t in traces
         for n in sizes
         for load in loads

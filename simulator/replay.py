@@ -159,10 +159,13 @@ def infinite_cache_hit_ratio(requests: list[TraceRequest], block_size: int) -> f
 
 def request_work_s(requests: list[TraceRequest], block_size: int, cfg: SimConfig) -> list[float]:
     """Each request's prefill time with an infinite cache: every block computed once, the
-    first time it is seen, and loaded from the storage tier after (the reference work)."""
+    first time it is seen, and loaded from the storage tier after (the reference work), in
+    the config's world (each load alone: none shares the tier's bandwidth)."""
+    world = cfg.make_world()
+    cached = infinite_cache_tokens(requests, block_size)
     return [
-        (r.n_in - cached) / cfg.prefill_tok_s + cached / cfg.load_tok_s
-        for r, cached in zip(requests, infinite_cache_tokens(requests, block_size), strict=True)
+        world.service("reference", 0, c, r.n_in - c, now=i * 1e9).total_s
+        for i, (r, c) in enumerate(zip(requests, cached, strict=True))
     ]
 
 

@@ -93,3 +93,15 @@ def test_a_bad_world_file_is_named_with_what_is_wrong(tmp_path: Path) -> None:
     path.write_text("[1]")
     with pytest.raises(ValueError, match="world.json: a JSON object with at least 'profile'"):
         WorldSettings.read(path)
+
+
+def test_the_reference_work_that_sets_the_load_is_the_worlds(tmp_path: Path) -> None:
+    """--target-util sizes the load from the work in the world replayed, not the estimate."""
+    from simulator.replay import request_work_s
+
+    (tmp_path / "profile.json").write_text(measured().to_json())
+    settings = WorldSettings(profile=str(tmp_path / "profile.json"), variation=0.0)
+    trace = [TraceRequest(0.0, 2048, 4, [f"b{i}" for i in range(32)])]
+    work = request_work_s(trace, 64, SimConfig(world=settings))
+    assert work == [ProfiledWorld(settings).service("p", 0, 0, 2048, 0.0).total_s]
+    assert request_work_s(trace, 64, SimConfig()) == [2048 / 60_000.0]
