@@ -13,17 +13,24 @@ import time
 from contextlib import AsyncExitStack
 from dataclasses import replace
 
+from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
 from shared.messages.generate import GenerateTask, Logprobs, TaskAck, TokenEvent
 from shared.owning_worker import OwningWorker
 from shared.security.handoff import HANDOFF_SECRET, handoff_refusal
 from shared.security.secret import load_or_create
+from shared.settings import CommonSettings
 
 log = logging.getLogger(__name__)
 
 
 class WholeRequests(OwningWorker):
     role = "decode"
+
+    def __init__(self, common: CommonSettings, settings: DecodeSettings) -> None:
+        super().__init__(common, settings)
+        # The mesh's: a hand-over is taken only with the token the router made with it.
+        self.handoff_secret = load_or_create(common.resolved_secrets_dir, HANDOFF_SECRET)
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await super().start(stack, bus)
@@ -38,9 +45,12 @@ class WholeRequests(OwningWorker):
         """A prefill worker's hand-over (on its own subject) comes with the router's token
         for this worker; the router's own tasks have none to carry."""
         if task.handover is not None:
-            secret = load_or_create(self.common.resolved_secrets_dir, HANDOFF_SECRET)
             why = handoff_refusal(
-                secret, task.handoff_token, task.request_id, self.service_id, time.time()
+                self.handoff_secret,
+                task.handoff_token,
+                task.request_id,
+                self.service_id,
+                time.time(),
             )
             if why:
                 log.warning("refused the hand-over of %s: %s", task.request_id, why)
