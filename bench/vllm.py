@@ -46,7 +46,13 @@ REPO = Path(__file__).resolve().parent.parent
 # Run as a script, this file's folder leads the path, where it would shadow vLLM itself.
 sys.path[:] = [str(REPO), *(p for p in sys.path if Path(p or ".").resolve() != REPO / "bench")]
 
-from bench.vllm_workloads import agent_sessions, run_new_prompts, run_sessions, summary  # noqa: E402
+from bench.vllm_workloads import (  # noqa: E402
+    agent_sessions,
+    pct,
+    run_new_prompts,
+    run_sessions,
+    summary,
+)
 
 MODEL = "smollm2-135m-instruct"
 TEXT = (
@@ -88,11 +94,6 @@ def stop(proc: subprocess.Popen, timeout_s: float) -> None:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-
-
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
 
 
 async def drive(base: str, model: str, clients: int, requests: int, max_tokens: int) -> dict:

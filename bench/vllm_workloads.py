@@ -116,6 +116,7 @@ async def ask(client: openai.AsyncOpenAI, model: str, prompt: list[int], n: int)
 async def run_sessions(
     base: str, model: str, sessions: list[Session], clients: int, answer: int
 ) -> list[Asked]:
+    """The sessions, ``clients`` at a time, each session's turns in order."""
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
     todo = list(reversed(sessions))
     done: list[Asked] = []
@@ -133,18 +134,10 @@ async def run_sessions(
 async def run_new_prompts(
     base: str, model: str, n: int, length: int, clients: int, answer: int, seed: int = 1
 ) -> list[Asked]:
+    """``n`` prompts of ``length`` new tokens (a session of one turn each)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(200, 40000) for _ in range(length)] for _ in range(n)]
-    client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
-    done: list[Asked] = []
-
-    async def one() -> None:
-        while prompts:
-            done.append(await ask(client, model, prompts.pop(), answer))
-
-    await asyncio.gather(*(one() for _ in range(clients)))
-    await client.close()
-    return done
+    sessions = [Session([[rng.randrange(200, 40000) for _ in range(length)]]) for _ in range(n)]
+    return await run_sessions(base, model, sessions, clients, answer)
 
 
 def pct(values: list[float], p: float) -> float:
