@@ -168,8 +168,11 @@ def run(args: argparse.Namespace) -> int:
         "tpot_mean_s",
         "load_max_over_mean",
         "utilization",
+        "estimate_mape",
     )
     out: dict = {n: {k: round(s[k], 6) for k in keys} for n, s in summaries.items()}
+    for n, s in summaries.items():
+        out[n]["estimate_terms"] = s["estimate_terms"]
     out["infinite_cache_hit_ratio"] = round(infinite_cache_hit_ratio(requests, block_size), 6)
     out["speed"] = round(speed, 6)
     print(json.dumps(out))
@@ -189,16 +192,18 @@ def print_table(summaries: dict[str, dict]) -> None:
         "load max/mean",
         "util",
         "tok/s",
+        "est. err",
         "replay",
     )
-    print("{:<14}{:>7}{:>7}{:>9}{:>11}{:>8}{:>8}{:>8}{:>15}{:>7}{:>11}{:>8}".format(*head))
+    print("{:<14}{:>7}{:>7}{:>9}{:>11}{:>8}{:>8}{:>8}{:>15}{:>7}{:>11}{:>10}{:>8}".format(*head))
     for name, s in summaries.items():
         print(
             f"{name:<14}{s['hit_ratio']:>7.3f}{s['memory_hit_ratio']:>7.3f}"
             f"{s['storage_hit_ratio']:>9.3f}{s['ttft_mean_s']:>10.3f}s{s['ttft_p50_s']:>7.3f}s"
             f"{s['ttft_p99_s']:>7.3f}s{s['tpot_mean_s'] * 1e3:>6.1f}ms"
             f"{s['load_max_over_mean']:>15.2f}"
-            f"{s['utilization']:>7.2f}{s['throughput_tok_s']:>11.0f}{s['replay_s']:>7.1f}s"
+            f"{s['utilization']:>7.2f}{s['throughput_tok_s']:>11.0f}"
+            f"{s['estimate_mape']:>9.1%}{s['replay_s']:>7.1f}s"
         )
 
 

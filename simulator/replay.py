@@ -67,6 +67,8 @@ class SimResult:
     first_arrival: float = 0.0
     last_done: float = 0.0
     output_tokens: int = 0
+    estimate_mape: float = 0.0  # the policy's TTFT estimates against the replay's TTFTs
+    estimate_terms: dict = field(default_factory=dict)  # what the pool's estimate learned
 
     def summary(self, n_prefill: int) -> dict:
         ttft = sorted(self.ttft_s)
@@ -86,6 +88,8 @@ class SimResult:
             "utilization": sum(busy) / (n_prefill * span),
             "throughput_tok_s": (self.input_tokens + self.output_tokens) / span,
             "requests": len(ttft),
+            "estimate_mape": self.estimate_mape,
+            "estimate_terms": self.estimate_terms,
         }
 
 
@@ -308,7 +312,8 @@ def simulate(
                 emit("removed", location, evicted, now, r.retention)
                 emit("stored", location, new, now, r.retention)
             # (what the worker reports: the world's times, not the estimate's)
-            policy.prefilled(p, route, now, uncached, loaded, service.compute_s, service.load_s)
+            compute_s = service.compute_s + service.copy_s  # (a memory hit's copy: not a load)
+            policy.prefilled(p, route, now, uncached, loaded, compute_s, service.load_s)
             d = min(range(cfg.decode), key=lambda k: decode_active[k])
             decode_active[d] += 1
             tpot = max(cfg.min_tpot_s, decode_active[d] / cfg.decode_tok_s)
@@ -325,6 +330,8 @@ def simulate(
             decode_active[data] -= 1  # type: ignore[index]
     if progress:
         progress(len(requests), len(requests))
+    result.estimate_mape = policy.pool.estimate.error.mape
+    result.estimate_terms = policy.pool.estimate.terms()
     return result
 
 

@@ -69,12 +69,14 @@ class Mooncake(RoutingPolicy):
 
 
 class Ttft(Mooncake):
-    """Ours: the lowest estimated TTFT, looking ahead at blocks requests in flight will bring,
-    with the overload guard once queues build (scoring.py)."""
+    """Ours: the lowest estimated TTFT, from terms fitted to what the workers report
+    (estimate.py), looking ahead at blocks requests in flight will bring, with the overload
+    guard once queues build (ttft.py)."""
 
     name = "ttft"
     look_ahead = True
     guard = True
+    fitted = True
 
 
 class SglangCacheAware(RoutingPolicy):

@@ -26,6 +26,7 @@ from typing import ClassVar
 
 from services.router.routing.ttft import (
     CostDefaults,
+    Pool,
     PrefillScore,
     PrefillWorkerState,
     StoreView,
@@ -76,9 +77,11 @@ class Ranked:
 
 class RoutingPolicy(ABC):
     name: ClassVar[str]
+    fitted: ClassVar[bool] = False  # the service-time estimate: fitted terms, or plain rates
 
     def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
         self.defaults = defaults
+        self.pool = Pool(defaults.estimate(self.fitted))
         self.workers: dict[str, PrefillWorkerState] = {}
         # Blocks that requests in flight are computing: block → (when it is expected in the
         # storage tier, the request that will bring it there first).
@@ -87,20 +90,25 @@ class RoutingPolicy(ABC):
     def state(self, service_id: str) -> PrefillWorkerState:
         w = self.workers.get(service_id)
         if w is None:
-            w = self.workers[service_id] = PrefillWorkerState.fresh(service_id, self.defaults)
+            w = PrefillWorkerState.fresh(service_id, self.defaults, self.pool, self.fitted)
+            self.workers[service_id] = w
         return w
 
     def pool_prior(self, states: list[PrefillWorkerState]) -> None:
-        """Workers not yet measured are assumed as fast as the measured ones (a pessimistic
-        default would keep them from ever being tried)."""
+        """Plain rates: workers not yet measured are assumed as fast as the measured ones (a
+        pessimistic default would keep them from ever being tried), and the pool's are the
+        candidates' mean. (A fitted estimate follows its pool's by itself.)"""
+        if self.fitted or not states:
+            return
         for attr in ("prefill_tok_s", "load_tok_s"):
-            rates = [getattr(w, attr) for w in states]
+            rates = [getattr(w.estimate, attr) for w in states]
             seen = [r.value for r in rates if r.observed]
             if seen and len(seen) < len(rates):
                 mean = sum(seen) / len(seen)
                 for r in rates:
                     if not r.observed:
                         r.value = mean
+            getattr(self.pool.estimate, attr).value = sum(r.value for r in rates) / len(rates)
 
     @abstractmethod
     def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
@@ -138,7 +146,7 @@ class RoutingPolicy(ABC):
 
     def dispatched(self, service_id: str, req: RouteRequest) -> None:
         s = self.score(req, service_id)
-        self.state(service_id).dispatched(req.request_id, req.hashes, s.work_s, req.at)
+        self.state(service_id).dispatched(req.request_id, req.hashes, s.work_s, req.at, s)
         stored_at = req.at + s.ttft_s
         for h in req.hashes[req.store_blocks :]:
             c = self.computing.get(h)
@@ -155,9 +163,17 @@ class RoutingPolicy(ABC):
         prefill_s: float = 0.0,
         load_s: float = 0.0,
     ) -> None:
-        """Its first token came (or it failed): the prefill worker is done with it."""
+        """Its first token came (or it failed): the prefill worker is done with it, and says
+        what it took (``PrefillWorkerState.prefilled``)."""
         self.state(service_id).prefilled(
-            req.request_id, req.hashes, now, uncached_tokens, loaded_tokens, prefill_s, load_s
+            req.request_id,
+            req.hashes,
+            now,
+            uncached_tokens,
+            loaded_tokens,
+            prefill_s,
+            load_s,
+            req.n_prompt,
         )
         computing = self.computing
         for h in req.hashes[req.store_blocks :]:
@@ -170,7 +186,9 @@ class RoutingPolicy(ABC):
         self.state(service_id).reported_tokens = queued_tokens
 
     def forget(self, service_id: str) -> None:
-        self.workers.pop(service_id, None)
+        w = self.workers.pop(service_id, None)
+        if w is not None:
+            w.forgotten()
 
 
 # -- decode ------------------------------------------------------------------------------------

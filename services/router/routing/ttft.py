@@ -3,17 +3,18 @@ live router and `kvmesh sim` call the same code.
 
 For a prefill candidate:
 
-    ttft ≈ wait + uncached tokens / compute rate + storage-tier tokens / load rate
+    ttft ≈ wait + compute (uncached tokens) + load (storage-tier tokens)
 
-The wait is the work sent to the worker and not yet done: the estimates of its requests in
-flight, less what the oldest has done since it began (a worker takes its queue in order).
+The compute and load times are the worker's estimate (``estimate.py``: fixed rates, or terms
+fitted to what the worker reports). The wait is the work sent to the worker and not yet done:
+the estimates of its requests in flight, less what the oldest has done since it began (a
+worker takes its queue in order), times what the pool's waits showed of such estimates.
 Blocks already in the worker's memory tier are free, and so are blocks that requests ahead of
 it there will bring (they wait behind them anyway). Blocks another worker is computing now count
 as in the storage tier if they will be there by the time this request would start (look-ahead:
 the next turn of a conversation, sent while the last is still being computed, neither
-recomputes the shared history nor waits for it where a shorter queue is). Rates are moving
-averages of what each worker reports, starting from settings. Every score keeps its terms, so
-each decision can be explained.
+recomputes the shared history nor waits for it where a shorter queue is). Every score keeps
+its terms, and each estimate its error, so each decision can be explained.
 """
 
 from __future__ import annotations
@@ -22,19 +23,7 @@ from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
 
-
-@dataclass
-class Ewma:
-    """An exponentially weighted moving average, starting from a prior."""
-
-    value: float
-    weight: float = 0.2  # of each new observation
-    observed: int = 0
-
-    def observe(self, x: float) -> None:
-        if x > 0:
-            self.value += self.weight * (x - self.value)
-            self.observed += 1
+from services.router.routing.estimate import Fitted, Rates, Shape
 
 
 @dataclass(frozen=True)
@@ -45,16 +34,47 @@ class CostDefaults:
     load_tok_s: float = 20_000.0  # cached tokens loaded from the storage tier
     transfer_tok_s: float = 20_000.0  # KV moved to decode
 
+    def estimate(self, fitted: bool, pool: Rates | None = None) -> Rates:
+        kind = Fitted if fitted else Rates
+        return kind(self.prefill_tok_s, self.load_tok_s, pool)  # type: ignore[arg-type]
+
+
+@dataclass
+class Pool:
+    """What the router believes of a pool: its estimate (the workers' start from it), and how
+    many of its workers are loading from the storage tier now (their oldest request loads)."""
+
+    estimate: Rates
+    workers: int = 0
+    loading: int = 0
+
+    @property
+    def sharing(self) -> float:
+        """The share of the pool loading now."""
+        return self.loading / max(1, self.workers)
+
+
+@dataclass(slots=True)
+class Sent:
+    """A request in flight at a worker, with what was estimated when it was sent."""
+
+    work_s: float  # its time there
+    ttft_s: float = 0.0
+    ahead_s: float = 0.0  # the work counted ahead of it (before the queue's factor)
+    at: float = 0.0  # when it was sent
+    loads: bool = False  # it loads from the storage tier
+    sharing: float = 0.0  # the pool's share loading when it began
+
 
 @dataclass
 class PrefillWorkerState:
     """What the router believes of one prefill worker."""
 
     service_id: str
-    prefill_tok_s: Ewma
-    load_tok_s: Ewma
-    work: dict[str, float] = field(default_factory=dict)  # in flight: request → estimate (s)
-    queued_s: float = 0.0  # their sum
+    estimate: Rates
+    pool: Pool
+    work: dict[str, Sent] = field(default_factory=dict)  # in flight, oldest first
+    queued_s: float = 0.0  # their work's sum
     head_s: float = 0.0  # the oldest one's
     head_since: float = 0.0  # when the oldest in flight began, as far as the router knows
     reported_tokens: int = 0  # uncached tokens queued there, from its last heartbeat
@@ -62,14 +82,18 @@ class PrefillWorkerState:
     pending: Counter[str] = field(default_factory=Counter)  # block → requests bringing it
 
     @classmethod
-    def fresh(cls, service_id: str, d: CostDefaults) -> PrefillWorkerState:
-        return cls(service_id, Ewma(d.prefill_tok_s), Ewma(d.load_tok_s))
+    def fresh(
+        cls, service_id: str, d: CostDefaults, pool: Pool | None = None, fitted: bool = False
+    ) -> PrefillWorkerState:
+        pool = pool or Pool(d.estimate(fitted))
+        pool.workers += 1
+        return cls(service_id, d.estimate(fitted, pool.estimate), pool)
 
     @property
     def inflight(self) -> int:
         return len(self.work)
 
-    def wait_s(self, now: float) -> float:
+    def ahead_s(self, now: float) -> float:
         """Work ahead of a request arriving at ``now``: what this router sent, less what the
         oldest has done since it began; or what the worker says it has queued when that is
         more (other routers send it work too)."""
@@ -77,8 +101,13 @@ class PrefillWorkerState:
         if ahead:
             ahead -= min(self.head_s, max(0.0, now - self.head_since))
         if self.reported_tokens:
-            return max(ahead, self.reported_tokens / self.prefill_tok_s.value)
+            return max(ahead, self.reported_tokens / self.estimate.tok_s)
         return ahead
+
+    def wait_s(self, now: float) -> float:
+        """How long a request arriving at ``now`` waits (the estimate's factor on the work
+        ahead)."""
+        return self.estimate.wait_s(self.ahead_s(now))
 
     def pending_prefix(self, hashes: list[str]) -> int:
         """Leading blocks of ``hashes`` that requests queued or running here will bring."""
@@ -92,13 +121,29 @@ class PrefillWorkerState:
 
     # -- the router's bookkeeping ----------------------------------------------------------
 
-    def dispatched(self, request_id: str, hashes: list[str], work_s: float, now: float) -> None:
-        if not self.work:
-            self.head_since, self.head_s = now, work_s
-        self.work[request_id] = work_s
+    def dispatched(
+        self,
+        request_id: str,
+        hashes: list[str],
+        work_s: float,
+        now: float,
+        score: PrefillScore | None = None,
+    ) -> None:
+        sent = Sent(work_s, at=now)
+        if score is not None:
+            sent.ttft_s, sent.ahead_s = score.ttft_s, score.ahead_s
+            sent.loads = score.storage_tokens > 0
+        self.work[request_id] = sent
+        if len(self.work) == 1:
+            self._begins(sent, now)
         self.queued_s += work_s
         self.pending.update(hashes)
         self.blocks_routed += len(hashes)
+
+    def _begins(self, sent: Sent, now: float) -> None:
+        self.head_since, self.head_s = now, sent.work_s
+        sent.sharing = self.pool.sharing
+        self.pool.loading += sent.loads
 
     def prefilled(
         self,
@@ -109,19 +154,24 @@ class PrefillWorkerState:
         loaded_tokens: int = 0,
         prefill_s: float = 0.0,
         load_s: float = 0.0,
+        n_prompt: int = 0,
     ) -> None:
         """A request's prompt is computed here (or it failed): it leaves the queue, the next
         one begins, its blocks are in the memory tier now (cachemeta says so from here on),
-        and the rates it showed are learned."""
+        and what it took is learned: ``prefill_s`` computing (all of it, when the worker does
+        not tell loading apart), ``load_s`` loading, of ``n_prompt`` tokens."""
         work = self.work
         if request_id not in work:
             return
         was_head = next(iter(work)) == request_id
-        self.queued_s = max(0.0, self.queued_s - work.pop(request_id))
+        sent = work.pop(request_id)
+        self.queued_s = max(0.0, self.queued_s - sent.work_s)
+        if was_head:
+            self.pool.loading -= sent.loads
         if not work:
             self.queued_s = self.head_s = 0.0  # no rounding left behind
         elif was_head:  # the next one begins
-            self.head_since, self.head_s = now, next(iter(work.values()))
+            self._begins(next(iter(work.values())), now)
         pending = self.pending
         for h in hashes:
             left = pending[h] - 1
@@ -129,14 +179,30 @@ class PrefillWorkerState:
                 pending[h] = left
             else:
                 del pending[h]
-        if prefill_s > 0 and uncached_tokens:
-            self.prefill_tok_s.observe(uncached_tokens / prefill_s)
-        if load_s > 0 and loaded_tokens:
-            self.load_tok_s.observe(loaded_tokens / load_s)
+        if prefill_s + load_s <= 0:
+            return  # it failed: nothing measured
+        memory = max(0, n_prompt - uncached_tokens - loaded_tokens)
+        shape = Shape(uncached_tokens, loaded_tokens, memory, sent.sharing)
+        self.estimate.observe(shape, prefill_s, load_s)
+        if sent.ttft_s:
+            ttft = now - sent.at
+            self.estimate.error.add(sent.ttft_s, ttft)
+            self.pool.estimate.error.add(sent.ttft_s, ttft)
+            self.estimate.waited(sent.ahead_s, max(0.0, ttft - prefill_s - load_s))
+
+    def forgotten(self) -> None:
+        """The worker left the pool."""
+        self.pool.workers -= 1
+        self.estimate.leave()
+        if self.work:
+            self.pool.loading -= next(iter(self.work.values())).loads
 
     def check_integrity(self) -> None:
-        assert abs(self.queued_s - sum(self.work.values())) < 1e-6, "queued work drifted"
-        assert self.head_s == next(iter(self.work.values()), 0.0), "the head is not the oldest"
+        assert abs(self.queued_s - sum(s.work_s for s in self.work.values())) < 1e-6, (
+            "queued work drifted"
+        )
+        head = next(iter(self.work.values()), None)
+        assert self.head_s == (head.work_s if head else 0.0), "the head is not the oldest"
         assert all(n > 0 for n in self.pending.values()), "a pending block with no request"
         assert self.work or not self.pending, "pending blocks with nothing in flight"
 
@@ -164,6 +230,9 @@ class PrefillScore:
     compute_s: float
     load_s: float
     cost_s: float = 0.0  # what the choice costs everyone (set by ``rank_prefill``)
+    ahead_s: float = 0.0  # the work counted ahead (``queue_s`` before the queue's factor)
+    sharing: float = 0.0  # the share of the pool loading now
+    error: float = 0.0  # the worker's estimate's recent error (relative)
 
     @property
     def ttft_s(self) -> float:
@@ -173,6 +242,10 @@ class PrefillScore:
     def work_s(self) -> float:
         """What this request adds to the worker's queue."""
         return self.compute_s + self.load_s
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.uncached_tokens, self.storage_tokens, self.memory_tokens, self.sharing)
 
     def explain(self) -> dict:
         return {
@@ -184,6 +257,7 @@ class PrefillScore:
             "load_s": round(self.load_s, 6),
             "ttft_s": round(self.ttft_s, 6),
             "cost_s": round(self.cost_s, 6),
+            "estimate_error": round(self.error, 4),
         }
 
 
@@ -200,7 +274,9 @@ def score_prefill(
     """``memory_blocks``: leading blocks in this worker's memory tier (cachemeta); ``store``:
     leading blocks in the storage tier, now or (a ``StoreView``) as they will be. Without
     ``look_ahead`` only what the tiers hold now counts."""
-    wait = worker.wait_s(now)
+    ahead = worker.ahead_s(now)
+    estimate = worker.estimate
+    wait = estimate.wait_s(ahead)
     if isinstance(store, int):
         store = StoreView(store)
     limit = max(0, (n_prompt - 1) // block_size)  # a prompt keeps one token to compute
@@ -210,15 +286,19 @@ def score_prefill(
     else:
         free, in_store = min(limit, memory_blocks), store.stored
     stored = min(limit, max(free, in_store)) - free
-    uncached = n_prompt - (free + stored) * block_size
+    shape = Shape(n_prompt - (free + stored) * block_size, stored * block_size, free * block_size)
+    shape.sharing = worker.pool.sharing
     return PrefillScore(
         service_id=worker.service_id,
-        memory_tokens=free * block_size,
-        storage_tokens=stored * block_size,
-        uncached_tokens=uncached,
+        memory_tokens=shape.memory,
+        storage_tokens=shape.loaded,
+        uncached_tokens=shape.uncached,
         queue_s=wait,
-        compute_s=uncached / worker.prefill_tok_s.value,
-        load_s=stored * block_size / worker.load_tok_s.value,
+        compute_s=estimate.compute_s(shape),
+        load_s=estimate.load_s(shape),
+        ahead_s=ahead,
+        sharing=shape.sharing,
+        error=estimate.error.recent,
     )
 
 
@@ -237,7 +317,7 @@ def rank_prefill(
     saving work (a worker that holds the prefix in memory, or will) shortens every queue,
     and is worth a slightly longer wait now. The work is valued at the pool's mean rates (it
     should tell cached from uncached, not a worker measured a little faster from a slower
-    one: that difference is in the TTFT term already).
+    one: that difference is in the TTFT term already): the pool's estimate.
 
     Ties (nothing cached anywhere, all idle: a new conversation) go to the worker whose memory
     tier has been given the least, so conversations spread over the tiers. Sets ``cost_s``."""
@@ -246,9 +326,8 @@ def rank_prefill(
     states = [workers[s.service_id] for s in scores]
     weight = waiting_per_worker(states) if guard else 0.0
     if weight:
-        pool_prefill = sum(w.prefill_tok_s.value for w in states) / len(states)
-        pool_load = sum(w.load_tok_s.value for w in states) / len(states)
-        added = [s.uncached_tokens / pool_prefill + s.storage_tokens / pool_load for s in scores]
+        pool = states[0].pool.estimate
+        added = [pool.service_s(s.shape) for s in scores]
         least = min(added)
         for s, a in zip(scores, added, strict=True):
             s.cost_s = s.ttft_s + weight * (a - least)

@@ -155,8 +155,8 @@ def test_rates_are_learned_from_what_workers_report() -> None:
             prefill_s=1.0,
             load_s=0.1,
         )
-    assert w.prefill_tok_s.value == pytest.approx(2000, rel=0.01)
-    assert w.load_tok_s.value == pytest.approx(64_000, rel=0.01)
+    assert w.estimate.prefill_tok_s.value == pytest.approx(2000, rel=0.01)
+    assert w.estimate.load_tok_s.value == pytest.approx(64_000, rel=0.01)
     assert w.queued_s == 0 and w.inflight == 0 and not w.pending
 
 

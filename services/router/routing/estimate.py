@@ -1,0 +1,322 @@
+"""How long a prefill worker takes over a request: the service-time half of the TTFT model,
+learned from what the workers report.
+
+Two estimates. ``Rates``, the plain one (Mooncake's Conductor keeps it): uncached tokens at a
+compute rate, stored tokens at a load rate, memory-tier hits free; each rate a moving average
+of what the worker reports. ``Fitted`` (the ``ttft`` policy's) fits the terms real engines
+show, online, per worker and per pool:
+
+    service ≈ β₀·pass + β₁·uncached + β₂·uncached × (context + uncached / 2)
+              + β₃·loaded + β₄·loaded × (share of the pool loading at once) + β₅·memory
+
+each term in seconds at the configured rates (``Shape.terms``), so β₁ = β₃ = 1 and the rest 0
+is the plain estimate, the prior: a pool that behaves as configured keeps it. The third term
+is attention (each new token reads the context before it), the fifth the storage tier's
+bandwidth shared by the loads running at once, the last a memory-tier hit's copy into the
+engine. A worker's fit is held to its pool's, which is held to the prior: a worker not heard
+from yet is its pool. Least squares on relative error (a request's miss counts as a share of
+its time, as the estimate's error is reported), recent reports weighing more, the prior worth
+``PRIOR_WEIGHT`` reports, no term below 0.
+
+The queue's wait is learned too, one factor per pool: what requests waited against the work
+the router counted ahead of them (a worker's batches and other routers' requests make them
+differ). Every estimate keeps its error, |estimated − measured TTFT| ÷ measured, over all its
+requests and recently (``/metrics``, the routing explanation, `kvmesh sim`'s summary).
+
+Fitting happens when a worker reports (two 6 × 6 solves); ranking only adds up terms, so a
+decision costs what it did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TERMS = ("pass", "uncached", "attention", "loaded", "loaded_shared", "memory")
+N = len(TERMS)
+PRIOR = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # the plain estimate
+PASS_S = 0.001  # the pass term's unit (seconds)
+ATTENTION_CONTEXT = 8192  # the attention term's unit: β₂ = 1 doubles a token's cost there
+WORKER_FORGET = 0.98  # a report's weight after each later one: a worker's fit...
+POOL_FORGET = 0.995  # ...and its pool's, which hears every worker
+PRIOR_WEIGHT = 2.0  # the prior counts as this many typical reports
+RECENT = 0.05  # a request's weight in the recent error
+QUEUE_FACTOR = (0.25, 4.0)  # the wait's factor stays within these
+
+
+@dataclass(slots=True)
+class Shape:
+    """A request on a worker, as the estimate sees it (tokens)."""
+
+    uncached: int
+    loaded: int = 0  # from the storage tier
+    memory: int = 0  # in the worker's memory tier (or brought there by requests ahead)
+    sharing: float = 0.0  # share of the pool loading from the storage tier meanwhile
+
+    def terms(self, prefill_tok_s: float, load_tok_s: float) -> tuple[float, ...]:
+        """Each term in seconds at these rates (the β's units)."""
+        u = self.uncached
+        per_token = 1.0 / prefill_tok_s
+        return (
+            PASS_S if u else 0.0,
+            u * per_token,
+            u * (self.loaded + self.memory + u / 2) * per_token / ATTENTION_CONTEXT,
+            self.loaded / load_tok_s,
+            self.loaded * self.sharing / load_tok_s,
+            self.memory / load_tok_s,
+        )
+
+
+@dataclass(slots=True)
+class Error:
+    """How far estimates were from what came, as a share of what came: over every request
+    (the mean: MAPE) and recently (an exponential average)."""
+
+    n: int = 0
+    total: float = 0.0
+    recent: float = 0.0
+
+    def add(self, estimated_s: float, measured_s: float) -> None:
+        if measured_s <= 0:
+            return
+        e = abs(estimated_s - measured_s) / measured_s
+        self.n += 1
+        self.total += e
+        self.recent = e if self.n == 1 else self.recent + RECENT * (e - self.recent)
+
+    @property
+    def mape(self) -> float:
+        return self.total / self.n if self.n else 0.0
+
+
+@dataclass(slots=True)
+class Ewma:
+    """An exponentially weighted moving average, starting from a prior."""
+
+    value: float
+    weight: float = 0.2  # of each new observation
+    observed: int = 0
+
+    def observe(self, x: float) -> None:
+        if x > 0:
+            self.value += self.weight * (x - self.value)
+            self.observed += 1
+
+
+class Rates:
+    """The plain estimate: a compute rate and a load rate, each a moving average of reports.
+    A pool's (``pool=None``) holds its workers' mean rates, set by ``RoutingPolicy``."""
+
+    fitted = False
+
+    def __init__(self, prefill_tok_s: float, load_tok_s: float, pool: Rates | None = None):
+        self.prefill_tok_s = Ewma(prefill_tok_s)
+        self.load_tok_s = Ewma(load_tok_s)
+        self.pool = pool
+        self.error = Error()
+
+    @property
+    def observed(self) -> int:
+        return self.prefill_tok_s.observed
+
+    @property
+    def tok_s(self) -> float:
+        """Uncached tokens a second (what a worker's reported queue takes)."""
+        return self.prefill_tok_s.value
+
+    def compute_s(self, r: Shape) -> float:
+        return r.uncached / self.prefill_tok_s.value
+
+    def load_s(self, r: Shape) -> float:
+        return r.loaded / self.load_tok_s.value
+
+    def service_s(self, r: Shape) -> float:
+        return self.compute_s(r) + self.load_s(r)
+
+    def wait_s(self, ahead_s: float) -> float:
+        """How long a request waits behind ``ahead_s`` of estimated work."""
+        return ahead_s
+
+    def observe(self, r: Shape, prefill_s: float, load_s: float) -> None:
+        """A worker's report: ``prefill_s`` computing (everything, when it does not tell its
+        loads apart), ``load_s`` loading."""
+        if prefill_s > 0 and r.uncached:
+            self.prefill_tok_s.observe(r.uncached / prefill_s)
+        if load_s > 0 and r.loaded:
+            self.load_tok_s.observe(r.loaded / load_s)
+
+    def waited(self, ahead_s: float, waited_s: float) -> None:
+        """A request waited ``waited_s`` behind ``ahead_s`` of estimated work."""
+
+    def leave(self) -> None:
+        """The worker left its pool."""
+
+    def terms(self) -> dict[str, float]:
+        return {"prefill_tok_s": self.prefill_tok_s.value, "load_tok_s": self.load_tok_s.value}
+
+
+class Fitted(Rates):
+    """The fitted estimate: a pool's (``pool=None``), or a worker's, held to its pool's."""
+
+    fitted = True
+
+    def __init__(self, prefill_tok_s: float, load_tok_s: float, pool: Fitted | None = None):
+        super().__init__(prefill_tok_s, load_tok_s, pool)
+        self.units = (prefill_tok_s, load_tok_s)  # fixed: the β's units
+        self.fit = LeastSquares(POOL_FORGET if pool is None else WORKER_FORGET)
+        self.own: list[float] | None = None  # β, once reports came
+        self.queue = Factor()  # (the pool's is used)
+        # (a pool's) its reporting workers' β, and their mean: what a worker not heard from
+        # is taken to be, so it is tried as soon as the measured ones (a pessimistic guess
+        # would keep it from ever being tried; a fit of its own, from the pool's, would not
+        # tie with the measured ones)
+        self.members: dict[int, list[float]] = {}
+        self.mean: list[float] | None = None
+
+    @property
+    def beta(self) -> list[float] | tuple[float, ...]:
+        if self.own is not None:
+            return self.own
+        if self.pool is None:
+            return PRIOR
+        return self.pool.mean or self.pool.beta
+
+    @property
+    def observed(self) -> int:
+        return self.fit.reports
+
+    @property
+    def tok_s(self) -> float:
+        return self.units[0] / max(self.beta[1] + self.beta[2] * 0.5 / ATTENTION_CONTEXT, 1e-9)
+
+    def _part(self, r: Shape, lo: int, hi: int) -> float:
+        beta, terms = self.beta, r.terms(*self.units)
+        return sum(beta[k] * terms[k] for k in range(lo, hi))
+
+    def compute_s(self, r: Shape) -> float:
+        return self._part(r, 0, 3)
+
+    def load_s(self, r: Shape) -> float:
+        return self._part(r, 3, N)
+
+    def service_s(self, r: Shape) -> float:
+        return self._part(r, 0, N)
+
+    def wait_s(self, ahead_s: float) -> float:
+        return ahead_s * (self.pool or self).queue.value
+
+    def observe(self, r: Shape, prefill_s: float, load_s: float) -> None:
+        measured = prefill_s + load_s
+        if measured <= 0:
+            return
+        terms = r.terms(*self.units)
+        pool = self.pool
+        if pool is not None:
+            pool.observe(r, prefill_s, load_s)
+        self.fit.add(terms, measured)
+        self.own = self.fit.solve(PRIOR if pool is None else pool.beta)
+        if pool is not None:
+            pool.members[id(self)] = self.own
+            betas = pool.members.values()
+            pool.mean = [sum(b[k] for b in betas) / len(betas) for k in range(N)]
+
+    def leave(self) -> None:
+        """The worker left its pool."""
+        if self.pool is not None and self.pool.members.pop(id(self), None) is not None:
+            betas = self.pool.members.values()
+            self.pool.mean = [sum(b[k] for b in betas) / len(betas) for k in range(N)] or None
+
+    def waited(self, ahead_s: float, waited_s: float) -> None:
+        (self.pool or self).queue.add(ahead_s, waited_s)
+
+    def terms(self) -> dict[str, float]:
+        out = {t: round(b, 4) for t, b in zip(TERMS, self.beta, strict=True)}
+        out["queue"] = round((self.pool or self).queue.value, 4)
+        return out
+
+
+class LeastSquares:
+    """Least squares over reports that fade, held to a prior, no coefficient below 0: the β
+    minimizing Σ forgetᵃᵍᵉ (β·z − 1)² + Σₖ λₖ (βₖ − priorₖ)², where a report's z is its terms
+    ÷ its measured time (relative error) and λₖ is ``PRIOR_WEIGHT`` typical reports' worth of
+    term k (so a term no report has shown stays at its prior)."""
+
+    def __init__(self, forget: float) -> None:
+        self.forget = forget
+        self.zz = [[0.0] * N for _ in range(N)]
+        self.z1 = [0.0] * N
+        self.weight = 0.0  # of all reports, faded
+        self.reports = 0
+
+    def add(self, terms: tuple[float, ...], measured_s: float) -> None:
+        g = self.forget
+        z = [t / measured_s for t in terms]
+        self.weight = g * self.weight + 1.0
+        self.reports += 1
+        for i, zi in enumerate(z):
+            self.z1[i] = g * self.z1[i] + zi
+            row = self.zz[i]
+            for j in range(N):
+                row[j] = g * row[j] + zi * z[j]
+
+    def solve(self, prior: list[float] | tuple[float, ...]) -> list[float]:
+        n = max(self.weight, 1.0)
+        ridge = [PRIOR_WEIGHT * max(self.zz[k][k] / n, 1e-9) for k in range(N)]
+        free = set(range(N))
+        while True:
+            a = [
+                [self.zz[i][j] if i in free and j in free else 0.0 for j in range(N)]
+                for i in range(N)
+            ]
+            b = [self.z1[i] + ridge[i] * prior[i] if i in free else 0.0 for i in range(N)]
+            for k in range(N):
+                a[k][k] += ridge[k] if k in free else 1.0
+            beta = solve_linear(a, b)
+            negative = {k for k in free if beta[k] < 0}
+            if not negative:
+                return beta
+            free -= negative  # held at 0, the rest solved again
+
+
+def solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a·x = b, by Gaussian elimination with partial pivoting (a is small and, with the
+    ridge, positive definite)."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        top = m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / top[c]
+            if f:
+                row = m[r]
+                for k in range(c, n + 1):
+                    row[k] -= f * top[k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x
+
+
+@dataclass(slots=True)
+class Factor:
+    """waited ≈ factor × ahead: the waits' sum over the estimates' (a short wait estimated
+    from a sliver of work says little: ratios of sums, not sums of ratios), over reports that
+    fade, held to 1 by ``PRIOR_WEIGHT`` typical reports, within ``QUEUE_FACTOR``."""
+
+    waited: float = 0.0
+    ahead: float = 0.0
+    weight: float = 0.0
+    value: float = 1.0
+
+    def add(self, ahead_s: float, waited_s: float) -> None:
+        if ahead_s <= 0 and waited_s <= 0:
+            return
+        g = POOL_FORGET
+        self.waited = g * self.waited + waited_s
+        self.ahead = g * self.ahead + ahead_s
+        self.weight = g * self.weight + 1.0
+        prior = PRIOR_WEIGHT * self.ahead / self.weight
+        lo, hi = QUEUE_FACTOR
+        if self.ahead + prior > 0:
+            self.value = min(hi, max(lo, (self.waited + prior) / (self.ahead + prior)))
