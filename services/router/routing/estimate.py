@@ -36,7 +36,7 @@ N = len(TERMS)
 PRIOR = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # the plain estimate
 PASS_S = 0.001  # the pass term's unit (seconds)
 ATTENTION_CONTEXT = 8192  # the attention term's unit: β₂ = 1 doubles a token's cost there
-WORKER_FORGET = 0.98  # a report's weight after each later one: a worker's fit...
+WORKER_FORGET = 0.95  # a report's weight after each later one: a worker's fit...
 POOL_FORGET = 0.995  # ...and its pool's, which hears every worker
 PRIOR_WEIGHT = 2.0  # the prior counts as this many typical reports
 RECENT = 0.05  # a request's weight in the recent error
@@ -55,11 +55,10 @@ class Shape:
     def terms(self, prefill_tok_s: float, load_tok_s: float) -> tuple[float, ...]:
         """Each term in seconds at these rates (the β's units)."""
         u = self.uncached
-        per_token = 1.0 / prefill_tok_s
         return (
             PASS_S if u else 0.0,
-            u * per_token,
-            u * (self.loaded + self.memory + u / 2) * per_token / ATTENTION_CONTEXT,
+            u / prefill_tok_s,
+            u * (self.loaded + self.memory + u / 2) / prefill_tok_s / ATTENTION_CONTEXT,
             self.loaded / load_tok_s,
             self.loaded * self.sharing / load_tok_s,
             self.memory / load_tok_s,

@@ -57,3 +57,32 @@ def test_every_candidate_is_explained_on_request(stack: Stack) -> None:
     route = r.model_extra["kvmesh"]["route"]
     assert {c["worker"] for c in route["candidates"]} == {"prefill-0", "prefill-1"}
     assert "others" not in route
+
+
+def test_the_estimates_error_is_on_metrics_and_in_the_explanation(stack: Stack) -> None:
+    """Each prefilled request's estimated TTFT is checked against the measured one: the
+    router's /metrics carry the error per worker and for the pool, and what the pool's
+    estimate learned; each candidate in a response says its worker's recent error."""
+    from tests.test_observability import metrics
+
+    client = stack.client()
+    before = metrics(stack.url).get(("kvmesh_router_ttft_estimates_total", (("scope", "pool"),)))
+    for i in range(4):
+        prompt = [(i * 7927 + j * 31) % 40000 + 100 for j in range(300)]
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    candidates = r.model_extra["kvmesh"]["route"]["candidates"]
+    assert all(c["estimate_error"] >= 0 for c in candidates)
+    assert any(c["estimate_error"] > 0 for c in candidates)  # a worker measured by now
+    m = metrics(stack.url)
+    pool = m[("kvmesh_router_ttft_estimates_total", (("scope", "pool"),))]
+    assert pool >= (before or 0) + 4
+    per_worker = sum(
+        m.get(("kvmesh_router_ttft_estimates_total", (("scope", w),)), 0)
+        for w in ("prefill-0", "prefill-1")
+    )
+    assert per_worker == pool
+    for window in ("all", "recent"):
+        assert m[("kvmesh_router_ttft_estimate_error", (("scope", "pool"), ("window", window)))] > 0
+    # the fitted terms: computing uncached tokens costs something
+    assert m[("kvmesh_router_ttft_estimate_term", (("term", "uncached"),))] > 0
+    assert ("kvmesh_router_ttft_estimate_term", (("term", "queue"),)) in m
