@@ -1,5 +1,14 @@
 """Routing benchmark: every policy over a grid of traces, loads and pool sizes through
-`kvmesh sim`, and the router's decision latency.
+`kvmesh sim`, in a simulated world that is not the policies' formula, and the router's decision
+latency.
+
+The world (``--world``, default simulator/worlds/profiled.json): prefill times from the torch
+engine's measured profile scaled to 60K tok/s (a token after a long context costs more), each
+request's compute varying by 10%, short prompts sharing passes, the storage tier's bandwidth
+shared by the loads running at once (3FS's published figures), memory hits costing a copy,
+decode steps reading their sequences' KV (simulator/world.py). Each cell is replayed with
+``--seeds`` of the world's variation, and with the storage bandwidth scaled by each of
+``--store-scales``. ``--world policy`` replays in the policies' own estimate instead.
 
 The grid: Mooncake's synthetic trace and Azure's conversation and code traces (from
 ../shared/traces/), and an agent-like trace (bench/agent_trace.py: 300 sessions for 8 prefill
@@ -7,17 +16,22 @@ workers, 2,400 for 64); the prefill pool 50%, 80% and 95% busy over each trace's
 (the shortest stretch holding 90% of its reference work), and 130% (overload); 8 and 64 prefill
 workers, each with a memory tier that holds its share of 30% of the trace's distinct blocks (the
 pool cannot keep it all; the storage tier keeps everything). A cell is led by the policy with
-the lowest mean and p99 TTFT; `ttft` leads it when both are within 2% of the best other policy.
+the lowest mean and p99 TTFT; `ttft` leads it when both are within 2% of the best other policy,
+in every seed and bandwidth.
 
 Then the router's decision latency (hashing + index lookup + ranking) for a 77K-token request
 with 64 workers and 1M indexed blocks.
 
-Prints a table per trace; the last line is one JSON object: ttft_leads_cells, cells,
-hit_vs_infinite_min (ttft's hit ratio ÷ the infinite-cache bound, lowest over cells whose trace
-shares blocks), replay_56k_64_s (the slowest policy's replay of the 56K-request agent trace at
-64 workers), decision_p99_ms, and per cell every policy's ttft_mean_s, ttft_p99_s, hit_ratio.
+Prints a table per world variant; the last line is one JSON object: ttft_leads_cells (led in
+every variant), cells, runs_led / runs (cell × variant), hit_vs_infinite_min (ttft's hit ratio ÷
+the infinite-cache bound, lowest over cells whose trace shares blocks), estimate_mape per trace
+(ttft's fitted estimate against the replayed TTFTs, mean over cells and variants; and the plain
+estimate's, Mooncake's, for comparison), replay_56k_64_s (the slowest policy's replay of the
+56K-request agent trace at 64 workers), decision_p99_ms, and per variant and cell every
+policy's ttft_mean_s, ttft_p99_s, hit_ratio.
 
     .venv/bin/python bench/routing.py [--jobs 2] [--traces agent,mooncake] [--sizes 8]
+        [--seeds 0,1,2] [--store-scales 0.5,1,2] [--world policy|FILE]
 """
 
 from __future__ import annotations
@@ -52,7 +66,9 @@ from simulator.replay import (  # noqa: E402
 from simulator.traces import MOONCAKE_BLOCK, TraceRequest, read_trace  # noqa: E402
 from simulator.world import WorldSettings  # noqa: E402
 
-TRACES_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+REPO = Path(__file__).resolve().parent.parent
+TRACES_DIR = REPO.parent / "shared" / "traces"
+WORLD = REPO / "simulator" / "worlds" / "profiled.json"
 TRACE_FILES = {
     "mooncake": "synthetic_trace.jsonl",
     "azure_conv": "AzureLLMInferenceTrace_conv.csv",
@@ -85,10 +101,18 @@ class Run:
     seed: int = 0  # of the agent trace
     memory_share: float = MEMORY_SHARE
     world: str = ""  # a world file (simulator/world.py); "": the policies' own estimate
+    world_seed: int = 0  # of its variation
+    store_scale: float = 1.0  # its storage bandwidth, scaled
 
     @property
     def cell(self) -> str:
         return f"{self.trace}@{self.workers}/{round(self.load * 100)}%"
+
+    @property
+    def variant(self) -> str:
+        if not self.world:
+            return "policy world"
+        return f"seed {self.world_seed}, storage ×{self.store_scale:g}"
 
 
 @functools.cache
@@ -99,9 +123,18 @@ def config(run: Run) -> SimConfig:
         prefill=run.workers,
         decode=run.workers,
         memory_blocks=max(50, int(unique * run.memory_share / run.workers)),
-        world=WorldSettings.read(Path(run.world)) if run.world else None,
+        world=world_settings(run),
     )
     return replace(cfg, speed=speed_for_utilization(requests, bs, cfg, run.load))
+
+
+def world_settings(run: Run) -> WorldSettings | None:
+    if not run.world:
+        return None
+    w = WorldSettings.read(Path(run.world))
+    return replace(
+        w, seed=run.world_seed, store_gb_s_per_worker=w.store_gb_s_per_worker * run.store_scale
+    )
 
 
 def replay(run: Run) -> tuple[Run, dict]:
@@ -123,19 +156,21 @@ def leads(cell: dict[str, dict]) -> bool:
     )
 
 
-def grid(runs: list[Run], jobs: int) -> dict[str, dict[str, dict]]:
-    cells: dict[str, dict[str, dict]] = {}
+def grid(runs: list[Run], jobs: int) -> dict[str, dict[str, dict[str, dict]]]:
+    """variant → cell → policy → summary."""
+    out: dict[str, dict[str, dict[str, dict]]] = {}
     with ProcessPoolExecutor(jobs) as pool:
         futures = [pool.submit(replay, r) for r in runs]
         for done, f in enumerate(as_completed(futures), 1):
             run, s = f.result()
-            cells.setdefault(run.cell, {})[run.policy] = s
+            out.setdefault(run.variant, {}).setdefault(run.cell, {})[run.policy] = s
             say(
-                f"[{done}/{len(runs)}] {run.cell:<22} {run.policy:<13} "
+                f"[{done}/{len(runs)}] {run.variant}: {run.cell:<22} {run.policy:<13} "
                 f"TTFT mean {s['ttft_mean_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s, "
-                f"hit {s['hit_ratio']:.3f} ({s['replay_s']:.1f} s)"
+                f"hit {s['hit_ratio']:.3f}, estimate off {s['estimate_mape']:.1%} "
+                f"({s['replay_s']:.1f} s)"
             )
-    return cells
+    return out
 
 
 def decision_latency(n_workers: int = 64, n_blocks: int = 1_000_000, rounds: int = 300) -> dict:
@@ -214,14 +249,15 @@ def decision_latency(n_workers: int = 64, n_blocks: int = 1_000_000, rounds: int
     }
 
 
-def print_grid(cells: dict[str, dict[str, dict]], infinite: dict[str, float]) -> None:
+def print_grid(variant: str, cells: dict[str, dict[str, dict]], infinite: dict[str, float]) -> None:
     names = [n for n in POLICIES if any(n in c for c in cells.values())]
-    print("TTFT mean / p99 (s) per policy; * where ttft leads (within 2% on both)")
-    print(f"{'cell':<22}{'hit/inf':>9}" + "".join(f"{n:>17}" for n in names))
+    print(f"\n{variant}: TTFT mean / p99 (s) per policy; * where ttft leads (within 2% on both)")
+    print(f"{'cell':<22}{'hit/inf':>9}{'est. err':>9}" + "".join(f"{n:>17}" for n in names))
     for key, cell in cells.items():
         ours = cell.get("ttft")
         ratio = infinite[key]
         hit = f"{ours['hit_ratio'] / ratio:>9.3f}" if ours and ratio else f"{'-':>9}"
+        err = f"{ours['estimate_mape']:>9.1%}" if ours else f"{'-':>9}"
         row = "".join(
             f"{cell[n]['ttft_mean_s']:>8.3f}/{cell[n]['ttft_p99_s']:<8.3f}"
             if n in cell
@@ -229,7 +265,11 @@ def print_grid(cells: dict[str, dict[str, dict]], infinite: dict[str, float]) ->
             for n in names
         )
         mark = " *" if ours and len(cell) > 1 and leads(cell) else ""
-        print(f"{key:<22}{hit}{row}{mark}")
+        print(f"{key:<22}{hit}{err}{row}{mark}")
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
 
 
 def main() -> None:
@@ -247,45 +287,73 @@ def main() -> None:
     )
     ap.add_argument(
         "--world",
-        default="",
-        help="a world file (simulator/world.py); default: the policies' own estimate",
+        default=str(WORLD),
+        help="a world file (simulator/world.py), or 'policy': the policies' own estimate",
     )
+    ap.add_argument("--seeds", default="0,1,2", help="of the world's variation")
+    ap.add_argument("--store-scales", default="1", help="the storage bandwidth, scaled by each")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="replays at once")
     ap.add_argument("--no-decision", action="store_true", help="skip the decision latency")
     args = ap.parse_args()
     traces = args.traces.split(",")
-    unknown = [t for t in traces if t not in TRACES] + [
-        p for p in args.policies.split(",") if p not in POLICIES
-    ]
+    policies = args.policies.split(",")
+    unknown = [t for t in traces if t not in TRACES] + [p for p in policies if p not in POLICIES]
     if unknown:
         ap.error(f"unknown trace or policy: {', '.join(unknown)}")
-    sizes = [int(n) for n in args.sizes.split(",")]
-    loads = [float(x) for x in args.loads.split(",")]
+    world = "" if args.world == "policy" else args.world
+    variants = (
+        [(int(seed), scale) for scale in floats(args.store_scales) for seed in floats(args.seeds)]
+        if world
+        else [(0, 1.0)]
+    )
     runs = [
-        Run(t, n, load, p, args.seed, args.memory_share, args.world)
+        Run(t, int(n), load, p, args.seed, args.memory_share, world, seed, scale)
         for t in traces
-        for n in sizes
-        for load in loads
-        for p in args.policies.split(",")
+        for n in floats(args.sizes)
+        for load in floats(args.loads)
+        for p in policies
+        for seed, scale in variants
     ]
     # The longest replays first, so the pool's processes finish together.
     runs.sort(key=lambda r: (r.trace != "agent", -r.workers, r.trace))
-    say(f"{len(runs)} replays over {len(runs) // len(args.policies.split(','))} cells")
-    cells = grid(runs, args.jobs)
+    cells_n = len(runs) // len(policies) // len(variants)
+    say(f"{len(runs)} replays: {cells_n} cells × {len(variants)} world variants")
+    by_variant = grid(runs, args.jobs)
     order = {r.cell: i for i, r in enumerate(sorted(runs, key=lambda r: (r.trace, r.workers)))}
-    cells = dict(sorted(cells.items(), key=lambda kv: order[kv[0]]))
+    for variant in by_variant:
+        by_variant[variant] = dict(sorted(by_variant[variant].items(), key=lambda kv: order[kv[0]]))
+    keys = sorted({key for cells in by_variant.values() for key in cells}, key=order.__getitem__)
     infinite = {}
-    for key in cells:
+    for key in keys:
         name, rest = key.split("@")
         requests, bs = trace(name, int(rest.split("/")[0]), args.seed)
         infinite[key] = infinite_cache_hit_ratio(requests, bs)
     decision = None if args.no_decision else decision_latency()
 
-    print_grid(cells, infinite)
-    led = [k for k, c in cells.items() if "ttft" in c and len(c) > 1 and leads(c)]
-    ratios = [c["ttft"]["hit_ratio"] / infinite[k] for k, c in cells.items() if infinite[k]]
-    agent64 = [s for k, c in cells.items() if k.startswith("agent@64/") for s in c.values()]
-    print(f"\nttft leads {len(led)} of {len(cells)} cells")
+    for variant, cells in by_variant.items():
+        print_grid(variant, cells, infinite)
+    every = [(v, k, c) for v, cells in by_variant.items() for k, c in cells.items()]
+    led_runs = [(v, k) for v, k, c in every if "ttft" in c and len(c) > 1 and leads(c)]
+    led = [k for k in keys if all((v, k) in led_runs for v in by_variant)]
+    lost = sorted({k for _, k, _ in every} - set(led), key=order.__getitem__)
+    ratios = [c["ttft"]["hit_ratio"] / infinite[k] for _, k, c in every if infinite[k]]
+    mape: dict[str, dict[str, float]] = {}
+    for name in ("ttft", "mooncake"):
+        for t in traces:
+            errors = [c[name]["estimate_mape"] for _, k, c in every if k.startswith(t + "@")]
+            if errors and name in policies:
+                mape.setdefault(name, {})[t] = round(statistics.fmean(errors), 4)
+    agent64 = [s for _, k, c in every if k.startswith("agent@64/") for s in c.values()]
+    print(
+        f"\nttft leads {len(led)} of {len(keys)} cells in every variant "
+        f"({len(led_runs)} of {len(every)} cell-variants)"
+        + (f"; not led: {', '.join(lost)}" if lost else "")
+    )
+    for name, per_trace in mape.items():
+        print(
+            f"{name}'s estimate off by (MAPE of TTFT): "
+            + ", ".join(f"{t} {v:.1%}" for t, v in per_trace.items())
+        )
     slowest = max((s["replay_s"] for s in agent64), default=None)
     if agent64:
         print(
@@ -301,19 +369,25 @@ def main() -> None:
         )
     out: dict = {
         "ttft_leads_cells": len(led),
-        "cells": len(cells),
+        "cells": len(keys),
+        "runs_led": len(led_runs),
+        "runs": len(every),
         "hit_vs_infinite_min": round(min(ratios), 4) if ratios else None,
+        "estimate_mape": mape,
         "replay_56k_64_s": round(slowest, 1) if agent64 else None,
     }
     if decision:
         out["decision_p99_ms"] = round(decision["decision_p99_ms"], 3)
         out["decision_next_turn_p99_ms"] = round(decision["warm_p99_ms"], 3)
     out["grid"] = {
-        key: {
-            name: {k: round(s[k], 6) for k in ("ttft_mean_s", "ttft_p99_s", "hit_ratio")}
-            for name, s in cell.items()
+        variant: {
+            key: {
+                name: {k: round(s[k], 6) for k in ("ttft_mean_s", "ttft_p99_s", "hit_ratio")}
+                for name, s in cell.items()
+            }
+            for key, cell in cells.items()
         }
-        for key, cell in cells.items()
+        for variant, cells in by_variant.items()
     }
     print(json.dumps(out))
 

@@ -51,6 +51,13 @@ class EngineProfile:
         sizes = tuple(n for n, _ in self.batch)
         return max(0.0, _along(sizes, [s for _, s in self.batch], prompts))
 
+    def shared_pass_s(self) -> float:
+        """The part of a pass that prompts computed together share (reading the weights, the
+        launch): what each prompt past the first saves, from the batch measurements."""
+        one = self.batch_s(1)
+        saved = [(n * one - s) / (n - 1) for n, s in self.batch if n > 1]
+        return max(0.0, sum(saved) / len(saved)) if saved else 0.0
+
     def tok_s(self, cached: int = 0, uncached: int = 1024) -> float:
         """The rate of computing ``uncached`` tokens after ``cached`` ones."""
         return uncached / self.prefill_s(cached, uncached)

@@ -5,9 +5,10 @@ Cost model, per card (defaults from DeepInfer's published figures): by default t
 own estimate (``PolicyWorld``): prefill computes uncached tokens at 60K tok/s and loads cached
 tokens from the storage tier at 1.5M tok/s (hits in the worker's own memory tier are free);
 ``SimConfig.world`` replays in a world that is not the estimate (``simulator/world.py``: an
-engine profile, varying compute, a shared storage bandwidth, memory copies). A decode card
-makes 14K tok/s shared by its sequences, each at most 1/min_tpot. Each prefill worker serves
-one request at a time, in arrival order. Every prefill worker has a memory tier (LRU, in
+engine profile, varying compute, a shared storage bandwidth, memory copies, batches, decode
+steps reading their sequences' KV). A decode card makes 14K tok/s shared by its sequences,
+each at most 1/min_tpot. Each prefill worker takes its queue in arrival order, a request a
+pass (in a profiled world short ones share a pass). Every prefill worker has a memory tier (LRU, in
 blocks); the storage tier has a capacity (LRU) and a retention (TTL after last use, by class).
 Stores and evictions become KV events applied to cachemeta's BlockIndex, which answers the
 router's lookups, as in the live mesh.
@@ -28,7 +29,7 @@ from services.router.routing.route import RouteRequest
 from services.router.routing.ttft import CostDefaults
 from shared.messages.kvevents import STORE, KvEvent, memory_location
 from simulator.traces import TraceRequest
-from simulator.world import PolicyWorld, ProfiledWorld, World, WorldSettings
+from simulator.world import Part, PolicyWorld, ProfiledWorld, World, WorldSettings
 
 UNBOUNDED = 10**12  # blocks: a tier that never evicts
 BUSY_SHARE = 0.9  # of a trace's reference work: the busy window holds this much
@@ -51,8 +52,10 @@ class SimConfig:
 
     def make_world(self) -> World:
         if self.world is None:
-            return PolicyWorld(self.prefill_tok_s, self.load_tok_s)
-        return ProfiledWorld(self.world)
+            return PolicyWorld(
+                self.prefill_tok_s, self.load_tok_s, self.decode_tok_s, self.min_tpot_s
+            )
+        return ProfiledWorld(self.world, workers=self.prefill)
 
 
 @dataclass
@@ -239,7 +242,9 @@ def simulate(
     store = _Lru(cfg.store_blocks)
     queues: dict[str, deque] = {p: deque() for p in prefills}
     busy_until = dict.fromkeys(prefills, 0.0)
+    running = dict.fromkeys(prefills, 0)  # requests in the worker's pass now
     decode_active = [0] * cfg.decode
+    decode_tokens = [0] * cfg.decode  # the context its sequences hold together
     result = SimResult(policy_name, busy_s=dict.fromkeys(prefills, 0.0))
     result.first_arrival = requests[0].t / cfg.speed if requests else 0.0
 
@@ -268,22 +273,30 @@ def simulate(
             )
 
     def start(p: str, now: float) -> None:
-        i, route, arrived = queues[p].popleft()
-        r = requests[i]
-        mem = memory[p].leading(r.hashes, now)
-        stored = store.leading(r.hashes[mem:], now, ttl[r.retention])
-        hit_tokens = min(r.n_in, (mem + stored) * block_size)
-        mem_tokens = min(hit_tokens, mem * block_size)
-        loaded = hit_tokens - mem_tokens
-        uncached = r.n_in - hit_tokens
-        service = world.service(p, mem_tokens, loaded, uncached, now)
-        busy_until[p] = now + service.total_s
-        result.busy_s[p] += service.total_s
-        push(
-            now + service.total_s,
-            "prefilled",
-            (p, i, route, arrived, mem_tokens, loaded, uncached, service),
-        )
+        """The worker takes its next request, and those queued behind it while their uncached
+        tokens fit the world's pass (a prefill worker batches short prompts)."""
+        batch, budget, queue = [], world.batch_tokens, queues[p]
+        while queue:
+            i, route, arrived = queue[0]
+            r = requests[i]
+            mem = memory[p].leading(r.hashes, now)
+            stored = store.leading(r.hashes[mem:], now, ttl[r.retention])
+            hit_tokens = min(r.n_in, (mem + stored) * block_size)
+            mem_tokens = min(hit_tokens, mem * block_size)
+            part = Part(mem_tokens, hit_tokens - mem_tokens, r.n_in - hit_tokens)
+            if batch and part.uncached > budget:
+                break
+            queue.popleft()
+            batch.append((i, route, arrived, part))
+            budget -= part.uncached
+            if budget <= 0:
+                break
+        took, services = world.batch(p, [b[3] for b in batch], now)
+        busy_until[p] = now + took
+        result.busy_s[p] += took
+        running[p] = len(batch)
+        for (i, route, arrived, part), service in zip(batch, services, strict=True):
+            push(now + took, "prefilled", (p, i, route, arrived, part, service))
 
     done = 0
     while events:
@@ -296,11 +309,13 @@ def simulate(
             chosen = policy.rank(route, prefills)[0].service_id
             policy.dispatched(chosen, route)
             queues[chosen].append((i, route, now))
-            if busy_until[chosen] <= now and len(queues[chosen]) == 1:
+            if not running[chosen] and busy_until[chosen] <= now and len(queues[chosen]) == 1:
                 start(chosen, now)
         elif kind == "prefilled":
-            p, i, route, arrived, mem_tokens, loaded, uncached, service = data  # type: ignore[misc]
+            p, i, route, arrived, part, service = data  # type: ignore[misc]
+            mem_tokens, loaded, uncached = part.memory, part.loaded, part.uncached
             r = requests[i]
+            running[p] -= 1
             result.ttft_s.append(now - arrived)
             result.input_tokens += r.n_in
             result.memory_hit_tokens += mem_tokens
@@ -316,18 +331,21 @@ def simulate(
             policy.prefilled(p, route, now, uncached, loaded, compute_s, service.load_s)
             d = min(range(cfg.decode), key=lambda k: decode_active[k])
             decode_active[d] += 1
-            tpot = max(cfg.min_tpot_s, decode_active[d] / cfg.decode_tok_s)
+            decode_tokens[d] += r.n_in + r.n_out
+            tpot = world.tpot_s(decode_active[d], decode_tokens[d])
             result.tpot_s.append(tpot)
             result.output_tokens += r.n_out
-            push(now + r.n_out * tpot, "decoded", d)
-            if queues[p]:
+            push(now + r.n_out * tpot, "decoded", (d, r.n_in + r.n_out))
+            if queues[p] and not running[p]:
                 start(p, now)
             result.last_done = max(result.last_done, now)
             done += 1
             if progress and done % 200 == 0:
                 progress(done, len(requests))
         else:
-            decode_active[data] -= 1  # type: ignore[index]
+            d, tokens = data  # type: ignore[misc]
+            decode_active[d] -= 1
+            decode_tokens[d] -= tokens
     if progress:
         progress(len(requests), len(requests))
     result.estimate_mape = policy.pool.estimate.error.mape

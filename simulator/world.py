@@ -10,7 +10,10 @@ ranks with, fair only between policies that share that estimate. ``ProfiledWorld
 - each request's compute varies (the profile's own spread, or more);
 - the storage tier has a cluster-wide read bandwidth that the loads running at once share
   (a load gets the share free when it starts), and each worker a link it cannot exceed;
-- a memory-tier hit costs a copy into the engine.
+- a memory-tier hit costs a copy into the engine;
+- short prompts queued together share one pass (as a prefill worker batches them): the pass
+  costs their compute less the fixed part of a pass that they share (the profile's batches);
+- a decode step reads every sequence's KV: more sequences, and longer ones, slow each other.
 
 Each default says where it comes from.
 """
@@ -42,7 +45,19 @@ class Service:
         return self.load_s + self.copy_s + self.compute_s
 
 
+@dataclass(frozen=True)
+class Part:
+    """A request's prompt on a prefill worker (tokens): in its memory tier, then in the storage
+    tier, then to compute."""
+
+    memory: int
+    loaded: int
+    uncached: int
+
+
 class World(ABC):
+    batch_tokens = 0  # uncached tokens one pass may take over several requests (0: one each)
+
     @abstractmethod
     def service(
         self, worker: str, memory_tokens: int, loaded_tokens: int, uncached: int, now: float
@@ -50,16 +65,40 @@ class World(ABC):
         """A request starting on ``worker`` at ``now``: ``memory_tokens`` of its prompt in the
         worker's memory tier, then ``loaded_tokens`` in the storage tier, then ``uncached``."""
 
+    def batch(self, worker: str, parts: list[Part], now: float) -> tuple[float, list[Service]]:
+        """One pass over requests starting together: how long it takes, and each request's
+        part of it (each is done when the pass is)."""
+        assert len(parts) == 1, "this world prefills one request at a time"
+        s = self.service(worker, parts[0].memory, parts[0].loaded, parts[0].uncached, now)
+        return s.total_s, [s]
+
+    @abstractmethod
+    def tpot_s(self, sequences: int, context_tokens: int) -> float:
+        """Seconds per output token on a decode worker holding ``sequences`` of
+        ``context_tokens`` tokens together."""
+
 
 class PolicyWorld(World):
-    def __init__(self, prefill_tok_s: float, load_tok_s: float) -> None:
+    def __init__(
+        self,
+        prefill_tok_s: float,
+        load_tok_s: float,
+        decode_tok_s: float = 14_000.0,
+        min_tpot_s: float = 0.02,
+    ) -> None:
         self.prefill_tok_s = prefill_tok_s
         self.load_tok_s = load_tok_s
+        self.decode_tok_s = decode_tok_s
+        self.min_tpot_s = min_tpot_s
 
     def service(
         self, worker: str, memory_tokens: int, loaded_tokens: int, uncached: int, now: float
     ) -> Service:
         return Service(loaded_tokens / self.load_tok_s, 0.0, uncached / self.prefill_tok_s)
+
+    def tpot_s(self, sequences: int, context_tokens: int) -> float:
+        """A card's decode rate shared by its sequences, each at most 1/min_tpot."""
+        return max(self.min_tpot_s, sequences / self.decode_tok_s)
 
 
 @dataclass(frozen=True)
@@ -73,12 +112,23 @@ class WorldSettings:
     variation: float = -1.0  # relative spread of a request's compute; < 0: the profile's own
     # KV bytes per token: DeepSeek-V3's MLA latent, (512 + 64) × 61 layers × 2 bytes.
     kv_bytes_per_token: int = 70_272
-    # The storage tier's aggregate read bandwidth: 3FS's published 6.6 TiB/s (180 nodes).
-    store_gb_s: float = 6.6 * 2**40 / GB
+    # The storage tier's aggregate read bandwidth, per prefill worker of the pool (the tier of
+    # a pool of N is N times this): 3FS's published read test, 6.6 TiB/s over its 500 client
+    # nodes, all reading at once.
+    store_gb_s_per_worker: float = 6.6 * 2**40 / 500 / GB
     # A worker's link to it: a 3FS client node's 1 × 200 Gb/s InfiniBand NIC.
     link_gb_s: float = 25.0
     # Host memory into the engine: PCIe 5.0 × 16's 64 GB/s.
     memory_gb_s: float = 64.0
+    # Uncached tokens one prefill pass may take over several short prompts queued together:
+    # SGLang's default chunked-prefill size on an 80 GB card.
+    batch_tokens: int = 8192
+    # Decode: a card's rate shared by its sequences, each at most 1/min_tpot (DeepInfer's
+    # published 14.8K output tok/s a node, ~20 tok/s a sequence), and each step reading every
+    # sequence's KV from HBM (an H800's 3.35 TB/s).
+    decode_tok_s: float = 14_000.0
+    min_tpot_s: float = 0.02
+    hbm_gb_s: float = 3350.0
     seed: int = 0
 
     @classmethod
@@ -101,10 +151,15 @@ class WorldSettings:
 
 
 class ProfiledWorld(World):
-    def __init__(self, settings: WorldSettings, profile: EngineProfile | None = None) -> None:
+    def __init__(
+        self, settings: WorldSettings, profile: EngineProfile | None = None, workers: int = 1
+    ) -> None:
         self.settings = settings
         base = profile or EngineProfile.read(Path(settings.profile))
         self.profile = base.scaled(settings.prefill_tok_s)
+        self.shared_s = self.profile.shared_pass_s()
+        self.batch_tokens = settings.batch_tokens
+        self.store_gb_s = settings.store_gb_s_per_worker * workers
         spread = settings.variation if settings.variation >= 0 else base.spread
         # a lognormal of median 1 whose median |x - 1| is about ``spread`` (small spreads)
         self.sigma = spread / 0.6745
@@ -118,7 +173,7 @@ class ProfiledWorld(World):
         load_s = 0.0
         if loaded_tokens:
             self.loads_until = [t for t in self.loads_until if t > now]
-            share = min(s.link_gb_s, s.store_gb_s / (len(self.loads_until) + 1)) * GB
+            share = min(s.link_gb_s, self.store_gb_s / (len(self.loads_until) + 1)) * GB
             load_s = loaded_tokens * s.kv_bytes_per_token / share
             self.loads_until.append(now + load_s)
         copy_s = memory_tokens * s.kv_bytes_per_token / (s.memory_gb_s * GB)
@@ -127,3 +182,20 @@ class ProfiledWorld(World):
             noise = math.exp(self.rng.gauss(0.0, self.sigma)) if self.sigma else 1.0
             compute_s = self.profile.prefill_s(memory_tokens + loaded_tokens, uncached) * noise
         return Service(load_s, copy_s, compute_s)
+
+    def batch(self, worker: str, parts: list[Part], now: float) -> tuple[float, list[Service]]:
+        """Each request's blocks loaded and copied in turn (one link), then one pass computing
+        them all: their compute less the fixed part of a pass for all but one."""
+        alone, t = [], now
+        for p in parts:
+            s = self.service(worker, p.memory, p.loaded, p.uncached, t)
+            t += s.load_s + s.copy_s
+            alone.append(s)
+        longest = max(s.compute_s for s in alone)
+        compute = max(longest, sum(s.compute_s for s in alone) - (len(parts) - 1) * self.shared_s)
+        return t - now + compute, [Service(s.load_s, s.copy_s, compute) for s in alone]
+
+    def tpot_s(self, sequences: int, context_tokens: int) -> float:
+        s = self.settings
+        share = max(s.min_tpot_s, sequences / s.decode_tok_s)
+        return share + context_tokens * s.kv_bytes_per_token / (s.hbm_gb_s * GB)

@@ -13,14 +13,14 @@ import pytest
 
 from simulator.replay import SimConfig, simulate
 from simulator.traces import TraceRequest
-from simulator.world import GB, PolicyWorld, ProfiledWorld, WorldSettings
+from simulator.world import GB, Part, PolicyWorld, ProfiledWorld, WorldSettings
 from tests.simulator.test_profile import measured
 
 BYTES = 70_272  # per token (the default: DeepSeek-V3's latent)
 
 
 def world(**settings) -> ProfiledWorld:
-    defaults = dict(profile="", variation=0.0, store_gb_s=10.0, link_gb_s=25.0)
+    defaults = dict(profile="", variation=0.0, store_gb_s_per_worker=10.0, link_gb_s=25.0)
     return ProfiledWorld(WorldSettings(**{**defaults, **settings}), measured())
 
 
@@ -44,9 +44,8 @@ def test_two_loads_at_once_share_the_storage_tiers_bandwidth() -> None:
     later = w.service("p2", 0, 10_000, 0, now=10.0).load_s  # both done by then
     assert later == pytest.approx(alone)
     # A worker's link caps it, whatever the tier could give.
-    assert world(store_gb_s=1000.0).service("p0", 0, 10_000, 0, 0.0).load_s == pytest.approx(
-        10_000 * BYTES / (25 * GB)
-    )
+    wide = world(store_gb_s_per_worker=1000.0)
+    assert wide.service("p0", 0, 10_000, 0, 0.0).load_s == pytest.approx(10_000 * BYTES / (25 * GB))
 
 
 def test_a_longer_context_costs_more_per_token_and_a_memory_hit_a_copy() -> None:
@@ -105,3 +104,48 @@ def test_the_reference_work_that_sets_the_load_is_the_worlds(tmp_path: Path) -> 
     work = request_work_s(trace, 64, SimConfig(world=settings))
     assert work == [ProfiledWorld(settings).service("p", 0, 0, 2048, 0.0).total_s]
     assert request_work_s(trace, 64, SimConfig()) == [2048 / 60_000.0]
+
+
+def test_the_tier_of_a_larger_pool_is_larger() -> None:
+    """The storage bandwidth is given per worker: a pool of 4 shares four workers' worth."""
+    four = ProfiledWorld(
+        WorldSettings(profile="", variation=0.0, store_gb_s_per_worker=10.0), measured(), 4
+    )
+    times = [four.service(f"p{i}", 0, 10_000, 0, now=0.0).load_s for i in range(4)]
+    # 40 GB/s in all: the first load alone gets its link's 25 GB/s, the second half the tier,
+    # the fourth a quarter
+    gb_s = [10_000 * BYTES / t / GB for t in times]
+    assert gb_s == pytest.approx([25.0, 20.0, 40 / 3, 10.0])
+
+
+def test_short_prompts_queued_together_share_a_pass(tmp_path: Path) -> None:
+    w = world()
+    shared = w.profile.shared_pass_s()
+    # measured(): 1 prompt 0.08 s, 4 in 0.2 s, 8 in 0.35 s (before scaling): each prompt past
+    # the first saves what the pass's fixed part costs
+    (_, one), (_, four), (_, eight) = w.profile.batch
+    assert shared == pytest.approx(((4 * one - four) / 3 + (8 * one - eight) / 7) / 2)
+    parts = [Part(0, 0, 64)] * 4
+    took, services = w.batch("p0", parts, 0.0)
+    alone = w.service("p0", 0, 0, 64, 0.0).compute_s
+    assert took == pytest.approx(4 * alone - 3 * shared)
+    assert alone < took < 4 * alone
+    assert all(s.compute_s == took for s in services)  # all done when the pass is
+    # In a replay, short prompts arriving at once on one worker: the first starts alone, the
+    # four queued behind it share the next pass.
+    trace = [TraceRequest(0.0, 64, 4, [f"r{i}"]) for i in range(5)]
+    (tmp_path / "profile.json").write_text(measured().to_json())
+    settings = replace(w.settings, profile=str(tmp_path / "profile.json"))
+    result = simulate(trace, 64, SimConfig(prefill=1, decode=1, world=settings), "round_robin")
+    assert len(set(result.ttft_s[1:])) == 1 and result.ttft_s[-1] < 5 * alone
+    single = replace(settings, batch_tokens=0)
+    one_by_one = simulate(trace, 64, SimConfig(prefill=1, decode=1, world=single), "round_robin")
+    assert max(one_by_one.ttft_s) > max(result.ttft_s)
+
+
+def test_decode_steps_slow_with_the_kv_they_read() -> None:
+    w = world()
+    few = w.tpot_s(4, 4 * 1000)
+    assert w.tpot_s(4, 4 * 100_000) > few  # the same sequences, longer: each step reads more
+    assert w.tpot_s(400, 400 * 1000) > few  # more of them
+    assert PolicyWorld(60_000.0, 1_500_000.0).tpot_s(4, 4 * 100_000) == 0.02  # (not there)

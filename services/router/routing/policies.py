@@ -1,7 +1,8 @@
 """The routing policies, by name (setting KVMESH_ROUTER_ROUTING_POLICY): which prefill worker
 computes a request. Ours (``ttft``: the lowest estimated time to first token, looking ahead,
 with an overload guard), and the others' for comparison: Mooncake's Conductor, SGLang's
-cache-aware router, NVIDIA Dynamo's KV router cost, round robin and least loaded.
+cache-aware router, NVIDIA Dynamo's KV router cost, llm-d's scorer mix, round robin and least
+loaded.
 """
 
 from __future__ import annotations
@@ -183,6 +184,58 @@ class DynamoKv(RoutingPolicy):
         self.active_blocks[service_id] = max(0, self.active_blocks.get(service_id, 0) - blocks)
 
 
+class LlmdScorers(RoutingPolicy):
+    """llm-d's inference scheduler, its default scorer mix (the "intelligent inference
+    scheduling" path): each worker scored in [0, 1] by three scorers, weighted, the highest
+    sum wins (max-score picker).
+
+    - queue (weight 2): requests waiting there, min-max normalized over the candidates
+      (1: the shortest queue; all 1 when they are equal);
+    - KV-cache utilization (2): 1 − the share of its KV cache the requests in flight hold;
+    - prefix cache (3): the share of the prompt's blocks its own cache holds (the precise
+      scorer, from KV events: here cachemeta's memory tier for the worker).
+
+    A worker's KV capacity is not something the router is told: ``kv_capacity_tokens``, an
+    80 GB card's room for KV after a large model's weights, order of magnitude."""
+
+    name = "llmd"
+    weights = {"queue": 2.0, "kv_utilization": 2.0, "prefix": 3.0}
+    kv_capacity_tokens = 500_000
+
+    def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
+        super().__init__(defaults)
+        self.active_tokens: dict[str, int] = {}  # prompt tokens of requests in flight there
+
+    def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
+        waiting = {s: max(0, self.state(s).inflight - 1) for s in candidates}
+        lo, hi = min(waiting.values()), max(waiting.values())
+        blocks = max(1, len(req.hashes))
+        scores = {}
+        for s in candidates:
+            parts = {
+                "queue": 1.0 if hi == lo else (hi - waiting[s]) / (hi - lo),
+                "kv_utilization": 1.0
+                - min(1.0, self.active_tokens.get(s, 0) / self.kv_capacity_tokens),
+                "prefix": min(blocks, req.memory_blocks(s)) / blocks,
+            }
+            total = sum(self.weights[k] * v for k, v in parts.items())
+            scores[s] = (total, parts)
+        return [
+            Ranked(s, {"score": round(scores[s][0], 4), **scores[s][1]})
+            for s in sorted(candidates, key=lambda s: (-scores[s][0], s))
+        ]
+
+    def dispatched(self, service_id: str, req: RouteRequest) -> None:
+        super().dispatched(service_id, req)
+        self.active_tokens[service_id] = self.active_tokens.get(service_id, 0) + req.n_prompt
+
+    def prefilled(self, service_id: str, req: RouteRequest, now: float, *args: float) -> None:
+        super().prefilled(service_id, req, now, *args)  # type: ignore[arg-type]
+        left = self.active_tokens.get(service_id, 0) - req.n_prompt
+        self.active_tokens[service_id] = max(0, left)
+
+
 POLICIES: dict[str, type[RoutingPolicy]] = {
-    p.name: p for p in (RoundRobin, LeastLoaded, Ttft, Mooncake, SglangCacheAware, DynamoKv)
+    p.name: p
+    for p in (RoundRobin, LeastLoaded, Ttft, Mooncake, SglangCacheAware, DynamoKv, LlmdScorers)
 }
