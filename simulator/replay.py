@@ -233,9 +233,13 @@ def simulate(
     progress: Callable[[int, int], None] | None = None,
 ) -> SimResult:
     ttl = dict(cfg.ttl_s)
-    costs = CostDefaults(prefill_tok_s=cfg.prefill_tok_s, load_tok_s=cfg.load_tok_s)
-    policy = POLICIES[policy_name](costs)
     world = cfg.make_world()
+    costs = CostDefaults(
+        prefill_tok_s=cfg.prefill_tok_s,
+        load_tok_s=cfg.load_tok_s,
+        batch_tokens=world.batch_tokens,  # (how the workers batch: the router is told)
+    )
+    policy = POLICIES[policy_name](costs)
     index = BlockIndex(ttl)
     prefills = [f"p{i}" for i in range(cfg.prefill)]
     memory = {p: _Lru(cfg.memory_blocks) for p in prefills}

@@ -38,7 +38,8 @@ PASS_S = 0.001  # the pass term's unit (seconds)
 ATTENTION_CONTEXT = 8192  # the attention term's unit: β₂ = 1 doubles a token's cost there
 WORKER_FORGET = 0.95  # a report's weight after each later one: a worker's fit...
 POOL_FORGET = 0.995  # ...and its pool's, which hears every worker
-PRIOR_WEIGHT = 2.0  # the prior counts as this many typical reports
+PRIOR_WEIGHT = 2.0  # the prior counts as this many typical reports...
+POOL_WEIGHT = 10.0  # ...and a worker's pool as this many (workers alike stay alike)
 RECENT = 0.05  # a request's weight in the recent error
 QUEUE_FACTOR = (0.25, 4.0)  # the wait's factor stays within these
 
@@ -161,7 +162,9 @@ class Fitted(Rates):
     def __init__(self, prefill_tok_s: float, load_tok_s: float, pool: Fitted | None = None):
         super().__init__(prefill_tok_s, load_tok_s, pool)
         self.units = (prefill_tok_s, load_tok_s)  # fixed: the β's units
-        self.fit = LeastSquares(POOL_FORGET if pool is None else WORKER_FORGET)
+        self.fit = (
+            LeastSquares(POOL_FORGET) if pool is None else LeastSquares(WORKER_FORGET, POOL_WEIGHT)
+        )
         self.own: list[float] | None = None  # β, once reports came
         self.queue = Factor()  # (the pool's is used)
         # (a pool's) its reporting workers' β, and their mean: what a worker not heard from
@@ -239,8 +242,9 @@ class LeastSquares:
     ÷ its measured time (relative error) and λₖ is ``PRIOR_WEIGHT`` typical reports' worth of
     term k (so a term no report has shown stays at its prior)."""
 
-    def __init__(self, forget: float) -> None:
+    def __init__(self, forget: float, prior_weight: float = PRIOR_WEIGHT) -> None:
         self.forget = forget
+        self.prior_weight = prior_weight
         self.zz = [[0.0] * N for _ in range(N)]
         self.z1 = [0.0] * N
         self.weight = 0.0  # of all reports, faded
@@ -259,7 +263,7 @@ class LeastSquares:
 
     def solve(self, prior: list[float] | tuple[float, ...]) -> list[float]:
         n = max(self.weight, 1.0)
-        ridge = [PRIOR_WEIGHT * max(self.zz[k][k] / n, 1e-9) for k in range(N)]
+        ridge = [self.prior_weight * max(self.zz[k][k] / n, 1e-9) for k in range(N)]
         free = set(range(N))
         while True:
             a = [

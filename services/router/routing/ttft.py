@@ -19,6 +19,7 @@ its terms, and each estimate its error, so each decision can be explained.
 
 from __future__ import annotations
 
+import itertools
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,6 +34,9 @@ class CostDefaults:
     prefill_tok_s: float = 400.0  # uncached tokens computed (a CPU worker; GPUs: ~60K)
     load_tok_s: float = 20_000.0  # cached tokens loaded from the storage tier
     transfer_tok_s: float = 20_000.0  # KV moved to decode
+    # Uncached tokens a worker computes in one pass over the requests queued together (0: a
+    # request a pass): requests waiting when a pass begins are done when it ends.
+    batch_tokens: int = 0
 
     def estimate(self, fitted: bool, pool: Rates | None = None) -> Rates:
         kind = Fitted if fitted else Rates
@@ -47,6 +51,7 @@ class Pool:
     estimate: Rates
     workers: int = 0
     loading: int = 0
+    batch_tokens: int = 0  # (CostDefaults.batch_tokens)
 
     @property
     def sharing(self) -> float:
@@ -59,6 +64,7 @@ class Sent:
     """A request in flight at a worker, with what was estimated when it was sent."""
 
     work_s: float  # its time there
+    uncached: int = 0  # its tokens to compute
     ttft_s: float = 0.0
     ahead_s: float = 0.0  # the work counted ahead of it (before the queue's factor)
     at: float = 0.0  # when it was sent
@@ -75,7 +81,7 @@ class PrefillWorkerState:
     pool: Pool
     work: dict[str, Sent] = field(default_factory=dict)  # in flight, oldest first
     queued_s: float = 0.0  # their work's sum
-    head_s: float = 0.0  # the oldest one's
+    head_s: float = 0.0  # the work of the pass running: the oldest's, and any batched with it
     head_since: float = 0.0  # when the oldest in flight began, as far as the router knows
     reported_tokens: int = 0  # uncached tokens queued there, from its last heartbeat
     blocks_routed: int = 0  # blocks of all requests sent to it (how full its cache runs)
@@ -85,7 +91,7 @@ class PrefillWorkerState:
     def fresh(
         cls, service_id: str, d: CostDefaults, pool: Pool | None = None, fitted: bool = False
     ) -> PrefillWorkerState:
-        pool = pool or Pool(d.estimate(fitted))
+        pool = pool or Pool(d.estimate(fitted), batch_tokens=d.batch_tokens)
         pool.workers += 1
         return cls(service_id, d.estimate(fitted, pool.estimate), pool)
 
@@ -98,7 +104,7 @@ class PrefillWorkerState:
         oldest has done since it began; or what the worker says it has queued when that is
         more (other routers send it work too)."""
         ahead = self.queued_s
-        if ahead:
+        if ahead:  # (the pass running is done at most)
             ahead -= min(self.head_s, max(0.0, now - self.head_since))
         if self.reported_tokens:
             return max(ahead, self.reported_tokens / self.estimate.tok_s)
@@ -131,6 +137,7 @@ class PrefillWorkerState:
     ) -> None:
         sent = Sent(work_s, at=now)
         if score is not None:
+            sent.uncached = score.uncached_tokens
             sent.ttft_s, sent.ahead_s = score.ttft_s, score.ahead_s
             sent.loads = score.storage_tokens > 0
         self.work[request_id] = sent
@@ -141,7 +148,16 @@ class PrefillWorkerState:
         self.blocks_routed += len(hashes)
 
     def _begins(self, sent: Sent, now: float) -> None:
+        """The oldest request in flight begins, in one pass with those waiting behind it while
+        their uncached tokens fit the pool's ``batch_tokens`` (as the worker batches)."""
         self.head_since, self.head_s = now, sent.work_s
+        budget = self.pool.batch_tokens - sent.uncached
+        if budget > 0 and len(self.work) > 1:
+            for other in itertools.islice(self.work.values(), 1, None):
+                if other.uncached > budget:
+                    break
+                self.head_s += other.work_s
+                budget -= other.uncached
         sent.sharing = self.pool.sharing
         self.pool.loading += sent.loads
 
@@ -202,7 +218,8 @@ class PrefillWorkerState:
             "queued work drifted"
         )
         head = next(iter(self.work.values()), None)
-        assert self.head_s == (head.work_s if head else 0.0), "the head is not the oldest"
+        if not self.pool.batch_tokens:
+            assert self.head_s == (head.work_s if head else 0.0), "the head is not the oldest"
         assert all(n > 0 for n in self.pending.values()), "a pending block with no request"
         assert self.work or not self.pending, "pending blocks with nothing in flight"
 

@@ -89,7 +89,7 @@ def test_it_follows_a_worker_whose_speed_changes_mid_run() -> None:
         worker.observe(r, truth(r, slow), 0.0)
         if i == 299:
             assert mape(worker, shapes(100, seed=3)) < 0.06
-        if i == 330:  # 30 reports after the change: most of the way there
+        if i == 340:  # 40 reports after the change: most of the way there
             assert mape(worker, shapes(100, seed=3), slow=2.0) < 0.2
     assert mape(worker, shapes(100, seed=3), slow=2.0) < 0.06
 
