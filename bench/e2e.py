@@ -68,7 +68,12 @@ class Stack:
     """`kvmesh up` in a subprocess, on free ports and a scratch state dir."""
 
     def __init__(
-        self, model: str, threads: int, extra: dict[str, str] | None = None, tls: bool = False
+        self,
+        model: str,
+        threads: int,
+        extra: dict[str, str] | None = None,
+        tls: bool = False,
+        args: tuple[str, ...] = (),
     ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
         self.port = free_port()
@@ -90,7 +95,7 @@ class Stack:
         env.update(extra or {})
         self.log = open(self.dir / "up.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh", "up", *(["--tls"] if tls else [])],
+            [sys.executable, "-m", "kvmesh", "up", *(["--tls"] if tls else []), *args],
             env=env,
             cwd=REPO,
             stdout=self.log,

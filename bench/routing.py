@@ -131,7 +131,7 @@ def config(run: Run) -> SimConfig:
 def world_settings(run: Run) -> WorldSettings | None:
     if not run.world:
         return None
-    w = WorldSettings.read(Path(run.world))
+    w = WorldSettings.named(run.world)
     return replace(
         w, seed=run.world_seed, store_gb_s_per_worker=w.store_gb_s_per_worker * run.store_scale
     )

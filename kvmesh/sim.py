@@ -86,9 +86,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--world",
         default="policy",
-        help="how long the simulated workers take: 'policy' (the router's own estimate) or a "
-        "world file (JSON: an engine profile from bench/profile.py and the tier's bandwidths; "
-        "simulator/world.py)",
+        help="how long the simulated workers take: 'policy' (the router's own estimate), "
+        "'profiled' (the torch engine's measured profile at a card's rate, varying, sharing the "
+        "storage tier, batching: simulator/worlds/profiled.json) or a world file (JSON: an "
+        "engine profile from bench/profile.py and the tier's bandwidths; simulator/world.py)",
     )
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     p.add_argument("--png", type=Path, help="write the TTFT CDF of each policy here")
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     world = None
     if args.world != "policy":
         try:
-            world = WorldSettings.read(Path(args.world))
+            world = WorldSettings.named(args.world)
             ProfiledWorld(world)  # its profile is read now: a bad one fails here, named
         except ValueError as err:
             return fail(f"--world: {err}")

@@ -61,7 +61,8 @@ class SimConfig:
 @dataclass
 class SimResult:
     policy: str
-    ttft_s: list[float] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)  # in the order they were prefilled
+    ttft_of: dict[int, float] = field(default_factory=dict)  # by the request's index
     tpot_s: list[float] = field(default_factory=list)
     input_tokens: int = 0
     memory_hit_tokens: int = 0
@@ -320,7 +321,9 @@ def simulate(
             mem_tokens, loaded, uncached = part.memory, part.loaded, part.uncached
             r = requests[i]
             running[p] -= 1
-            result.ttft_s.append(now - arrived)
+            ttft = now - arrived + world.overhead_s
+            result.ttft_s.append(ttft)
+            result.ttft_of[i] = ttft
             result.input_tokens += r.n_in
             result.memory_hit_tokens += mem_tokens
             result.storage_hit_tokens += loaded

@@ -30,6 +30,7 @@ from pathlib import Path
 from simulator.profile import EngineProfile
 
 GB = 1e9
+WORLDS = Path(__file__).resolve().parent / "worlds"  # named worlds: <name>.json
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Part:
 
 class World(ABC):
     batch_tokens = 0  # uncached tokens one pass may take over several requests (0: one each)
+    overhead_s = 0.0  # every request's time outside the workers, added to its TTFT
 
     @abstractmethod
     def service(
@@ -129,7 +131,17 @@ class WorldSettings:
     decode_tok_s: float = 14_000.0
     min_tpot_s: float = 0.02
     hbm_gb_s: float = 3350.0
+    # What every request spends outside the workers (router, bus, network): none in a card's
+    # figures; measured on a live mesh (simulator/validate.py).
+    overhead_s: float = 0.0
     seed: int = 0
+
+    @classmethod
+    def named(cls, name: str) -> WorldSettings:
+        """A world by the name of one in simulator/worlds/ ("profiled": the torch engine's
+        profile at a card's rate), or a world file's path."""
+        own = WORLDS / f"{name}.json"
+        return cls.read(own if "/" not in name and own.is_file() else Path(name))
 
     @classmethod
     def read(cls, path: Path) -> WorldSettings:
@@ -159,6 +171,7 @@ class ProfiledWorld(World):
         self.profile = base.scaled(settings.prefill_tok_s)
         self.shared_s = self.profile.shared_pass_s()
         self.batch_tokens = settings.batch_tokens
+        self.overhead_s = settings.overhead_s
         self.store_gb_s = settings.store_gb_s_per_worker * workers
         spread = settings.variation if settings.variation >= 0 else base.spread
         # a lognormal of median 1 whose median |x - 1| is about ``spread`` (small spreads)

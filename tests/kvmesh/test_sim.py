@@ -133,5 +133,9 @@ def test_sim_in_a_world_from_a_profile_and_in_the_policys_own(tmp_path: Path) ->
     assert default == policy  # today's world, kept exactly
     profiled = figures("--world", str(tmp_path / "world.json"))
     assert profiled["ttft_mean_s"] != default["ttft_mean_s"]
+    assert profiled["estimate_terms"]["uncached"] > 0  # what ttft's estimate learned there
+    # the committed world, by name: the torch engine's profile at a card's rate
+    named = figures("--world", "profiled")
+    assert named["ttft_mean_s"] not in (default["ttft_mean_s"], profiled["ttft_mean_s"])
     run = sim(*base, "--world", str(tmp_path / "nope.json"))
     assert run.returncode == 2 and "--world" in run.stderr and "nope.json" in run.stderr
