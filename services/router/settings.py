@@ -173,6 +173,13 @@ class RoutingSettings(Section):
     load_tok_s: float = Field(
         default=20_000.0, gt=0, description="storage-tier load rate until workers report one"
     )
+    prefill_batch_tokens: int = Field(
+        default=512,
+        ge=0,
+        description="tokens a prefill worker computes in one pass over the requests queued "
+        "together (its KVMESH_PREFILL_PREFILL_CHUNK; 0: a request a pass): the requests waiting "
+        "when a pass begins are done when it ends",
+    )
 
     @field_validator("routing_policy")
     @classmethod
@@ -183,7 +190,10 @@ class RoutingSettings(Section):
 
     def policy(self) -> RoutingPolicy:
         """A new instance of the policy named, starting from the rates set here."""
-        return POLICIES[self.routing_policy](CostDefaults(self.prefill_tok_s, self.load_tok_s))
+        costs = CostDefaults(
+            self.prefill_tok_s, self.load_tok_s, batch_tokens=self.prefill_batch_tokens
+        )
+        return POLICIES[self.routing_policy](costs)
 
 
 class WorkerSettings(Section):
