@@ -1,15 +1,15 @@
-"""A prefill profile of the torch engine on this machine, for the simulator's world
-(``simulator/profile.py``): the seconds to compute ``uncached`` prompt tokens after ``cached``
-ones held in the engine's memory, over a grid of both, and of one pass over several short
-prompts together (what a prefill worker batches). Each point is the median of ``--runs``;
-the spread is how far runs fell from their medians.
+"""A prefill profile of the torch engine (or, with --engine vllm, vLLM's) on this machine,
+for the simulator's world (``simulator/profile.py``): the seconds to compute ``uncached``
+prompt tokens after ``cached`` ones held in the engine's memory, over a grid of both, and of
+one pass over several short prompts together (what a prefill worker batches). Each point is
+the median of ``--runs``; the spread is how far runs fell from their medians.
 
 Writes the profile (JSON) to ``--out``; prints a table, then as its last line one JSON object:
 the tokens/s with nothing cached, how the cost per token grows with the context, the batch
 speed-up and the spread.
 
-    .venv/bin/python bench/profile.py [--model smollm2-135m-instruct] [--threads 2]
-        [--cached 0,1024,2048,4096] [--uncached 64,256,1024,2048] [--out profile.json]
+    .venv/bin/python bench/profile.py [--engine torch|vllm] [--model smollm2-135m-instruct]
+        [--threads 2] [--cached 0,1024,2048,4096] [--uncached 64,256,1024,2048] [--out profile.json]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from simulator.measure import profile_engine  # noqa: E402
+from simulator.measure import profile_engine, profile_vllm  # noqa: E402
 
 
 def say(msg: str) -> None:
@@ -31,6 +31,7 @@ def say(msg: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--engine", default="torch", choices=("torch", "vllm"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cached", default="0,1024,2048,4096")
@@ -42,8 +43,9 @@ def main() -> None:
     cached = tuple(int(v) for v in args.cached.split(","))
     uncached = tuple(int(v) for v in args.uncached.split(","))
     sizes = tuple(int(v) for v in args.batch.split(","))
-    profile = profile_engine(
-        args.model, args.threads, cached, uncached, sizes, args.batch_tokens, args.runs, say
+    measure = profile_vllm if args.engine == "vllm" else profile_engine
+    profile = measure(
+        args.model, args.threads, cached, uncached, sizes, args.batch_tokens, args.runs, say=say
     )
     cached, batch, seconds = profile.cached, profile.batch, profile.seconds
     args.out.write_text(profile.to_json())

@@ -171,3 +171,90 @@ def kv_rates(model: str, threads: int, tokens: int = 2048, runs: int = 3) -> KvR
                 took.append(time.perf_counter() - start)
             rates.append(size / statistics.median(took) / 1e9)
     return KvRates(round(size / (len(blobs) * BLOCK)), rates[0], rates[1])
+
+
+def profile_vllm(
+    model: str,
+    threads: int,
+    cached: tuple[int, ...],
+    uncached: tuple[int, ...],
+    batch: tuple[int, ...] = (1, 2, 4, 8),
+    batch_tokens: int = 64,
+    runs: int = 3,
+    state_dir: Path = Path(".kvmesh"),
+    say: Callable[[str], None] = lambda _: None,
+) -> EngineProfile:
+    """The same profile of ``model`` on a vLLM engine (its own prefix cache holds the cached
+    tokens: a prompt's prefix is computed once, then each run sends it with new tokens after
+    it and times its first token; a batch is prompts sent at once)."""
+    import asyncio
+
+    from shared.engine.vllm.engine import VllmEngine
+    from shared.model.catalog import resolve
+
+    cached = tuple(c // BLOCK * BLOCK for c in cached)
+    options = EngineOptions(
+        block_size=BLOCK, kv_cache_tokens=8 * (max(cached) + max(uncached)), threads=threads
+    )
+    deviations: list[float] = []
+
+    def median(times: list[float]) -> float:
+        m = statistics.median(times)
+        deviations.extend(abs(t - m) / m for t in times)
+        return m
+
+    async def run() -> EngineProfile:
+        say(f"starting vLLM on {model}")
+        e = VllmEngine.load(resolve(model, {}), state_dir, options)
+        await e.start()
+        n = 0
+
+        async def first_token(prompt: list[int]) -> float:
+            nonlocal n
+            n += 1
+            start = time.perf_counter()
+            async for _ in e.generate(f"r{n}", prompt, ONE):
+                return time.perf_counter() - start
+            raise AssertionError("no token")
+
+        try:
+            await first_token(ids(256, seed=1))  # warm-up
+            passes = []
+            for k in batch:
+                times = []
+                for r in range(runs + 1):
+                    prompts = [ids(batch_tokens, seed=10_000 * k + 100 * r + i) for i in range(k)]
+                    start = time.perf_counter()
+                    await asyncio.gather(*(first_token(p) for p in prompts))
+                    if r:  # (the first: a warm-up of this size)
+                        times.append(time.perf_counter() - start)
+                passes.append((k, median(times)))
+                say(f"  {k} prompts of {batch_tokens} tokens at once: {passes[-1][1] * 1e3:.1f} ms")
+            seconds = []
+            for c in cached:
+                prefix = ids(c, seed=7919 + c)
+                if c:
+                    await first_token(prefix)  # held in vLLM's prefix cache from here on
+                row = []
+                for u in uncached:
+                    times = [
+                        await first_token(prefix + ids(u, seed=31 * u + r + c)) for r in range(runs)
+                    ]
+                    row.append(median(times))
+                    say(f"  {u} tokens after {c} cached: {row[-1] * 1e3:.1f} ms")
+                seconds.append(tuple(row))
+        finally:
+            await e.stop()
+        return EngineProfile(
+            engine=f"vllm (CPU, eager, fp32), {threads} threads",
+            model=model,
+            machine=f"{platform.machine()}, {threads} threads",
+            cached=cached,
+            uncached=uncached,
+            seconds=tuple(seconds),
+            spread=round(statistics.median(deviations), 4),
+            batch_tokens=batch_tokens,
+            batch=tuple(passes),
+        )
+
+    return asyncio.run(run())
