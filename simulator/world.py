@@ -7,6 +7,7 @@ ranks with, fair only between policies that share that estimate. ``ProfiledWorld
 
 - compute comes from a measured engine profile (``simulator/profile.py``, ``bench/profile.py``)
   scaled to a card's rate, so a token after a long context costs more than one after none;
+- a prompt longer than a pass is computed in chunks, each after the ones before it;
 - each request's compute varies (the profile's own spread, or more);
 - the storage tier has a cluster-wide read bandwidth that the loads running at once share
   (a load gets the share free when it starts), and each worker a link it cannot exceed;
@@ -191,10 +192,24 @@ class ProfiledWorld(World):
             self.loads_until.append(now + load_s)
         copy_s = memory_tokens * s.kv_bytes_per_token / (s.memory_gb_s * GB)
         compute_s = 0.0
+        if not uncached and memory_tokens + loaded_tokens:  # (an engine computes the last
+            uncached, loaded_tokens = 1, max(0, loaded_tokens - 1)  # token for its logits)
         if uncached:
             noise = math.exp(self.rng.gauss(0.0, self.sigma)) if self.sigma else 1.0
-            compute_s = self.profile.prefill_s(memory_tokens + loaded_tokens, uncached) * noise
+            compute_s = self.compute_s(memory_tokens + loaded_tokens, uncached) * noise
         return Service(load_s, copy_s, compute_s)
+
+    def compute_s(self, cached: int, uncached: int) -> float:
+        """A prompt's uncached tokens computed in chunks of the pass budget, each after the
+        context before it (chunked prefill, as SGLang and vLLM do): a long prompt's attention
+        grows with it."""
+        chunk = self.batch_tokens or uncached
+        seconds, done = 0.0, 0
+        while done < uncached:
+            n = min(chunk, uncached - done)
+            seconds += self.profile.prefill_s(cached + done, n)
+            done += n
+        return seconds
 
     def batch(self, worker: str, parts: list[Part], now: float) -> tuple[float, list[Service]]:
         """Each request's blocks loaded and copied in turn (one link), then one pass computing

@@ -149,3 +149,16 @@ def test_decode_steps_slow_with_the_kv_they_read() -> None:
     assert w.tpot_s(4, 4 * 100_000) > few  # the same sequences, longer: each step reads more
     assert w.tpot_s(400, 400 * 1000) > few  # more of them
     assert PolicyWorld(60_000.0, 1_500_000.0).tpot_s(4, 4 * 100_000) == 0.02  # (not there)
+
+
+def test_a_long_prompt_is_computed_in_chunks_each_after_the_last() -> None:
+    """Past a pass's budget a prompt is chunked (as SGLang and vLLM prefill), each chunk after
+    the context before it: twice the tokens cost more than twice the time."""
+    w = world(batch_tokens=2048)
+    one = w.compute_s(0, 2048)
+    assert one == pytest.approx(w.profile.prefill_s(0, 2048))
+    two = w.compute_s(0, 4096)
+    assert two == pytest.approx(one + w.profile.prefill_s(2048, 2048))
+    assert two > 2 * one
+    # a prompt wholly cached still computes its last token (for its logits)
+    assert w.service("p0", 0, 4096, 0, 0.0).compute_s > 0

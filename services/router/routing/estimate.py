@@ -39,9 +39,11 @@ ATTENTION_CONTEXT = 8192  # the attention term's unit: β₂ = 1 doubles a token
 WORKER_FORGET = 0.95  # a report's weight after each later one: a worker's fit...
 POOL_FORGET = 0.995  # ...and its pool's, which hears every worker
 PRIOR_WEIGHT = 2.0  # the prior counts as this many typical reports...
+Z_FLOOR = 0.1  # ...a term's typical share of a report's time taken as at least this
 POOL_WEIGHT = 10.0  # ...and a worker's pool as this many (workers alike stay alike)
 RECENT = 0.05  # a request's weight in the recent error
-QUEUE_FACTOR = (0.25, 4.0)  # the wait's factor stays within these
+QUEUE_FACTOR = (0.5, 2.0)  # the wait's factor stays within these
+FLOOR_S = 0.001  # a TTFT below this counts as this in the error (nothing measures finer)
 
 
 @dataclass(slots=True)
@@ -68,17 +70,15 @@ class Shape:
 
 @dataclass(slots=True)
 class Error:
-    """How far estimates were from what came, as a share of what came: over every request
-    (the mean: MAPE) and recently (an exponential average)."""
+    """How far estimates were from what came, as a share of what came (at least
+    ``FLOOR_S``): over every request (the mean: MAPE) and recently (an exponential average)."""
 
     n: int = 0
     total: float = 0.0
     recent: float = 0.0
 
     def add(self, estimated_s: float, measured_s: float) -> None:
-        if measured_s <= 0:
-            return
-        e = abs(estimated_s - measured_s) / measured_s
+        e = abs(estimated_s - measured_s) / max(measured_s, FLOOR_S)
         self.n += 1
         self.total += e
         self.recent = e if self.n == 1 else self.recent + RECENT * (e - self.recent)
@@ -240,7 +240,8 @@ class LeastSquares:
     """Least squares over reports that fade, held to a prior, no coefficient below 0: the β
     minimizing Σ forgetᵃᵍᵉ (β·z − 1)² + Σₖ λₖ (βₖ − priorₖ)², where a report's z is its terms
     ÷ its measured time (relative error) and λₖ is ``PRIOR_WEIGHT`` typical reports' worth of
-    term k (so a term no report has shown stays at its prior)."""
+    term k, its typical share taken as at least ``Z_FLOOR`` (a term no report has shown stays
+    at its prior)."""
 
     def __init__(self, forget: float, prior_weight: float = PRIOR_WEIGHT) -> None:
         self.forget = forget
@@ -262,8 +263,10 @@ class LeastSquares:
                 row[j] = g * row[j] + zi * z[j]
 
     def solve(self, prior: list[float] | tuple[float, ...]) -> list[float]:
+        # (a term that has been a sliver of every report's time is held as one a tenth of
+        # it: its β is not for the reports to invent, and a longer prompt would multiply it)
         n = max(self.weight, 1.0)
-        ridge = [self.prior_weight * max(self.zz[k][k] / n, 1e-9) for k in range(N)]
+        ridge = [self.prior_weight * max(self.zz[k][k] / n, Z_FLOOR**2) for k in range(N)]
         free = set(range(N))
         while True:
             a = [
