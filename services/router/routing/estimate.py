@@ -13,10 +13,10 @@ each term in seconds at the configured rates (``Shape.terms``), so β₁ = β₃
 is the plain estimate, the prior: a pool that behaves as configured keeps it. The third term
 is attention (each new token reads the context before it), the fifth the storage tier's
 bandwidth shared by the loads running at once, the last a memory-tier hit's copy into the
-engine. A worker's fit is held to its pool's, which is held to the prior: a worker not heard
-from yet is its pool. Least squares on relative error (a request's miss counts as a share of
-its time, as the estimate's error is reported), recent reports weighing more, the prior worth
-``PRIOR_WEIGHT`` reports, no term below 0.
+engine. A worker's fit is held to its pool's (``POOL_WEIGHT`` reports' worth), which is held to
+the prior (``PRIOR_WEIGHT``); a worker not heard from yet is its measured peers' mean. Least
+squares on relative error (a request's miss counts as a share of its time, as the estimate's
+error is reported), recent reports weighing more, no term below 0.
 
 The queue's wait is learned too, one factor per pool: what requests waited against the work
 the router counted ahead of them (a worker's batches and other routers' requests make them
