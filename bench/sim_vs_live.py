@@ -5,8 +5,9 @@ simulated in the world of those same workers, for two routing policies.
 The world: the workers' engine profiled on this machine with their thread count
 (simulator/measure.py), its KV bytes per token and import rates measured, no batching (kvmesh's
 prefill worker batches prompts whose whole length fits its 512-token chunk: none of these do),
-and the mesh's own time outside the workers (short requests alone, live, less their profiled
-compute). Each request's TTFT is compared, and the mean and the p99.
+and the mesh's own time outside the engine's compute, per request and per prompt token (new
+prompts of two lengths sent alone, live, less their profiled compute). Each request's TTFT is
+compared, and the mean and the p99.
 
 Prints a table; the last line is one JSON object: per policy the per-request error (mean of
 |sim − live| ÷ live), the mean's and the p99's signed errors, and the live and simulated
@@ -30,16 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.e2e import Stack  # noqa: E402
 from simulator.measure import kv_rates, profile_engine  # noqa: E402
 from simulator.validate import (  # noqa: E402
-    LiveRequest,
     compare,
-    overhead_s,
+    measure_overhead,
     replay_live,
     sessions,
     simulated,
     world_of,
 )
 
-SHORT = 64  # tokens of the requests that measure the mesh's overhead
+SHORT = 64  # tokens of the short requests that measure the mesh's overhead (and the longest)
 
 
 def say(msg: str) -> None:
@@ -100,18 +100,16 @@ def main() -> None:
         )
         try:
             stack.wait_ready()
-            shorts = [
-                LiveRequest(0.0, [100 + (i * 7 + j) % 30000 for j in range(SHORT)], 2)
-                for i in range(8)
-            ]
-            alone = [asyncio.run(replay_live(stack.url, args.model, [r]))[0] for r in shorts]
-            overhead = overhead_s(alone[2:], profile, SHORT)  # (the first warm the path)
+            overhead = measure_overhead(stack.url, args.model, profile, (SHORT, longest // 2))
             overheads.append(overhead)
-            say(f"{policy}: overhead {overhead * 1e3:.1f} ms; replaying {len(requests)} requests")
+            say(
+                f"{policy}: overhead {overhead[0] * 1e3:.1f} ms + {overhead[1] * 1e6:.1f} µs a "
+                f"token; replaying {len(requests)} requests"
+            )
             live = asyncio.run(replay_live(stack.url, args.model, requests))
         finally:
             stack.stop()
-        world = world_of(tmp / "profile.json", kv, batch_tokens=0, overhead_s=overhead)
+        world = world_of(tmp / "profile.json", kv, batch_tokens=0, overhead=overhead)
         sim = simulated(requests, world, policy, workers=2)
         results[policy] = compare(live, sim)
 
@@ -133,7 +131,8 @@ def main() -> None:
         p: {k: round(v, 4) if isinstance(v, float) else v for k, v in c.items()}
         for p, c in results.items()
     }
-    out["overhead_ms"] = [round(o * 1e3, 2) for o in overheads]
+    out["overhead_ms"] = [round(o[0] * 1e3, 2) for o in overheads]
+    out["overhead_us_per_token"] = [round(o[1] * 1e6, 2) for o in overheads]
     out["profile_tok_s"] = round(profile.tok_s(0, 1024))
     print(json.dumps(out))
 

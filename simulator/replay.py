@@ -321,7 +321,7 @@ def simulate(
             mem_tokens, loaded, uncached = part.memory, part.loaded, part.uncached
             r = requests[i]
             running[p] -= 1
-            ttft = now - arrived + world.overhead_s
+            ttft = now - arrived + world.overhead_s + world.overhead_s_per_token * r.n_in
             result.ttft_s.append(ttft)
             result.ttft_of[i] = ttft
             result.input_tokens += r.n_in

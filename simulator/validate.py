@@ -67,7 +67,11 @@ def as_trace(requests: list[LiveRequest], block: int = BLOCK) -> list[TraceReque
 
 
 def world_of(
-    profile: Path, kv: KvRates, batch_tokens: int, overhead_s: float, variation: float = -1.0
+    profile: Path,
+    kv: KvRates,
+    batch_tokens: int,
+    overhead: tuple[float, float],
+    variation: float = -1.0,
 ) -> WorldSettings:
     """The live workers' world: the profile at its own rate, the engine's KV figures (the
     storage tier's bandwidth never shared: one machine's page cache), their pass budget."""
@@ -81,7 +85,8 @@ def world_of(
         link_gb_s=kv.storage_gb_s,
         memory_gb_s=kv.memory_gb_s,
         batch_tokens=batch_tokens,
-        overhead_s=overhead_s,
+        overhead_s=overhead[0],
+        overhead_s_per_token=overhead[1],
     )
 
 
@@ -158,7 +163,27 @@ def compare(live: list[float], sim: list[float]) -> dict:
     }
 
 
-def overhead_s(live_short: list[float], profile: EngineProfile, tokens: int) -> float:
-    """The mesh's time outside the workers: short requests' live TTFT (alone) less what the
-    profile says their compute takes."""
-    return max(0.0, statistics.median(live_short) - profile.prefill_s(0, tokens))
+def overhead(alone: dict[int, list[float]], profile: EngineProfile) -> tuple[float, float]:
+    """The mesh's time outside the engine's compute, per request and per prompt token: new
+    prompts of two lengths sent alone (live TTFTs by length), less what the profile says
+    their compute takes, through the two points."""
+    (short, a), (long, b) = sorted(
+        (n, max(0.0, statistics.median(ts) - profile.prefill_s(0, n))) for n, ts in alone.items()
+    )
+    per_token = max(0.0, (b - a) / (long - short))
+    return max(0.0, a - per_token * short), per_token
+
+
+def measure_overhead(
+    url: str, model: str, profile: EngineProfile, lengths: tuple[int, int], each: int = 5
+) -> tuple[float, float]:
+    """``overhead`` from new prompts of the two lengths sent alone, one after another, on
+    the live mesh (the first of each length warms its path and is left out)."""
+    rng = random.Random(99)
+    alone: dict[int, list[float]] = {}
+    for n in lengths:
+        for _ in range(each + 1):
+            r = LiveRequest(0.0, [rng.randrange(100, 40000) for _ in range(n)], 2)
+            alone.setdefault(n, []).append(asyncio.run(replay_live(url, model, [r]))[0])
+        alone[n] = alone[n][1:]
+    return overhead(alone, profile)

@@ -59,7 +59,8 @@ class Part:
 
 class World(ABC):
     batch_tokens = 0  # uncached tokens one pass may take over several requests (0: one each)
-    overhead_s = 0.0  # every request's time outside the workers, added to its TTFT
+    overhead_s = 0.0  # every request's time outside the engine's compute, added to its TTFT...
+    overhead_s_per_token = 0.0  # ...and per prompt token (hashing, lookups, KV exported)
 
     @abstractmethod
     def service(
@@ -132,9 +133,11 @@ class WorldSettings:
     decode_tok_s: float = 14_000.0
     min_tpot_s: float = 0.02
     hbm_gb_s: float = 3350.0
-    # What every request spends outside the workers (router, bus, network): none in a card's
-    # figures; measured on a live mesh (simulator/validate.py).
+    # What every request spends outside the engine's compute (router, bus, lookups, its KV
+    # exported), and per prompt token: none in a card's figures; measured on a live mesh
+    # (simulator/validate.py).
     overhead_s: float = 0.0
+    overhead_s_per_token: float = 0.0
     seed: int = 0
 
     @classmethod
@@ -173,6 +176,7 @@ class ProfiledWorld(World):
         self.shared_s = self.profile.shared_pass_s()
         self.batch_tokens = settings.batch_tokens
         self.overhead_s = settings.overhead_s
+        self.overhead_s_per_token = settings.overhead_s_per_token
         self.store_gb_s = settings.store_gb_s_per_worker * workers
         spread = settings.variation if settings.variation >= 0 else base.spread
         # a lognormal of median 1 whose median |x - 1| is about ``spread`` (small spreads)

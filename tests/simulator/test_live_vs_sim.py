@@ -13,9 +13,8 @@ import pytest
 from simulator.measure import KvRates, kv_rates, profile_engine
 from simulator.profile import EngineProfile
 from simulator.validate import (
-    LiveRequest,
     compare,
-    overhead_s,
+    measure_overhead,
     replay_live,
     sessions,
     simulated,
@@ -50,11 +49,10 @@ def test_the_simulated_ttfts_follow_the_live_ones(
         KVMESH_DECODE_KV_CACHE_TOKENS="16384",
     )
     profile_path, kv = world
-    shorts = [LiveRequest(0.0, [100 + i * 64 + j for j in range(64)], 2) for i in range(6)]
-    alone = [asyncio.run(replay_live(stack.url, "tiny", [r]))[0] for r in shorts]
-    overhead = overhead_s(alone[2:], EngineProfile.read(profile_path), 64)
+    profile = EngineProfile.read(profile_path)
+    overhead = measure_overhead(stack.url, "tiny", profile, (64, LONGEST // 2), each=3)
     live = asyncio.run(replay_live(stack.url, "tiny", REQUESTS))
-    settings = world_of(profile_path, kv, batch_tokens=0, overhead_s=overhead)
+    settings = world_of(profile_path, kv, batch_tokens=0, overhead=overhead)
     sim = simulated(REQUESTS, settings, policy, workers=2)
     c = compare(live, sim)
     # Loose: this machine's two cores run the router, the workers and this test at once.
