@@ -22,24 +22,71 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import openai  # noqa: E402
+
 from bench.e2e import Stack  # noqa: E402
 from simulator.measure import kv_rates, profile_engine  # noqa: E402
+from simulator.profile import EngineProfile  # noqa: E402
 from simulator.validate import (  # noqa: E402
+    LiveRequest,
     compare,
-    measure_overhead,
-    replay_live,
+    overhead,
     sessions,
     simulated,
     world_of,
 )
 
 SHORT = 64  # tokens of the short requests that measure the mesh's overhead (and the longest)
+
+
+async def replay_live(
+    url: str, model: str, requests: list[LiveRequest], api_key: str = "none"
+) -> list[float]:
+    """Each request sent at its time as a streamed completion of its token ids; its TTFT as
+    the client saw it (sent → first token), in the requests' order."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
+    start = time.perf_counter()
+
+    async def one(r: LiveRequest) -> float:
+        await asyncio.sleep(max(0.0, start + r.t - time.perf_counter()))
+        sent = time.perf_counter()
+        stream = await client.completions.create(
+            model=model, prompt=r.ids, max_tokens=r.n_out, temperature=0, stream=True
+        )
+        first = None
+        async for _ in stream:
+            if first is None:
+                first = time.perf_counter() - sent
+        assert first is not None, "no token came"
+        return first
+
+    try:
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+    finally:
+        await client.close()
+
+
+def measure_overhead(
+    url: str, model: str, profile: EngineProfile, lengths: tuple[int, int], each: int = 5
+) -> tuple[float, float]:
+    """``overhead`` from new prompts of the two lengths sent alone, one after another, on
+    the live mesh (the first of each length warms its path and is left out)."""
+    rng = random.Random(99)
+    alone: dict[int, list[float]] = {}
+    for n in lengths:
+        for _ in range(each + 1):
+            r = LiveRequest(0.0, [rng.randrange(100, 40000) for _ in range(n)], 2)
+            alone.setdefault(n, []).append(asyncio.run(replay_live(url, model, [r]))[0])
+        alone[n] = alone[n][1:]
+    return overhead(alone, profile)
 
 
 def say(msg: str) -> None:

@@ -5,20 +5,16 @@ profile unscaled, the KV rates and bytes per token measured on the same engine, 
 pass budget, and the mesh's own time outside the workers (measured on it). Each request's
 TTFT, the mean and the p99 are compared (``compare``).
 
-``bench/sim_vs_live.py`` reports the error for two policies; ``tests/simulator/
-test_live_vs_sim.py`` checks it loosely at a small size.
+``bench/sim_vs_live.py`` drives the live mesh and reports the error for two policies;
+``tests/simulator/test_live_vs_sim.py`` checks it loosely at a small size.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import openai
 
 from shared.kvstore.hashing import block_hashes
 from simulator.measure import BLOCK, KvRates
@@ -113,33 +109,6 @@ def simulated(
     return [result.ttft_of[i] for i in range(len(requests))]
 
 
-async def replay_live(
-    url: str, model: str, requests: list[LiveRequest], api_key: str = "none"
-) -> list[float]:
-    """Each request sent at its time as a streamed completion of its token ids; its TTFT as
-    the client saw it (sent → first token), in the requests' order."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0)
-    start = time.perf_counter()
-
-    async def one(r: LiveRequest) -> float:
-        await asyncio.sleep(max(0.0, start + r.t - time.perf_counter()))
-        sent = time.perf_counter()
-        stream = await client.completions.create(
-            model=model, prompt=r.ids, max_tokens=r.n_out, temperature=0, stream=True
-        )
-        first = None
-        async for _ in stream:
-            if first is None:
-                first = time.perf_counter() - sent
-        assert first is not None, "no token came"
-        return first
-
-    try:
-        return list(await asyncio.gather(*(one(r) for r in requests)))
-    finally:
-        await client.close()
-
-
 def pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
@@ -172,18 +141,3 @@ def overhead(alone: dict[int, list[float]], profile: EngineProfile) -> tuple[flo
     )
     per_token = max(0.0, (b - a) / (long - short))
     return max(0.0, a - per_token * short), per_token
-
-
-def measure_overhead(
-    url: str, model: str, profile: EngineProfile, lengths: tuple[int, int], each: int = 5
-) -> tuple[float, float]:
-    """``overhead`` from new prompts of the two lengths sent alone, one after another, on
-    the live mesh (the first of each length warms its path and is left out)."""
-    rng = random.Random(99)
-    alone: dict[int, list[float]] = {}
-    for n in lengths:
-        for _ in range(each + 1):
-            r = LiveRequest(0.0, [rng.randrange(100, 40000) for _ in range(n)], 2)
-            alone.setdefault(n, []).append(asyncio.run(replay_live(url, model, [r]))[0])
-        alone[n] = alone[n][1:]
-    return overhead(alone, profile)

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.sim_vs_live import measure_overhead, replay_live
 from simulator.measure import KvRates, kv_rates, profile_engine
 from simulator.profile import EngineProfile
 from simulator.validate import (
     compare,
-    measure_overhead,
-    replay_live,
     sessions,
     simulated,
     world_of,
