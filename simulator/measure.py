@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from shared.engine.interface import EngineOptions, PrefillRequest
+from shared.engine.interface import Engine, EngineOptions, PrefillRequest
+from shared.engine.registry import load_engine, load_owning_engine
 from shared.engine.sampling import SamplingParams
-from shared.engine.torch.engine import TorchEngine
-from shared.engine.torch.loader import load_model
 from shared.kvstore.backend import FileStore
+from shared.model.catalog import resolve
 from simulator.profile import EngineProfile
 
 BLOCK = 64
@@ -37,7 +37,7 @@ def ids(n: int, seed: int) -> list[int]:
 class Measure:
     """Timed prefills on one engine, each over a prefix already held in its memory."""
 
-    def __init__(self, engine: TorchEngine, runs: int) -> None:
+    def __init__(self, engine: Engine, runs: int) -> None:
         self.engine = engine
         self.runs = runs
         self.n = 0
@@ -83,10 +83,11 @@ class Measure:
         return self.median(runs)
 
 
-def engine(model: str, threads: int, kv_tokens: int, state_dir: Path = Path(".kvmesh")):
+def engine(model: str, threads: int, kv_tokens: int, state_dir: Path = Path(".kvmesh")) -> Engine:
+    """The torch engine on ``model`` (a name the catalog knows), started."""
     torch.set_num_threads(threads)
-    options = EngineOptions(block_size=BLOCK, kv_cache_tokens=kv_tokens)
-    e = TorchEngine(load_model(model, state_dir), options)
+    options = EngineOptions(block_size=BLOCK, kv_cache_tokens=kv_tokens, threads=threads)
+    e = load_engine("torch", resolve(model, {}), state_dir, options)
     e.start()
     return e
 
@@ -189,9 +190,6 @@ def profile_vllm(
     it and times its first token; a batch is prompts sent at once)."""
     import asyncio
 
-    from shared.engine.vllm.engine import VllmEngine
-    from shared.model.catalog import resolve
-
     cached = tuple(c // BLOCK * BLOCK for c in cached)
     options = EngineOptions(
         block_size=BLOCK, kv_cache_tokens=8 * (max(cached) + max(uncached)), threads=threads
@@ -205,7 +203,7 @@ def profile_vllm(
 
     async def run() -> EngineProfile:
         say(f"starting vLLM on {model}")
-        e = VllmEngine.load(resolve(model, {}), state_dir, options)
+        e = load_owning_engine("vllm", resolve(model, {}), state_dir, options)
         await e.start()
         n = 0
 

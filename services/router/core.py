@@ -14,7 +14,6 @@ from pathlib import Path
 from services.router.dispatch.dispatcher import Dispatcher
 from services.router.dispatch.mesh import Mesh
 from services.router.observe.cachemiss import CacheMisses, Explainer
-from services.router.observe.estimates import ESTIMATES
 from services.router.observe.recorder import RequestRecorder
 from services.router.observe.sharing import StatsSharing
 from services.router.request.answer import Answers
@@ -50,7 +49,7 @@ class Core:
     ) -> Core:
         s, secrets = settings, common.resolved_secrets_dir
         mesh = Mesh(router_id, s, common.heartbeat_interval_s)
-        policy = ESTIMATES.policy = s.policy()  # (its estimates' errors on /metrics)
+        policy = s.policy()
         dispatcher = Dispatcher(bus, router_id, mesh.registry, mesh.breakers, policy, s, secrets)
         tenancy = Tenancy(s, secrets, mesh.lag)
         images = ImageReader(s, common)
