@@ -19,7 +19,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+# (bench/ itself is left off the path: its vllm.py would stand in for the vllm package)
+sys.path[:] = [str(REPO), *(p for p in sys.path if Path(p or ".").resolve() != REPO / "bench")]
 
 from simulator.measure import profile_engine, profile_vllm  # noqa: E402
 
