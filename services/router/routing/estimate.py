@@ -106,8 +106,6 @@ class Rates:
     """The plain estimate: a compute rate and a load rate, each a moving average of reports.
     A pool's (``pool=None``) holds its workers' mean rates, set by ``RoutingPolicy``."""
 
-    fitted = False
-
     def __init__(self, prefill_tok_s: float, load_tok_s: float, pool: Rates | None = None):
         self.prefill_tok_s = Ewma(prefill_tok_s)
         self.load_tok_s = Ewma(load_tok_s)
@@ -115,22 +113,23 @@ class Rates:
         self.error = Error()
 
     @property
-    def observed(self) -> int:
-        return self.prefill_tok_s.observed
-
-    @property
     def tok_s(self) -> float:
         """Uncached tokens a second (what a worker's reported queue takes)."""
         return self.prefill_tok_s.value
 
+    def parts(self, r: Shape) -> tuple[float, float]:
+        """The request's compute and load times here."""
+        return r.uncached / self.prefill_tok_s.value, r.loaded / self.load_tok_s.value
+
     def compute_s(self, r: Shape) -> float:
-        return r.uncached / self.prefill_tok_s.value
+        return self.parts(r)[0]
 
     def load_s(self, r: Shape) -> float:
-        return r.loaded / self.load_tok_s.value
+        return self.parts(r)[1]
 
     def service_s(self, r: Shape) -> float:
-        return self.compute_s(r) + self.load_s(r)
+        compute, load = self.parts(r)
+        return compute + load
 
     def wait_s(self, ahead_s: float) -> float:
         """How long a request waits behind ``ahead_s`` of estimated work."""
@@ -157,8 +156,6 @@ class Rates:
 class Fitted(Rates):
     """The fitted estimate: a pool's (``pool=None``), or a worker's, held to its pool's."""
 
-    fitted = True
-
     def __init__(self, prefill_tok_s: float, load_tok_s: float, pool: Fitted | None = None):
         super().__init__(prefill_tok_s, load_tok_s, pool)
         self.units = (prefill_tok_s, load_tok_s)  # fixed: the β's units
@@ -183,25 +180,16 @@ class Fitted(Rates):
         return self.pool.mean or self.pool.beta
 
     @property
-    def observed(self) -> int:
-        return self.fit.reports
-
-    @property
     def tok_s(self) -> float:
         return self.units[0] / max(self.beta[1] + self.beta[2] * 0.5 / ATTENTION_CONTEXT, 1e-9)
 
-    def _part(self, r: Shape, lo: int, hi: int) -> float:
+    def parts(self, r: Shape) -> tuple[float, float]:
+        """The compute terms (pass, uncached, attention) and the load terms, each summed."""
         beta, terms = self.beta, r.terms(*self.units)
-        return sum(beta[k] * terms[k] for k in range(lo, hi))
-
-    def compute_s(self, r: Shape) -> float:
-        return self._part(r, 0, 3)
-
-    def load_s(self, r: Shape) -> float:
-        return self._part(r, 3, N)
-
-    def service_s(self, r: Shape) -> float:
-        return self._part(r, 0, N)
+        return (
+            beta[0] * terms[0] + beta[1] * terms[1] + beta[2] * terms[2],
+            beta[3] * terms[3] + beta[4] * terms[4] + beta[5] * terms[5],
+        )
 
     def wait_s(self, ahead_s: float) -> float:
         return ahead_s * (self.pool or self).queue.value
@@ -218,14 +206,17 @@ class Fitted(Rates):
         self.own = self.fit.solve(PRIOR if pool is None else pool.beta)
         if pool is not None:
             pool.members[id(self)] = self.own
-            betas = pool.members.values()
-            pool.mean = [sum(b[k] for b in betas) / len(betas) for k in range(N)]
+            pool._remean()
 
     def leave(self) -> None:
         """The worker left its pool."""
         if self.pool is not None and self.pool.members.pop(id(self), None) is not None:
-            betas = self.pool.members.values()
-            self.pool.mean = [sum(b[k] for b in betas) / len(betas) for k in range(N)] or None
+            self.pool._remean()
+
+    def _remean(self) -> None:
+        """(a pool's) its reporting workers' mean β: none while none has reported."""
+        betas = self.members.values()
+        self.mean = [sum(b[k] for b in betas) / len(betas) for k in range(N)] if betas else None
 
     def waited(self, ahead_s: float, waited_s: float) -> None:
         (self.pool or self).queue.add(ahead_s, waited_s)
@@ -249,13 +240,11 @@ class LeastSquares:
         self.zz = [[0.0] * N for _ in range(N)]
         self.z1 = [0.0] * N
         self.weight = 0.0  # of all reports, faded
-        self.reports = 0
 
     def add(self, terms: tuple[float, ...], measured_s: float) -> None:
         g = self.forget
         z = [t / measured_s for t in terms]
         self.weight = g * self.weight + 1.0
-        self.reports += 1
         for i, zi in enumerate(z):
             self.z1[i] = g * self.z1[i] + zi
             row = self.zz[i]

@@ -81,7 +81,7 @@ class RoutingPolicy(ABC):
 
     def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
         self.defaults = defaults
-        self.pool = Pool(defaults.estimate(self.fitted), batch_tokens=defaults.batch_tokens)
+        self.pool = Pool.fresh(defaults, self.fitted)
         self.workers: dict[str, PrefillWorkerState] = {}
         # Blocks that requests in flight are computing: block → (when it is expected in the
         # storage tier, the request that will bring it there first).

@@ -53,6 +53,10 @@ class Pool:
     loading: int = 0
     batch_tokens: int = 0  # (CostDefaults.batch_tokens)
 
+    @classmethod
+    def fresh(cls, d: CostDefaults, fitted: bool) -> Pool:
+        return cls(d.estimate(fitted), batch_tokens=d.batch_tokens)
+
     @property
     def sharing(self) -> float:
         """The share of the pool loading now."""
@@ -91,7 +95,7 @@ class PrefillWorkerState:
     def fresh(
         cls, service_id: str, d: CostDefaults, pool: Pool | None = None, fitted: bool = False
     ) -> PrefillWorkerState:
-        pool = pool or Pool(d.estimate(fitted), batch_tokens=d.batch_tokens)
+        pool = pool or Pool.fresh(d, fitted)
         pool.workers += 1
         return cls(service_id, d.estimate(fitted, pool.estimate), pool)
 
@@ -305,14 +309,15 @@ def score_prefill(
     stored = min(limit, max(free, in_store)) - free
     shape = Shape(n_prompt - (free + stored) * block_size, stored * block_size, free * block_size)
     shape.sharing = worker.pool.sharing
+    compute_s, load_s = estimate.parts(shape)
     return PrefillScore(
         service_id=worker.service_id,
         memory_tokens=shape.memory,
         storage_tokens=shape.loaded,
         uncached_tokens=shape.uncached,
         queue_s=wait,
-        compute_s=estimate.compute_s(shape),
-        load_s=estimate.load_s(shape),
+        compute_s=compute_s,
+        load_s=load_s,
         ahead_s=ahead,
         sharing=shape.sharing,
         error=estimate.error.recent,

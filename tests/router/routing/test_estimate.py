@@ -128,3 +128,12 @@ def test_the_queues_factor_and_the_error_come_from_what_requests_waited() -> Non
     assert error.recent < 0.01 and error.recent < error.mape  # wronger at first (the waits)
     best = policy.rank(RouteRequest("x", 1000, 64, [], {}, t), ["p0", "p1"])[0]
     assert "estimate_error" in best.terms
+
+
+def test_the_last_measured_worker_leaving_leaves_the_pools_fit() -> None:
+    pool = Fitted(*RATES)
+    only, new = Fitted(*RATES, pool=pool), Fitted(*RATES, pool=pool)
+    for r in shapes(50):
+        only.observe(r, truth(r), 0.0)
+    only.leave()
+    assert pool.mean is None and new.beta == pool.beta  # no peer left: the pool's own fit
