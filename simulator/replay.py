@@ -61,7 +61,6 @@ class SimConfig:
 @dataclass
 class SimResult:
     policy: str
-    ttft_s: list[float] = field(default_factory=list)  # in the order they were prefilled
     ttft_of: dict[int, float] = field(default_factory=dict)  # by the request's index
     tpot_s: list[float] = field(default_factory=list)
     input_tokens: int = 0
@@ -73,6 +72,11 @@ class SimResult:
     output_tokens: int = 0
     estimate_mape: float = 0.0  # the policy's TTFT estimates against the replay's TTFTs
     estimate_terms: dict = field(default_factory=dict)  # what the pool's estimate learned
+
+    @property
+    def ttft_s(self) -> list[float]:
+        """Each request's TTFT, in the order they were prefilled."""
+        return list(self.ttft_of.values())
 
     def summary(self, n_prefill: int) -> dict:
         ttft = sorted(self.ttft_s)
@@ -246,8 +250,7 @@ def simulate(
     memory = {p: _Lru(cfg.memory_blocks) for p in prefills}
     store = _Lru(cfg.store_blocks)
     queues: dict[str, deque] = {p: deque() for p in prefills}
-    busy_until = dict.fromkeys(prefills, 0.0)
-    running = dict.fromkeys(prefills, 0)  # requests in the worker's pass now
+    running = dict.fromkeys(prefills, 0)  # requests in the worker's pass now (0: it is idle)
     decode_active = [0] * cfg.decode
     decode_tokens = [0] * cfg.decode  # the context its sequences hold together
     result = SimResult(policy_name, busy_s=dict.fromkeys(prefills, 0.0))
@@ -297,7 +300,6 @@ def simulate(
             if budget <= 0:
                 break
         took, services = world.batch(p, [b[3] for b in batch], now)
-        busy_until[p] = now + took
         result.busy_s[p] += took
         running[p] = len(batch)
         for (i, route, arrived, part), service in zip(batch, services, strict=True):
@@ -314,7 +316,7 @@ def simulate(
             chosen = policy.rank(route, prefills)[0].service_id
             policy.dispatched(chosen, route)
             queues[chosen].append((i, route, now))
-            if not running[chosen] and busy_until[chosen] <= now and len(queues[chosen]) == 1:
+            if not running[chosen]:  # (an idle worker's queue is empty until now)
                 start(chosen, now)
         elif kind == "prefilled":
             p, i, route, arrived, part, service = data  # type: ignore[misc]
@@ -322,7 +324,6 @@ def simulate(
             r = requests[i]
             running[p] -= 1
             ttft = now - arrived + world.overhead_s + world.overhead_s_per_token * r.n_in
-            result.ttft_s.append(ttft)
             result.ttft_of[i] = ttft
             result.input_tokens += r.n_in
             result.memory_hit_tokens += mem_tokens
