@@ -2,11 +2,11 @@
 `kvmesh sim`, in a simulated world that is not the policies' formula, and the router's decision
 latency.
 
-The world (``--world``, default simulator/worlds/profiled.json): prefill times from the torch
-engine's measured profile scaled to 60K tok/s (a token after a long context costs more), each
-request's compute varying by 10%, short prompts sharing passes, the storage tier's bandwidth
-shared by the loads running at once (3FS's published figures), memory hits costing a copy,
-decode steps reading their sequences' KV (simulator/world.py). Each cell is replayed with
+The world (``--world``, default ``profiled``: simulator/worlds/profiled.json): prefill times
+from the torch engine's measured profile scaled to 60K tok/s (a token after a long context costs
+more), each request's compute varying by 10%, short prompts sharing passes, the storage tier's
+bandwidth shared by the loads running at once (3FS's published figures), memory hits costing a
+copy, decode steps reading their sequences' KV (simulator/world.py). Each cell is replayed with
 ``--seeds`` of the world's variation, and with the storage bandwidth scaled by each of
 ``--store-scales``. ``--world policy`` replays in the policies' own estimate instead.
 
@@ -68,7 +68,6 @@ from simulator.world import WorldSettings  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TRACES_DIR = REPO.parent / "shared" / "traces"
-WORLD = REPO / "simulator" / "worlds" / "profiled.json"
 TRACE_FILES = {
     "mooncake": "synthetic_trace.jsonl",
     "azure_conv": "AzureLLMInferenceTrace_conv.csv",
@@ -287,8 +286,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--world",
-        default=str(WORLD),
-        help="a world file (simulator/world.py), or 'policy': the policies' own estimate",
+        default="profiled",
+        help="a world by name (simulator/worlds/) or file (simulator/world.py), or 'policy': "
+        "the policies' own estimate",
     )
     ap.add_argument("--seeds", default="0,1,2", help="of the world's variation")
     ap.add_argument("--store-scales", default="1", help="the storage bandwidth, scaled by each")
