@@ -12,7 +12,7 @@ from shared.bus.auth import connect_options
 from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot, WorkerEntry
 from shared.settings import CommonSettings, SettingsError, load_settings
 
-COLUMNS = ("ROLE", "ID", "STATUS", "ADDRESS", "HEARTBEAT AGE", "LOAD", "BREAKER")
+COLUMNS = ("ROLE", "ID", "STATUS", "ADDRESS", "HEARTBEAT AGE", "LOAD", "BREAKER", "KV EVENTS")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -38,6 +38,7 @@ def format_table(snapshot: RegistrySnapshot) -> str:
             f"{e.age_s:.1f} s",
             load_text(e),
             e.breaker.replace("_", "-"),
+            e.kv_events,
         )
         for e in snapshot.workers
     ]
@@ -47,6 +48,8 @@ def format_table(snapshot: RegistrySnapshot) -> str:
         for row in [COLUMNS, *rows]
     ]
     lines.append(f"{len(rows)} services, as seen by router {snapshot.router_id}")
+    mib = snapshot.index_bytes / 2**20
+    lines.append(f"its KV index: {snapshot.index_blocks} blocks, {mib:.1f} MiB")
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from shared.bus import Bus, subjects
 from shared.engine.interface import EngineOptions, OwningEngine
 from shared.engine.registry import engine_class, load_owning_engine
-from shared.kvstore.tiers import MEMORY, publish_kv_event
+from shared.kvstore.tiers import MEMORY
 from shared.messages.generate import Cancel, GenerateTask, TaskAck
 from shared.messages.heartbeat import Load
 from shared.messages.kvevents import STORE, memory_location
@@ -72,6 +72,7 @@ class OwningWorker(WorkerService):
             self.engine_options(),
         )
         self.owning = engine  # (its cache's events may come as it starts)
+        await self.start_kv_events(stack, bus)
         await engine.start(self.blocks)
         stack.push_async_callback(engine.stop)
         self.say_ready(started, engine.stats(), " (it owns its KV)")
@@ -90,20 +91,37 @@ class OwningWorker(WorkerService):
         """The engine's blocks changed: KV events at this worker's memory location (its own
         cache: the router's lookups find what it holds, and its death drops them) or at the
         storage tier (what its storage connector wrote or found damaged)."""
-        assert self.bus is not None and self.owning is not None
+        assert self.kv_events is not None
         if not block_bytes:  # (its own cache's: in memory, at the engine's dtype)
-            block_bytes = self.owning.block_size * self.owning.config.kv_bytes_per_token()
+            block_bytes = self.block_bytes()
         sizes = [block_bytes] * len(hashes) if kind == "stored" else []
         location = memory_location(self.service_id) if tier == MEMORY else STORE
-        await publish_kv_event(
-            self.bus, subjects.kv_events(self.role), kind, location, hashes, sizes, retention
-        )
+        await self.kv_events.publish(kind, location, hashes, sizes, retention)
+
+    def block_bytes(self) -> int:
+        """A block of its own cache's: in memory, at the engine's dtype."""
+        assert self.owning is not None
+        return self.owning.block_size * self.owning.config.kv_bytes_per_token()
+
+    def memory_blocks(self) -> list[tuple[str, int]]:
+        if self.owning is None:
+            return []
+        size = self.block_bytes()
+        return [(h, size) for h in self.owning.cached_blocks()]
+
+    def computed(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A prompt computed: its full blocks not found cached are new, each to be announced
+        by the engine's cache events (a feed that stops while this counts is flagged)."""
+        if self.kv_events is not None and self.owning is not None:
+            bs = self.owning.block_size
+            self.kv_events.new_blocks += max(0, prompt_tokens // bs - cached_tokens // bs)
 
     def load(self) -> Load:
         if self.owning is None:
             return Load()
         stats = self.owning.stats()
         return Load(  # inflight: what this worker accepted (the engine's own count lags a step)
+            **self.kv_event_figures(),
             inflight=len(self.answers),
             queued=max(0, stats.sequences - stats.running),
             kv_blocks_used=stats.kv_blocks_used,

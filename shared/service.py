@@ -26,7 +26,7 @@ import uvloop
 from aiohttp import web
 from pydantic import Field
 
-from shared import __version__
+from shared import __version__, faults
 from shared.bus import Bus, BusError, subjects
 from shared.bus.auth import connect_options
 from shared.httperrors import openai_errors
@@ -184,6 +184,7 @@ def build_app(service: Service) -> web.Application:
             web.get("/health", service.health),
             web.get("/metrics", metrics_handler),
             *service.routes(),
+            *(faults.routes() if service.common.fault_hooks else ()),
         ]
     )
     return app

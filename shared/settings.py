@@ -116,6 +116,18 @@ class CommonSettings(KvmeshSettings):
     )
     log_level: LogLevel = "info"
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60)
+    fault_hooks: bool = Field(
+        default=False,
+        description="tests only: serve PUT/DELETE /faults/{name}, faults switched on inside the "
+        "process (shared/faults.py; the route has no auth)",
+    )
+
+    @property
+    def kv_feed_bound_s(self) -> float:
+        """How late a worker's KV events may come (or how long they may stop while it
+        computes) before its feed is stale: a stopped feed is flagged within 3 heartbeats."""
+        return 1.5 * self.heartbeat_interval_s
+
     drain_timeout_s: float = Field(default=10.0, ge=0, le=600)
     nats_connect_timeout_s: float = Field(
         default=30.0, gt=0, le=600, description="how long to wait for NATS at start"

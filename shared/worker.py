@@ -28,6 +28,7 @@ from shared.engine.interface import (
 )
 from shared.engine.kvformat import DTYPES, BadBlock
 from shared.engine.registry import ENGINES, load_engine
+from shared.kvindex.publisher import KvEventPublisher
 from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
 from shared.kvstore.tiers import MEMORY, STORAGE, CachedPrefix, KvTiers
@@ -41,6 +42,7 @@ from shared.messages.generate import (
     TokenEvents,
 )
 from shared.messages.heartbeat import Load
+from shared.messages.kvevents import ResyncRequest
 from shared.model.catalog import ModelError, resolve
 from shared.model.text import check_model
 from shared.runner import EngineRunner
@@ -137,6 +139,7 @@ class WorkerService(Service):
         self.bus: Bus | None = None
         self.runner: EngineRunner | None = None
         self.tiers: KvTiers | None = None
+        self.kv_events: KvEventPublisher | None = None
         self.spans: dict[str, Span] = {}  # each request's span here, open until it leaves
 
     # -- a request's span here (its steps are its children) ---------------------------------
@@ -203,11 +206,25 @@ class WorkerService(Service):
         stack.callback(self.runner.close)
         self.say_ready(started, engine.stats())
         store = FileStore(self.common.resolved_kv_store_dir) if s.kv_store else None
-        self.tiers = KvTiers(
-            bus, self.role, self.service_id, s.memory_tier_bytes, store, s.write_queue_blocks
-        )
+        events = await self.start_kv_events(stack, bus)
+        self.tiers = KvTiers(bus, events, s.memory_tier_bytes, store, s.write_queue_blocks)
         await self.tiers.start(stack)
         await bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+
+    async def start_kv_events(self, stack: AsyncExitStack, bus: Bus) -> KvEventPublisher:
+        """This worker's KV events, and resyncs of them when a holder of the index asks."""
+        events = self.kv_events = KvEventPublisher(bus, self.role, self.service_id, self.started_at)
+        stack.push_async_callback(events.stop)
+
+        async def on_resync(req: ResyncRequest) -> None:
+            events.resync(self.memory_blocks(), f"asked by {req.by}: {req.why}")
+
+        await bus.subscribe(subjects.kv_resync(self.service_id), ResyncRequest, on_resync)
+        return events
+
+    def memory_blocks(self) -> list[tuple[str, int]]:
+        """What this worker's memory tier holds: each block's hash and bytes."""
+        return self.tiers.held() if self.tiers is not None else []
 
     def say_ready(self, started: float, stats: EngineStats, what: str = "") -> None:
         """The engine is ready (``started``: the monotonic clock when its loading began)."""
@@ -223,12 +240,20 @@ class WorkerService(Service):
             stats.block_size,
         )
 
+    def kv_event_figures(self) -> dict[str, int]:
+        """What heartbeats say of this worker's KV events (``shared/kvindex/feeds.py``)."""
+        events = self.kv_events
+        return (
+            {} if events is None else {"kv_events": events.made, "kv_new_blocks": events.new_blocks}
+        )
+
     def worker_load(self, **figures: int) -> Load:
         """Load with the engine's and the tiers' figures filled in."""
         if self.runner is None or self.tiers is None:
             return Load(**figures)
         stats = self.engine.stats()
         return Load(
+            **self.kv_event_figures(),
             kv_blocks_used=stats.kv_blocks_used,
             kv_blocks_total=stats.kv_blocks_total,
             kv_block_size=stats.block_size,

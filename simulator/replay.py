@@ -10,7 +10,7 @@ steps reading their sequences' KV). A decode card makes 14K tok/s shared by its 
 each at most 1/min_tpot. Each prefill worker takes its queue in arrival order, a request a
 pass (in a profiled world short ones share a pass). Every prefill worker has a memory tier (LRU, in
 blocks); the storage tier has a capacity (LRU) and a retention (TTL after last use, by class).
-Stores and evictions become KV events applied to cachemeta's BlockIndex, which answers the
+Stores and evictions become KV events applied to the BlockIndex (shared/kvindex), which answers the
 router's lookups, as in the live mesh.
 """
 
@@ -23,7 +23,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.cachemeta.index import BlockIndex
+from shared.kvindex.index import BlockIndex
 from services.router.routing.policies import POLICIES
 from services.router.routing.route import RouteRequest
 from services.router.routing.ttft import CostDefaults

@@ -123,7 +123,7 @@ class Stack:
         """Cachemeta's answer (location → leading blocks held); None while none answers."""
 
         async def ask() -> dict[str, int] | None:
-            bus = await connect_as(self.nats_url, "router", secrets_dir(self.dir))
+            bus = await connect_as(self.nats_url, "cli", secrets_dir(self.dir))
             try:
                 reply = await bus.request(
                     subjects.CACHEMETA_LOOKUP, LookupRequest.of(hashes), LookupReply, 5.0

@@ -1,10 +1,16 @@
-"""The cachemeta process: where every KV block lives.
+"""The cachemeta process: the authority on what is deleted from the KV cache.
 
-It consumes the KV event stream with a durable consumer into the block index, answers lookups
-over NATS request/reply, deletes expired and evicted block files from the storage tier (and
-says so on the stream), and forgets a worker's memory tier when the worker goes away. The index
-is saved every ``snapshot_interval_s`` with the stream position it reflects; on a restart the
-consumer is placed just after that position, so the stream replays what the snapshot lacks.
+It consumes the KV event stream with a durable consumer into the block index (the same one
+every router keeps), deletes expired and evicted block files from the storage tier, and says
+so on the stream: every router applies its removals, as it applies the blocks routers used
+(touches, which restart TTL and LRU clocks everywhere). A worker that stops has its memory tier
+cleared, on the stream too. It watches each worker's KV event feed as routers do
+(``shared/kvindex/watch.py``) and answers lookups for tools and tests (routers look up in their
+own index).
+
+The index is saved every ``snapshot_interval_s`` with the stream position it reflects, to its
+state dir and to the bus (where a router starting finds it); on a restart the consumer is
+placed just after that position, so the stream replays what the snapshot lacks.
 """
 
 from __future__ import annotations
@@ -16,26 +22,30 @@ import time
 from contextlib import AsyncExitStack, suppress
 from pathlib import Path
 
+from aiohttp import web
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from opentelemetry.trace import SpanKind
 
-from services.cachemeta.index import BlockIndex
 from services.cachemeta.settings import CachemetaSettings
 from shared.bus import Bus, subjects
 from shared.files import write_atomically
+from shared.kvindex.follow import publish_snapshot
+from shared.kvindex.publisher import KvEventPublisher
+from shared.kvindex.view import KvIndex, SnapshotError
+from shared.kvindex.watch import FeedWatch, IndexCollector
 from shared.kvstore.backend import FileStore
 from shared.messages.heartbeat import Heartbeat, Load
 from shared.messages.kvevents import STORE, KvEvent, LookupReply, LookupRequest, memory_location
 from shared.service import Service
 from shared.settings import CommonSettings
+from shared.telemetry.metrics import register_load
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
 
 CONSUMER = "cachemeta"
-TOUCH_SLICE = 200  # blocks marked used per turn of the event loop
 
 
 class CachemetaService(Service):
@@ -44,29 +54,43 @@ class CachemetaService(Service):
     def __init__(self, common: CommonSettings, settings: CachemetaSettings) -> None:
         super().__init__(common, settings)
         self.settings: CachemetaSettings = settings
-        self.index = BlockIndex(settings.ttls())
-        self.applied_seq = 0  # the last stream message applied to the index
+        self.index = self.fresh_index()
         self.saved_seq = -1  # the position of the last snapshot written
         self.snapshot_path = Path(common.state_dir) / "cachemeta" / "index.json"
         self.store = FileStore(common.resolved_kv_store_dir)
         self.bus: Bus | None = None
+        self.events: KvEventPublisher | None = None
+        self.watch: FeedWatch | None = None
         self.workers_seen: dict[str, float] = {}  # memory location → last heartbeat (monotonic)
-        self.touches: asyncio.Queue[tuple[list[str], float]] = asyncio.Queue()
+        self.catch_up_to = 0  # the stream's last message at start
+
+    def fresh_index(self) -> KvIndex:
+        return KvIndex(self.settings.ttls(), lru=True, bound_s=self.common.kv_feed_bound_s)
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         self.bus = bus
+        self.events = KvEventPublisher(bus, self.role, self.service_id, self.started_at)
         await bus.ensure_stream(
             subjects.KV_EVENTS_STREAM,
             [subjects.KV_EVENTS_ALL],
             max_age_s=max(self.settings.ttls().values()) + 86400,
         )
+        await bus.ensure_stream(
+            subjects.KV_INDEX_STREAM, [subjects.KV_INDEX_ALL], last_per_subject=True
+        )
         self._load_snapshot()
+        # Nothing is expired before the stream is caught up with: a block a router used
+        # while this process was away is kept alive by a touch still to be applied.
+        info = await bus.js.stream_info(subjects.KV_EVENTS_STREAM)
+        self.catch_up_to = info.state.last_seq
+        self.watch = FeedWatch(self.index, bus, self.service_id)
+        register_load(IndexCollector(self.watch))
         await self._consume(stack)
         await bus.serve(
             subjects.CACHEMETA_LOOKUP, LookupRequest, self.on_lookup, subjects.CACHEMETA_QUEUE
         )
         await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
-        for loop in (self._gc_loop(), self._snapshot_loop(), self._touch_loop()):
+        for loop in (self._gc_loop(), self._snapshot_loop(), self._watch_loop()):
             task = asyncio.create_task(loop)
             stack.callback(task.cancel)
         stack.push_async_callback(self.save_snapshot)
@@ -74,20 +98,31 @@ class CachemetaService(Service):
     def load(self) -> Load:
         return Load(inflight=len(self.index))
 
+    async def health(self, request: web.Request) -> web.Response:
+        """The heartbeat's figures, and the workers whose KV events are stale (degraded)."""
+        body = self.heartbeat().model_dump(mode="json")
+        stale = self.watch.stale() if self.watch else {}
+        body["kv_events"] = {"stale": stale, "applied_seq": self.index.seq}
+        body["health"] = "degraded" if stale else "ok"
+        return web.json_response(body, status=200 if self.status == "ready" else 503)
+
     # -- the index, from a snapshot and the stream ----------------------------------------
 
     def _load_snapshot(self) -> None:
         if not self.snapshot_path.is_file():
             return
         try:
-            saved = json.loads(self.snapshot_path.read_text())
-            self.index = BlockIndex.from_rows(saved["rows"], self.settings.ttls())
-            self.applied_seq = int(saved["seq"])
-        except (ValueError, KeyError, TypeError) as err:
+            self.index = KvIndex.from_snapshot(
+                self.snapshot_path.read_bytes(),
+                self.settings.ttls(),
+                lru=True,
+                bound_s=self.common.kv_feed_bound_s,
+            )
+        except (OSError, SnapshotError) as err:
             log.warning("index snapshot unreadable (%s): rebuilding from the stream", err)
-            self.index, self.applied_seq = BlockIndex(self.settings.ttls()), 0
+            self.index = self.fresh_index()
             return
-        log.info("index snapshot: %d blocks, stream position %d", len(self.index), self.applied_seq)
+        log.info("index snapshot: %d blocks, stream position %d", len(self.index), self.index.seq)
 
     async def _consume(self, stack: AsyncExitStack) -> None:
         """A durable consumer placed just after the snapshot's position."""
@@ -95,7 +130,7 @@ class CachemetaService(Service):
         js = self.bus.js
         with suppress(NotFoundError):
             await js.delete_consumer(subjects.KV_EVENTS_STREAM, CONSUMER)
-        start = self.applied_seq + 1
+        start = self.index.seq + 1
         config = ConsumerConfig(
             durable_name=CONSUMER,
             ack_policy=AckPolicy.EXPLICIT,
@@ -115,28 +150,26 @@ class CachemetaService(Service):
 
     async def _on_event_msg(self, raw: Msg) -> None:
         seq = raw.metadata.sequence.stream
-        if seq > self.applied_seq:
-            try:
-                self.index.apply(KvEvent.from_bytes(raw.data))
-            except ValueError as err:
-                log.warning("dropped a malformed KV event (stream seq %d): %s", seq, err)
-            self.applied_seq = seq
+        try:
+            event = KvEvent.from_bytes(raw.data)
+        except ValueError as err:
+            log.warning("dropped a malformed KV event (stream seq %d): %s", seq, err)
+            self.index.seq = max(self.index.seq, seq)
+        else:
+            self.index.apply(event, seq)
         await raw.ack()
 
     async def save_snapshot(self) -> None:
-        """The index and the stream position it reflects, written atomically off the loop.
-        Entries may change while they are written: those changes come after ``seq`` and
-        are replayed on a restart (applying an event twice changes nothing)."""
-        if self.applied_seq == self.saved_seq:
+        """The index and the stream position it reflects, written atomically off the loop,
+        to the state dir and to the bus (for routers starting)."""
+        if self.index.seq == self.saved_seq:
             return
-        seq = self.applied_seq
-        index = self.index.copy_for_snapshot()
-
-        def write() -> None:
-            write_atomically(self.snapshot_path, json.dumps({"seq": seq, "rows": index.to_rows()}))
-
-        await asyncio.to_thread(write)
-        self.saved_seq = seq
+        frozen = self.index.frozen()
+        data = await asyncio.to_thread(frozen.snapshot)
+        await asyncio.to_thread(write_atomically, self.snapshot_path, data)
+        self.saved_seq = frozen.seq
+        assert self.bus is not None
+        await publish_snapshot(self.bus, data, frozen.seq)
 
     async def _snapshot_loop(self) -> None:
         while True:
@@ -161,14 +194,8 @@ class CachemetaService(Service):
         return reply
 
     def _lookup(self, req: LookupRequest) -> LookupReply:
-        now = time.time()
-        hashes = req.hashes
-        counts = self.index.lookup(hashes, now, touch=False)
-        # The blocks about to be read are marked used, a slice at a time off the lookup's
-        # path (a touch comes a few ms late; TTLs are days).
-        longest = max(counts.values(), default=0)
-        if longest:
-            self.touches.put_nowait((hashes[:longest], now))
+        """A question only: the blocks are not marked used (routers say what they use)."""
+        counts = self.index.blocks.lookup(req.hashes, time.time(), touch=False)
         gone = [loc for loc in counts if loc != STORE and not self._worker_alive(loc)]
         for loc in gone:
             del counts[loc]
@@ -182,20 +209,21 @@ class CachemetaService(Service):
     async def on_heartbeat(self, hb: Heartbeat) -> None:
         if hb.role not in ("prefill", "decode"):
             return
+        assert self.watch is not None and self.events is not None
+        self.watch.heard(hb, time.monotonic())
         location = memory_location(hb.service_id)
         if hb.status == "stopped":
             self.workers_seen.pop(location, None)
-            dropped = self.index.drop_location(location)
-            log.info("%s stopped: forgot %d blocks of its memory tier", hb.service_id, dropped)
+            await self.events.publish("cleared", location, [])
+            log.info("%s stopped: its memory tier cleared from the index", hb.service_id)
         else:
             self.workers_seen[location] = time.monotonic()
 
-    async def _touch_loop(self) -> None:
+    async def _watch_loop(self) -> None:
+        assert self.watch is not None
         while True:
-            hashes, now = await self.touches.get()
-            for start in range(len(hashes) - TOUCH_SLICE, -TOUCH_SLICE, -TOUCH_SLICE):
-                self.index.touch(hashes[max(0, start) : start + TOUCH_SLICE], now)
-                await asyncio.sleep(0)  # let lookups in between
+            await asyncio.sleep(min(0.25, self.common.heartbeat_interval_s / 4))
+            await self.watch.check(time.monotonic())
 
     async def _gc_loop(self) -> None:
         while True:
@@ -207,26 +235,25 @@ class CachemetaService(Service):
 
     async def collect(self) -> None:
         """Expired blocks, then the least recently used past the high watermark: files
-        deleted, removals published (and applied here at once)."""
-        s = self.settings
-        expired = self.index.expired(time.time())
-        stored = [h for h, e in expired if STORE in e.locations]
-        self.index.forget(h for h, _ in expired)
-        victims = self.index.eviction_victims(
-            s.store_capacity_bytes, s.high_watermark, s.low_watermark
-        )
-        for h in victims:
-            self.index.apply(KvEvent(kind="removed", location=STORE, hashes=[h], at=time.time()))
-        doomed = stored + victims
+        deleted, removals published (and applied here as they come back)."""
+        if self.index.seq < self.catch_up_to:
+            log.info("garbage collection waits: the KV event stream not caught up with yet")
+            return
+        s, blocks = self.settings, self.index.blocks
+        expired = [h for h, e in blocks.expired(time.time()) if STORE in e.locations]
+        victims = blocks.eviction_victims(s.store_capacity_bytes, s.high_watermark, s.low_watermark)
+        doomed = list(dict.fromkeys(expired + victims))
         if not doomed:
             return
         await asyncio.to_thread(lambda: [self.store.delete(h) for h in doomed])
-        assert self.bus is not None
+        # Applied here at once too: the next pass must not pick them again.
         removal = KvEvent(kind="removed", location=STORE, hashes=doomed, at=time.time())
-        await self.bus.publish_durable(subjects.kv_events("cachemeta"), removal, retry_s=30)
+        blocks.apply(removal)
+        assert self.events is not None
+        await self.events.publish("removed", STORE, doomed)
         log.info(
             "storage tier: %d expired and %d evicted blocks deleted (%d bytes indexed)",
-            len(stored),
-            len(victims),
-            self.index.store_bytes,
+            len(expired),
+            len(doomed) - len(expired),
+            blocks.store_bytes,
         )

@@ -85,6 +85,7 @@ class WholeRequests(OwningWorker):
                     if handover is not None:  # (the reuse figures are the prefill worker's)
                         figures = dict(kv_transfer_s=first_at - started)
                     else:
+                        self.computed(len(prompt), piece.cached_tokens)
                         figures = dict(
                             cached_tokens=piece.cached_tokens,
                             cached_by_tier={"memory": piece.cached_tokens},

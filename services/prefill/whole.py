@@ -97,6 +97,7 @@ class WholePrefill(OwningWorker):
             return
         took = time.perf_counter() - started
         first, last = pieces[0], pieces[-1]
+        self.computed(len(task.token_ids), first.cached_tokens)
         if last.finish_reason == "abort" or rid in self.cancelled:  # nobody waits for it
             self.close_span(rid, error="cancelled")
             return

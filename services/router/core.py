@@ -48,9 +48,11 @@ class Core:
         bus: Bus,
     ) -> Core:
         s, secrets = settings, common.resolved_secrets_dir
-        mesh = Mesh(router_id, s, common.heartbeat_interval_s)
+        mesh = Mesh(router_id, started_at, s, common)
         policy = s.policy()
-        dispatcher = Dispatcher(bus, router_id, mesh.registry, mesh.breakers, policy, s, secrets)
+        dispatcher = Dispatcher(
+            bus, router_id, mesh.registry, mesh.breakers, mesh.kv, policy, s, secrets
+        )
         tenancy = Tenancy(s, secrets, mesh.lag)
         images = ImageReader(s, common)
         preparer = Preparer(s, images, dispatcher, tenancy, Path(common.state_dir), common.models)

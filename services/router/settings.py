@@ -128,9 +128,6 @@ class DispatchSettings(Section):
         description="requests looking up their cache or sending their task at once; a burst "
         "beyond it takes turns (replies to those already asking are not starved)",
     )
-    lookup_timeout_s: float = Field(
-        default=0.25, gt=0, description="cachemeta must answer a lookup within this"
-    )
     migration_limit: int = Field(
         default=3,
         ge=0,
@@ -197,7 +194,22 @@ class RoutingSettings(Section):
 
 
 class WorkerSettings(Section):
-    """The workers as the router sees them: heartbeats and circuit breakers."""
+    """The workers as the router sees them: heartbeats, circuit breakers, and the KV block
+    index (services/router/dispatch/kvindex.py)."""
+
+    index_catch_up_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a router starting reads the index's snapshot and catches up with the KV "
+        "event stream before it serves; past this it serves with what it has (a warning)",
+    )
+    touch_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=3600,
+        description="how often the blocks this router used go out as one touch event (their "
+        "TTL restarts everywhere)",
+    )
 
     missed_heartbeats: int = Field(
         default=3, ge=1, le=100, description="a service that misses this many beats is dropped"

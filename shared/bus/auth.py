@@ -112,7 +112,12 @@ def _worker(role: str) -> Permissions:
         *_stream_creator(subjects.KV_EVENTS_STREAM),
         subjects.reply_all(),  # the token stream of the requests it serves
     ]
-    subscribe = [subjects.tasks_all(role), subjects.CANCEL, subjects.SPANS_QUERY]
+    subscribe = [
+        subjects.tasks_all(role),
+        subjects.CANCEL,
+        subjects.SPANS_QUERY,
+        subjects.KV_RESYNC_ALL,  # (asked to republish its memory tier's blocks)
+    ]
     # Images' embeddings, from the encoder's stream (decode prefills short prompts itself).
     publish += _stream_reader(subjects.EMBEDS_STREAM)
     # P/D with engines that own their KV: prefill hands the rest of a request to decode (with
@@ -134,8 +139,15 @@ def permissions(role: str) -> Permissions:
             subjects.tasks_all("prefill"),
             subjects.tasks_all("decode"),
             subjects.CANCEL,
-            subjects.CACHEMETA_LOOKUP,
             subjects.ENCODE,
+            # Its own block index: the KV event stream followed from cachemeta's snapshot;
+            # the blocks it used published (touches); stale workers asked to resync.
+            subjects.kv_events(role),
+            subjects.KV_RESYNC_ALL,
+            *_stream_creator(subjects.KV_EVENTS_STREAM),
+            *_stream_reader(subjects.KV_EVENTS_STREAM),
+            *_stream_creator(subjects.KV_INDEX_STREAM),
+            *_stream_reader(subjects.KV_INDEX_STREAM),
             subjects.STATS_ALL,
             subjects.SPANS_QUERY,
             *_stream_owner(subjects.STATS_STREAM),
@@ -166,11 +178,17 @@ def permissions(role: str) -> Permissions:
             *_stream_owner(subjects.KV_EVENTS_STREAM),
             *_stream_reader(subjects.KV_EVENTS_STREAM),
             *_durable_consumer(subjects.KV_EVENTS_STREAM),
+            subjects.KV_RESYNC_ALL,
+            subjects.KV_INDEX_ALL,  # its snapshot, for routers
+            *_stream_owner(subjects.KV_INDEX_STREAM),
         ]
         subscribe = [subjects.CACHEMETA_LOOKUP, subjects.HEARTBEAT_ALL, subjects.SPANS_QUERY]
         return Permissions(tuple(publish), tuple(subscribe), responds=True)
-    if role == "cli":  # `kvmesh status` and `kvmesh up` ask a router for its registry
-        return Permissions((subjects.ROUTER_REGISTRY,), (), responds=False)
+    if role == "cli":  # `kvmesh status` and `kvmesh up` ask a router for its registry; tools
+        # ask cachemeta where blocks are
+        return Permissions(
+            (subjects.ROUTER_REGISTRY, subjects.CACHEMETA_LOOKUP), (), responds=False
+        )
     raise ValueError(f"no NATS identity for role {role!r}; roles: {', '.join(ROLES)}")
 
 

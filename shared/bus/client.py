@@ -398,16 +398,22 @@ class Bus:
             headers = {**(headers or {}), PARTS_HEADER: str(len(parts))}
         await self._store(subject, bytes(parts[0]), headers, retry_s)
 
+    async def read_last(self, stream: str, subject: str) -> tuple[bytes, dict[str, str]] | None:
+        """The message of ``subject`` on a last-per-subject stream; None when there is none."""
+        try:
+            raw = await self.js.get_last_msg(stream, subject, direct=True)
+        except NotFoundError:
+            return None
+        return await self._joined(stream, subject, raw.data or b"", raw.headers)
+
     async def wait_last(
         self, stream: str, subject: str, timeout_s: float
     ) -> tuple[bytes, dict[str, str]]:
         """The message of ``subject`` on a last-per-subject stream: at once when it is
         stored, else the one stored within ``timeout_s`` (BusError after that)."""
-        try:
-            raw = await self.js.get_last_msg(stream, subject, direct=True)
-            return await self._joined(stream, subject, raw.data or b"", raw.headers)
-        except NotFoundError:
-            pass
+        stored = await self.read_last(stream, subject)
+        if stored is not None:
+            return stored
         # Not there yet: a consumer starting at the subject's last message gets one stored
         # in between too, then the next one.
         sub = await self.js.subscribe(

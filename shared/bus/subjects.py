@@ -66,9 +66,10 @@ CANCEL = f"{PREFIX}.cancel"
 
 
 # KV events: every block stored at or removed from a location, on a JetStream stream that
-# cachemeta consumes with a durable consumer (so it loses none across restarts). Each role
-# publishes on its own subject (the bus lets it publish on no other): workers their memory
-# tiers' and the storage tier's stores, cachemeta the storage tier's removals.
+# cachemeta consumes with a durable consumer (so it loses none across restarts) and every
+# router follows (its own index). Each role publishes on its own subject (the bus lets it
+# publish on no other): workers their memory tiers' and the storage tier's stores, routers the
+# blocks they used (touches), cachemeta the storage tier's removals.
 KV_EVENTS_STREAM = "KVMESH_KV_EVENTS"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
 
@@ -77,7 +78,23 @@ def kv_events(role: str) -> str:
     return f"{PREFIX}.kv.events.{role}"
 
 
-# Request/reply: how many leading blocks of a prompt each location holds (cachemeta answers).
+# A worker whose events did not all come is asked to republish what its memory tier holds
+# (by the routers and cachemeta, which keep the index).
+def kv_resync(service_id: str) -> str:
+    return f"{PREFIX}.kv.resync.{_token(service_id)}"
+
+
+KV_RESYNC_ALL = f"{PREFIX}.kv.resync.*"
+
+# Cachemeta's snapshot of the index (and the stream position it reflects), where routers
+# start from: one message (in parts) on a last-per-subject stream.
+KV_INDEX_STREAM = "KVMESH_KV_INDEX"
+KV_INDEX_ALL = f"{PREFIX}.kvindex.>"
+KV_INDEX_SNAPSHOT = f"{PREFIX}.kvindex.snapshot"
+
+
+# Request/reply: how many leading blocks of a prompt each location holds (cachemeta answers:
+# for tools and tests; routers look up in their own index).
 CACHEMETA_LOOKUP = f"{PREFIX}.cachemeta.lookup"
 CACHEMETA_QUEUE = "cachemeta"
 

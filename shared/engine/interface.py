@@ -416,6 +416,11 @@ class OwningEngine(ABC):
     def stats(self) -> EngineStats:
         """Blocks used and total, requests held (running and waiting) and running."""
 
+    def cached_blocks(self) -> list[str]:
+        """kvmesh's hashes of the blocks its prefix cache holds now, as its events said (a
+        resync republishes them)."""
+        return []
+
     def peer_address(self) -> str:
         """Where a P/D peer reaches this engine's KV ("" when it takes no peer)."""
         return ""

@@ -184,6 +184,11 @@ class MemoryStore(BlockStore):
     def __contains__(self, key: str) -> bool:
         return key in self._blobs
 
+    def sizes(self) -> list[tuple[str, int]]:
+        """Each block held and its bytes, least recently used first."""
+        with self._lock:
+            return [(key, len(blob)) for key, blob in self._blobs.items()]
+
     def __len__(self) -> int:
         return len(self._blobs)
 

@@ -18,16 +18,13 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 
 from shared.bus import Bus, subjects
+from shared.kvindex.publisher import KvEventPublisher
 from shared.kvstore.backend import FileStore, MemoryStore
-from shared.messages.kvevents import STORE, KvEvent, memory_location
+from shared.messages.kvevents import STORE, memory_location
 from shared.telemetry.metrics import BYTES
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
-
-# How long a KV event is retried when no store answers (a NATS node lost, a stream electing
-# its leader): cachemeta must learn of every block, or routing misses it until it ages out.
-EVENT_RETRY_S = 30.0
 
 MEMORY, STORAGE = "memory", "storage"
 
@@ -60,15 +57,14 @@ class KvTiers:
     def __init__(
         self,
         bus: Bus,
-        role: str,
-        service_id: str,
+        events: KvEventPublisher,
         memory_bytes: int,
         store: FileStore | None,
         queue_blocks: int,
     ) -> None:
         self.bus = bus
-        self.events_subject = subjects.kv_events(role)
-        self.location = memory_location(service_id)
+        self.events = events
+        self.location = memory_location(events.source)
         self.memory = MemoryStore(memory_bytes)
         self.store = store
         self._queue: asyncio.Queue[_Write] = asyncio.Queue()
@@ -156,6 +152,8 @@ class KvTiers:
             write = _Write(hashes[:take], blobs[:take], retention, ctx, time.time_ns())
             self._queue.put_nowait(write)
             self.queued_blocks += take
+            if self.keep:
+                self.events.new_blocks += take
         skipped = len(hashes) - take
         if skipped:
             self.skipped_blocks += skipped
@@ -224,33 +222,8 @@ class KvTiers:
         sizes: list[int] | None = None,
         retention: str = "chat",
     ) -> None:
-        await publish_kv_event(
-            self.bus, self.events_subject, kind, location, hashes, sizes, retention
-        )
+        await self.events.publish(kind, location, hashes, sizes, retention)
 
-
-async def publish_kv_event(
-    bus: Bus,
-    subject: str,
-    kind: str,
-    location: str,
-    hashes: list[str],
-    sizes: list[int] | None = None,
-    retention: str = "chat",
-) -> None:
-    """Blocks stored at or removed from ``location``, on the KV event stream; a failure is
-    logged, not raised (cachemeta learns of it later, or the block just ages out)."""
-    if not hashes:
-        return
-    event = KvEvent(
-        kind=kind,  # type: ignore[arg-type]
-        location=location,
-        hashes=hashes,
-        sizes=sizes or [],
-        retention=retention,  # type: ignore[arg-type]
-        at=time.time(),
-    )
-    try:
-        await bus.publish_durable(subject, event, retry_s=EVENT_RETRY_S)
-    except Exception as err:
-        log.warning("KV event not published: %s", err)
+    def held(self) -> list[tuple[str, int]]:
+        """What the memory tier holds: each block's hash and bytes (for a resync)."""
+        return self.memory.sizes()

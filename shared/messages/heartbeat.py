@@ -31,6 +31,12 @@ class Load(Message):
     kv_write_skips: int = Field(
         default=0, ge=0, description="blocks not stored because the write-behind queue was full"
     )
+    kv_events: int = Field(
+        default=0, ge=0, description="workers: KV events made since it started (the last seq)"
+    )
+    kv_new_blocks: int = Field(
+        default=0, ge=0, description="workers: blocks of new KV computed (each to be announced)"
+    )
 
 
 class Heartbeat(Message):
@@ -70,8 +76,15 @@ class WorkerEntry(Message):
     breaker: Literal["closed", "open", "half_open"] = Field(
         default="closed", description="the answering router's circuit breaker for it"
     )
+    kv_events: str = Field(
+        default="",
+        description="workers: its KV event feed at the answering router: ok, or why it is "
+        "stale (its memory tier not routed by)",
+    )
 
 
 class RegistrySnapshot(Message):
     router_id: str
     workers: list[WorkerEntry]
+    index_blocks: int = Field(default=0, description="blocks in the answering router's index")
+    index_bytes: int = Field(default=0, description="the memory they take, estimated")

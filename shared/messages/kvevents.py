@@ -1,5 +1,5 @@
-"""The KV-block link: workers and cachemeta → the KV event stream → cachemeta; routers ↔
-cachemeta lookups."""
+"""The KV-block link: workers, routers and cachemeta → the KV event stream → cachemeta and
+every router (each keeps the block index itself); anyone ↔ cachemeta lookups (tools, tests)."""
 
 from __future__ import annotations
 
@@ -15,19 +15,40 @@ Retention = Literal["chat", "agent"]
 RETENTIONS: tuple[str, ...] = get_args(Retention)
 
 
+MEMORY_PREFIX = "mem:"
+
+
 def memory_location(service_id: str) -> str:
-    return f"mem:{service_id}"
+    return f"{MEMORY_PREFIX}{service_id}"
+
+
+def memory_owner(location: str) -> str:
+    """The worker whose memory tier ``location`` is ("" for the storage tier)."""
+    return location.removeprefix(MEMORY_PREFIX) if location.startswith(MEMORY_PREFIX) else ""
+
+
+Kind = Literal["stored", "removed", "touched", "cleared"]
 
 
 class KvEvent(Message):
-    """Blocks stored at, or removed from, one location (in order, on a JetStream stream)."""
+    """A change to the block index, on a JetStream stream: blocks stored at or removed from a
+    location; blocks used (``touched``, by a router: their TTL and LRU clocks restart,
+    wherever they are); every block of a location gone (``cleared``: a worker that stopped, or
+    one about to republish what its memory tier holds).
 
-    kind: Literal["stored", "removed"]
-    location: str
-    hashes: list[str]
+    Each publisher numbers its events from 1 per process (``source``, ``epoch``, ``seq``) and
+    says in its heartbeat how many it made: whoever applies the stream can tell a feed that
+    lags or stopped."""
+
+    kind: Kind
+    location: str = ""
+    hashes: list[str] = Field(default_factory=list)
     sizes: list[int] = Field(default_factory=list, description="bytes, per hash (stored)")
     retention: Retention = "chat"
     at: float = Field(description="unix time of the change")
+    source: str = Field(default="", description="the publisher's service id")
+    epoch: float = Field(default=0.0, description="the publisher's start (unix time)")
+    seq: int = Field(default=0, ge=0, description="the publisher's count of its events, this one")
 
 
 HASH_CHARS = 32  # a block hash in hex (shared/kvstore/hashing.py)
@@ -53,3 +74,10 @@ class LookupReply(Message):
     counts: dict[str, int] = Field(
         description="location → how many of the hashes, from the first, it holds"
     )
+
+
+class ResyncRequest(Message):
+    """To a worker whose KV events did not all come: republish what its memory tier holds."""
+
+    by: str = Field(description="who asks (a router's or cachemeta's id)")
+    why: str = ""

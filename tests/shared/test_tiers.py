@@ -8,6 +8,7 @@ import threading
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+from shared.kvindex.publisher import KvEventPublisher
 from shared.kvstore.backend import FileStore
 from shared.kvstore.tiers import KvTiers
 from tests.procs import connect_as, until
@@ -36,7 +37,8 @@ async def test_queueing_never_waits_for_the_disk_and_overflow_is_counted(
     async with AsyncExitStack() as stack:
         bus = await connect_as(nats_url, "prefill", mesh_secrets)
         stack.push_async_callback(bus.close)
-        tiers = KvTiers(bus, "prefill", "w-0", memory_bytes=0, store=store, queue_blocks=6)
+        events = KvEventPublisher(bus, "prefill", "w-0", epoch=1.0)
+        tiers = KvTiers(bus, events, memory_bytes=0, store=store, queue_blocks=6)
         await tiers.start(stack)
         first, second = keys(4, 1), keys(4, 2)
         # The disk is stuck: queueing returns at once all the same (the first token is sent
@@ -55,3 +57,6 @@ async def test_queueing_never_waits_for_the_disk_and_overflow_is_counted(
         assert tiers.queued_blocks == 0
         assert all(k in store for k in first + second[:2])
         assert not any(k in store for k in second[2:])  # skipped, never written
+        # An event per batch the writer took (the first 4 blocks, then 2), numbered; the new
+        # blocks counted are those queued.
+        assert (events.made, events.lost, events.new_blocks) == (2, 0, 6)

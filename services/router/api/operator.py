@@ -1,5 +1,6 @@
-"""The operator's endpoints: GET /health (each role with its services; 503 while a role has no
-ready one), /v1/models (what a ready prefill and decode worker both serve), /v1/stats (the
+"""The operator's endpoints: GET /health (each role with its services, this router's KV index
+and the workers whose KV events are stale: "degraded"; 503 while a role that serves requests
+has no ready one), /v1/models (what a ready prefill and decode worker both serve), /v1/stats (the
 operator's summary: services/router/observe/stats.py) and /openapi.json (the HTTP API as it
 is: ``openapi.py``)."""
 
@@ -41,7 +42,8 @@ class OperatorApi:
         ]
 
     async def health(self, request: web.Request) -> web.Response:
-        """Each role with its services; 200 when every role has a ready one, else 503."""
+        """Each role with its services; 200 when every role but cachemeta has a ready one
+        (and this router is ready), else 503."""
         now = time.monotonic()
         self.mesh.expire(now)
         roles = {
@@ -58,13 +60,16 @@ class OperatorApi:
             for role in ROLES
         }
         missing = self.mesh.registry.missing_roles()
+        index = self.mesh.kv.report()
         body = {
-            "status": "degraded" if missing else "ok",
+            "status": "degraded" if missing or index["stale"] else "ok",
             "service_id": self.router_id,
             "missing": missing,
             "roles": roles,
+            "kv_index": index,
         }
-        ok = not missing and self.status() == "ready"
+        # Cachemeta away is not a router that cannot serve: it routes by its own index.
+        ok = not set(missing) - {"cachemeta"} and self.status() == "ready"
         return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:

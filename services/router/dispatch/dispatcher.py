@@ -30,6 +30,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from services.router.dispatch.job import Attempt, Failed, Job
+from services.router.dispatch.kvindex import RouterIndex
 from services.router.dispatch.plan import CachePlanner
 from services.router.dispatch.send import InFlight, Sender
 from services.router.dispatch.stream import Replies
@@ -71,6 +72,7 @@ class Dispatcher:
         router_id: str,
         registry: WorkerRegistry,
         breakers: Breakers,
+        kv: RouterIndex,
         policy: RoutingPolicy,
         settings: DispatchSettings,
         secrets_dir: Path,
@@ -80,7 +82,7 @@ class Dispatcher:
         self.breakers = breakers
         self.policy = policy
         self.settings = settings
-        self.plans = CachePlanner(bus, settings)
+        self.plans = CachePlanner(kv)
         self.inflight = InFlight(policy, breakers)
         self.sender = Sender(bus, router_id, registry, self.inflight, settings, secrets_dir)
         self.replies = Replies(bus, router_id, registry, breakers, settings)
@@ -123,7 +125,8 @@ class Dispatcher:
                 moves.job = await self.plan(job)
 
     async def plan(self, job: Job) -> Job:
-        """The job with its cache plan: block hashes, and where cachemeta says they are."""
+        """The job with its cache plan: block hashes, and where this router's index says
+        they are."""
         return await self.plans.planned(job, self.block_size(job.model))
 
     async def _send(self, attempt: Attempt, moves: Moves, span: Span) -> None:

@@ -1,6 +1,7 @@
-"""The mesh as this router follows it: every service from its heartbeats (the registry), the
-workers' circuit breakers, how far this router's loop runs behind, and the services stopped or
-lost lately. Answers other routers' and `kvmesh status`'s registry queries.
+"""The mesh as this router follows it: every service from its heartbeats (the registry), where
+every KV block is (its own index, from the KV event stream: ``kvindex.py``), the workers'
+circuit breakers, how far this router's loop runs behind, and the services stopped or lost
+lately. Answers other routers' and `kvmesh status`'s registry queries.
 
 A service that misses its heartbeats is dropped, with a log line, by whichever notices first:
 the sweep (a few times per beat interval), ``/health`` or a registry query. The sweep also
@@ -16,10 +17,12 @@ import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 
+from services.router.dispatch.kvindex import RouterIndex
 from services.router.dispatch.workers import Breakers, LoopLag, WorkerRegistry
 from services.router.settings import WorkerSettings
 from shared.bus import Bus, subjects
 from shared.messages.heartbeat import Heartbeat, RegistryQuery, RegistrySnapshot
+from shared.settings import CommonSettings
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +30,24 @@ GONE_KEPT_S = 600.0  # a service gone is listed as gone this long
 
 
 class Mesh:
-    def __init__(self, router_id: str, settings: WorkerSettings, beat_interval_s: float) -> None:
+    def __init__(
+        self, router_id: str, started_at: float, settings: WorkerSettings, common: CommonSettings
+    ) -> None:
         self.router_id = router_id
         self.registry = WorkerRegistry(missed_beats=settings.missed_heartbeats)
+        self.kv = RouterIndex(
+            router_id, started_at, self.registry, settings, common.kv_feed_bound_s
+        )
         self.breakers = Breakers(settings.breaker_faults, settings.breaker_cooldown_s)
         self.lag = LoopLag()
-        self.beat_interval_s = beat_interval_s
+        self.beat_interval_s = common.heartbeat_interval_s
         self.gone: dict[str, tuple[str, float]] = {}  # services stopped or lost: role, when
         # Called after each sweep with (unix time, ready prefill and decode workers).
         self.on_sweep: list[Callable[[float, int], None]] = []
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        await self.kv.start(stack, bus)  # (caught up with the stream before it serves)
         await bus.serve(
             subjects.ROUTER_REGISTRY, RegistryQuery, self.on_registry_query, subjects.ROUTER_QUEUE
         )
@@ -56,6 +65,7 @@ class Mesh:
             await asyncio.sleep(0.05)
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
+        self.kv.heard(hb, time.monotonic())
         if self.registry.observe(hb, time.monotonic()):
             log.info("registered %s %s", hb.role, hb.service_id)
             self.breakers.success(hb.service_id)  # a new process: its breaker starts closed
@@ -74,6 +84,7 @@ class Mesh:
             for listener in self.on_sweep:
                 listener(time.time(), workers)
             self.expire(time.monotonic())
+            await self.kv.check(time.monotonic())
 
     def expire(self, now: float) -> None:
         """Drop the services that missed their heartbeats, each with a log line."""
@@ -81,6 +92,7 @@ class Mesh:
             del self.gone[sid]  # (listed as gone that long, then forgotten)
         for record in self.registry.expire(now, grace_s=self.lag.seconds):
             self.gone[record.service_id] = (record.heartbeat.role, time.time())
+            self.kv.index.feeds.forget(record.service_id)
             log.warning(
                 "dropped %s %s: no heartbeat for %.1f s",
                 record.heartbeat.role,
@@ -91,11 +103,25 @@ class Mesh:
     async def on_registry_query(self, query: RegistryQuery) -> RegistrySnapshot:
         now = time.monotonic()
         self.expire(now)
+        stale = self.kv.stale()
         entries = [
-            e.model_copy(update={"breaker": self.breakers.state(e.service_id)})
+            e.model_copy(
+                update={
+                    "breaker": self.breakers.state(e.service_id),
+                    "kv_events": stale.get(e.service_id, "ok")
+                    if e.role in ("prefill", "decode")
+                    else "",
+                }
+            )
             for e in self.registry.entries(now, query.role)
         ]
-        return RegistrySnapshot(router_id=self.router_id, workers=entries)
+        index = self.kv.report()
+        return RegistrySnapshot(
+            router_id=self.router_id,
+            workers=entries,
+            index_blocks=index["blocks"],
+            index_bytes=index["bytes"],
+        )
 
     def served_models(self) -> dict[str, float]:
         """Models that a ready prefill worker and a ready decode worker both serve (or a

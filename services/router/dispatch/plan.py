@@ -1,7 +1,6 @@
 """The cache plan a request is dispatched with: its prompt's block hashes, and how many of its
-leading blocks each location holds (every worker's memory tier, the storage tier), as cachemeta
-says. cachemeta not answering within the lookup timeout costs the plan its counts, not the
-request: it is routed as if nothing were cached.
+leading blocks each location holds (every worker's memory tier, the storage tier), as this
+router's own index says (``kvindex.py``: no hop; cachemeta away costs nothing).
 
 Hashing reuses earlier work: a prompt that starts with the same segments as an earlier one (the
 next turn of a conversation) has the same tokens there, so the hashes of the full blocks inside
@@ -11,20 +10,13 @@ them are taken from that prompt and only the new blocks are hashed.
 from __future__ import annotations
 
 import json
-import logging
 from collections import OrderedDict
 from dataclasses import replace
 
-from opentelemetry.trace import SpanKind, StatusCode
-
 from services.router.dispatch.job import Job, Segments
-from services.router.settings import DispatchSettings
-from shared.bus import Bus, BusError, subjects
+from services.router.dispatch.kvindex import RouterIndex
 from shared.kvstore.hashing import block_hashes, packed_block_hashes
-from shared.messages.kvevents import LookupReply, LookupRequest
 from shared.telemetry.tracing import tracer
-
-log = logging.getLogger(__name__)
 
 KEY_SEGMENTS = 6
 
@@ -68,9 +60,8 @@ class PrefixHashes:
 
 
 class CachePlanner:
-    def __init__(self, bus: Bus, settings: DispatchSettings) -> None:
-        self.bus = bus
-        self.settings = settings
+    def __init__(self, kv: RouterIndex) -> None:
+        self.kv = kv
         self.hash_cache = PrefixHashes()
 
     async def planned(self, job: Job, block_size: int) -> Job:
@@ -79,7 +70,7 @@ class CachePlanner:
         hashes = self.hashes(job, block_size)
         if not block_size:
             return job
-        counts = await self.lookup(hashes)
+        counts = self.lookup(hashes)
         return replace(job, block_size=block_size, block_hashes=hashes, cached_blocks=counts)
 
     def hashes(self, job: Job, block_size: int) -> list[str]:
@@ -92,23 +83,11 @@ class CachePlanner:
             job.prompt_ids, block_size, job.fingerprint, job.salt, images=job.images
         )
 
-    async def lookup(self, hashes: list[str]) -> dict[str, int]:
-        """Per location, the leading blocks it holds (cachemeta); {} when it cannot say."""
+    def lookup(self, hashes: list[str]) -> dict[str, int]:
+        """Per location, the leading blocks it holds (this router's index)."""
         if not hashes:
             return {}
-        with tracer.start_as_current_span(
-            "cachemeta.lookup", kind=SpanKind.CLIENT, attributes={"blocks": len(hashes)}
-        ) as span:
-            try:
-                reply = await self.bus.request(
-                    subjects.CACHEMETA_LOOKUP,
-                    LookupRequest.of(hashes),
-                    LookupReply,
-                    self.settings.lookup_timeout_s,
-                )
-            except BusError as err:
-                log.warning("cache lookup failed (routing as if nothing is cached): %s", err)
-                span.set_status(StatusCode.ERROR, str(err))
-                return {}
-            span.set_attribute("held", json.dumps(reply.counts, sort_keys=True))
-        return reply.counts
+        with tracer.start_as_current_span("kv.lookup", attributes={"blocks": len(hashes)}) as span:
+            counts = self.kv.lookup(hashes)
+            span.set_attribute("held", json.dumps(counts, sort_keys=True))
+        return counts

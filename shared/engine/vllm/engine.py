@@ -208,6 +208,9 @@ class VllmEngine(OwningEngine):
         held = s.running + s.waiting
         return EngineStats(used, s.blocks_total, self.block_size, held, s.running)
 
+    def cached_blocks(self) -> list[str]:
+        return list(self._bridge.ours.values()) if self._bridge is not None else []
+
     async def stop(self) -> None:
         if self._bridge is not None:
             await self._bridge.stop()

@@ -16,14 +16,15 @@ import pytest
 
 from services.router.dispatch.dispatcher import Dispatcher
 from services.router.dispatch.job import Job
+from services.router.dispatch.kvindex import RouterIndex
 from services.router.dispatch.workers import Breakers, WorkerRegistry
 from services.router.errors import ApiError
 from services.router.routing.policies import POLICIES
-from services.router.settings import DispatchSettings
-from shared.bus import Bus, subjects
+from services.router.settings import DispatchSettings, WorkerSettings
+from shared.bus import Bus
 from shared.engine.sampling import SamplingParams
 from shared.messages.generate import GenerateTask, TaskAck
-from shared.messages.kvevents import LookupReply, LookupRequest
+from shared.messages.kvevents import KvEvent, memory_location
 from tests.router.dispatch.scripted import Script, ScriptedWorker, busy, silent, tokens
 
 ANSWER = list(range(100, 108))  # the scripted workers' answer: 8 tokens
@@ -32,7 +33,6 @@ FAST = DispatchSettings(
     first_token_timeout_s=0.3,
     token_timeout_s=0.3,
     liveness_check_s=0.02,
-    lookup_timeout_s=0.05,
     local_prefill_max_tokens=0,
     migration_limit=2,
 )
@@ -57,11 +57,14 @@ class Mesh:
         self.registry = WorkerRegistry()
         self.breakers = Breakers(threshold=3, cooldown_s=10.0, clock=lambda: clock[0])
         self.policy = POLICIES["ttft"]()
+        # The router's block index, not following a stream: a test applies events to it.
+        self.kv = RouterIndex(f"router-{self.tag}", 0.0, self.registry, WorkerSettings(), 1.0)
         self.dispatcher = Dispatcher(
             bus,
             f"router-{self.tag}",
             self.registry,
             self.breakers,
+            self.kv,
             self.policy,
             settings,
             secrets,
@@ -367,15 +370,22 @@ async def test_the_cache_plan_sends_a_prompt_where_its_prefix_is(mesh: Mesh) -> 
     p2 = await mesh.worker("prefill", "p2", tokens(ANSWER))
     await mesh.worker("decode", "d1", busy())
 
-    async def lookup(req: LookupRequest) -> LookupReply:  # cachemeta, scripted
-        return LookupReply(counts={f"mem:{p2.service_id}": len(req.hashes)})
-
-    sub = await mesh.bus.serve(subjects.CACHEMETA_LOOKUP, LookupRequest, lookup)
-    try:
-        decision: dict = {}
-        assert mesh.tokens(await mesh.answer(job(n_prompt=600), decision)) == ANSWER
-    finally:
-        await sub.unsubscribe()
+    prompt = job(n_prompt=600)
+    hashes = mesh.dispatcher.plans.hashes(prompt, 16)
+    epoch = mesh.registry.get(p2.service_id).heartbeat.started_at
+    held = KvEvent(
+        kind="stored",
+        location=memory_location(p2.service_id),
+        hashes=hashes,
+        at=time.time(),
+        source=p2.service_id,
+        epoch=epoch,
+        seq=1,
+    )
+    mesh.kv.index.apply(held, 1)  # (as the KV event stream would bring it)
+    decision: dict = {}
+    assert mesh.tokens(await mesh.answer(prompt, decision)) == ANSWER
+    assert mesh.kv.touched == dict.fromkeys(hashes)  # used: a touch event goes out next
     assert decision["chosen"] == p2.service_id and len(p2.tasks) == 1
     best = decision["candidates"][0]
     assert best.service_id == p2.service_id and best.terms["memory_tokens"] == 592

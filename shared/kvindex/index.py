@@ -1,7 +1,9 @@
 """The block index: which locations hold each KV block, its size, last access and retention.
 
-Pure and synchronous: KV events in, lookups and garbage-collection decisions out. The storage
-tier's blocks are also kept in least-recently-used order, for eviction past a capacity.
+Pure and synchronous: KV events in, lookups and garbage-collection decisions out. Cachemeta
+keeps one (and decides what is deleted), and so does every router (it routes by its own).
+Cachemeta's also keeps the storage tier's blocks in least-recently-used order, for eviction
+past a capacity; a router's does without (``lru=False``: it evicts nothing).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shared.messages.kvevents import STORE, KvEvent
+from shared.messages.kvevents import HASH_CHARS, STORE, KvEvent
 
 
 @dataclass(slots=True)
@@ -23,10 +25,11 @@ class Entry:
 
 
 class BlockIndex:
-    def __init__(self, ttl_s: dict[str, float]) -> None:
+    def __init__(self, ttl_s: dict[str, float], lru: bool = True) -> None:
         self.ttl_s = ttl_s  # retention class → seconds a block lives after its last use
         self.entries: dict[str, Entry] = {}
-        self.store_lru: OrderedDict[str, None] = OrderedDict()  # oldest use first
+        self.lru = lru
+        self.store_lru: OrderedDict[str, None] = OrderedDict()  # oldest use first (if lru)
         self.store_bytes = 0
         self._sets: dict[frozenset[str], frozenset[str]] = {}
         self._moves: dict[tuple[frozenset[str], str, bool], frozenset[str]] = {}
@@ -59,9 +62,13 @@ class BlockIndex:
             sizes = event.sizes or [0] * len(event.hashes)
             for h, size in zip(event.hashes, sizes, strict=True):
                 self._add(h, event.location, size, event.retention, event.at)
-        else:
+        elif event.kind == "removed":
             for h in event.hashes:
                 self._remove(h, event.location)
+        elif event.kind == "touched":
+            self.touch(event.hashes, event.at)
+        else:  # cleared
+            self.drop_location(event.location)
 
     def _add(self, h: str, location: str, size: int, retention: str, at: float) -> None:
         entry = self.entries.get(h)
@@ -79,8 +86,9 @@ class BlockIndex:
         if location == STORE:
             if STORE not in held:
                 self.store_bytes += entry.size
+            if self.lru:
                 self.store_lru[h] = None
-            self.store_lru.move_to_end(h)
+                self.store_lru.move_to_end(h)
         if location not in held:
             entry.locations = self._with(held, location)
 
@@ -91,7 +99,8 @@ class BlockIndex:
         entry.locations = self._without(entry.locations, location)
         if location == STORE:
             self.store_bytes -= entry.size
-            del self.store_lru[h]
+            if self.lru:
+                del self.store_lru[h]
         if not entry.locations:
             del self.entries[h]
 
@@ -144,7 +153,7 @@ class BlockIndex:
             if now > entry.last_access:
                 entry.last_access = now
                 entry.expires_at = now + self.ttl_s[entry.retention]
-            if STORE in entry.locations:
+            if self.lru and STORE in entry.locations:
                 self.store_lru.move_to_end(h)
 
     def expired(self, now: float) -> list[tuple[str, Entry]]:
@@ -173,33 +182,47 @@ class BlockIndex:
 
     # -- persistence -----------------------------------------------------------------------
 
-    def copy_for_snapshot(self) -> BlockIndex:
-        """A shallow copy (fast: no entry is copied) whose rows can be built on a thread."""
-        copy = BlockIndex(self.ttl_s)
-        copy.entries = dict(self.entries)
-        copy.store_lru = OrderedDict(self.store_lru)
-        return copy
-
-    def to_rows(self) -> list[list]:
-        """The index as plain rows, storage-tier blocks in LRU order first."""
-        rows = [self._row(h) for h in self.store_lru]
-        rows += [self._row(h) for h, e in self.entries.items() if STORE not in e.locations]
-        return rows
-
-    def _row(self, h: str) -> list:
-        e = self.entries[h]
-        return [h, e.size, e.retention, e.last_access, sorted(e.locations)]
+    def columns(self) -> dict:
+        """The index as columns of plain values (a snapshot's body): one packed string of
+        hashes, storage-tier blocks first in LRU order, then one list per field; each block's
+        locations as an index into the distinct sets of them (they are few)."""
+        order = list(self.store_lru) if self.lru else []
+        order += [h for h, e in self.entries.items() if not (self.lru and STORE in e.locations)]
+        entries = [self.entries[h] for h in order]
+        sets: dict[frozenset[str], int] = {}
+        return {
+            "hashes": "".join(order),
+            "sizes": [e.size for e in entries],
+            "agent": [int(e.retention == "agent") for e in entries],
+            "last_access": [e.last_access for e in entries],
+            "where": [sets.setdefault(e.locations, len(sets)) for e in entries],
+            "sets": [sorted(s) for s in sets],
+        }
 
     @classmethod
-    def from_rows(cls, rows: list[list], ttl_s: dict[str, float]) -> BlockIndex:
-        index = cls(ttl_s)
-        for h, size, retention, last_access, locations in rows:
-            for location in locations:
-                index._add(h, location, size, retention, last_access)
+    def from_columns(cls, cols: dict, ttl_s: dict[str, float], lru: bool = True) -> BlockIndex:
+        index = cls(ttl_s, lru)
+        packed, width = cols["hashes"], HASH_CHARS
+        sets = [index._interned(frozenset(s)) for s in cols["sets"]]
+        rows = zip(cols["sizes"], cols["agent"], cols["last_access"], cols["where"], strict=True)
+        for i, (size, agent, last_access, where) in enumerate(rows):
+            h = packed[i * width : (i + 1) * width]
+            retention = "agent" if agent else "chat"
+            locations = sets[where]
+            if not locations:
+                continue
+            index.entries[h] = Entry(
+                size, retention, last_access, last_access + ttl_s[retention], locations
+            )
+            if STORE in locations:
+                index.store_bytes += size
+                if lru:
+                    index.store_lru[h] = None
         return index
 
     def check_integrity(self) -> None:
         in_store = {h for h, e in self.entries.items() if STORE in e.locations}
-        assert in_store == set(self.store_lru), "LRU order and store locations differ"
+        if self.lru:
+            assert in_store == set(self.store_lru), "LRU order and store locations differ"
         assert self.store_bytes == sum(self.entries[h].size for h in in_store)
         assert all(e.locations for e in self.entries.values()), "an entry with no location"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.cachemeta.index import BlockIndex
+from shared.kvindex.index import BlockIndex
 from shared.messages.kvevents import STORE, KvEvent
 
 TTL = {"chat": 100.0, "agent": 10.0}
@@ -70,13 +70,35 @@ def test_a_used_chain_is_evicted_from_its_tail() -> None:
     assert index.eviction_victims(capacity=40, high=0.5, low=0.5) == ["x", "c"]
 
 
-def test_rows_round_trip_keeps_order_and_locations() -> None:
+def h(name: str) -> str:
+    """A hash of a block's full width (snapshots pack them)."""
+    return name.encode().hex().ljust(32, "0")
+
+
+def test_columns_round_trip_keeps_order_and_locations() -> None:
+    a, b, c = h("a"), h("b"), h("c")
     index = BlockIndex(TTL)
-    index.apply(stored(STORE, ["a", "b"], at=5))
-    index.apply(stored("mem:p0", ["c"], at=6, retention="agent"))
-    index.lookup(["a"], now=7)
-    again = BlockIndex.from_rows(index.to_rows(), TTL)
-    assert list(again.store_lru) == ["b", "a"]
-    assert again.lookup(["a"], now=8) == {STORE: 1}
-    assert again.entries["c"].retention == "agent" and again.entries["c"].locations == {"mem:p0"}
+    index.apply(stored(STORE, [a, b], at=5))
+    index.apply(stored("mem:p0", [c], at=6, retention="agent"))
+    index.lookup([a], now=7)
+    again = BlockIndex.from_columns(index.columns(), TTL)
+    assert list(again.store_lru) == [b, a]
+    assert again.entries[a].last_access == 7 and again.store_bytes == 20
+    assert again.lookup([a], now=8) == {STORE: 1}
+    assert again.entries[c].retention == "agent" and again.entries[c].locations == {"mem:p0"}
     again.check_integrity()
+    # A router's copy keeps no LRU order, and answers alike.
+    router = BlockIndex.from_columns(index.columns(), TTL, lru=False)
+    assert not router.store_lru and router.lookup([a], now=8) == {STORE: 1}
+    router.check_integrity()
+
+
+def test_touches_and_clears_are_events() -> None:
+    index = BlockIndex(TTL, lru=False)
+    index.apply(stored(STORE, ["a", "b"], at=0, retention="agent"))
+    index.apply(stored("mem:p0", ["a", "b"], at=0, retention="agent"))
+    index.apply(KvEvent(kind="touched", hashes=["a"], at=8))  # a router used it at 8
+    assert [k for k, _ in index.expired(now=15)] == ["b"]  # a lives until 18
+    index.apply(KvEvent(kind="cleared", location="mem:p0", at=9))
+    assert index.lookup(["a", "b"], now=9) == {STORE: 2}
+    index.check_integrity()

@@ -1,0 +1,30 @@
+"""Faults a test switches on inside a running process, by name: the code that can fail that
+way checks for its name. Off unless the process runs with KVMESH_FAULT_HOOKS=true, which
+serves ``PUT``/``DELETE /faults/{name}`` (never set in production: the route has no auth).
+
+Names in use: ``kv_events`` (the worker's KV events are made but not published, as if NATS
+refused them).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+ACTIVE: set[str] = set()
+
+
+def on(name: str) -> bool:
+    return name in ACTIVE
+
+
+async def _switch(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    if request.method == "PUT":
+        ACTIVE.add(name)
+    else:
+        ACTIVE.discard(name)
+    return web.json_response({"faults": sorted(ACTIVE)})
+
+
+def routes() -> list[web.RouteDef]:
+    return [web.put("/faults/{name}", _switch), web.delete("/faults/{name}", _switch)]

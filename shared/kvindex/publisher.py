@@ -1,0 +1,95 @@
+"""A process's KV events, numbered, on its role's subject of the KV event stream.
+
+Each event carries its publisher's id, its process's start (``epoch``) and its number in that
+process (``seq``, from 1); ``made`` goes in the heartbeat, so that whoever applies the stream
+can tell a feed that lags or stopped (``shared/kvindex/feeds.py``). A worker also counts the
+blocks of new KV it computed (``new_blocks``): each is to be announced.
+
+A publish that fails is logged and counted, not raised (the event is lost: the holders of
+the index see the gap and ask for a resync, ``resync``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from shared import faults
+from shared.bus import Bus, subjects
+from shared.messages.kvevents import KvEvent, memory_location
+
+log = logging.getLogger(__name__)
+
+# How long a KV event is retried when no store answers (a NATS node lost, a stream electing
+# its leader): the holders of the index must learn of every block, or they resync.
+EVENT_RETRY_S = 30.0
+RESYNC_CHUNK = 1000  # blocks per event of a resync
+RESYNC_BLOCKS_PER_S = 50_000  # a resync's rate at most (its events share the stream)
+
+
+class KvEventPublisher:
+    def __init__(self, bus: Bus, role: str, service_id: str, epoch: float) -> None:
+        self.bus = bus
+        self.subject = subjects.kv_events(role)
+        self.source = service_id
+        self.epoch = epoch
+        self.made = 0  # events made in this process (the last one's seq)
+        self.lost = 0  # of those, not published
+        self.new_blocks = 0  # blocks of new KV computed, each to be announced
+        self._resync: asyncio.Task | None = None
+        self.resyncs = 0
+
+    async def publish(
+        self,
+        kind: str,
+        location: str,
+        hashes: list[str],
+        sizes: list[int] | None = None,
+        retention: str = "chat",
+    ) -> None:
+        if not hashes and kind != "cleared":
+            return
+        self.made += 1
+        event = KvEvent(
+            kind=kind,  # type: ignore[arg-type]
+            location=location,
+            hashes=hashes,
+            sizes=sizes or [],
+            retention=retention,  # type: ignore[arg-type]
+            at=time.time(),
+            source=self.source,
+            epoch=self.epoch,
+            seq=self.made,
+        )
+        try:
+            if faults.on("kv_events"):
+                raise RuntimeError("fault hook kv_events: not published")
+            await self.bus.publish_durable(self.subject, event, retry_s=EVENT_RETRY_S)
+        except Exception as err:
+            self.lost += 1
+            log.warning("KV event %d not published: %s", self.made, err)
+
+    def resync(self, held: list[tuple[str, int]], why: str) -> bool:
+        """Republish what this worker's memory tier holds (``held``: hash and bytes of each
+        block): its location cleared, then its blocks at a bounded rate. False while one is
+        under way already."""
+        if self._resync is not None and not self._resync.done():
+            return False
+        log.info("KV events resync (%s): republishing %d blocks", why, len(held))
+        self.resyncs += 1
+        self._resync = asyncio.create_task(self._republish(held))
+        return True
+
+    async def _republish(self, held: list[tuple[str, int]]) -> None:
+        location = memory_location(self.source)
+        await self.publish("cleared", location, [])
+        for start in range(0, len(held), RESYNC_CHUNK):
+            chunk = held[start : start + RESYNC_CHUNK]
+            await self.publish("stored", location, [h for h, _ in chunk], [n for _, n in chunk])
+            await asyncio.sleep(len(chunk) / RESYNC_BLOCKS_PER_S)
+
+    async def stop(self) -> None:
+        if self._resync is not None:
+            self._resync.cancel()
+            await asyncio.gather(self._resync, return_exceptions=True)
