@@ -101,8 +101,13 @@ def test_a_damaged_block_file_is_a_miss_and_the_answer_is_right(stack: Stack) ->
 
 
 def snapshot(stack: Stack) -> dict:
-    """Cachemeta's snapshot file: the stream position it reflects and its rows."""
+    """Cachemeta's snapshot file: the stream position it reflects and its blocks."""
     return json.loads((stack.dir / "cachemeta" / "index.json").read_text())
+
+
+def snapshot_hashes(saved: dict) -> set[str]:
+    packed = saved["hashes"]
+    return {packed[i : i + 32] for i in range(0, len(packed), 32)}
 
 
 def purge_events_before(stack: Stack, seq: int) -> None:
@@ -138,7 +143,7 @@ def test_cachemeta_restarted_takes_the_snapshot_then_the_stream_after_it(stack: 
     wait_until(lambda: indexed(stack, old) == 4, 30, what="blocks indexed")
     stack.procs["cachemeta-0"].stop()  # SIGTERM: the last snapshot is written on the way out
     saved = snapshot(stack)
-    assert set(old) <= {row[0] for row in saved["rows"]}
+    assert set(old) <= snapshot_hashes(saved)
     purge_events_before(stack, saved["seq"] + 1)
     stack.start("cachemeta-0", KVMESH_CACHEMETA_SNAPSHOT_INTERVAL_S="3600")
     wait_until(lambda: indexed(stack, old) == 4, 30, what="the index back from the snapshot")
@@ -149,7 +154,7 @@ def test_cachemeta_restarted_takes_the_snapshot_then_the_stream_after_it(stack: 
     wait_until(lambda: indexed(stack, new) == 4, 30, what="new blocks indexed")
     stack.procs["cachemeta-0"].signal(signal.SIGKILL)  # no snapshot this time
     stack.procs["cachemeta-0"].wait(10)
-    assert not set(new) & {row[0] for row in snapshot(stack)["rows"]}
+    assert not set(new) & snapshot_hashes(snapshot(stack))
     stack.start("cachemeta-0")
     wait_until(lambda: indexed(stack, old) == 4, 30, what="the index back")
     assert stack.lookup(new) == {STORE: 4}
