@@ -51,10 +51,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.agent_trace import SESSIONS_PER_WORKER, agent_trace  # noqa: E402
-from shared.kvindex.index import BlockIndex  # noqa: E402
 from services.router.dispatch.plan import PrefixHashes  # noqa: E402
 from services.router.routing.policies import POLICIES  # noqa: E402
 from services.router.routing.route import RouteRequest  # noqa: E402
+from shared.kvindex.index import BlockIndex  # noqa: E402
 from shared.kvstore.hashing import block_hashes, pack_tokens, packed_block_hashes  # noqa: E402
 from shared.messages.kvevents import STORE, KvEvent, memory_location  # noqa: E402
 from simulator.replay import (  # noqa: E402

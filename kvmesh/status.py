@@ -47,9 +47,11 @@ def format_table(snapshot: RegistrySnapshot) -> str:
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
         for row in [COLUMNS, *rows]
     ]
-    lines.append(f"{len(rows)} services, as seen by router {snapshot.router_id}")
     mib = snapshot.index_bytes / 2**20
-    lines.append(f"its KV index: {snapshot.index_blocks} blocks, {mib:.1f} MiB")
+    lines.append(
+        f"{len(rows)} services, as seen by router {snapshot.router_id} (its KV index: "
+        f"{snapshot.index_blocks} blocks, {mib:.1f} MiB)"
+    )
     return "\n".join(lines)
 
 

@@ -23,10 +23,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.kvindex.index import BlockIndex
 from services.router.routing.policies import POLICIES
 from services.router.routing.route import RouteRequest
 from services.router.routing.ttft import CostDefaults
+from shared.kvindex.index import BlockIndex
 from shared.messages.kvevents import STORE, KvEvent, memory_location
 from simulator.traces import TraceRequest
 from simulator.world import Part, PolicyWorld, ProfiledWorld, World, WorldSettings

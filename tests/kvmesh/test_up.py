@@ -66,10 +66,13 @@ def test_up_status_and_clean_stop(state_dir: Path) -> None:
             "encoder-0",
         }
         assert all(row[2] == "ready" for row in rows.values())
-        # The answering router's circuit breaker for each: nothing has failed.
-        assert lines[0].split()[-1] == "BREAKER"
-        assert all(row[-1] == "closed" for row in rows.values())
-        assert lines[-1] == "6 services, as seen by router router-0"
+        # The answering router's circuit breaker for each (nothing has failed), and each
+        # worker's KV event feed as it sees it (whole).
+        assert lines[0].split()[-3:] == ["BREAKER", "KV", "EVENTS"]
+        assert all("closed" in row for row in rows.values())
+        workers = [row for sid, row in rows.items() if sid.startswith(("prefill", "decode"))]
+        assert workers and all(row[-1] == "ok" for row in workers)
+        assert lines[-1].startswith("6 services, as seen by router router-0 (its KV index: ")
 
         assert len(kvmesh_pids(str(state_dir))) >= 7  # six services and nats-server
         up.signal(signal.SIGINT)

@@ -30,8 +30,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from services.router.dispatch.job import Attempt, Failed, Job
-from services.router.dispatch.kvindex import RouterIndex
-from services.router.dispatch.plan import CachePlanner
+from services.router.dispatch.plan import BlockLookup, CachePlanner
 from services.router.dispatch.send import InFlight, Sender
 from services.router.dispatch.stream import Replies
 from services.router.dispatch.workers import Breakers, WorkerRecord, WorkerRegistry
@@ -72,7 +71,7 @@ class Dispatcher:
         router_id: str,
         registry: WorkerRegistry,
         breakers: Breakers,
-        kv: RouterIndex,
+        kv: BlockLookup,
         policy: RoutingPolicy,
         settings: DispatchSettings,
         secrets_dir: Path,

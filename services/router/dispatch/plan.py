@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import replace
+from typing import Protocol
 
 from services.router.dispatch.job import Job, Segments
-from services.router.dispatch.kvindex import RouterIndex
 from shared.kvstore.hashing import block_hashes, packed_block_hashes
 from shared.telemetry.tracing import tracer
 
@@ -59,8 +59,14 @@ class PrefixHashes:
         return hashes
 
 
+class BlockLookup(Protocol):
+    """Where a prompt's blocks are: the router's own index (``kvindex.RouterIndex``)."""
+
+    def lookup(self, hashes: list[str]) -> dict[str, int]: ...
+
+
 class CachePlanner:
-    def __init__(self, kv: RouterIndex) -> None:
+    def __init__(self, kv: BlockLookup) -> None:
         self.kv = kv
         self.hash_cache = PrefixHashes()
 
