@@ -338,13 +338,9 @@ def main() -> None:
         f"{f['catch_up_snapshot_s']:.2f} s"
     )
     print(f"\nlookup of {CHAIN} hashes at {f['followed_blocks']:,} blocks   p50 ms   p99 ms")
-    print(
-        f"  router's own index          {f['local_lookup_p50_ms']:>8.3f} {f['local_lookup_p99_ms']:>8.3f}"
-    )
-    print(
-        f"  round trip to cachemeta     {f['cachemeta_lookup_p50_ms']:>8.3f} "
-        f"{f['cachemeta_lookup_p99_ms']:>8.3f}"
-    )
+    for name, key in (("router's own index", "local"), ("round trip to cachemeta", "cachemeta")):
+        p50, p99 = f[f"{key}_lookup_p50_ms"], f[f"{key}_lookup_p99_ms"]
+        print(f"  {name:<28}{p50:>8.3f} {p99:>8.3f}")
     if feed:
         print("\na worker's KV events cut while it computes (heartbeat 1 s)")
         print(f"  flagged after (s):  {', '.join(f'{x:.2f}' for x in feed['flagged_s'])}")
