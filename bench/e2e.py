@@ -1,12 +1,16 @@
 """End-to-end benchmark of the request path: a real stack, concurrent streaming clients.
 
 Starts `kvmesh up` (1 prefill, 1 decode worker) on the tiny model, so compute is small and
-the mesh itself is measured, then on the real model; drives 1, 8 and 32 concurrent streaming
-chat clients (raw server-sent events over aiohttp). Prints a table, then as its last line one
-JSON object with the tiny model's figures at 8 clients: ttft_p50_ms, ttft_p99_ms,
-tpot_p50_ms, rps, kv_transfer_mb_s, mesh_overhead_p50_ms; mesh_overhead_p50_ms_1 (1 client);
-and the anchor's: anchor_overhead_p50_ms (8 clients), anchor_overhead_p50_ms_1, and the same
-on kept-alive connections (anchor_keepalive_overhead_p50_ms[_1]).
+the mesh itself is measured; then the same with decode on the fake-paced engine (a step every
+millisecond, no compute: what is left is the mesh, beside the anchor below); then on the real
+model. Drives 1, 8 and 32 concurrent streaming chat clients (raw server-sent events over
+aiohttp, kept-alive connections). Prints a table, then as its last line one JSON object with
+the tiny model's figures at 8 clients: ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, rps,
+kv_transfer_mb_s, mesh_overhead_p50_ms; mesh_overhead_p50_ms_1 (1 client); the fake-paced
+stack's fake_overhead_p50_ms[_1] and its ratio to the anchor's on kept-alive connections,
+fake_vs_anchor[_1]; each stack's hop table (hops_ms_<stack>_<clients>); and the anchor's:
+anchor_overhead_p50_ms (8 clients), anchor_overhead_p50_ms_1, and the same on kept-alive
+connections (anchor_keepalive_overhead_p50_ms[_1]).
 
 mesh overhead = what the client waited (request sent → last chunk) minus the time the
 engines computed for the request (prefill + its decode steps, reported by the workers).
@@ -45,6 +49,7 @@ from pathlib import Path
 import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
+FAKE_STEP_MS = 1  # the fake-paced decode's step: paced, no compute (its time is the engine's)
 PROMPT = (
     "You are reviewing a long design document about a distributed cache for language model "
     "serving. Summarize the trade-offs between keeping KV blocks in worker memory and in a "
@@ -313,7 +318,7 @@ async def drive(
 # the router saw it. "(engine)" hops are the models' compute; the rest is the mesh's.
 HOPS = (
     ("router: read, render, tokenize", "root.start", "lookup.start"),
-    ("cachemeta lookup, round trip", "lookup.start", "lookup.end"),
+    ("KV index lookup (the router's own)", "lookup.start", "lookup.end"),
     ("route, task to prefill (NATS)", "lookup.end", "prefill.start"),
     ("prefill: queue, cached KV", "prefill.start", "compute.start"),
     ("prefill compute (engine)", "compute.start", "compute.end"),
@@ -323,7 +328,7 @@ HOPS = (
     ("decode: between steps", "kv.receive.end", "decode.end"),
     ("last token to the response's end", "decode.end", "root.end"),
 )
-NAMES = {"cachemeta.lookup": "lookup", "prefill.compute": "compute"}  # span name → its hop key
+NAMES = {"kv.lookup": "lookup", "prefill.compute": "compute"}  # span name → its hop key
 
 
 def hops(trace_dir: Path, results: list[dict]) -> dict[str, float]:
@@ -343,8 +348,6 @@ def hops(trace_dir: Path, results: list[dict]) -> dict[str, float]:
         at: dict[str, int] = {}
         for span in spans:
             name = span["name"]
-            if name == "cachemeta.lookup" and not span["service"].endswith("router"):
-                continue  # (cachemeta's own side of the lookup)
             key = "root" if span["parent_id"] is None else NAMES.get(name, name)
             at.setdefault(f"{key}.start", span["start_ns"])
             at.setdefault(f"{key}.end", span["end_ns"])
@@ -377,28 +380,35 @@ def main() -> None:
         help="also compare TTFT at 1 client with TLS off and on (with --auth: both at once)",
     )
     args = ap.parse_args()
-    runs = [("tiny", 1, args.requests)]
+    # (name, model, engine env, requests per client): the tiny model computing on both
+    # workers; decode on the fake-paced engine (no decode compute: the mesh alone beside the
+    # anchor); the real model.
+    fake = {"KVMESH_DECODE_ENGINE": "fake-paced", "KVMESH_FAKE_STEP_MS": str(FAKE_STEP_MS)}
+    runs = [("tiny", "tiny", {}, args.requests), ("fake", "tiny", fake, args.requests)]
     if not args.skip_real:
-        runs.append(("smollm2-135m-instruct", 1, 1))
+        runs.append(("smollm2", "smollm2-135m-instruct", {}, 1))
     rows = []
     summary: dict = {}
-    for model, threads, per_client in runs:
-        say(f"starting a stack on {model} (1 prefill, 1 decode worker)")
-        stack = Stack(model, threads)
+    for name, model, extra, per_client in runs:
+        say(f"{name}: a stack on {model} (1 prefill, 1 decode worker; {extra or 'torch'})")
+        stack = Stack(model, 1, extra)
         try:
             stack.wait_ready()
             for clients in (1, 8, 32):
-                say(f"{model}: {clients} clients x {per_client} requests")
+                say(f"{name}: {clients} clients x {per_client} requests")
                 fig = asyncio.run(drive(stack.url, model, clients, per_client, args.max_tokens))
                 time.sleep(1.0)  # the services write their spans within half a second
                 fig["hops"] = hops(stack.dir / "traces", fig.pop("results"))
-                rows.append((model, clients, fig))
-                if model == "tiny" and clients == 8:
+                rows.append((name, clients, fig))
+                if name == "tiny" and clients == 8:
                     summary.update({k: v for k, v in fig.items() if k not in ("requests", "hops")})
-                if model == "tiny" and clients == 1:
+                if name == "tiny" and clients == 1:
                     summary["mesh_overhead_p50_ms_1"] = fig["mesh_overhead_p50_ms"]
-                if model == "tiny" and clients in (1, 8):
-                    summary[f"hops_ms_{clients}"] = fig["hops"]
+                if name == "fake" and clients in (1, 8):
+                    key = "fake_overhead_p50_ms" + ("_1" if clients == 1 else "")
+                    summary[key] = fig["mesh_overhead_p50_ms"]
+                if name in ("tiny", "fake") and clients in (1, 8, 32):
+                    summary[f"hops_ms_{name}_{clients}"] = fig["hops"]
         finally:
             stack.stop()
     head = (
@@ -422,9 +432,9 @@ def main() -> None:
     shown = [(m, c, f) for m, c, f in rows if f["hops"]]
     if shown:
         print("\nwhere a request's time goes, p50 of each hop (ms), from the services' spans:")
-        print(f"{'hop':<36}" + "".join(f"{f'{m[:8]} x{c}':>14}" for m, c, _ in shown))
+        print(f"{'hop':<36}" + "".join(f"{f'{m[:7]} x{c}':>12}" for m, c, _ in shown))
         for name, _, _ in HOPS:
-            print(f"{name:<36}" + "".join(f"{f['hops'].get(name, 0):>14.2f}" for *_, f in shown))
+            print(f"{name:<36}" + "".join(f"{f['hops'].get(name, 0):>12.2f}" for *_, f in shown))
     anchor = measure_anchor(args.max_tokens)
     print(
         f"anchor (sglang-router over a fake upstream, {args.max_tokens} chunks), added p50: "
@@ -434,6 +444,17 @@ def main() -> None:
         f"{anchor['anchor_keepalive_overhead_p50_ms']:.2f} ms on kept-alive connections"
     )
     summary.update(anchor)
+    for clients, suffix in ((1, "_1"), (8, "")):
+        ours, theirs = (
+            summary[f"fake_overhead_p50_ms{suffix}"],
+            anchor[f"anchor_keepalive_overhead_p50_ms{suffix}"],
+        )
+        summary[f"fake_vs_anchor{suffix}"] = round(ours / max(theirs, 0.01), 2)
+        print(
+            f"kvmesh over the fake-paced decode engine, added p50 at {clients} client(s): "
+            f"{ours:.2f} ms = {summary[f'fake_vs_anchor{suffix}']:.2f}x the anchor's "
+            f"{theirs:.2f} ms (kept-alive connections, both)"
+        )
     if args.auth or args.tls:
         summary.update(security_comparison(args.auth, args.tls, args.max_tokens))
     print(json.dumps(summary))

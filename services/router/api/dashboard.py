@@ -75,6 +75,7 @@ class Dashboard:
         now = time.monotonic()
         self.mesh.expire(now)
         services = []
+        stale = self.mesh.kv.stale()
         for e in self.mesh.registry.entries(now):
             services.append(
                 {
@@ -87,6 +88,7 @@ class Dashboard:
                     "address": e.addresses.get("http", ""),
                     "load": e.load.model_dump(),
                     "breaker": self.mesh.breakers.state(e.service_id),
+                    "kv_events": stale.get(e.service_id, "ok"),
                 }
             )
         gone = [
@@ -100,6 +102,7 @@ class Dashboard:
             "services": services,
             "gone": gone,
             "missing_roles": self.mesh.registry.missing_roles(),
+            "kv_index": self.mesh.kv.report(),
         }
         return web.json_response(body, headers=_NO_STORE)
 

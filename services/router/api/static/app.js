@@ -80,13 +80,15 @@ function drawMesh(mesh) {
       el("td", {}, `${s.age_s.toFixed(1)} s ago`),
       el("td", {}, fmt(load.inflight, 0)), el("td", {}, fmt(load.queued, 0)),
       el("td", {}, kv), el("td", {}, memory),
-      el("td", {}, s.role === "prefill" || s.role === "decode" ? s.breaker : "–"));
+      el("td", {}, s.role === "prefill" || s.role === "decode" ? s.breaker : "–"),
+      el("td", { class: s.kv_events === "ok" ? "" : "state-stale", title: s.kv_events },
+        s.role === "prefill" || s.role === "decode" ? (s.kv_events === "ok" ? "ok" : "stale") : "–"));
   });
   for (const g of mesh.gone) {
     rows.push(el("tr", { class: "gone", "data-service": g.id, "data-state": "gone" },
       el("td", {}, g.id), el("td", {}, g.role), el("td", { class: "state-gone" }, "gone"),
       el("td", {}, `${g.gone_s.toFixed(0)} s ago`), el("td", {}, "–"), el("td", {}, "–"),
-      el("td", {}, "–"), el("td", {}, "–"), el("td", {}, "–")));
+      el("td", {}, "–"), el("td", {}, "–"), el("td", {}, "–"), el("td", {}, "–")));
   }
   fill($("#mesh tbody"), rows);
 }
