@@ -124,7 +124,7 @@ def test_one_request_gives_one_trace_across_every_service(stack: Stack) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert f"trace {client_trace}" in out.stdout
-    for line_start in ("router", "encoder", "cachemeta", "prefill", "decode"):
+    for line_start in on_path:
         assert f" {line_start} " in out.stdout
     assert "prefill.compute" in out.stdout and "tokens_computed=" in out.stdout
 
