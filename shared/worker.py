@@ -213,7 +213,9 @@ class WorkerService(Service):
 
     async def start_kv_events(self, stack: AsyncExitStack, bus: Bus) -> KvEventPublisher:
         """This worker's KV events, and resyncs of them when a holder of the index asks."""
-        events = self.kv_events = KvEventPublisher(bus, self.role, self.service_id, self.started_at)
+        events = self.kv_events = KvEventPublisher(
+            bus, self.role, self.service_id, self.started_at, self.memory_blocks
+        )
         stack.push_async_callback(events.stop)
 
         async def on_resync(req: ResyncRequest) -> None:

@@ -5,8 +5,9 @@ process (``seq``, from 1); ``made`` goes in the heartbeat, so that whoever appli
 can tell a feed that lags or stopped (``shared/kvindex/feeds.py``). A worker also counts the
 blocks of new KV it computed (``new_blocks``): each is to be announced.
 
-A publish that fails is logged and counted, not raised (the event is lost: the holders of
-the index see the gap and ask for a resync, ``resync``).
+A publish that fails is logged and counted, not raised: the event is lost. The holders of the
+index see the gap and ask for a resync (``resync``); a worker also resyncs by itself at its
+first event published after a loss (``held``: what its memory tier holds, given at start).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from shared import faults
 from shared.bus import Bus, subjects
@@ -29,8 +31,16 @@ RESYNC_BLOCKS_PER_S = 50_000  # a resync's rate at most (its events share the st
 
 
 class KvEventPublisher:
-    def __init__(self, bus: Bus, role: str, service_id: str, epoch: float) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        role: str,
+        service_id: str,
+        epoch: float,
+        held: Callable[[], list[tuple[str, int]]] | None = None,
+    ) -> None:
         self.bus = bus
+        self.held = held  # a worker's memory tier: each block's hash and bytes
         self.subject = subjects.kv_events(role)
         self.source = service_id
         self.epoch = epoch
@@ -38,6 +48,7 @@ class KvEventPublisher:
         self.lost = 0  # of those, not published
         self.new_blocks = 0  # blocks of new KV computed, each to be announced
         self._resync: asyncio.Task | None = None
+        self._lost_since_resync = False
         self.resyncs = 0
 
     async def publish(
@@ -68,7 +79,11 @@ class KvEventPublisher:
             await self.bus.publish_durable(self.subject, event, retry_s=EVENT_RETRY_S)
         except Exception as err:
             self.lost += 1
+            self._lost_since_resync = True
             log.warning("KV event %d not published: %s", self.made, err)
+            return
+        if self._lost_since_resync and self.held is not None:
+            self.resync(self.held(), "events were lost before this one")
 
     def resync(self, held: list[tuple[str, int]], why: str) -> bool:
         """Republish what this worker's memory tier holds (``held``: hash and bytes of each
@@ -78,6 +93,7 @@ class KvEventPublisher:
             return False
         log.info("KV events resync (%s): republishing %d blocks", why, len(held))
         self.resyncs += 1
+        self._lost_since_resync = False
         self._resync = asyncio.create_task(self._republish(held))
         return True
 
