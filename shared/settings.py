@@ -126,7 +126,7 @@ class CommonSettings(KvmeshSettings):
     def kv_feed_bound_s(self) -> float:
         """How late a worker's KV events may come (or how long they may stop while it
         computes) before its feed is stale: a stopped feed is flagged within 3 heartbeats."""
-        return 1.5 * self.heartbeat_interval_s
+        return 1.2 * self.heartbeat_interval_s
 
     drain_timeout_s: float = Field(default=10.0, ge=0, le=600)
     nats_connect_timeout_s: float = Field(
