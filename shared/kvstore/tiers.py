@@ -122,10 +122,10 @@ class KvTiers:
         """A block that failed its checksums on load: gone from its tier, and reported."""
         if tier == MEMORY:
             self.memory.delete(h)
-            await self._event("removed", self.location, [h])
+            await self.events.publish("removed", self.location, [h])
         elif self.store is not None:
             self.store.discard(h, reason)
-            await self._event("removed", STORE, [h])
+            await self.events.publish("removed", STORE, [h])
 
     async def remember(self, prefix: CachedPrefix, retention: str) -> None:
         """Blocks just read from the storage tier are kept in memory for next time."""
@@ -177,7 +177,7 @@ class KvTiers:
                         await asyncio.to_thread(self._write_files, hashes, blobs)
                         sizes = [len(b) for b in blobs]
                         BYTES.labels("store", "write").inc(sum(sizes))
-                        await self._event("stored", STORE, hashes, sizes, retention)
+                        await self.events.publish("stored", STORE, hashes, sizes, retention)
                     self.written_blocks += len(hashes)
                 except Exception:
                     log.exception("storing %d KV blocks failed", len(hashes))
@@ -208,21 +208,11 @@ class KvTiers:
         for h, blob in zip(hashes, blobs, strict=True):
             evicted += self.memory.put(h, blob)
         kept = [h for h in hashes if h in self.memory]
-        await self._event(
+        await self.events.publish(
             "stored", self.location, kept, [len(b) for b in blobs[: len(kept)]], retention
         )
         if evicted:
-            await self._event("removed", self.location, evicted)
-
-    async def _event(
-        self,
-        kind: str,
-        location: str,
-        hashes: list[str],
-        sizes: list[int] | None = None,
-        retention: str = "chat",
-    ) -> None:
-        await self.events.publish(kind, location, hashes, sizes, retention)
+            await self.events.publish("removed", self.location, evicted)
 
     def held(self) -> list[tuple[str, int]]:
         """What the memory tier holds: each block's hash and bytes (for a resync)."""

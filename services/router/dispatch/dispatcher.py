@@ -86,7 +86,7 @@ class Dispatcher:
         self.sender = Sender(bus, router_id, registry, self.inflight, settings, secrets_dir)
         self.replies = Replies(bus, router_id, registry, breakers, settings)
         # A burst of requests takes turns to start: the replies of those already asking
-        # (cachemeta's, the workers' acks) are not left waiting behind a thousand others.
+        # (the workers' acks) are not left waiting behind a thousand others.
         self._starting = asyncio.Semaphore(settings.max_starting)
 
     async def start(self) -> None:

@@ -193,7 +193,7 @@ class LlmdScorers(RoutingPolicy):
       (1: the shortest queue; all 1 when they are equal);
     - KV-cache utilization (2): 1 − the share of its KV cache the requests in flight hold;
     - prefix cache (3): the share of the prompt's blocks its own cache holds (the precise
-      scorer, from KV events: here cachemeta's memory tier for the worker).
+      scorer, from KV events: here the index's memory tier for the worker).
 
     A worker's KV capacity is not something the router is told: ``kv_capacity_tokens``, an
     80 GB card's room for KV after a large model's weights, order of magnitude."""

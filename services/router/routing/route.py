@@ -11,8 +11,8 @@ worker beside them take every request, ranked by the policy as prefill workers a
 tries the pairs in order (a busy worker is skipped for the next) and tells the policy what
 became of the request (``dispatched``, ``prefilled``).
 
-A policy sees the request (its block hashes and, per location, the leading blocks cachemeta
-says it holds) and the candidate workers; it keeps whatever per-worker state it needs.
+A policy sees the request (its block hashes and, per location, the leading blocks the block
+index says it holds) and the candidate workers; it keeps whatever per-worker state it needs.
 ``rank`` returns every candidate best first, each with the terms that placed it there, so a
 decision can always be explained.
 """

@@ -177,7 +177,7 @@ class PrefillWorkerState:
         n_prompt: int = 0,
     ) -> None:
         """A request's prompt is computed here (or it failed): it leaves the queue, the next
-        one begins, its blocks are in the memory tier now (cachemeta says so from here on),
+        one begins, its blocks are in the memory tier now (the index says so from here on),
         and what it took is learned: ``prefill_s`` computing (all of it, when the worker does
         not tell loading apart), ``load_s`` loading, of ``n_prompt`` tokens."""
         work = self.work
@@ -292,7 +292,7 @@ def score_prefill(
     now: float = 0.0,
     look_ahead: bool = True,
 ) -> PrefillScore:
-    """``memory_blocks``: leading blocks in this worker's memory tier (cachemeta); ``store``:
+    """``memory_blocks``: leading blocks in this worker's memory tier (the index); ``store``:
     leading blocks in the storage tier, now or (a ``StoreView``) as they will be. Without
     ``look_ahead`` only what the tiers hold now counts."""
     ahead = worker.ahead_s(now)
