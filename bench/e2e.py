@@ -7,8 +7,8 @@ model. Drives 1, 8 and 32 concurrent streaming chat clients (raw server-sent eve
 aiohttp, kept-alive connections). Prints a table, then as its last line one JSON object with
 the tiny model's figures at 8 clients: ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, rps,
 kv_transfer_mb_s, mesh_overhead_p50_ms; mesh_overhead_p50_ms_1 (1 client); the fake-paced
-stack's fake_overhead_p50_ms[_1] and its ratio to the anchor's on kept-alive connections,
-fake_vs_anchor[_1]; each stack's hop table (hops_ms_<stack>_<clients>); and the anchor's:
+stack's fake_overhead_p50_ms[_1] and its ratio to the anchor's best (of its two connection
+modes), fake_vs_anchor[_1]; each stack's hop table (hops_ms_<stack>_<clients>); and the anchor's:
 anchor_overhead_p50_ms (8 clients), anchor_overhead_p50_ms_1, and the same on kept-alive
 connections (anchor_keepalive_overhead_p50_ms[_1]).
 
@@ -445,15 +445,18 @@ def main() -> None:
     )
     summary.update(anchor)
     for clients, suffix in ((1, "_1"), (8, "")):
-        ours, theirs = (
-            summary[f"fake_overhead_p50_ms{suffix}"],
+        # The anchor at its best: kept-alive connections meet its unset TCP_NODELAY at one
+        # client (a delayed ACK each request), a new connection per request does not.
+        ours = summary[f"fake_overhead_p50_ms{suffix}"]
+        theirs = min(
+            anchor[f"anchor_overhead_p50_ms{suffix}"],
             anchor[f"anchor_keepalive_overhead_p50_ms{suffix}"],
         )
         summary[f"fake_vs_anchor{suffix}"] = round(ours / max(theirs, 0.01), 2)
         print(
             f"kvmesh over the fake-paced decode engine, added p50 at {clients} client(s): "
-            f"{ours:.2f} ms = {summary[f'fake_vs_anchor{suffix}']:.2f}x the anchor's "
-            f"{theirs:.2f} ms (kept-alive connections, both)"
+            f"{ours:.2f} ms = {summary[f'fake_vs_anchor{suffix}']:.2f}x the anchor's best "
+            f"{theirs:.2f} ms"
         )
     if args.auth or args.tls:
         summary.update(security_comparison(args.auth, args.tls, args.max_tokens))

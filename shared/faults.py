@@ -3,7 +3,8 @@ way checks for its name. Off unless the process runs with KVMESH_FAULT_HOOKS=tru
 serves ``PUT``/``DELETE /faults/{name}`` (never set in production: the route has no auth).
 
 Names in use: ``kv_events`` (the worker's KV events are made but not published, as if NATS
-refused them).
+refused them); ``kv_feed`` (a vLLM worker's engine cache events are dropped as they come, as
+if its feed went quiet).
 """
 
 from __future__ import annotations

@@ -111,10 +111,13 @@ class OwningWorker(WorkerService):
 
     def computed(self, prompt_tokens: int, cached_tokens: int) -> None:
         """A prompt computed: its full blocks not found cached are new, each to be announced
-        by the engine's cache events (a feed that stops while this counts is flagged)."""
+        by the engine's cache events (a feed that stops while this counts is flagged). The
+        last token is always computed (an engine caches at most the prompt less one token),
+        so the block it ends is counted only when it was not cached before."""
         if self.kv_events is not None and self.owning is not None:
             bs = self.owning.block_size
-            self.kv_events.new_blocks += max(0, prompt_tokens // bs - cached_tokens // bs)
+            new = (prompt_tokens - 1) // bs - cached_tokens // bs
+            self.kv_events.new_blocks += max(0, new)
 
     def load(self) -> Load:
         if self.owning is None:

@@ -69,6 +69,7 @@ def vllm_stack(stacks) -> Stack:
         KVMESH_DECODE_ENGINE="vllm",
         KVMESH_DECODE_MODEL=REAL,
         KVMESH_PREFILL_MODEL=REAL,
+        KVMESH_FAULT_HOOKS="true",  # (a test quiets vLLM's cache events)
     )
 
 
@@ -187,6 +188,36 @@ def test_vllms_cache_is_in_cachemeta_under_kvmeshs_hashes_and_tenants_stay_apart
     assert ask("customs").model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0  # another salt
     other = vllm_stack.hashes(ids, tenant="nobody", model=REAL)
     assert here not in (vllm_stack.lookup(other) or {})
+
+
+def test_a_vllm_worker_whose_cache_events_stop_while_it_computes_is_flagged(
+    vllm_stack: Stack,
+) -> None:
+    """vLLM's cache events are dropped as they come (its feed gone quiet): the worker computes
+    new blocks nobody hears of, and the router flags it as stale within a few beats; once its
+    events flow again, it is whole."""
+    client = vllm_stack.client()
+
+    def stale() -> dict:
+        return get_json(f"{vllm_stack.url}/health")[1]["kv_index"]["stale"]
+
+    def fault(on: bool) -> None:
+        import urllib.request
+
+        url = f"{vllm_stack.advertised(WORKER)}/faults/kv_feed"
+        request = urllib.request.Request(url, method="PUT" if on else "DELETE")
+        urllib.request.urlopen(request, timeout=5)
+
+    assert WORKER not in stale()
+    fault(True)
+    try:
+        client.completions.create(model=REAL, prompt=list(range(5000, 5256)), max_tokens=2)
+        wait_until(lambda: WORKER in stale(), 10, what="the quiet feed flagged")
+        assert "while it computes" in stale()[WORKER]
+    finally:
+        fault(False)
+    client.completions.create(model=REAL, prompt=list(range(6000, 6256)), max_tokens=2)
+    wait_until(lambda: WORKER not in stale(), 30, what="the feed whole again")
 
 
 def test_a_streamed_answer_closed_early_is_aborted_in_vllm(vllm_stack: Stack) -> None:
