@@ -253,6 +253,11 @@ class DecodeService(WorkerService):
             self.engine.free(rid)
         return blobs, tokens
 
+    def write_and_join(self, rid: str, data: bytes, first_token: int) -> None:
+        """On the engine thread: a handed-off prompt's KV written, and the sequence joined."""
+        self.engine.write_kv(rid, data)
+        self.engine.join(rid, first_token)
+
     def _store_filled(self, rid: str, active: Active) -> None:
         """The answer's blocks that filled in this step, to the tiers now (not only when it
         ends): a request resumed on another worker after this one fails loads them and
@@ -448,15 +453,22 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                 yield kv_pb2.HandoffStatus(ok=False, code=code, error=str(err))
                 return
             try:
-                # Written on a thread of its own while the batch steps on (its blocks are this
-                # request's alone): between two steps only the join waits, not the copy.
-                active.writing = asyncio.ensure_future(
-                    asyncio.to_thread(svc.engine.write_kv, rid, bytes(data))
-                )
-                await active.writing
-                await svc.runner.call(
-                    svc.engine.join, rid, done.first_token, priority=task.priority
-                )
+                if svc.engine.running:
+                    # Written on a thread of its own while the batch steps on (its blocks are
+                    # this request's alone): between two steps only the join waits, not the
+                    # copy.
+                    active.writing = asyncio.ensure_future(
+                        asyncio.to_thread(svc.engine.write_kv, rid, bytes(data))
+                    )
+                    await active.writing
+                    await svc.runner.call(
+                        svc.engine.join, rid, done.first_token, priority=task.priority
+                    )
+                else:  # nothing steps: written and joined in one call, one thread hop less
+                    active.writing = svc.runner.call(
+                        svc.write_and_join, rid, bytes(data), done.first_token
+                    )
+                    await active.writing
             except KVFormatError as err:
                 yield kv_pb2.HandoffStatus(ok=False, code="internal", error=str(err))
                 return
