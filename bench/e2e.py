@@ -1,16 +1,17 @@
 """End-to-end benchmark of the request path: a real stack, concurrent streaming clients.
 
 Starts `kvmesh up` (1 prefill, 1 decode worker) on the tiny model, so compute is small and
-the mesh itself is measured; then the same with decode on the fake-paced engine (a step every
-millisecond, no compute: what is left is the mesh, beside the anchor below); then on the real
-model. Drives 1, 8 and 32 concurrent streaming chat clients (raw server-sent events over
-aiohttp, kept-alive connections). Prints a table, then as its last line one JSON object with
-the tiny model's figures at 8 clients: ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, rps,
-kv_transfer_mb_s, mesh_overhead_p50_ms; mesh_overhead_p50_ms_1 (1 client); the fake-paced
-stack's fake_overhead_p50_ms[_1] and its ratio to the anchor's best (of its two connection
-modes), fake_vs_anchor[_1]; each stack's hop table (hops_ms_<stack>_<clients>); and the anchor's:
-anchor_overhead_p50_ms (8 clients), anchor_overhead_p50_ms_1, and the same on kept-alive
-connections (anchor_keepalive_overhead_p50_ms[_1]).
+the mesh itself is measured; then the same on the fake-paced engine (no prefill compute, a
+decode step every millisecond, no tiers: what is left is the mesh, beside the anchor below);
+then on the real model. Drives 1, 8 and 32 concurrent streaming chat clients (raw
+server-sent events over aiohttp, kept-alive connections). Prints a table, then as its last
+line one JSON object with the tiny model's figures at 8 clients: ttft_p50_ms, ttft_p99_ms,
+tpot_p50_ms, rps, kv_transfer_mb_s, mesh_overhead_p50_ms; mesh_overhead_p50_ms_1 (1
+client); the fake-paced stack's fake_overhead_p50_ms[_1] and its ratio to the anchor's best
+(of its two connection modes), fake_vs_anchor[_1]; each stack's hop table
+(hops_ms_<stack>_<clients>); and the anchor's: anchor_overhead_p50_ms (8 clients),
+anchor_overhead_p50_ms_1, and the same on kept-alive connections
+(anchor_keepalive_overhead_p50_ms[_1]).
 
 mesh overhead = what the client waited (request sent → last chunk) minus the time the
 engines computed for the request (prefill + its decode steps, reported by the workers).
@@ -381,9 +382,18 @@ def main() -> None:
     )
     args = ap.parse_args()
     # (name, model, engine env, requests per client): the tiny model computing on both
-    # workers; decode on the fake-paced engine (no decode compute: the mesh alone beside the
-    # anchor); the real model.
-    fake = {"KVMESH_DECODE_ENGINE": "fake-paced", "KVMESH_FAKE_STEP_MS": str(FAKE_STEP_MS)}
+    # workers; the fake-paced engine (no model compute: the mesh alone, beside the anchor);
+    # the real model.
+    fake = {  # (the fake's blocks are not worth keeping: no tiers)
+        "KVMESH_PREFILL_ENGINE": "fake-paced",
+        "KVMESH_DECODE_ENGINE": "fake-paced",
+        "KVMESH_FAKE_PREFILL": "1",
+        "KVMESH_FAKE_STEP_MS": str(FAKE_STEP_MS),
+        "KVMESH_PREFILL_KV_STORE": "false",
+        "KVMESH_DECODE_KV_STORE": "false",
+        "KVMESH_PREFILL_MEMORY_TIER_BYTES": "0",
+        "KVMESH_DECODE_MEMORY_TIER_BYTES": "0",
+    }
     runs = [("tiny", "tiny", {}, args.requests), ("fake", "tiny", fake, args.requests)]
     if not args.skip_real:
         runs.append(("smollm2", "smollm2-135m-instruct", {}, 1))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.engine.interface import EngineOptions
+from shared.engine.interface import EngineOptions, PrefillRequest
 from shared.engine.registry import load_engine
 from shared.engine.sampling import SamplingParams
 
@@ -33,5 +33,31 @@ def test_it_prefills_for_real_and_decodes_a_fixed_token_at_its_pace(
     assert steps[-1][0].finish_reason == "length"
     assert took >= 2 * 0.030  # paced: no step sooner than its interval after the one before
     engine.free("s")
+    engine.check_integrity()
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_with_a_fake_prefill_nothing_is_computed_and_the_kv_still_moves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVMESH_FAKE_PREFILL", "1")
+    monkeypatch.setenv("KVMESH_FAKE_STEP_MS", "1")
+    engine = load_engine("fake-paced", "tiny", tmp_path, EngineOptions(kv_cache_tokens=1024))
+    engine.start()
+    params = SamplingParams(max_tokens=3, temperature=0)
+    prompt = list(range(10, 200))
+    started = time.perf_counter()
+    first = engine.prefill("h", prompt, params, handoff=True)  # prefill-worker style
+    (batched,) = engine.prefill_batch([PrefillRequest("b", prompt, params, None, False, ())])
+    took = time.perf_counter() - started
+    assert first.token_id == batched.token_id and took < 0.05  # no forward pass
+    assert "h" not in engine.running and "b" in engine.running
+    kv = engine.export_kv("h")  # a handoff ships the prompt's (uncomputed) KV as usual
+    assert len(kv) > 0 and engine.sequence("h").n_cached == len(prompt)
+    while engine.running:
+        engine.step()
+    assert engine.sequence("b").finish_reason == "length"
+    for seq_id in ("h", "b"):
+        engine.free(seq_id)
     engine.check_integrity()
     assert engine.stats().kv_blocks_used == 0
