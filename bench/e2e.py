@@ -464,7 +464,8 @@ def main() -> None:
         )
         summary[f"fake_vs_anchor{suffix}"] = round(ours / max(theirs, 0.01), 2)
         print(
-            f"kvmesh over the fake-paced decode engine, added p50 at {clients} client(s): "
+            f"kvmesh over the fake-paced engine (no model compute), added p50 at {clients} "
+            f"client(s): "
             f"{ours:.2f} ms = {summary[f'fake_vs_anchor{suffix}']:.2f}x the anchor's best "
             f"{theirs:.2f} ms"
         )
