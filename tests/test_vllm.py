@@ -201,6 +201,10 @@ def test_a_vllm_worker_whose_cache_events_stop_while_it_computes_is_flagged(
     def stale() -> dict:
         return get_json(f"{vllm_stack.url}/health")[1]["kv_index"]["stale"]
 
+    def state() -> str:  # (for a failure's message)
+        load = vllm_stack.health()[WORKER]["load"]
+        return f"kv_events {load['kv_events']}, new blocks {load['kv_new_blocks']}"
+
     def fault(on: bool) -> None:
         import urllib.request
 
@@ -212,12 +216,12 @@ def test_a_vllm_worker_whose_cache_events_stop_while_it_computes_is_flagged(
     fault(True)
     try:
         client.completions.create(model=REAL, prompt=list(range(5000, 5256)), max_tokens=2)
-        wait_until(lambda: WORKER in stale(), 10, what="the quiet feed flagged")
+        wait_until(lambda: WORKER in stale(), 20, what=f"the quiet feed flagged ({state()})")
         assert "while it computes" in stale()[WORKER]
     finally:
         fault(False)
     client.completions.create(model=REAL, prompt=list(range(6000, 6256)), max_tokens=2)
-    wait_until(lambda: WORKER not in stale(), 30, what="the feed whole again")
+    wait_until(lambda: WORKER not in stale(), 30, what=f"the feed whole again ({state()})")
 
 
 def test_a_streamed_answer_closed_early_is_aborted_in_vllm(vllm_stack: Stack) -> None:

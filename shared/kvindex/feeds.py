@@ -13,7 +13,8 @@ the count in every heartbeat, with the blocks of new KV it computed. Two things 
 Either makes the feed stale: what the index says of that worker's memory tier is not trusted
 (routing counts only the storage tier's blocks for it) until the feed is whole again. Events
 lost for good are made whole by a resync: the worker clears its location and republishes what
-its memory tier holds; the clear accounts for every event before it.
+its memory tier holds; the clear accounts for every event before it. A feed that stopped is
+whole again only when its events flow again (a resync cannot mend a quiet engine).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Feed:
     new_blocks: int = 0
     stale: str = ""  # why the feed is not trusted ("" while it is)
     stale_since: float = 0.0
+    lagging: bool = False  # stale for events lost (a resync mends it), not for a quiet feed
 
     def state(self) -> list:
         return [self.epoch, self.applied, self.cleared]
@@ -120,7 +122,8 @@ class Feeds:
             while feed.claims and feed.claims[0][0] <= applied:
                 feed.claims.popleft()
             why = ""
-            if feed.claims and now - feed.claims[0][1] > self.bound_s:
+            feed.lagging = bool(feed.claims) and now - feed.claims[0][1] > self.bound_s
+            if feed.lagging:
                 why = f"{feed.lag()} KV events made have not come"
             elif feed.new_blocks > feed.new_blocks_then and now - feed.made_changed_at > (
                 self.bound_s

@@ -1,6 +1,7 @@
 """The health of the workers' KV event feeds, as a holder of the index sees it (a router, or
 cachemeta): their heartbeats heard, stale feeds flagged with a log line once, a resync asked
-of them (at most every ``RESYNC_EVERY_S``), and the figures on /metrics."""
+of those whose events were lost (at most every ``RESYNC_EVERY_S``), and the figures on
+/metrics."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ class FeedWatch:
                 log.info("%s's KV events are whole again", source)
                 self.asked.pop(source, None)
         for source, feed in feeds.stale().items():
+            if not feed.lagging:  # a quiet feed: republishing what it said before mends nothing
+                continue
             if now - self.asked.get(source, -RESYNC_EVERY_S) < RESYNC_EVERY_S:
                 continue
             self.asked[source] = now

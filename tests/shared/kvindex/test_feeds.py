@@ -120,3 +120,18 @@ def test_holders_of_the_same_events_answer_alike_and_a_snapshot_resumes_them() -
         assert answers[0] == answers[1] == answers[2]
     b.blocks.check_integrity()
     c.blocks.check_integrity()
+
+
+def test_a_quiet_feed_is_whole_only_when_its_events_flow_again() -> None:
+    """Republishing what a worker said before (a resync) does not mend a quiet engine feed:
+    only lag asks for one; the stopped feed is whole once its event count moves."""
+    feeds, v0 = Feeds(bound_s=1.0), Worker("v0")
+    feeds.admit(v0.event("stored", [h(1)]))
+    feeds.heard("v0", EPOCH, made=1, new_blocks=1, now=0.0)
+    feeds.heard("v0", EPOCH, made=1, new_blocks=5, now=3.0)
+    feeds.check(now=3.0)
+    feed = feeds.by_source["v0"]
+    assert feed.stale and not feed.lagging
+    feeds.admit(v0.event("stored", [h(2)]))  # its engine speaks again
+    feeds.heard("v0", EPOCH, made=2, new_blocks=6, now=4.0)
+    assert feeds.check(now=4.0) == [("v0", "")]
