@@ -149,14 +149,7 @@ class CachemetaService(Service):
         stack.push_async_callback(sub.unsubscribe)
 
     async def _on_event_msg(self, raw: Msg) -> None:
-        seq = raw.metadata.sequence.stream
-        try:
-            event = KvEvent.from_bytes(raw.data)
-        except ValueError as err:
-            log.warning("dropped a malformed KV event (stream seq %d): %s", seq, err)
-            self.index.seq = max(self.index.seq, seq)
-        else:
-            self.index.apply(event, seq)
+        self.index.apply_message(raw.data, raw.metadata.sequence.stream)
         await raw.ack()
 
     async def save_snapshot(self) -> None:

@@ -20,7 +20,6 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared.bus import Bus, BusError, subjects
 from shared.kvindex.view import DEFAULT_TTL_S, KvIndex, SnapshotError
-from shared.messages.kvevents import KvEvent
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,6 @@ class IndexFollower:
         self.caught_up = asyncio.Event()
         self.took_s = 0.0  # snapshot read and stream caught up, at start
         self.from_snapshot = 0  # blocks the snapshot held
-        self.malformed = 0
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         started = time.monotonic()
@@ -97,14 +95,7 @@ class IndexFollower:
 
         async def on_msg(raw: Msg) -> None:
             seq = raw.metadata.sequence.stream
-            try:
-                event = KvEvent.from_bytes(raw.data)
-            except ValueError as err:
-                self.malformed += 1
-                log.warning("dropped a malformed KV event (stream seq %d): %s", seq, err)
-                self.index.seq = max(self.index.seq, seq)
-            else:
-                self.index.apply(event, seq)
+            self.index.apply_message(raw.data, seq)
             if seq >= target and not self.caught_up.is_set():
                 self.caught_up.set()
 

@@ -9,11 +9,14 @@ Cachemeta writes one every so often (to its state dir, and to the bus where rout
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 
 from shared.kvindex.feeds import Feeds
 from shared.kvindex.index import BlockIndex
 from shared.messages.kvevents import KvEvent
+
+log = logging.getLogger(__name__)
 
 SNAPSHOT_VERSION = 1
 # A block's life after its last use, by retention class, until a snapshot says what
@@ -44,6 +47,18 @@ class KvIndex:
             self.blocks.drop_location(forget)
         if admitted:
             self.blocks.apply(event)
+        return True
+
+    def apply_message(self, data: bytes, seq: int) -> bool:
+        """Apply the stream's message ``seq`` as it came; a malformed one is logged and
+        skipped (its position counts as applied). False for a malformed one."""
+        try:
+            event = KvEvent.from_bytes(data)
+        except ValueError as err:
+            log.warning("dropped a malformed KV event (stream seq %d): %s", seq, err)
+            self.seq = max(self.seq, seq)
+            return False
+        self.apply(event, seq)
         return True
 
     # -- snapshots --------------------------------------------------------------------------
