@@ -6,6 +6,7 @@ is kept alive everywhere against its TTL."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -68,6 +69,16 @@ def in_memory_of(stack: Stack, ids: list[int]) -> str:
     return found[0]
 
 
+def snapshot_hashes(stack: Stack) -> set[str]:
+    """The blocks in cachemeta's latest snapshot file (none while it has written none)."""
+    path = stack.dir / "cachemeta" / "index.json"
+    try:
+        packed = json.loads(path.read_text())["hashes"]
+    except (OSError, ValueError):  # (not written yet, or being replaced)
+        return set()
+    return {packed[i : i + 32] for i in range(0, len(packed), 32)}
+
+
 def home_of(stack: Stack, seed: int) -> tuple[list[int], str]:
     """A conversation run once, and the worker that holds it."""
     ids = conversation(seed)
@@ -90,8 +101,13 @@ def test_routing_goes_on_by_the_routers_own_index_while_cachemeta_is_frozen_or_k
     cachemeta.wait(10)
     # Blocks stored while it is gone are indexed by the routers all the same.
     fresh = conversation(3)
+    before = router_health(stack)["kv_index"]["blocks"]
     first = route(stack, fresh)
-    time.sleep(1.0)  # (the new blocks' events: stored behind the first token)
+    wait_until(  # (the new blocks' events: stored behind the first token)
+        lambda: router_health(stack)["kv_index"]["blocks"] >= before + 9,
+        30,
+        what="the new blocks in the router's index",
+    )
     decision = route(stack, fresh + conversation(4, 100))
     assert decision["chosen"] == first["chosen"] and memory(decision)[first["chosen"]] >= 512
     # Restarted, cachemeta catches up from its snapshot and the stream.
@@ -102,7 +118,11 @@ def test_routing_goes_on_by_the_routers_own_index_while_cachemeta_is_frozen_or_k
 
 def test_a_router_started_mid_run_finds_the_same_blocks(stack: Stack) -> None:
     ids, home = home_of(stack, 5)
-    time.sleep(2.5)  # a snapshot is taken with them; more blocks come after it
+    wait_until(  # a snapshot is taken with them; more blocks come after it
+        lambda: set(stack.hashes(ids)) <= snapshot_hashes(stack),
+        30,
+        what="the conversation in cachemeta's snapshot",
+    )
     later, later_home = home_of(stack, 6)
     url = stack.router("router-1")
     index = router_health(stack, url)["kv_index"]
