@@ -117,7 +117,7 @@ class OwningWorker(WorkerService):
         if self.kv_events is not None and self.owning is not None:
             bs = self.owning.block_size
             new = (prompt_tokens - 1) // bs - cached_tokens // bs
-            self.kv_events.new_blocks += max(0, new)
+            self.kv_events.computed(new, memory_location(self.service_id))
 
     def load(self) -> Load:
         if self.owning is None:

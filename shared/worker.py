@@ -214,7 +214,12 @@ class WorkerService(Service):
     async def start_kv_events(self, stack: AsyncExitStack, bus: Bus) -> KvEventPublisher:
         """This worker's KV events, and resyncs of them when a holder of the index asks."""
         events = self.kv_events = KvEventPublisher(
-            bus, self.role, self.service_id, self.started_at, self.memory_blocks
+            bus,
+            self.role,
+            self.service_id,
+            self.started_at,
+            self.memory_blocks,
+            bound_s=self.common.kv_feed_bound_s,
         )
         stack.push_async_callback(events.stop)
 
@@ -242,12 +247,12 @@ class WorkerService(Service):
             stats.block_size,
         )
 
-    def kv_event_figures(self) -> dict[str, int]:
+    def kv_event_figures(self) -> dict[str, float]:
         """What heartbeats say of this worker's KV events (``shared/kvindex/feeds.py``)."""
         events = self.kv_events
-        return (
-            {} if events is None else {"kv_events": events.made, "kv_new_blocks": events.new_blocks}
-        )
+        if events is None:
+            return {}
+        return {"kv_events": events.made, "kv_unannounced_s": round(events.unannounced_s(), 3)}
 
     def worker_load(self, **figures: int) -> Load:
         """Load with the engine's and the tiers' figures filled in."""

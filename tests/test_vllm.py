@@ -203,7 +203,7 @@ def test_a_vllm_worker_whose_cache_events_stop_while_it_computes_is_flagged(
 
     def state() -> str:  # (for a failure's message)
         load = vllm_stack.health()[WORKER]["load"]
-        return f"kv_events {load['kv_events']}, new blocks {load['kv_new_blocks']}"
+        return f"kv_events {load['kv_events']}, unannounced for {load['kv_unannounced_s']} s"
 
     def fault(on: bool) -> None:
         import urllib.request

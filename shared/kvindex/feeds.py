@@ -3,12 +3,13 @@ came, against how many its heartbeats say it made. Pure and synchronous; times a
 holder's monotonic clock.
 
 A worker numbers its events from 1 in each process (its ``epoch``: when it started) and puts
-the count in every heartbeat, with the blocks of new KV it computed. Two things go wrong:
+the count in every heartbeat, with how long the blocks of new KV it computed have waited for
+their events (``shared/kvindex/publisher.py``). Two things go wrong:
 
 - **lag**: a heartbeat said N events were made, and some of the first N have not come within
   ``bound_s`` (they were lost, or the stream is that far behind);
-- **stopped**: the worker keeps computing new blocks, and its event count has not moved for
-  ``bound_s`` (a bridge whose engine feed went quiet).
+- **stopped**: blocks the worker computed have waited longer than ``bound_s`` for their
+  events (a bridge whose engine feed went quiet).
 
 Either makes the feed stale: what the index says of that worker's memory tier is not trusted
 (routing counts only the storage tier's blocks for it) until the feed is whole again. Events
@@ -35,9 +36,7 @@ class Feed:
     heard_epoch: float = 0.0
     claims: deque[tuple[int, float]] = field(default_factory=deque)  # (made, heard at), unmet
     made: int = 0  # events made, as last heard
-    made_changed_at: float = 0.0  # when that count last moved
-    new_blocks_then: int = 0  # new blocks computed, as of that moment
-    new_blocks: int = 0
+    unannounced_s: float = 0.0  # how long new blocks have waited for their events, as heard
     stale: str = ""  # why the feed is not trusted ("" while it is)
     stale_since: float = 0.0
     lagging: bool = False  # stale for events lost (a resync mends it), not for a quiet feed
@@ -94,16 +93,13 @@ class Feeds:
 
     # -- heartbeats ---------------------------------------------------------------------------
 
-    def heard(self, source: str, epoch: float, made: int, new_blocks: int, now: float) -> None:
-        """A worker's heartbeat: it has made ``made`` events and computed ``new_blocks``
-        blocks of new KV since process ``epoch`` started."""
+    def heard(self, source: str, epoch: float, made: int, unannounced_s: float, now: float) -> None:
+        """A worker's heartbeat: process ``epoch`` has made ``made`` events, and the oldest
+        blocks of new KV it computed have waited ``unannounced_s`` for theirs."""
         feed = self.by_source.setdefault(source, Feed())
         if epoch != feed.heard_epoch:
             feed.heard_epoch, feed.claims = epoch, deque()
-            feed.made, feed.made_changed_at, feed.new_blocks_then = made, now, new_blocks
-        elif made != feed.made:
-            feed.made, feed.made_changed_at, feed.new_blocks_then = made, now, new_blocks
-        feed.new_blocks = new_blocks
+        feed.made, feed.unannounced_s = made, unannounced_s
         if made > feed.applied_for(epoch) and (not feed.claims or feed.claims[-1][0] < made):
             feed.claims.append((made, now))
 
@@ -112,6 +108,7 @@ class Feeds:
         feed = self.by_source.get(source)
         if feed is not None:
             feed.heard_epoch, feed.claims, feed.stale = 0.0, deque(), ""
+            feed.unannounced_s = 0.0
 
     def check(self, now: float) -> list[tuple[str, str]]:
         """Each feed's staleness brought up to date; returns those that changed, as (source,
@@ -125,10 +122,8 @@ class Feeds:
             feed.lagging = bool(feed.claims) and now - feed.claims[0][1] > self.bound_s
             if feed.lagging:
                 why = f"{feed.lag()} KV events made have not come"
-            elif feed.new_blocks > feed.new_blocks_then and now - feed.made_changed_at > (
-                self.bound_s
-            ):
-                why = f"no KV events for {now - feed.made_changed_at:.1f} s while it computes"
+            elif feed.unannounced_s > self.bound_s:
+                why = f"no KV events for {feed.unannounced_s:.1f} s while it computes"
             if bool(why) != bool(feed.stale):
                 feed.stale_since = now
                 changed.append((source, why))

@@ -2,8 +2,14 @@
 
 Each event carries its publisher's id, its process's start (``epoch``) and its number in that
 process (``seq``, from 1); ``made`` goes in the heartbeat, so that whoever applies the stream
-can tell a feed that lags or stopped (``shared/kvindex/feeds.py``). A worker also counts the
-blocks of new KV it computed (``new_blocks``): each is to be announced.
+can tell a feed that lags (``shared/kvindex/feeds.py``). A worker also tells the blocks of new
+KV it computed (``computed``): each is to be announced by a "stored" event at the location it
+was kept, and how long the oldest of them has waited (``unannounced_s``, in the heartbeat)
+tells a feed that went quiet while its worker computes (a bridge whose engine stopped
+talking). Blocks are matched to announcements by count, oldest first, so an earlier
+computation's late event does not hide a later one's silence; those still waiting when an
+event is made more than ``bound_s`` after them are dropped (the feed flows: the engine chose
+not to keep them).
 
 A publish that fails is logged and counted, not raised: the event is lost. The holders of the
 index see the gap and ask for a resync (``resync``); a worker also resyncs by itself at its
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 from shared import faults
@@ -38,6 +45,7 @@ class KvEventPublisher:
         service_id: str,
         epoch: float,
         held: Callable[[], list[tuple[str, int]]] | None = None,
+        bound_s: float = 2.0,
     ) -> None:
         self.bus = bus
         self.held = held  # a worker's memory tier: each block's hash and bytes
@@ -46,7 +54,9 @@ class KvEventPublisher:
         self.epoch = epoch
         self.made = 0  # events made in this process (the last one's seq)
         self.lost = 0  # of those, not published
-        self.new_blocks = 0  # blocks of new KV computed, each to be announced
+        self.bound_s = bound_s
+        # Blocks of new KV computed, each to be announced: location → [computed at, blocks].
+        self.waiting: dict[str, deque[list]] = {}
         self._resync: asyncio.Task | None = None
         self._lost_since_resync = False
         self.resyncs = 0
@@ -62,6 +72,7 @@ class KvEventPublisher:
         if not hashes and kind != "cleared":
             return
         self.made += 1
+        self._announced(location if kind == "stored" else "", len(hashes), time.monotonic())
         event = KvEvent(
             kind=kind,  # type: ignore[arg-type]
             location=location,
@@ -84,6 +95,31 @@ class KvEventPublisher:
             return
         if self._lost_since_resync and self.held is not None:
             self.resync(self.held(), "events were lost before this one")
+
+    def computed(self, blocks: int, location: str) -> None:
+        """``blocks`` of new KV were computed, to be announced as stored at ``location``."""
+        if blocks > 0:
+            self.waiting.setdefault(location, deque()).append([time.monotonic(), blocks])
+
+    def unannounced_s(self, now: float | None = None) -> float:
+        """How long the oldest block computed and not yet announced has waited (0: none)."""
+        now = time.monotonic() if now is None else now
+        fronts = [queue[0][0] for queue in self.waiting.values() if queue]
+        return max(0.0, now - min(fronts)) if fronts else 0.0
+
+    def _announced(self, location: str, blocks: int, now: float) -> None:
+        """An event made: ``blocks`` stored at ``location`` announce the oldest computed
+        there, and blocks left waiting more than ``bound_s`` before it are not to be."""
+        queue = self.waiting.get(location)
+        while queue and blocks > 0:
+            take = min(blocks, queue[0][1])
+            queue[0][1] -= take
+            blocks -= take
+            if not queue[0][1]:
+                queue.popleft()
+        for queue in self.waiting.values():
+            while queue and now - queue[0][0] > self.bound_s:
+                queue.popleft()
 
     def resync(self, held: list[tuple[str, int]], why: str) -> bool:
         """Republish what this worker's memory tier holds (``held``: hash and bytes of each

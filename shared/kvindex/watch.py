@@ -37,7 +37,8 @@ class FeedWatch:
         if hb.status == "stopped":
             feeds.forget(hb.service_id)
         else:
-            feeds.heard(hb.service_id, hb.started_at, hb.load.kv_events, hb.load.kv_new_blocks, now)
+            load = hb.load
+            feeds.heard(hb.service_id, hb.started_at, load.kv_events, load.kv_unannounced_s, now)
 
     async def check(self, now: float) -> None:
         """Feeds' staleness brought up to date: each change logged once, a resync asked."""

@@ -152,8 +152,9 @@ class KvTiers:
             write = _Write(hashes[:take], blobs[:take], retention, ctx, time.time_ns())
             self._queue.put_nowait(write)
             self.queued_blocks += take
-            if self.keep:
-                self.events.new_blocks += take
+            if self.keep:  # (announced where it is kept: its memory tier first)
+                where = self.location if self.memory.capacity_bytes > 0 else STORE
+                self.events.computed(take, where)
         skipped = len(hashes) - take
         if skipped:
             self.skipped_blocks += skipped

@@ -34,8 +34,11 @@ class Load(Message):
     kv_events: int = Field(
         default=0, ge=0, description="workers: KV events made since it started (the last seq)"
     )
-    kv_new_blocks: int = Field(
-        default=0, ge=0, description="workers: blocks of new KV computed (each to be announced)"
+    kv_unannounced_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="workers: how long the oldest blocks of new KV computed here have waited "
+        "for their KV event (0 when none wait)",
     )
 
 

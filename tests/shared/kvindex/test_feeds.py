@@ -53,17 +53,17 @@ def test_a_whole_feed_is_trusted_and_a_lost_event_makes_it_stale() -> None:
     stream, p0 = Stream(index), Worker("p0")
     stream.put(p0.event("stored", [h(1), h(2)]))
     feeds = index.feeds
-    feeds.heard("p0", EPOCH, p0.made, new_blocks=2, now=0.0)
+    feeds.heard("p0", EPOCH, p0.made, unannounced_s=0.0, now=0.0)
     assert feeds.check(now=0.5) == [] and feeds.trusted("p0", EPOCH)
     p0.event("stored", [h(3)])  # made, never published
-    feeds.heard("p0", EPOCH, p0.made, new_blocks=3, now=1.0)
+    feeds.heard("p0", EPOCH, p0.made, unannounced_s=0.0, now=1.0)
     assert feeds.check(now=2.9) == []  # within the bound: it may be on its way
     assert feeds.check(now=3.1) == [("p0", "1 KV events made have not come")]
     assert not feeds.trusted("p0", EPOCH) and feeds.by_source["p0"].lag() == 1
     # A resync: its location cleared (accounting for everything before), blocks again.
     stream.put(p0.event("cleared", []))
     stream.put(p0.event("stored", [h(1), h(2), h(3)]))
-    feeds.heard("p0", EPOCH, p0.made, new_blocks=3, now=4.0)
+    feeds.heard("p0", EPOCH, p0.made, unannounced_s=0.0, now=4.0)
     assert feeds.check(now=4.1) == [("p0", "")] and feeds.trusted("p0", EPOCH)
     assert index.blocks.lookup([h(1), h(2), h(3)], now=5, touch=False) == {"mem:p0": 3}
 
@@ -72,12 +72,14 @@ def test_a_feed_that_stops_while_its_worker_computes_is_stale() -> None:
     feeds, v0 = Feeds(bound_s=2.0), Worker("v0")
     for _ in range(5):
         feeds.admit(v0.event("stored", [h(1)]))
-    feeds.heard("v0", EPOCH, made=5, new_blocks=10, now=0.0)
-    feeds.heard("v0", EPOCH, made=5, new_blocks=10, now=5.0)
+    feeds.heard("v0", EPOCH, made=5, unannounced_s=0.0, now=0.0)
+    feeds.heard("v0", EPOCH, made=5, unannounced_s=0.0, now=5.0)
     assert feeds.check(now=5.0) == []  # quiet and idle: nothing expected
-    feeds.heard("v0", EPOCH, made=5, new_blocks=14, now=6.0)  # computing, no events
-    changed = feeds.check(now=6.0)
-    assert changed and changed[0][0] == "v0" and "no KV events for 6.0 s" in changed[0][1]
+    feeds.heard("v0", EPOCH, made=5, unannounced_s=1.5, now=6.0)  # computed, within the bound
+    assert feeds.check(now=6.0) == []
+    feeds.heard("v0", EPOCH, made=5, unannounced_s=2.5, now=7.0)  # still no events
+    changed = feeds.check(now=7.0)
+    assert changed and changed[0][0] == "v0" and "no KV events for 2.5 s" in changed[0][1]
 
 
 def test_a_new_process_starts_with_an_empty_memory_tier() -> None:
@@ -127,11 +129,11 @@ def test_a_quiet_feed_is_whole_only_when_its_events_flow_again() -> None:
     only lag asks for one; the stopped feed is whole once its event count moves."""
     feeds, v0 = Feeds(bound_s=1.0), Worker("v0")
     feeds.admit(v0.event("stored", [h(1)]))
-    feeds.heard("v0", EPOCH, made=1, new_blocks=1, now=0.0)
-    feeds.heard("v0", EPOCH, made=1, new_blocks=5, now=3.0)
+    feeds.heard("v0", EPOCH, made=1, unannounced_s=0.0, now=0.0)
+    feeds.heard("v0", EPOCH, made=1, unannounced_s=3.0, now=3.0)
     feeds.check(now=3.0)
     feed = feeds.by_source["v0"]
     assert feed.stale and not feed.lagging
     feeds.admit(v0.event("stored", [h(2)]))  # its engine speaks again
-    feeds.heard("v0", EPOCH, made=2, new_blocks=6, now=4.0)
+    feeds.heard("v0", EPOCH, made=2, unannounced_s=0.0, now=4.0)
     assert feeds.check(now=4.0) == [("v0", "")]

@@ -1,0 +1,47 @@
+"""A worker's KV events on a real NATS: blocks of new KV computed wait for the "stored" events
+that announce them, oldest first, so an earlier computation's late event never hides a later
+one's silence (a quiet engine feed is told by how long its blocks have waited)."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+from shared.bus import subjects
+from shared.kvindex.publisher import KvEventPublisher
+from shared.messages.kvevents import STORE, memory_location
+from tests.procs import connect_as
+
+HERE = memory_location("v-0")
+
+
+def hashes(n: int, seed: int) -> list[str]:
+    return [f"{seed:02x}{i:030x}" for i in range(n)]
+
+
+async def test_new_blocks_wait_for_their_own_announcement(
+    nats_url: str, mesh_secrets: Path
+) -> None:
+    async with AsyncExitStack() as stack:
+        bus = await connect_as(nats_url, "decode", mesh_secrets)
+        stack.push_async_callback(bus.close)
+        await bus.ensure_stream(subjects.KV_EVENTS_STREAM, [subjects.KV_EVENTS_ALL])
+        events = KvEventPublisher(bus, "decode", "v-0", epoch=1.0, bound_s=0.3)
+        assert events.unannounced_s() == 0.0
+        events.computed(3, HERE)  # request A
+        await asyncio.sleep(0.05)
+        events.computed(3, HERE)  # request B, whose events will never come
+        await events.publish("stored", HERE, hashes(3, 1))  # A's, late
+        assert 0.0 < events.unannounced_s() < 0.05  # B's blocks wait, from when B computed
+        await events.publish("stored", STORE, hashes(3, 1))  # the storage tier's: not B's
+        await asyncio.sleep(0.4)
+        assert events.unannounced_s() >= 0.4  # past the bound: a holder flags the feed
+        # Events flow again: B's blocks, older than the bound before this event, are not
+        # to be announced any more; the new request's are, and are.
+        events.computed(2, HERE)
+        await events.publish("removed", HERE, hashes(1, 1))
+        assert 0.0 < events.unannounced_s() < 0.3
+        await events.publish("stored", HERE, hashes(2, 2))
+        assert events.unannounced_s() == 0.0
+        assert (events.made, events.lost) == (4, 0)
