@@ -1,10 +1,14 @@
-"""The engine on a thread of its own.
+"""The engine's loop on a thread of its own, and a worker's handle on it.
 
-The event loop stays free while the engine computes, and engine calls never overlap (the
-engine is not thread-safe). A decode worker also turns on stepping: the thread then runs
-decode steps back to back for as long as sequences are running, doing queued calls (receive
-a handoff, abort, a local prefill) between two steps, and hands each step's tokens to the
-event loop without waiting for it, so the batch never waits on Python bookkeeping or NATS.
+``EngineLoop`` is the thread: engine calls never overlap (the engine is not thread-safe), and
+once stepping is on it runs decode steps back to back for as long as sequences are running,
+doing queued calls (receive a handoff, abort, a local prefill) between two steps, and hands
+each step's tokens on without waiting, so the batch never waits on Python bookkeeping or
+NATS. It runs in the worker's process (``EngineRunner``: the event loop stays free while the
+engine computes) or in a process of its own (``shared/engine/process.py``: the steps then
+share no GIL with the worker's event loop).
+
+What a worker asks is an op of ``shared/engine/ops.py``, called with the engine first.
 """
 
 from __future__ import annotations
@@ -17,34 +21,33 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any
 
+from shared.engine import ops
 from shared.engine.interface import Engine, StepOutput
 from shared.messages.generate import Priority
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 OnStep = Callable[[list[StepOutput], float], None]
-
+# How a call's result goes back: (result, None) or (None, error), on the engine thread.
+Reply = Callable[[Any, BaseException | None], None]
 
 RANKS = {"online": 0, "batch": 1}  # queued calls of online requests go first
 
 
 class EngineStopped(RuntimeError):
-    """The engine thread has stopped (the service is closing): the call is not run."""
+    """The engine's loop has stopped (the service is closing): the call is not run."""
 
 
-class EngineRunner:
+class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         # (rank, arrival, job): online requests' calls before batch work's, each in order.
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._arrivals = itertools.count()
         self._on_step: OnStep | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
+        self.closed = False
         # The engine thread holds the GIL most of the time it computes (a small model's pass
         # is mostly Python); by default another thread waits up to 5 ms for it, which would
         # starve the event loop (token events, handoffs, a finished call's result).
@@ -52,36 +55,24 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
-    def call(
-        self, fn: Callable[..., T], *args, priority: Priority = "online", **kwargs
-    ) -> asyncio.Future[T]:
-        """Run ``fn`` on the engine thread (between two steps); await the result when needed.
-        A batch request's calls (``priority``) wait while online requests' are queued."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        if self._closed:  # a call while the service stops (a late cancel): never a hang
-            future.set_exception(EngineStopped(f"{fn.__name__}: the engine has stopped"))
-            return future
-        self._put(RANKS[priority], (fn, args, kwargs, loop, future))
-        return future
-
-    def submit(self, fn: Callable[..., object], *args) -> None:
-        """Queue ``fn`` on the engine thread without waiting for it; a failure is logged."""
-        self._put(0, (fn, args, {}, None, None))
-
-    def _put(self, rank: int, job: object) -> None:
-        self._jobs.put((rank, next(self._arrivals), job))
+    def put(self, rank: int, fn: Callable, args: tuple, kwargs: dict, reply: Reply | None) -> None:
+        """Queue ``fn(engine, *args, **kwargs)``; ``reply`` gets its outcome (None: a
+        failure is logged). After ``close``, ``reply`` gets EngineStopped at once."""
+        if self.closed:
+            if reply is not None:
+                reply(None, EngineStopped(f"{fn.__name__}: the engine has stopped"))
+            return
+        self._jobs.put((rank, next(self._arrivals), (fn, args, kwargs, reply)))
 
     def start_stepping(self, on_step: OnStep) -> None:
         """From now on, step whenever sequences are running; ``on_step(outputs, seconds)``
-        is called on the event loop after each step."""
-        self._loop = asyncio.get_running_loop()
+        is called on the engine thread after each step (it must not block)."""
         self._on_step = on_step
-        self._put(0, None)  # wake the thread
+        self._jobs.put((0, next(self._arrivals), None))  # wake the thread
 
     def close(self) -> None:
-        self._closed = True
-        self._put(-1, StopIteration)
+        self.closed = True
+        self._jobs.put((-1, next(self._arrivals), StopIteration))
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
@@ -110,33 +101,75 @@ class EngineRunner:
             except queue.Empty:
                 return
             if job is not None and job is not StopIteration:
-                fn, _, _, loop, future = job
-                if loop is not None and not loop.is_closed():
-                    err = EngineStopped(f"{fn.__name__}: the engine has stopped")
-                    loop.call_soon_threadsafe(_settle, future, None, err)
+                fn, _, _, reply = job
+                if reply is not None:
+                    reply(None, EngineStopped(f"{fn.__name__}: the engine has stopped"))
 
-    def _do(self, fn, args, kwargs, loop, future) -> None:  # noqa: ANN001
+    def _do(self, fn: Callable, args: tuple, kwargs: dict, reply: Reply | None) -> None:
         try:
-            result = fn(*args, **kwargs)
+            result = fn(self.engine, *args, **kwargs)
         except BaseException as err:  # the caller gets it; a fire-and-forget call is logged
-            if loop is None:
+            if reply is None:
                 log.error("engine call %s failed", fn.__name__, exc_info=err)
             else:
-                loop.call_soon_threadsafe(_settle, future, None, err)
+                reply(None, err)
             return
-        if loop is not None:
-            loop.call_soon_threadsafe(_settle, future, result, None)
+        if reply is not None:
+            reply(result, None)
 
     def _step(self) -> None:
         started = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            outputs = ops.step(self.engine)
         except Exception:
             log.exception("decode step failed")
             return
-        took = time.perf_counter() - started
-        assert self._loop is not None and self._on_step is not None
-        self._loop.call_soon_threadsafe(self._on_step, outputs, took)
+        assert self._on_step is not None
+        self._on_step(outputs, time.perf_counter() - started)
+
+
+class EngineRunner:
+    """The engine in the worker's process, on its ``EngineLoop`` thread; each call's result
+    comes back to the event loop as a future."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._loop = EngineLoop(engine)
+
+    def call(
+        self, fn: Callable[..., Any], *args, priority: Priority = "online", **kwargs
+    ) -> asyncio.Future:
+        """Run op ``fn`` (of ``shared/engine/ops.py``) with the engine, between two steps;
+        await the result when needed. A batch request's calls (``priority``) wait while
+        online requests' are queued."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def reply(result: Any, err: BaseException | None) -> None:
+            if loop.is_closed():
+                return
+            loop.call_soon_threadsafe(_settle, future, result, err)
+
+        self._loop.put(RANKS[priority], fn, args, kwargs, reply)
+        return future
+
+    def submit(self, fn: Callable[..., Any], *args) -> None:
+        """Queue op ``fn`` without waiting for it; a failure is logged."""
+        self._loop.put(0, fn, args, {}, None)
+
+    async def beside(self, fn: Callable[..., Any], *args) -> Any:
+        """Run op ``fn`` beside the steps, not between them (it touches only what is its
+        own: a reserved sequence's blocks)."""
+        return await asyncio.to_thread(fn, self.engine, *args)
+
+    def start_stepping(self, on_step: OnStep) -> None:
+        """Step whenever sequences are running; ``on_step(outputs, seconds)`` is called on
+        the event loop after each step."""
+        loop = asyncio.get_running_loop()
+        self._loop.start_stepping(lambda outs, took: loop.call_soon_threadsafe(on_step, outs, took))
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._loop.close)
 
 
 def _settle(future: asyncio.Future, result: object, err: BaseException | None) -> None:

@@ -17,6 +17,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from pydantic import Field, field_validator
 
 from shared.bus import Bus, subjects
+from shared.engine import ops
 from shared.engine.interface import (
     Engine,
     EngineOptions,
@@ -27,6 +28,7 @@ from shared.engine.interface import (
     StepOutput,
 )
 from shared.engine.kvformat import DTYPES, BadBlock
+from shared.engine.process import ProcessRunner
 from shared.engine.registry import ENGINES, load_engine
 from shared.kvindex.publisher import KvEventPublisher
 from shared.kvstore.backend import FileStore
@@ -137,7 +139,7 @@ class WorkerService(Service):
         super().__init__(common, settings)
         self.worker_settings = settings
         self.bus: Bus | None = None
-        self.runner: EngineRunner | None = None
+        self.runner: EngineRunner | ProcessRunner | None = None
         self.tiers: KvTiers | None = None
         self.kv_events: KvEventPublisher | None = None
         self.spans: dict[str, Span] = {}  # each request's span here, open until it leaves
@@ -189,22 +191,27 @@ class WorkerService(Service):
         return self.runner.engine
 
     async def start_engine(self, stack: AsyncExitStack, bus: Bus) -> None:
-        """Load the model (seconds, on a thread), subscribe to cancels."""
+        """Load the model (seconds: on a thread, or in the engine's own process), subscribe
+        to cancels."""
         self.bus = bus
         s = self.worker_settings
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
+        source = resolve(s.model, self.common.models)
+        state_dir, options = Path(self.common.state_dir), s.engine_options()
+        if getattr(s, "engine_process", False):
+            runner = await ProcessRunner.start(s.engine, source, state_dir, options)
+            self.runner = runner
+        else:
 
-        def build() -> Engine:
-            source = resolve(s.model, self.common.models)
-            engine = load_engine(s.engine, source, Path(self.common.state_dir), s.engine_options())
-            engine.start()
-            return engine
+            def build() -> Engine:
+                engine = load_engine(s.engine, source, state_dir, options)
+                engine.start()
+                return engine
 
-        engine = await loop.run_in_executor(None, build)
-        self.runner = EngineRunner(engine)
-        stack.callback(self.runner.close)
-        self.say_ready(started, engine.stats())
+            engine = await asyncio.get_running_loop().run_in_executor(None, build)
+            self.runner = runner = EngineRunner(engine)
+        stack.push_async_callback(runner.close)
+        self.say_ready(started, runner.engine.stats())
         store = FileStore(self.common.resolved_kv_store_dir) if s.kv_store else None
         events = await self.start_kv_events(stack, bus)
         self.tiers = KvTiers(bus, events, s.memory_tier_bytes, store, s.write_queue_blocks)
@@ -346,7 +353,7 @@ class WorkerService(Service):
         while cached.blobs:
             try:
                 prefix = await self.runner.call(
-                    self.engine.import_blocks, cached.blobs, priority=task.priority
+                    ops.import_blocks, cached.blobs, priority=task.priority
                 )
             except BadBlock as bad:
                 await self.tiers.discard(

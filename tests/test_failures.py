@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
+from pathlib import Path
 
 import grpc
 import openai
@@ -255,6 +257,37 @@ def test_the_drain_bound_stops_a_worker_that_would_take_longer(stack: Stack) -> 
     with pytest.raises(openai.APIError) as err:  # the stream ends with an error, not a hang
         list(chunks)
     assert "decode-0" in str(err.value)
+    stream.close()
+    stack.start("decode-0")
+    stack.wait_ready(["decode-0"])
+
+
+def engine_process_of(pid: int) -> int:
+    """The pid of the decode worker ``pid``'s engine process (its child)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == pid and b"shared.engine.process" in command:
+            return int(entry.name)
+    raise AssertionError(f"no engine process under {pid}")
+
+
+def test_a_decode_worker_whose_engine_process_dies_exits_as_if_it_crashed(stack: Stack) -> None:
+    """The engine steps in a process of its own beside the worker. Killed, the worker cannot
+    serve: it exits at once (a supervisor starts it again), and the answer it was giving ends
+    with an error, not a hang."""
+    stream, chunks = streaming(stack, 4000)
+    decode = stack.procs["decode-0"]
+    os.kill(engine_process_of(decode.pid), signal.SIGKILL)
+    assert decode.wait(30) == 70
+    assert "the engine's process ended" in decode.output()
+    with pytest.raises(openai.APIError):
+        list(chunks)
     stream.close()
     stack.start("decode-0")
     stack.wait_ready(["decode-0"])

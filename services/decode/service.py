@@ -16,7 +16,8 @@ from opentelemetry import context as otel_context
 
 from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
-from shared.engine.interface import ImageEmbeds, PoolExhausted, Prefix, StepOutput
+from shared.engine import ops
+from shared.engine.interface import PoolExhausted, StepOutput
 from shared.engine.kvformat import KVFormatError
 from shared.engine.registry import OWNING
 from shared.eplb.balancer import BalancerStats
@@ -170,7 +171,7 @@ class DecodeService(WorkerService):
             if active.writing is not None:  # its blocks are freed once nothing writes them
                 await asyncio.wait([active.writing])
             # Behind the request's own calls still queued (a reservation): same priority.
-            await self.runner.call(self.engine.abort, rid, priority=active.task.priority)
+            await self.runner.call(ops.abort, rid, priority=active.task.priority)
             log.info("dropped %s", rid)
 
     # -- the batch ---------------------------------------------------------------------------
@@ -193,7 +194,13 @@ class DecodeService(WorkerService):
         started_ns = time.time_ns()
         try:
             out, took = await self.runner.call(
-                self._timed_prefill, task, prefix, images, priority=task.priority
+                ops.timed_prefill,
+                rid,
+                task.token_ids,
+                task.sampling,
+                prefix,
+                images,
+                priority=task.priority,
             )
             self.computed(
                 task, len(cached.blobs) * self.engine.block_size, started_ns, time.time_ns(), 1
@@ -207,16 +214,16 @@ class DecodeService(WorkerService):
         finally:
             self.pending -= 1
             if prefix is not None:  # the sequence holds its own share
-                self.runner.submit(self.engine.release, prefix)
+                self.runner.submit(ops.release, prefix)
         if active.cancelled:
             self.close_span(rid, error="cancelled")
-            await self.runner.call(self.engine.abort, rid)
+            await self.runner.call(ops.abort, rid)
             return
         active.joined_at = time.perf_counter()
         await self.send(task.reply_subject, self.first_token_event(rid, out, cached, took))
         n_full = len(task.token_ids) // self.engine.block_size
         new = await self.runner.call(
-            self.engine.export_blocks,
+            ops.export_blocks,
             rid,
             len(cached.blobs),
             n_full,
@@ -226,37 +233,7 @@ class DecodeService(WorkerService):
         self.store_blocks(task, len(cached.blobs), new, task.token_ids)
         if out.finish_reason and self.active.pop(rid, None) is not None:  # one token: done
             self.close_span(rid, tokens=1, finish_reason=out.finish_reason)
-            await self.runner.call(self.engine.free, rid)
-
-    def _timed_prefill(
-        self, task: GenerateTask, prefix: Prefix | None, images: tuple[ImageEmbeds, ...]
-    ) -> tuple[StepOutput, float]:
-        """On the engine thread: the prefill and its compute time."""
-        started = time.perf_counter()
-        params = task.sampling
-        out = self.engine.prefill(
-            task.request_id, task.token_ids, params, prefix=prefix, images=images
-        )
-        return out, time.perf_counter() - started
-
-    def _export_blocks(
-        self, rid: str, first: int, n_full: int | None, free: bool
-    ) -> tuple[list[bytes], list[int]]:
-        """On the engine thread: blocks ``first`` .. ``n_full`` of the sequence (None: all
-        its full blocks) and its tokens up to there; then free it when ``free``."""
-        seq = self.engine.sequence(rid)
-        bs = self.engine.block_size
-        n_full = seq.n_cached // bs if n_full is None else n_full
-        blobs = self.engine.export_blocks(rid, first, n_full, self.store_dtype)
-        tokens = seq.tokens[: n_full * bs]
-        if free:
-            self.engine.free(rid)
-        return blobs, tokens
-
-    def write_and_join(self, rid: str, data: bytes, first_token: int) -> None:
-        """On the engine thread: a handed-off prompt's KV written, and the sequence joined."""
-        self.engine.write_kv(rid, data)
-        self.engine.join(rid, first_token)
+            await self.runner.call(ops.free, rid)
 
     def _store_filled(self, rid: str, active: Active) -> None:
         """The answer's blocks that filled in this step, to the tiers now (not only when it
@@ -266,7 +243,7 @@ class DecodeService(WorkerService):
         if full <= active.stored_blocks or self.tiers is None or not self.tiers.keep:
             return
         first, active.stored_blocks = active.stored_blocks, full
-        done = self.runner.call(self._export_blocks, rid, first, full, False)
+        done = self.runner.call(ops.export_upto, rid, first, full, self.store_dtype, False)
         store = functools.partial(self._store_answer, active, first, self.span_context(rid))
         done.add_done_callback(store)
 
@@ -336,24 +313,25 @@ class DecodeService(WorkerService):
                 context = self.span_context(out.seq_id)  # for the answer's "kv.store"
                 tokens = active.next_index
                 per_token = (time.perf_counter() - active.joined_at) / max(1, tokens - 1)
-                seq = self.engine.sequence(out.seq_id) if self.engine.holds(out.seq_id) else None
                 self.close_span(
                     out.seq_id,
                     error="aborted: past its deadline" if finish == "abort" else "",
                     tokens=tokens,
                     tpot_ms=round(per_token * 1e3, 3),
                     finish_reason=finish,
-                    spec_drafted=seq.drafted if seq else 0,
-                    spec_accepted=seq.accepted if seq else 0,
+                    spec_drafted=out.drafted,
+                    spec_accepted=out.accepted,
                     **self._eplb_attributes(),
                 )
                 if finish == "abort":
-                    self.runner.submit(self.engine.abort, out.seq_id)
+                    self.runner.submit(ops.abort, out.seq_id)
                 elif self.tiers is None or not self.tiers.keep:
-                    self.runner.submit(self.engine.free, out.seq_id)
+                    self.runner.submit(ops.free, out.seq_id)
                 else:  # the answer's last blocks are kept, so the next turn reuses them too
                     first = active.stored_blocks
-                    done = self.runner.call(self._export_blocks, out.seq_id, first, None, True)
+                    done = self.runner.call(
+                        ops.export_upto, out.seq_id, first, None, self.store_dtype, True
+                    )
                     store = functools.partial(self._store_answer, active, first, context)
                     done.add_done_callback(store)
             else:
@@ -419,7 +397,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
         # with a big batch). Should the blocks be gone by then, the KV push is refused and the
         # router moves the answer on from its first token.
         reserving = svc.runner.call(
-            svc.engine.reserve, rid, task.token_ids, params, priority=task.priority
+            ops.reserve, rid, task.token_ids, params, priority=task.priority
         )
         reserving.add_done_callback(lambda f: f.cancelled() or f.exception())  # (seen below)
         svc.active[rid] = active = Active.of(task, svc.engine.block_size, svc.service_id)
@@ -458,15 +436,13 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                     # this request's alone): between two steps only the join waits, not the
                     # copy.
                     active.writing = asyncio.ensure_future(
-                        asyncio.to_thread(svc.engine.write_kv, rid, bytes(data))
+                        svc.runner.beside(ops.write_kv, rid, bytes(data))
                     )
                     await active.writing
-                    await svc.runner.call(
-                        svc.engine.join, rid, done.first_token, priority=task.priority
-                    )
+                    await svc.runner.call(ops.join, rid, done.first_token, priority=task.priority)
                 else:  # nothing steps: written and joined in one call, one thread hop less
                     active.writing = svc.runner.call(
-                        svc.write_and_join, rid, bytes(data), done.first_token
+                        ops.write_and_join, rid, bytes(data), done.first_token
                     )
                     await active.writing
             except KVFormatError as err:

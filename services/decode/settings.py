@@ -22,6 +22,11 @@ class DecodeSettings(WorkerSettings):
     max_queued: int = Field(
         default=64, ge=0, description="local-prefill tasks waiting at most; more are refused"
     )
+    engine_process: bool = Field(
+        default=True,
+        description="run the engine's step loop in a process of its own beside the worker "
+        "(its steps share no GIL with the worker's event loop); false: on a thread of the worker",
+    )
     batch_share: float = Field(
         default=0.75,
         gt=0,

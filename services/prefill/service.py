@@ -15,6 +15,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from services.prefill.queue import ArrivalQueue
 from services.prefill.settings import PrefillSettings
 from shared.bus import Bus, subjects
+from shared.engine import ops
 from shared.engine.interface import (
     Cancelled,
     ImageEmbeds,
@@ -185,7 +186,7 @@ class PrefillService(WorkerService):
         self.paused.pop(rid, None)
         # Queued, not waited for (a KV being shipped must not wait on its blocks' export for
         # the tiers, which frees the sequence itself): calls queued later run after it.
-        self.runner.submit(self.engine.free, rid)
+        self.runner.submit(ops.free, rid)
 
     async def _next_batch(self) -> list[GenerateTask]:
         """The next task, and those queued behind it while their prompts together fit one
@@ -295,8 +296,9 @@ class PrefillService(WorkerService):
                 # after it, while it ships.
                 blob = None
                 if handoff:
-                    blob = self.runner.call(self.engine.export_kv, rid, partial=True)
-                stored = self.runner.call(self._export_new, rid, first)
+                    blob = self.runner.call(ops.export_kv, rid, partial=True)
+                keep = self.tiers is not None and self.tiers.keep
+                stored = self.runner.call(ops.export_new, rid, first, self.store_dtype, keep)
                 if blob is None:
                     self.close_span(rid)
                     self.store_blocks(task, first, await stored, task.token_ids)
@@ -313,7 +315,7 @@ class PrefillService(WorkerService):
                     call.cancel()
             for prefix in prefixes.values():
                 if prefix is not None:  # the sequences hold their own share
-                    self.runner.submit(self.engine.release, prefix)
+                    self.runner.submit(ops.release, prefix)
 
     async def _reserve(
         self, task: GenerateTask, call: grpc.aio.StreamStreamCall, timeout: float
@@ -342,12 +344,12 @@ class PrefillService(WorkerService):
                 )
                 for t in tasks
             ]
-            return await self.runner.call(self.engine.prefill_batch, requests)
+            return await self.runner.call(ops.prefill_batch, requests)
         task = tasks[0]
         rid = task.request_id
         try:
             out = await self.runner.call(
-                self.engine.prefill,
+                ops.prefill,
                 rid,
                 task.token_ids,
                 task.sampling,
@@ -426,17 +428,3 @@ class PrefillService(WorkerService):
         except TimeoutError:
             msg = f"decode did not answer within {timeout_s:g} s"
             raise HandoffFailed(msg, "unavailable") from None
-
-    def _export_new(self, rid: str, first_new: int) -> list[bytes]:
-        """On the engine thread: the prompt's new full blocks for the tiers; then the
-        sequence is freed (none when it is gone already)."""
-        if not self.engine.holds(rid):
-            return []
-        if self.tiers is None or not self.tiers.keep:
-            self.engine.free(rid)
-            return []
-        seq = self.engine.sequence(rid)
-        n_full = seq.n_cached // self.engine.block_size
-        new = self.engine.export_blocks(rid, first_new, n_full, self.store_dtype)
-        self.engine.free(rid)
-        return new

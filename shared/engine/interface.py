@@ -120,6 +120,10 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     stop_string: str | None = None
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    # On a sequence's last token: the drafted tokens verified over its answer (speculation),
+    # and how many were accepted.
+    drafted: int = 0
+    accepted: int = 0
 
 
 class SequenceState(Protocol):

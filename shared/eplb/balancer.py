@@ -39,7 +39,7 @@ class BalancerStats:
     measured: float  # the last window's busiest ÷ mean card, per layer and step, mean
     predicted_cards: tuple[float, ...]  # per card, the plan's expected share of the tokens
     measured_cards: tuple[float, ...]  # per card, its share of the last window's tokens
-    last_plan: Plan | None
+    last_plan_s: float | None  # how long the last plan took to make (None: none yet)
 
 
 class ExpertBalancer:
@@ -147,5 +147,5 @@ class ExpertBalancer:
             measured=self.measured,
             predicted_cards=tuple(float(x) for x in self.predicted_cards),
             measured_cards=tuple(float(x) for x in self.measured_cards),
-            last_plan=self.last_plan,
+            last_plan_s=None if self.last_plan is None else self.last_plan.seconds,
         )

@@ -143,9 +143,9 @@ class EplbCollector(Collector):
             ("kvmesh_eplb_expert_moves", "experts moved by the plans taken", stats.moves),
         ):
             yield CounterMetricFamily(name, help_, value=value)
-        if stats.last_plan is not None:
+        if stats.last_plan_s is not None:
             yield GaugeMetricFamily(
-                "kvmesh_eplb_plan_seconds", "the last plan's time", value=stats.last_plan.seconds
+                "kvmesh_eplb_plan_seconds", "the last plan's time", value=stats.last_plan_s
             )
 
 

@@ -16,20 +16,23 @@ async def test_calls_still_queued_or_made_after_the_engine_stops_fail_at_once() 
     runner = EngineRunner(SimpleNamespace(running=[]))  # no steps: calls only
     gate, inside = threading.Event(), threading.Event()
 
-    def wait() -> bool:
+    def wait(engine: object) -> bool:
         inside.set()
         return gate.wait(10)
 
+    def total(engine: object, numbers: list[int]) -> int:
+        return sum(numbers)
+
     busy = runner.call(wait)  # the engine thread is in a call
-    queued = runner.call(sum, [1, 2])  # waits behind it
+    queued = runner.call(total, [1, 2])  # waits behind it
     loop = asyncio.get_running_loop()
     assert await loop.run_in_executor(None, inside.wait, 10)  # (under load it takes a while)
-    closing = loop.run_in_executor(None, runner.close)
+    closing = asyncio.ensure_future(runner.close())
     await asyncio.sleep(0.1)  # the stop is queued ahead of the waiting call
     gate.set()
     await closing
     assert await busy is True  # the call in progress finished
-    with pytest.raises(EngineStopped, match="sum: the engine has stopped"):
+    with pytest.raises(EngineStopped, match="total: the engine has stopped"):
         await asyncio.wait_for(queued, 5)
     with pytest.raises(EngineStopped):
-        await asyncio.wait_for(runner.call(sum, [3]), 5)
+        await asyncio.wait_for(runner.call(total, [3]), 5)
