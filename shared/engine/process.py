@@ -250,10 +250,13 @@ class _Host:
         self.loop = EngineLoop(engine)
         self._send_lock = threading.Lock()
         self._beside = ThreadPoolExecutor(1, thread_name_prefix="beside")
+        self._sent_state: tuple | None = None
 
     def send(self, header: dict, parts: list | None = None) -> None:
-        buffers = wire.frame(header, parts or [])
+        """A frame to the worker, with the engine's state when it changed (taken under the
+        lock, so that frames carry it in the order they are sent)."""
         with self._send_lock:
+            buffers = wire.frame(header | self.state(), parts or [])
             if sum(len(b) for b in buffers) < 2**16:
                 self.sock.sendall(b"".join(buffers))
             else:  # (KV: not copied into one buffer first)
@@ -261,13 +264,15 @@ class _Host:
                     self.sock.sendall(buf)
 
     def state(self) -> dict:
-        return {
-            "stats": wire.encode(self.engine.stats(), []),
-            "running": list(self.engine.running),
-        }
+        """The engine's stats and running sequences, when they changed since last sent."""
+        stats, running = self.engine.stats(), list(self.engine.running)
+        if (stats, running) == self._sent_state:
+            return {}
+        self._sent_state = (stats, running)
+        return {"stats": wire.encode(stats, []), "running": running}
 
     def on_step(self, outputs: list[StepOutput], took: float) -> None:
-        self.send({"step": wire.encode_outputs(outputs), "took": took, **self.state()})
+        self.send({"step": wire.encode_outputs(outputs), "took": took})
 
     def reply(self, call_id: int, op: str) -> Callable[[Any, BaseException | None], None]:
         """How a call is answered: its result or error, with the engine's state after it (a
@@ -275,10 +280,10 @@ class _Host:
         logged here)."""
 
         def answer(result: Any, err: BaseException | None) -> None:
-            header: dict = {"call": call_id, **self.state()}
+            header: dict = {"call": call_id}
             parts: list = []
             if not call_id:
-                if err is not None:
+                if err is not None and not isinstance(err, EngineStopped):
                     log.error("engine call %s failed", op, exc_info=err)
             elif err is not None:
                 header["error"] = wire.encode_error(err)
