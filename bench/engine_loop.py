@@ -47,15 +47,15 @@ async def busy_loop() -> None:
 
 async def decode(
     runner: EngineRunner | ProcessRunner, batch: int, tokens: int, publish_s: float, trial: int
-) -> tuple[float, float]:
-    """A batch decoded to its end: (wall seconds, seconds of step compute)."""
+) -> tuple[float, float, int]:
+    """A batch decoded to its end, from when every sequence is in it: (wall seconds, seconds
+    of step compute, steps)."""
     done = asyncio.Event()
     finished: set[str] = set()
-    took_s = 0.0
+    steps: list[tuple[float, float]] = []  # (when its tokens came, its compute)
 
     def on_step(outputs: list[StepOutput], took: float) -> None:
-        nonlocal took_s
-        took_s += took
+        steps.append((time.perf_counter(), took))
         spin(publish_s)
         finished.update(o.seq_id for o in outputs if o.finish_reason)
         if len(finished) == batch:
@@ -69,10 +69,10 @@ async def decode(
         await runner.call(ops.timed_prefill, rid, prompt, params, None)
     started = time.perf_counter()
     await asyncio.wait_for(done.wait(), 600)
-    wall = time.perf_counter() - started
     for rid in ids:
         await runner.call(ops.free, rid)
-    return wall, took_s
+    after = [(at, took) for at, took in steps if at > started]
+    return after[-1][0] - started, sum(took for _, took in after), len(after)
 
 
 async def measure(args: argparse.Namespace, placement: str, load: str, batch: int) -> dict:
@@ -94,9 +94,8 @@ async def measure(args: argparse.Namespace, placement: str, load: str, batch: in
     tpot, step, between = [], [], []
     try:
         for trial in range(args.trials + 1):  # the first warms up
-            wall, took = await decode(runner, batch, args.tokens, publish_s, trial)
+            wall, took, steps = await decode(runner, batch, args.tokens, publish_s, trial)
             if trial:
-                steps = args.tokens - 1  # the first token is the prefill's
                 tpot.append(wall / steps * 1e3)
                 step.append(took / steps * 1e3)
                 between.append((wall - took) / steps * 1e3)
