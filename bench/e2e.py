@@ -380,7 +380,15 @@ def main() -> None:
         action="store_true",
         help="also compare TTFT at 1 client with TLS off and on (with --auth: both at once)",
     )
+    ap.add_argument(
+        "--decode-engine",
+        choices=("process", "thread"),
+        default="process",
+        help="where decode's engine loop runs: a process of its own (the default) or a thread "
+        "of the worker (KVMESH_DECODE_ENGINE_PROCESS)",
+    )
     args = ap.parse_args()
+    placement = {"KVMESH_DECODE_ENGINE_PROCESS": str(args.decode_engine == "process").lower()}
     # (name, model, engine env, requests per client): the tiny model computing on both
     # workers; the fake-paced engine (no model compute: the mesh alone, beside the anchor);
     # the real model.
@@ -397,6 +405,7 @@ def main() -> None:
     runs = [("tiny", "tiny", {}, args.requests), ("fake", "tiny", fake, args.requests)]
     if not args.skip_real:
         runs.append(("smollm2", "smollm2-135m-instruct", {}, 1))
+    runs = [(name, model, {**placement, **extra}, n) for name, model, extra, n in runs]
     rows = []
     summary: dict = {}
     for name, model, extra, per_client in runs:
