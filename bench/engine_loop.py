@@ -61,7 +61,10 @@ async def decode(
         if len(finished) == batch:
             done.set()
 
-    runner.start_stepping(on_step)
+    def on_failed(held: list[str], why: str) -> None:
+        raise SystemExit(f"a decode step failed: {why}")
+
+    runner.start_stepping(on_step, on_failed)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     ids = [f"t{trial}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):  # distinct prompts of 40 tokens

@@ -4,14 +4,18 @@ serves ``PUT``/``DELETE /faults/{name}`` (never set in production: the route has
 
 Names in use: ``kv_events`` (the worker's KV events are made but not published, as if NATS
 refused them); ``kv_feed`` (a vLLM worker's engine cache events are dropped as they come, as
-if its feed went quiet).
+if its feed went quiet); ``engine_step`` (a decode step raises). A process that runs part of
+itself elsewhere (decode's engine process) passes the switches on (``LISTENERS``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from aiohttp import web
 
 ACTIVE: set[str] = set()
+LISTENERS: list[Callable[[set[str]], None]] = []  # told of every switch
 
 
 def on(name: str) -> bool:
@@ -24,6 +28,8 @@ async def _switch(request: web.Request) -> web.Response:
         ACTIVE.add(name)
     else:
         ACTIVE.discard(name)
+    for listener in LISTENERS:
+        listener(set(ACTIVE))
     return web.json_response({"faults": sorted(ACTIVE)})
 
 

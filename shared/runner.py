@@ -30,6 +30,8 @@ from shared.messages.generate import Priority
 log = logging.getLogger(__name__)
 
 OnStep = Callable[[list[StepOutput], float], None]
+# A step that raised: the sequences it held (aborted, their blocks freed) and why.
+OnFailed = Callable[[list[str], str], None]
 # How a call's result goes back: (result, None) or (None, error), on the engine thread.
 Reply = Callable[[Any, BaseException | None], None]
 
@@ -47,6 +49,7 @@ class EngineLoop:
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._arrivals = itertools.count()
         self._on_step: OnStep | None = None
+        self._on_failed: OnFailed | None = None
         self.closed = False
         # The engine thread holds the GIL most of the time it computes (a small model's pass
         # is mostly Python); by default another thread waits up to 5 ms for it, which would
@@ -64,10 +67,11 @@ class EngineLoop:
             return
         self._jobs.put((rank, next(self._arrivals), (fn, args, kwargs, reply)))
 
-    def start_stepping(self, on_step: OnStep) -> None:
+    def start_stepping(self, on_step: OnStep, on_failed: OnFailed) -> None:
         """From now on, step whenever sequences are running; ``on_step(outputs, seconds)``
-        is called on the engine thread after each step (it must not block)."""
-        self._on_step = on_step
+        is called on the engine thread after each step, ``on_failed(seq_ids, why)`` after a
+        step that raised (neither may block)."""
+        self._on_step, self._on_failed = on_step, on_failed
         self._jobs.put((0, next(self._arrivals), None))  # wake the thread
 
     def close(self) -> None:
@@ -121,8 +125,16 @@ class EngineLoop:
         started = time.perf_counter()
         try:
             outputs = ops.step(self.engine)
-        except Exception:
+        except Exception as err:  # the batch's sequences fail, never a loop that spins
             log.exception("decode step failed")
+            held = list(self.engine.running)
+            for seq_id in held:
+                try:
+                    self.engine.abort(seq_id)
+                except Exception:
+                    log.exception("abort of %s after a failed step", seq_id)
+            assert self._on_failed is not None
+            self._on_failed(held, f"{type(err).__name__}: {err}")
             return
         assert self._on_step is not None
         self._on_step(outputs, time.perf_counter() - started)
@@ -162,11 +174,14 @@ class EngineRunner:
         own: a reserved sequence's blocks)."""
         return await asyncio.to_thread(fn, self.engine, *args)
 
-    def start_stepping(self, on_step: OnStep) -> None:
+    def start_stepping(self, on_step: OnStep, on_failed: OnFailed) -> None:
         """Step whenever sequences are running; ``on_step(outputs, seconds)`` is called on
-        the event loop after each step."""
+        the event loop after each step, ``on_failed(seq_ids, why)`` after one that raised."""
         loop = asyncio.get_running_loop()
-        self._loop.start_stepping(lambda outs, took: loop.call_soon_threadsafe(on_step, outs, took))
+        self._loop.start_stepping(
+            lambda outs, took: loop.call_soon_threadsafe(on_step, outs, took),
+            lambda held, why: loop.call_soon_threadsafe(on_failed, held, why),
+        )
 
     async def close(self) -> None:
         await asyncio.to_thread(self._loop.close)

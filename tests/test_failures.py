@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import signal
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -291,6 +292,46 @@ def test_a_decode_worker_whose_engine_process_dies_exits_as_if_it_crashed(stack:
     stream.close()
     stack.start("decode-0")
     stack.wait_ready(["decode-0"])
+
+
+def test_a_decode_step_that_raises_moves_its_answers_and_the_worker_says_it_is_failing(
+    stack: Stack,
+) -> None:
+    """An engine hook makes the steps of the worker holding a streamed answer raise: the
+    answer moves to the other decode worker at once and ends whole; the worker that failed
+    says it is failing (503 on its /health, "failing" at the router) and gets no more work."""
+    hooks = dict(KVMESH_FAULT_HOOKS="true", KVMESH_DECODE_MAX_FAILED_STEPS="1")
+    stack.restart("decode-0", **hooks)
+    stack.start("decode-spare", **hooks)
+    try:
+        stack.wait_ready(["decode-0", "decode-spare"])
+        stream = stack.client().completions.create(
+            stream=True, **{**LONG_ANSWER, "max_tokens": 400}
+        )
+        chunks = iter(stream)
+        first = next(chunks)
+        held = [s for s in ("decode-0", "decode-spare") if own_load(stack, s)["inflight"]]
+        (broken,) = held
+        other = "decode-spare" if broken == "decode-0" else "decode-0"
+        request = urllib.request.Request(
+            f"{stack.advertised(broken)}/faults/engine_step", method="PUT"
+        )
+        urllib.request.urlopen(request, timeout=5)
+        rest = [first, *chunks]
+        assert rest[-1].choices[0].finish_reason == "length"  # finished, on the other worker
+        assert sum(len(c.choices[0].text) > 0 for c in rest if c.choices) >= 100
+        status, body = get_json(f"{stack.advertised(broken)}/health")
+        assert status == 503 and body["status"] == "failing"
+        wait_until(
+            lambda: stack.health()[broken]["status"] == "failing", 10, what="the router told"
+        )
+        assert own_load(stack, other)["inflight"] == 0
+        answer = stack.client().completions.create(model="tiny", prompt="Hello", max_tokens=8)
+        assert answer.model_extra["kvmesh"]["workers"][-1] == other  # none to the failing one
+    finally:
+        stack.procs["decode-spare"].stop()
+        stack.restart("decode-0")
+        stack.wait_ready(["decode-0"])
 
 
 def test_a_second_signal_exits_at_once(stack: Stack) -> None:

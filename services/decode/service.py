@@ -37,7 +37,13 @@ from shared.security.handoff import HANDOFF_SECRET, handoff_refusal
 from shared.security.secret import load_or_create
 from shared.security.tls import add_port
 from shared.settings import CommonSettings
-from shared.telemetry.metrics import BYTES, SPEC_TOKENS, EplbCollector, register_load
+from shared.telemetry.metrics import (
+    BYTES,
+    ENGINE_FAILURES,
+    SPEC_TOKENS,
+    EplbCollector,
+    register_load,
+)
 from shared.telemetry.tracing import attached, extract, tracer
 from shared.worker import ImagesMissing, WorkerService
 
@@ -96,6 +102,7 @@ class DecodeService(WorkerService):
         self._outbox: dict[str, list[bytes]] = {}
         self._outbox_filled = asyncio.Event()
         self._spec_seen = (0, 0)  # the engine's speculation totals already in /metrics
+        self.failed_steps = 0  # in a row: past settings.max_failed_steps the worker is failing
         self.eplb: BalancerStats | None = None  # expert placement, as of the last step
         self.handoff_secret = load_or_create(common.resolved_secrets_dir, HANDOFF_SECRET)
 
@@ -112,7 +119,7 @@ class DecodeService(WorkerService):
         await bus.serve(subjects.tasks(self.role, self.service_id), GenerateTask, self.on_task)
         sender = asyncio.create_task(self._send_outbox())
         stack.push_async_callback(self._stop_sending, sender)
-        self.runner.start_stepping(self.publish)
+        self.runner.start_stepping(self.publish, self.step_failed)
 
     def addresses(self) -> dict[str, str]:
         return {**super().addresses(), "kv": self.kv_address}
@@ -267,8 +274,40 @@ class DecodeService(WorkerService):
             "eplb_replans": self.eplb.replans,
         }
 
+    def step_failed(self, held: list[str], why: str) -> None:
+        """A step raised: its requests fail here with "unavailable", behind the tokens they
+        were sent (the router moves each at once, as from a worker that died; their blocks
+        are freed already). An engine that keeps failing makes the worker "failing": it
+        takes no more work, and its heartbeats and /health say so."""
+        self.failed_steps += 1
+        ENGINE_FAILURES.labels("decode_step").inc()
+        for rid in held:
+            active = self.active.pop(rid, None)
+            if active is None:
+                continue
+            self.close_span(rid, error=f"decode step failed: {why}")
+            event = TokenEvent(
+                request_id=rid,
+                index=active.next_index,
+                error=f"{self.service_id}: decode step failed: {why}",
+                error_code="unavailable",
+                worker_id=self.service_id,
+            )
+            self._outbox.setdefault(active.task.reply_subject, []).append(
+                TokenEvents.encoded(event)
+            )
+            self._outbox_filled.set()
+        if self.failed_steps >= self.settings.max_failed_steps and self.status == "ready":
+            self.status = "failing"
+            log.error(
+                "%d decode steps failed in a row (the last: %s): this worker takes no more work",
+                self.failed_steps,
+                why,
+            )
+
     def publish(self, outputs: list[StepOutput], took: float) -> None:
         """A step's tokens as events, sent in order behind the previous step's."""
+        self.failed_steps = 0
         now = time.time()
         stats = self.engine.stats()  # speculation's running totals, into /metrics
         SPEC_TOKENS.labels("drafted").inc(stats.draft_tokens - self._spec_seen[0])

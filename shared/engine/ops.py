@@ -13,6 +13,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from shared import faults
 from shared.engine.interface import Engine, ImageEmbeds, PrefillRequest, Prefix, StepOutput
 from shared.engine.sampling import SamplingParams
 
@@ -20,6 +21,8 @@ from shared.engine.sampling import SamplingParams
 def step(engine: Engine) -> list[StepOutput]:
     """One decode step. A sequence's last token carries its speculation totals (the worker
     reads them once the sequence is freed)."""
+    if faults.on("engine_step"):
+        raise RuntimeError("fault hook engine_step: the step raised")
     outputs = engine.step()
     for i, out in enumerate(outputs):
         if out.finish_reason and engine.holds(out.seq_id):

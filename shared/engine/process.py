@@ -34,13 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared import faults
 from shared.engine import ops, wire
 from shared.engine.interface import EngineOptions, EngineStats, Prefix, StepOutput
 from shared.engine.sampling import SamplingParams
 from shared.messages.generate import Priority
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
-from shared.runner import RANKS, EngineLoop, EngineStopped, OnStep
+from shared.runner import RANKS, EngineLoop, EngineStopped, OnFailed, OnStep
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class ProcessRunner:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
         self._on_step: OnStep | None = None
+        self._on_failed: OnFailed | None = None
         self._closing = False
         self.engine: EngineView  # set by start
         self.on_lost: Callable[[str], None] = _exit_worker
@@ -160,9 +162,15 @@ class ProcessRunner:
         self._send({"call": call_id, "beside": True}, fn, args, {})
         return await future
 
-    def start_stepping(self, on_step: OnStep) -> None:
-        self._on_step = on_step
+    def start_stepping(self, on_step: OnStep, on_failed: OnFailed) -> None:
+        self._on_step, self._on_failed = on_step, on_failed
         self._writer.writelines(wire.frame({"stepping": True}, []))
+        faults.LISTENERS.append(self._faults)  # (tests' fault hooks reach the engine)
+        self._faults(set(faults.ACTIVE))
+
+    def _faults(self, active: set[str]) -> None:
+        if not self._closing:
+            self._writer.writelines(wire.frame({"faults": sorted(active)}, []))
 
     def _send(self, header: dict, fn: Callable, args: tuple, kwargs: dict) -> None:
         if ops.OPS.get(fn.__name__) is not fn:
@@ -195,6 +203,10 @@ class ProcessRunner:
             if self._on_step is not None:
                 self._on_step(wire.decode_outputs(header["step"]), header["took"])
             return
+        if "failed" in header:
+            if self._on_failed is not None:
+                self._on_failed(header["failed"], header["why"])
+            return
         future = self._waiting.pop(header.get("call", 0), None)
         if future is None or future.cancelled():
             return
@@ -215,6 +227,8 @@ class ProcessRunner:
     async def close(self) -> None:
         """Stop the engine's process (its calls still queued are answered EngineStopped)."""
         self._closing = True
+        if self._faults in faults.LISTENERS:
+            faults.LISTENERS.remove(self._faults)
         if self.proc.poll() is None:
             try:
                 self._writer.writelines(wire.frame({"stop": True}, []))
@@ -274,6 +288,9 @@ class _Host:
     def on_step(self, outputs: list[StepOutput], took: float) -> None:
         self.send({"step": wire.encode_outputs(outputs), "took": took})
 
+    def on_failed(self, held: list[str], why: str) -> None:
+        self.send({"failed": held, "why": why})
+
     def reply(self, call_id: int, op: str) -> Callable[[Any, BaseException | None], None]:
         """How a call is answered: its result or error, with the engine's state after it (a
         call submitted without waiting, ``call_id`` 0, sends the state alone; its failure is
@@ -306,7 +323,11 @@ class _Host:
                 break
             header, parts = got
             if "stepping" in header:
-                self.loop.start_stepping(self.on_step)
+                self.loop.start_stepping(self.on_step, self.on_failed)
+                continue
+            if "faults" in header:  # the worker's fault hooks, switched by a test
+                faults.ACTIVE.clear()
+                faults.ACTIVE.update(str(name) for name in header["faults"])
                 continue
             op = str(header.get("op", ""))
             fn = ops.OPS.get(op)

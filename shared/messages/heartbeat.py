@@ -12,7 +12,7 @@ Role = Literal["router", "prefill", "decode", "encoder", "cachemeta"]
 ROLES: tuple[str, ...] = get_args(Role)
 
 # ready: takes work. draining: finishing what it has, takes nothing new. stopped: gone now.
-Status = Literal["ready", "draining", "stopped"]
+Status = Literal["ready", "draining", "failing", "stopped"]
 
 
 class Load(Message):

@@ -44,6 +44,11 @@ SPEC_TOKENS = Counter(
     "speculative decoding: drafted tokens verified (kind=drafted) and accepted (kind=accepted)",
     ["kind"],
 )
+ENGINE_FAILURES = Counter(
+    "kvmesh_engine_failures",
+    "engine calls that raised, by what (decode_step): each failed the requests it held",
+    ["what"],
+)
 MOVES = Counter(
     "kvmesh_request_moves",
     "requests moved off failed workers: retried before their first token, or resumed mid-answer",

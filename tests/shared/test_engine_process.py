@@ -41,7 +41,11 @@ async def answer(runner: EngineRunner | ProcessRunner, rid: str) -> tuple[list[i
     out, took = await runner.call(ops.timed_prefill, rid, PROMPT, GREEDY, None)
     assert took > 0 and out.seq_id == rid
     tokens.append(out.token_id)
-    runner.start_stepping(on_step)
+
+    def on_failed(held: list[str], why: str) -> None:
+        done.set_exception(AssertionError(f"the step failed: {why}"))
+
+    runner.start_stepping(on_step, on_failed)
     last = await asyncio.wait_for(done, 60)
     assert last.finish_reason == "length"
     blobs, kept = await runner.call(ops.export_upto, rid, 0, None, None, True)

@@ -36,3 +36,30 @@ async def test_calls_still_queued_or_made_after_the_engine_stops_fail_at_once() 
         await asyncio.wait_for(queued, 5)
     with pytest.raises(EngineStopped):
         await asyncio.wait_for(runner.call(total, [3]), 5)
+
+
+class Raising:
+    """An engine (a fake, named as such) whose steps raise, holding two running sequences."""
+
+    def __init__(self) -> None:
+        self.running = ["a", "b"]
+        self.steps = 0
+
+    def step(self) -> list:
+        self.steps += 1
+        raise RuntimeError("the kernel fell over")
+
+    def abort(self, seq_id: str) -> None:
+        self.running.remove(seq_id)
+
+
+async def test_a_step_that_raises_aborts_the_batch_and_says_so_once() -> None:
+    engine = Raising()
+    runner = EngineRunner(engine)  # type: ignore[arg-type]
+    failed: asyncio.Future = asyncio.get_running_loop().create_future()
+    runner.start_stepping(lambda outs, took: None, lambda held, why: failed.set_result((held, why)))
+    held, why = await asyncio.wait_for(failed, 5)
+    assert held == ["a", "b"] and why == "RuntimeError: the kernel fell over"
+    await asyncio.sleep(0.2)
+    assert engine.running == [] and engine.steps == 1  # aborted: the loop does not spin
+    await runner.close()
