@@ -94,7 +94,7 @@ class EngineLoop:
                 self._refuse_queued()
                 return
             if job is not None:
-                self._do(*job)
+                self.run(*job)
 
     def _refuse_queued(self) -> None:
         """Stopping: calls still queued are answered EngineStopped (their callers would
@@ -109,7 +109,9 @@ class EngineLoop:
                 if reply is not None:
                     reply(None, EngineStopped(f"{fn.__name__}: the engine has stopped"))
 
-    def _do(self, fn: Callable, args: tuple, kwargs: dict, reply: Reply | None) -> None:
+    def run(self, fn: Callable, args: tuple, kwargs: dict, reply: Reply | None) -> None:
+        """``fn(engine, *args, **kwargs)`` now, on the calling thread (the loop's own, or,
+        for an op that touches only what is its own, a thread beside it)."""
         try:
             result = fn(self.engine, *args, **kwargs)
         except BaseException as err:  # the caller gets it; a fire-and-forget call is logged

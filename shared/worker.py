@@ -190,15 +190,17 @@ class WorkerService(Service):
         assert self.runner is not None
         return self.runner.engine
 
-    async def start_engine(self, stack: AsyncExitStack, bus: Bus) -> None:
-        """Load the model (seconds: on a thread, or in the engine's own process), subscribe
-        to cancels."""
+    async def start_engine(
+        self, stack: AsyncExitStack, bus: Bus, own_process: bool = False
+    ) -> None:
+        """Load the model (seconds: on a thread, or in the engine's own process when
+        ``own_process``), subscribe to cancels."""
         self.bus = bus
         s = self.worker_settings
         started = time.monotonic()
         source = resolve(s.model, self.common.models)
         state_dir, options = Path(self.common.state_dir), s.engine_options()
-        if getattr(s, "engine_process", False):
+        if own_process:
             runner = await ProcessRunner.start(s.engine, source, state_dir, options)
             self.runner = runner
         else:
@@ -427,11 +429,11 @@ class WorkerService(Service):
             worker_id=self.service_id,
         )
 
-    def error_event(self, rid: str, message: str, code: str) -> TokenEvent:
-        """A request failed here before its first token (``code`` tells the router whether
-        another worker may try)."""
+    def error_event(self, rid: str, message: str, code: str, index: int = 0) -> TokenEvent:
+        """A request failed here, before its first token or after ``index`` tokens (``code``
+        tells the router whether another worker may try)."""
         return TokenEvent(
-            request_id=rid, index=0, error=message, error_code=code, worker_id=self.service_id
+            request_id=rid, index=index, error=message, error_code=code, worker_id=self.service_id
         )
 
     async def send(self, subject: str, *events: TokenEvent) -> None:

@@ -107,7 +107,7 @@ class DecodeService(WorkerService):
         self.handoff_secret = load_or_create(common.resolved_secrets_dir, HANDOFF_SECRET)
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
-        await self.start_engine(stack, bus)
+        await self.start_engine(stack, bus, own_process=self.settings.engine_process)
         register_load(EplbCollector(lambda: self.eplb))
         server = grpc.aio.server()
         kv_pb2_grpc.add_KvHandoffServicer_to_server(KvReceiver(self), server)
@@ -286,13 +286,8 @@ class DecodeService(WorkerService):
             if active is None:
                 continue
             self.close_span(rid, error=f"decode step failed: {why}")
-            event = TokenEvent(
-                request_id=rid,
-                index=active.next_index,
-                error=f"{self.service_id}: decode step failed: {why}",
-                error_code="unavailable",
-                worker_id=self.service_id,
-            )
+            message = f"{self.service_id}: decode step failed: {why}"
+            event = self.error_event(rid, message, "unavailable", index=active.next_index)
             self._outbox.setdefault(active.task.reply_subject, []).append(
                 TokenEvents.encoded(event)
             )

@@ -58,7 +58,6 @@ class EngineView:
     config: ModelConfig
     block_size: int
     max_running: int
-    max_context: int
     last: EngineStats
     running: list[str]
 
@@ -66,7 +65,7 @@ class EngineView:
         return self.last
 
     def can_admit(self, n_prompt: int, params: SamplingParams, prefix: Prefix | None) -> bool:
-        total = min(n_prompt + params.max_tokens, self.max_context)
+        total = min(n_prompt + params.max_tokens, self.config.max_context)
         held = len(prefix.block_ids) if prefix else 0
         need = -(-total // self.block_size) - held
         free = self.last.kv_blocks_total - self.last.kv_blocks_used
@@ -127,7 +126,6 @@ class ProcessRunner:
             config=ready["config"],
             block_size=ready["block_size"],
             max_running=options.max_running,
-            max_context=ready["config"].max_context,
             last=ready["stats"],
             running=[],
         )
@@ -138,14 +136,7 @@ class ProcessRunner:
         self, fn: Callable[..., Any], *args, priority: Priority = "online", **kwargs
     ) -> asyncio.Future:
         """Run op ``fn`` in the engine's process, between two steps; its result as a future."""
-        future = asyncio.get_running_loop().create_future()
-        if self._closing or self.proc.poll() is not None:
-            future.set_exception(EngineStopped(f"{fn.__name__}: the engine has stopped"))
-            return future
-        call_id = next(self._ids)
-        self._waiting[call_id] = future
-        self._send({"call": call_id, "rank": RANKS[priority]}, fn, args, kwargs)
-        return future
+        return self._ask({"rank": RANKS[priority]}, fn, args, kwargs)
 
     def submit(self, fn: Callable[..., Any], *args) -> None:
         if not self._closing:
@@ -154,13 +145,18 @@ class ProcessRunner:
     async def beside(self, fn: Callable[..., Any], *args) -> Any:
         """Run op ``fn`` in the engine's process beside the steps (on a thread of its own
         there: it touches only a reserved sequence's blocks)."""
-        if self._closing:
-            raise EngineStopped(f"{fn.__name__}: the engine has stopped")
+        return await self._ask({"beside": True}, fn, args, {})
+
+    def _ask(self, header: dict, fn: Callable, args: tuple, kwargs: dict) -> asyncio.Future:
+        """Send a call that is answered (by its id); its answer as a future."""
         future = asyncio.get_running_loop().create_future()
+        if self._closing or self.proc.poll() is not None:
+            future.set_exception(EngineStopped(f"{fn.__name__}: the engine has stopped"))
+            return future
         call_id = next(self._ids)
         self._waiting[call_id] = future
-        self._send({"call": call_id, "beside": True}, fn, args, {})
-        return await future
+        self._send({**header, "call": call_id}, fn, args, kwargs)
+        return future
 
     def start_stepping(self, on_step: OnStep, on_failed: OnFailed) -> None:
         self._on_step, self._on_failed = on_step, on_failed
@@ -338,19 +334,11 @@ class _Host:
             args = wire.decode(header.get("args", []), parts)
             kwargs = wire.decode(header.get("kwargs", {"$dict": {}}), parts)
             if header.get("beside"):
-                self._beside.submit(self._run_beside, fn, args, answer)
+                self._beside.submit(self.loop.run, fn, tuple(args), kwargs, answer)
             else:
                 self.loop.put(int(header.get("rank", 0)), fn, tuple(args), kwargs, answer)
         self.loop.close()
         self._beside.shutdown(wait=True)
-
-    def _run_beside(self, fn: Callable, args: list, answer) -> None:  # noqa: ANN001
-        try:
-            result = fn(self.engine, *args)
-        except BaseException as err:
-            answer(None, err)
-            return
-        answer(result, None)
 
 
 def main() -> int:

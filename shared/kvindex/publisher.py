@@ -46,6 +46,7 @@ class KvEventPublisher:
         epoch: float,
         held: Callable[[], list[tuple[str, int]]] | None = None,
         bound_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.bus = bus
         self.held = held  # a worker's memory tier: each block's hash and bytes
@@ -55,6 +56,7 @@ class KvEventPublisher:
         self.made = 0  # events made in this process (the last one's seq)
         self.lost = 0  # of those, not published
         self.bound_s = bound_s
+        self.clock = clock  # when blocks were computed and announced (tests give their own)
         # Blocks of new KV computed, each to be announced: location → [computed at, blocks].
         self.waiting: dict[str, deque[list]] = {}
         self._resync: asyncio.Task | None = None
@@ -72,7 +74,7 @@ class KvEventPublisher:
         if not hashes and kind != "cleared":
             return
         self.made += 1
-        self._announced(location if kind == "stored" else "", len(hashes), time.monotonic())
+        self._announced(location if kind == "stored" else "", len(hashes), self.clock())
         event = KvEvent(
             kind=kind,  # type: ignore[arg-type]
             location=location,
@@ -99,13 +101,12 @@ class KvEventPublisher:
     def computed(self, blocks: int, location: str) -> None:
         """``blocks`` of new KV were computed, to be announced as stored at ``location``."""
         if blocks > 0:
-            self.waiting.setdefault(location, deque()).append([time.monotonic(), blocks])
+            self.waiting.setdefault(location, deque()).append([self.clock(), blocks])
 
-    def unannounced_s(self, now: float | None = None) -> float:
+    def unannounced_s(self) -> float:
         """How long the oldest block computed and not yet announced has waited (0: none)."""
-        now = time.monotonic() if now is None else now
         fronts = [queue[0][0] for queue in self.waiting.values() if queue]
-        return max(0.0, now - min(fronts)) if fronts else 0.0
+        return max(0.0, self.clock() - min(fronts)) if fronts else 0.0
 
     def _announced(self, location: str, blocks: int, now: float) -> None:
         """An event made: ``blocks`` stored at ``location`` announce the oldest computed

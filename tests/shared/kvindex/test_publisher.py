@@ -4,9 +4,10 @@ one's silence (a quiet engine feed is told by how long its blocks have waited)."
 
 from __future__ import annotations
 
-import asyncio
 from contextlib import AsyncExitStack
 from pathlib import Path
+
+import pytest
 
 from shared.bus import subjects
 from shared.kvindex.publisher import KvEventPublisher
@@ -27,21 +28,26 @@ async def test_new_blocks_wait_for_their_own_announcement(
         bus = await connect_as(nats_url, "decode", mesh_secrets)
         stack.push_async_callback(bus.close)
         await bus.ensure_stream(subjects.KV_EVENTS_STREAM, [subjects.KV_EVENTS_ALL])
-        events = KvEventPublisher(bus, "decode", "v-0", epoch=1.0, bound_s=0.3)
+        now = [100.0]  # the publisher's clock, moved by the test
+        events = KvEventPublisher(
+            bus, "decode", "v-0", epoch=1.0, bound_s=0.3, clock=lambda: now[0]
+        )
         assert events.unannounced_s() == 0.0
         events.computed(3, HERE)  # request A
-        await asyncio.sleep(0.05)
+        now[0] += 0.05
         events.computed(3, HERE)  # request B, whose events will never come
+        now[0] += 0.01
         await events.publish("stored", HERE, hashes(3, 1))  # A's, late
-        assert 0.0 < events.unannounced_s() < 0.05  # B's blocks wait, from when B computed
+        assert events.unannounced_s() == pytest.approx(0.01)  # B's wait, from when B computed
         await events.publish("stored", STORE, hashes(3, 1))  # the storage tier's: not B's
-        await asyncio.sleep(0.4)
-        assert events.unannounced_s() >= 0.4  # past the bound: a holder flags the feed
+        now[0] += 0.4
+        assert events.unannounced_s() == pytest.approx(0.41)  # past the bound: flagged
         # Events flow again: B's blocks, older than the bound before this event, are not
         # to be announced any more; the new request's are, and are.
         events.computed(2, HERE)
+        now[0] += 0.02
         await events.publish("removed", HERE, hashes(1, 1))
-        assert 0.0 < events.unannounced_s() < 0.3
+        assert events.unannounced_s() == pytest.approx(0.02)
         await events.publish("stored", HERE, hashes(2, 2))
         assert events.unannounced_s() == 0.0
         assert (events.made, events.lost) == (4, 0)
