@@ -71,13 +71,14 @@ def _stream_creator(stream: str) -> list[str]:
 
 
 def _stream_reader(stream: str) -> list[str]:
-    """Reads with ordered consumers and direct gets."""
+    """Reads with ordered consumers, pull consumers (``Bus.latest``) and direct gets."""
     return [
         f"{JS}.STREAM.INFO.{stream}",
         f"{JS}.STREAM.NAMES",
         f"{JS}.CONSUMER.CREATE.{stream}",
         f"{JS}.CONSUMER.CREATE.{stream}.>",
         f"{JS}.CONSUMER.DELETE.{stream}.>",
+        f"{JS}.CONSUMER.MSG.NEXT.{stream}.>",
         f"{JS}.DIRECT.GET.{stream}",
         f"{JS}.DIRECT.GET.{stream}.>",
         f"$JS.FC.{stream}.>",

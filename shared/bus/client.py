@@ -20,7 +20,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import DeliverPolicy, StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError as JsApiError
 from nats.js.errors import (
     BadRequestError,
@@ -405,6 +405,33 @@ class Bus:
         except NotFoundError:
             return None
         return await self._joined(stream, subject, raw.data or b"", raw.headers)
+
+    async def latest(self, stream: str, subject: str) -> list[Msg]:
+        """The last message of every subject matching ``subject`` on ``stream``, as stored
+        when the call began. Read by a pull consumer: its pending count at creation is
+        exact, where a push watcher's can say "none" while the first ones are in flight
+        (nats-py's ``KeyValue.keys`` then answers empty)."""
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=30.0,
+            mem_storage=True,
+        )
+        sub = await self.js.pull_subscribe(subject, stream=stream, config=config)
+        info = await sub.consumer_info()
+        found: list[Msg] = []
+        try:
+            left = info.num_pending
+            while left > 0:
+                batch = await sub.fetch(min(left, 1024), timeout=5.0)
+                found += batch
+                left = batch[-1].metadata.num_pending if batch else 0
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(stream, info.name)
+        return found
 
     async def wait_last(
         self, stream: str, subject: str, timeout_s: float

@@ -132,6 +132,30 @@ async def test_stored_data_larger_than_a_nats_message_goes_in_parts(open_nats_ur
         await bus.close()
 
 
+async def test_latest_reads_every_subjects_last_message_as_stored(open_nats_url: str) -> None:
+    """Batches are listed by ``latest``: the last message of each matching subject, all of
+    them, every time (nats-py's ``keys()`` answered none on a loaded CI machine)."""
+    bus = await Bus.connect(open_nats_url, "t-latest")
+    try:
+        await bus.ensure_stream(
+            "TEST_LATEST", ["test.latest.>"], memory=True, last_per_subject=True
+        )
+        assert await bus.latest("TEST_LATEST", "test.latest.>") == []
+        for i in range(1500):  # more than one fetch
+            await bus.js.publish(f"test.latest.a.{i}", b"old")
+        for i in range(0, 1500, 2):
+            await bus.js.publish(f"test.latest.a.{i}", f"new {i}".encode())
+        await bus.js.publish("test.latest.b.0", b"other")
+        for _ in range(3):
+            found = {m.subject: m.data for m in await bus.latest("TEST_LATEST", "test.latest.a.*")}
+            assert len(found) == 1500
+            assert found["test.latest.a.0"] == b"new 0" and found["test.latest.a.1"] == b"old"
+        assert (await bus.js.stream_info("TEST_LATEST")).state.consumer_count == 0
+    finally:
+        await bus.js.delete_stream("TEST_LATEST")
+        await bus.close()
+
+
 async def test_reconnects_after_nats_restart(open_nats_server: NatsServer) -> None:
     bus = await Bus.connect(open_nats_server.url, "t-reconnect")
     try:

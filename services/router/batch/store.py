@@ -6,13 +6,12 @@ another router, or a cancel, changed it first)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 from typing import Literal
 
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from pydantic import BaseModel, Field
 
 from shared.bus import Bus, subjects
@@ -134,17 +133,14 @@ class BatchStore:
             raise Conflict(record.id) from None
 
     async def all(self) -> list[BatchRecord]:
-        """Every batch; ended ones from memory (an ended batch's record never changes)."""
-        try:
-            keys = await self.records.keys()
-        except NoKeysError:
-            return []
-        found = await asyncio.gather(*(self.get(k) for k in keys if k not in self._ended))
-        for record, _ in filter(None, found):
+        """Every batch; ended ones decoded once (an ended batch's record never changes)."""
+        found = []
+        for key, value in await self._stored(BATCHES, ">"):
+            record = self._ended.get(key) or BatchRecord.from_bytes(value)
             if record.status in ENDED:
-                self._ended[record.id] = record
-        live = [f[0] for f in found if f is not None and f[0].id not in self._ended]
-        return live + [self._ended[k] for k in keys if k in self._ended]
+                self._ended[key] = record
+            found.append(record)
+        return found
 
     async def put_result(self, batch_id: str, line: int, result: bytes) -> bool:
         """A line's result, unless one is stored already (then False: the first stays)."""
@@ -156,16 +152,19 @@ class BatchStore:
 
     async def results_of(self, batch_id: str) -> dict[int, bytes]:
         """Every stored result of a batch, by line."""
-        watcher = await self.results.watch(f"{batch_id}.*", ignore_deletes=True)
-        found: dict[int, bytes] = {}
-        try:
-            async for entry in watcher:
-                if entry is None:  # the values stored so far are all in
-                    break
-                found[int(entry.key.rsplit(".", 1)[1])] = entry.value or b""
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
+        found = await self._stored(RESULTS, f"{batch_id}.*")
+        return {int(key.rsplit(".", 1)[1]): value for key, value in found}
+
+    async def _stored(self, bucket: str, keys: str) -> list[tuple[str, bytes]]:
+        """The keys matching ``keys`` in ``bucket`` that hold a value, with it. Read whole by
+        the bus (nats-py's own ``keys()`` and watchers can answer "none" while the first
+        entries are still on their way)."""
+        prefix = f"$KV.{bucket}."
+        found = []
+        for msg in await self.bus.latest(f"KV_{bucket}", prefix + keys):
+            if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+                continue
+            found.append((msg.subject[len(prefix) :], msg.data or b""))
         return found
 
     async def drop_results(self, batch_id: str, lines: int) -> None:
