@@ -25,6 +25,8 @@ def load_text(e: WorkerEntry) -> str:
     text = f"inflight {e.load.inflight}, queued {e.load.queued}"
     if e.load.kv_blocks_total:
         text += f", kv {e.load.kv_blocks_used}/{e.load.kv_blocks_total}"
+    if e.load.kv_store_error:
+        text += f", storage tier not written ({e.load.kv_store_error})"
     return text
 
 

@@ -4,7 +4,8 @@ serves ``PUT``/``DELETE /faults/{name}`` (never set in production: the route has
 
 Names in use: ``kv_events`` (the worker's KV events are made but not published, as if NATS
 refused them); ``kv_feed`` (a vLLM worker's engine cache events are dropped as they come, as
-if its feed went quiet); ``engine_step`` (a decode step raises). A process that runs part of
+if its feed went quiet); ``engine_step`` (a decode step raises); ``engine_prefill`` (a prompt's
+compute raises, on a prefill worker or decode's local prefill). A process that runs part of
 itself elsewhere (decode's engine process) passes the switches on (``LISTENERS``).
 """
 

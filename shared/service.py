@@ -27,11 +27,11 @@ from aiohttp import web
 from pydantic import Field
 
 from shared import __version__, faults
-from shared.bus import Bus, BusError, subjects
+from shared.bus import Bus, BusError, NoResponders, subjects
 from shared.bus.auth import connect_options
 from shared.httperrors import openai_errors
 from shared.logs import setup_logging
-from shared.messages.heartbeat import Heartbeat, Load, Role, Status
+from shared.messages.heartbeat import Heartbeat, Holder, Load, Role, Status, WhoIs
 from shared.messages.spans import SpansQuery, SpansReply
 from shared.security.tls import server_context
 from shared.settings import CommonSettings, KvmeshSettings, SettingsError, load_settings
@@ -81,6 +81,7 @@ class Service(ABC):
         self.started_at = time.time()
         self.status: Status = "ready"
         self.http_url = ""
+        self.beats_bus: Bus | None = None  # the connection heartbeats go over
 
     @classmethod
     def check(cls, common: CommonSettings, settings: ServiceSettings) -> None:
@@ -133,6 +134,7 @@ class Service(ABC):
             models=self.models(),
             whole=self.whole,
             load=self.load(),
+            connection=self.beats_bus.connection if self.beats_bus is not None else "",
             interval_s=self.common.heartbeat_interval_s,
             started_at=self.started_at,
             sent_at=time.time(),
@@ -188,6 +190,41 @@ def build_app(service: Service) -> web.Application:
         ]
     )
     return app
+
+
+async def claim_id(service: Service, bus: Bus) -> None:
+    """Refuse to start under an id a live process holds (SettingsError, naming it): two
+    processes under one id would both take its tasks. Free, the id is answered for here."""
+    sid = service.service_id
+    subject = subjects.whois(sid)
+    me = Holder(
+        service_id=sid,
+        role=service.role,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        started_at=service.started_at,
+    )
+    setting = "KVMESH_SERVICE_ID"
+    try:
+        holder = await bus.request(subject, WhoIs(asker=f"{me.host}:{me.pid}"), Holder, 2.0)
+    except NoResponders:  # nobody holds it (a holder that died let go with its connection)
+        holder = None
+    except BusError as err:
+        raise SettingsError(
+            f"{setting}={sid}: a process holds this id but does not answer ({err}); "
+            "stop it, or give this one another id"
+        ) from None
+    if holder is not None:
+        up = time.time() - holder.started_at
+        raise SettingsError(
+            f"{setting}={sid}: already in use by a running {holder.role} (pid {holder.pid} "
+            f"on {holder.host}, up {up:.0f} s); stop it, or give this one another id"
+        )
+
+    async def answer(_: WhoIs) -> Holder:
+        return me
+
+    await bus.serve(subject, WhoIs, answer)
 
 
 async def _publish_heartbeats(service: Service, bus: Bus) -> None:
@@ -259,6 +296,8 @@ async def _run(service: Service) -> None:
             log.info("stopped before NATS was reached")
             return
         stack.push_async_callback(bus.close)
+        await claim_id(service, bus)
+        service.beats_bus = bus
         await service.start(stack, bus)
         await bus.serve(subjects.SPANS_QUERY, SpansQuery, service.recent_spans)
         service.http_url = await serve_http(

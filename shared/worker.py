@@ -50,7 +50,7 @@ from shared.model.text import check_model
 from shared.runner import EngineRunner
 from shared.service import Service, ServiceSettings
 from shared.settings import CommonSettings, SettingsError, env_name
-from shared.telemetry.metrics import BYTES, PREFILL_TOKENS
+from shared.telemetry.metrics import BYTES, ENGINE_FAILURES, PREFILL_TOKENS
 from shared.telemetry.tracing import REQUEST_ID, tracer
 
 log = logging.getLogger(__name__)
@@ -88,12 +88,25 @@ class WorkerSettings(ServiceSettings):
     write_queue_blocks: int = Field(
         default=256, ge=0, description="blocks waiting to be stored; beyond it they are skipped"
     )
+    store_retry_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="after a write to the storage tier fails (full, read-only, I/O error), "
+        "how long its blocks stay in the memory tier only before one write is tried again",
+    )
     store_dtype: str = Field(
         default="",
         description="dtype of stored blocks (float32, bfloat16, float16); empty: the engine's",
     )
     embeds_wait_s: float = Field(
         default=30.0, gt=0, description="how long a prompt waits for its images' embeddings"
+    )
+    max_engine_failures: int = Field(
+        default=3,
+        ge=1,
+        description="engine calls (decode steps, prefills) failing in a row before the worker "
+        "calls itself failing and takes no more work (each failure fails the requests it "
+        "held, which move on)",
     )
 
     @field_validator("store_dtype")
@@ -143,6 +156,30 @@ class WorkerService(Service):
         self.tiers: KvTiers | None = None
         self.kv_events: KvEventPublisher | None = None
         self.spans: dict[str, Span] = {}  # each request's span here, open until it leaves
+        self.engine_failures = 0  # in a row: past settings.max_engine_failures it is failing
+
+    # -- an engine that raises --------------------------------------------------------------
+
+    def engine_failed(self, what: str, why: str) -> None:
+        """An engine call raised (``what``: decode_step, prefill); the caller fails the
+        requests it held with "unavailable" (the router moves them at once, as from a worker
+        that died). An engine that keeps failing makes the worker "failing": it takes no
+        more work, and its heartbeats and /health say so until it is restarted."""
+        self.engine_failures += 1
+        ENGINE_FAILURES.labels(what).inc()
+        limit = self.worker_settings.max_engine_failures
+        if self.engine_failures >= limit and self.status == "ready":
+            self.status = "failing"
+            log.error(
+                "%d engine calls failed in a row (the last, %s: %s): this worker takes no "
+                "more work",
+                self.engine_failures,
+                what,
+                why,
+            )
+
+    def engine_worked(self) -> None:
+        self.engine_failures = 0
 
     # -- a request's span here (its steps are its children) ---------------------------------
 
@@ -216,7 +253,9 @@ class WorkerService(Service):
         self.say_ready(started, runner.engine.stats())
         store = FileStore(self.common.resolved_kv_store_dir) if s.kv_store else None
         events = await self.start_kv_events(stack, bus)
-        self.tiers = KvTiers(bus, events, s.memory_tier_bytes, store, s.write_queue_blocks)
+        self.tiers = KvTiers(
+            bus, events, s.memory_tier_bytes, store, s.write_queue_blocks, s.store_retry_s
+        )
         await self.tiers.start(stack)
         await bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
 
@@ -274,6 +313,7 @@ class WorkerService(Service):
             kv_blocks_total=stats.kv_blocks_total,
             kv_block_size=stats.block_size,
             kv_write_skips=self.tiers.skipped_blocks,
+            kv_store_error=self.tiers.store_error,
             memory_tier_bytes=self.tiers.memory.used_bytes,
             memory_tier_capacity=self.tiers.memory.capacity_bytes,
             **figures,

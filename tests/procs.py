@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvmesh.natsconf import write_server_config
 from kvmesh.natsserver import NatsServer, die_with_parent
 from shared.bus import Bus
@@ -129,6 +131,17 @@ def get_json(url: str, timeout_s: float = 5) -> tuple[int, dict]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """A service's /metrics now: (sample name, sorted labels) → value."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
 
 
 def wait_until(check, timeout_s: float, interval_s: float = 0.1, what: str = "condition"):

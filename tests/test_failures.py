@@ -21,7 +21,8 @@ from kvmesh.trace import read_spans, request_trace
 from services.router.routing.policies import POLICIES
 from shared.proto import api_pb2, api_pb2_grpc
 from tests.images import ask, data_url, image, png
-from tests.procs import get_json, wait_until
+from tests.mounts import small_tmpfs
+from tests.procs import get_json, metrics, wait_until
 from tests.stack import TINY_ENCODER, Stack
 
 IMAGE_EMBEDS = 7 * 11 * 64 * 4  # a 300 × 200 image: 77 tokens of the tiny model's 64 floats
@@ -300,7 +301,7 @@ def test_a_decode_step_that_raises_moves_its_answers_and_the_worker_says_it_is_f
     """An engine hook makes the steps of the worker holding a streamed answer raise: the
     answer moves to the other decode worker at once and ends whole; the worker that failed
     says it is failing (503 on its /health, "failing" at the router) and gets no more work."""
-    hooks = dict(KVMESH_FAULT_HOOKS="true", KVMESH_DECODE_MAX_FAILED_STEPS="1")
+    hooks = dict(KVMESH_FAULT_HOOKS="true", KVMESH_DECODE_MAX_ENGINE_FAILURES="1")
     stack.restart("decode-0", **hooks)
     stack.start("decode-spare", **hooks)
     try:
@@ -332,6 +333,93 @@ def test_a_decode_step_that_raises_moves_its_answers_and_the_worker_says_it_is_f
         stack.procs["decode-spare"].stop()
         stack.restart("decode-0")
         stack.wait_ready(["decode-0"])
+
+
+def test_a_prefill_that_raises_moves_its_request_and_the_worker_says_it_is_failing(
+    stack: Stack,
+) -> None:
+    """A prompt is cached on prefill-0, whose engine then raises on every prefill: a longer
+    prompt after it goes there first (its prefix is there), fails with "unavailable", and is
+    answered whole by the spare; prefill-0 says it is failing and gets no more work."""
+    hooks = dict(KVMESH_FAULT_HOOKS="true", KVMESH_PREFILL_MAX_ENGINE_FAILURES="1")
+    stack.restart("prefill-0", **hooks)
+    try:
+        stack.wait_ready(["prefill-0"])
+        prompt = "Tide tables for the northern berths, hour by hour. " * 12  # ~130 tokens
+        first = stack.client().completions.create(model="tiny", prompt=prompt, max_tokens=6)
+        assert first.model_extra["kvmesh"]["workers"][0] == "prefill-0"
+        stack.start("prefill-spare")
+        stack.wait_ready(["prefill-spare"])
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{stack.advertised('prefill-0')}/faults/engine_prefill", method="PUT"
+            ),
+            timeout=5,
+        )
+        more = " And for the southern berths, by the quarter hour." * 8  # past decode's own
+        moved = stack.client().completions.create(model="tiny", prompt=prompt + more, max_tokens=6)
+        assert moved.choices[0].finish_reason == "length"
+        assert moved.model_extra["kvmesh"]["workers"][0] == "prefill-spare"
+        rid = moved.id.removeprefix("cmpl-")
+        tried = f"{rid}: prefill-0: prefill failed: fault hook engine_prefill"
+        assert tried in stack.procs["router-0"].output()  # it went there first, then moved
+        status, body = get_json(f"{stack.advertised('prefill-0')}/health")
+        assert status == 503 and body["status"] == "failing"
+        failures = metrics(stack.advertised("prefill-0"))
+        assert failures[("kvmesh_engine_failures_total", (("what", "prefill"),))] == 1
+        wait_until(
+            lambda: stack.health()["prefill-0"]["status"] == "failing", 10, what="the router told"
+        )
+        again = stack.client().completions.create(
+            model="tiny", prompt=prompt + more.upper(), max_tokens=6
+        )
+        assert "prefill-0" not in again.model_extra["kvmesh"]["workers"]  # none to it now
+    finally:
+        if "prefill-spare" in stack.procs:
+            stack.procs["prefill-spare"].stop()
+        stack.restart("prefill-0")
+        stack.wait_ready(["prefill-0"])
+
+
+def test_a_full_storage_tier_is_shown_and_no_request_fails(stack: Stack, tmp_path: Path) -> None:
+    """prefill-0's storage tier is a 16 KiB tmpfs: the prompts are answered all the same,
+    the worker says its tier is full (its /health, its metric), and the router's /health
+    names it until it is restarted on a tier that takes writes."""
+    with small_tmpfs(tmp_path / "tier", 16) as tier:
+        stack.restart("prefill-0", KVMESH_KV_STORE_DIR=str(tier))
+        try:
+            stack.wait_ready(["prefill-0"])
+            for i in range(3):  # ~5 blocks each, more than 4 pages hold
+                prompt = f"Harbour log {i}: " + "ships in, ships out, tide noted. " * 40
+                answer = stack.client().completions.create(
+                    model="tiny", prompt=prompt, max_tokens=4
+                )
+                assert answer.choices[0].finish_reason == "length"
+            load = wait_until(
+                lambda: (
+                    own_load(stack, "prefill-0")["kv_store_error"] == "full"
+                    and own_load(stack, "prefill-0")
+                ),
+                30,
+                what="the worker to say its tier is full",
+            )
+            assert load["kv_store_error"] == "full"
+            unstored = metrics(stack.advertised("prefill-0"))
+            assert unstored[("kvmesh_kv_store_failures_total", (("op", "write"), ("why", "full")))]
+            health = wait_until(
+                lambda: get_json(f"{stack.url}/health")[1]["storage_unwritten"],
+                10,
+                what="the router told",
+            )
+            assert health == {"prefill-0": "full"}
+        finally:
+            stack.restart("prefill-0")
+            stack.wait_ready(["prefill-0"])
+    wait_until(
+        lambda: not get_json(f"{stack.url}/health")[1]["storage_unwritten"],
+        10,
+        what="the router told",
+    )
 
 
 def test_a_second_signal_exits_at_once(stack: Stack) -> None:

@@ -1,7 +1,8 @@
 """The storage tier and cachemeta through real processes (tiny model): blocks written behind,
 reused from files, expired by TTL, evicted by capacity, damaged files caught, the write-behind
 queue's overflow counted, cachemeta restarted from its snapshot and the stream, or from the
-stream alone when the snapshot is unreadable."""
+stream alone when the snapshot is unreadable; cachemeta given malformed events, or failing to
+save its snapshot or to delete a file."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import time
 import openai
 import pytest
 
-from shared.bus.subjects import KV_EVENTS_STREAM
-from shared.messages.kvevents import STORE
-from tests.procs import connect_as, secrets_dir, wait_until
+from shared.bus.subjects import KV_EVENTS_STREAM, kv_events
+from shared.messages.kvevents import STORE, KvEvent
+from tests.procs import connect_as, get_json, metrics, secrets_dir, wait_until
 from tests.stack import Stack
 
 BLOCK = 64
@@ -98,6 +99,87 @@ def test_a_damaged_block_file_is_a_miss_and_the_answer_is_right(stack: Stack) ->
     # The damaged file was deleted; the blocks were computed again and stored anew.
     wait_until(lambda: indexed(stack, hashes) == 4, 30, what="blocks stored again")
     assert complete(stack, ids).usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
+
+
+def cachemeta_health(stack: Stack) -> dict:
+    return get_json(f"{stack.advertised('cachemeta-0')}/health")[1]
+
+
+def test_cachemeta_drops_malformed_events_and_goes_on_indexing(stack: Stack) -> None:
+    """Three bad events on the stream, as a buggy worker could publish them: each dropped
+    and counted by cachemeta and the router alike; the events after them are applied."""
+    good = KvEvent(kind="stored", location=STORE, hashes=["0" * 32], sizes=[1], at=time.time())
+    bad = [
+        b"{not json",
+        good.to_bytes().replace(b'"' + b"0" * 32 + b'"', b'"' + b"0" * 31 + b'"'),  # a short hash
+        good.to_bytes().replace(b'"sizes":[1]', b'"sizes":[1,2]'),  # sizes not one per hash
+    ]
+    urls = [stack.advertised("cachemeta-0"), stack.url]
+    malformed = ("kvmesh_kv_events_malformed_total", ())
+    before = [metrics(url).get(malformed, 0) for url in urls]
+
+    async def publish() -> None:
+        bus = await connect_as(stack.nats_url, "prefill", secrets_dir(stack.dir))
+        try:
+            for data in bad:
+                await bus.js.publish(kv_events("prefill"), data)
+        finally:
+            await bus.close()
+
+    asyncio.run(publish())
+    for url, was in zip(urls, before, strict=True):
+        wait_until(lambda u=url, w=was: metrics(u)[malformed] >= w + 3, 30, what="3 counted")
+    ids = prompt_ids(8)
+    complete(stack, ids)
+    wait_until(lambda: indexed(stack, stack.hashes(ids)) == 4, 30, what="later events applied")
+    assert "dropped a malformed KV event" in stack.procs["cachemeta-0"].output()
+
+
+def test_cachemeta_survives_a_snapshot_that_cannot_be_written(stack: Stack) -> None:
+    """Where the snapshot goes is a directory now (its rename fails): cachemeta counts it,
+    says so on /health, goes on indexing, and saves again once the path is free."""
+    path = stack.dir / "cachemeta" / "index.json"
+    path.unlink(missing_ok=True)
+    (path / "in-the-way").mkdir(parents=True)
+    try:
+        complete(stack, prompt_ids(9))  # something new to save
+        health = wait_until(
+            lambda: cachemeta_health(stack)["failing"].get("snapshot") and cachemeta_health(stack),
+            30,
+            what="the failed snapshot shown",
+        )
+        assert health["health"] == "degraded" and "not saved" in health["failing"]["snapshot"]
+        counted = ("kvmesh_cachemeta_failures_total", (("what", "snapshot"),))
+        assert metrics(stack.advertised("cachemeta-0"))[counted] >= 1
+    finally:
+        (path / "in-the-way").rmdir()
+        path.rmdir()
+    complete(stack, prompt_ids(10))
+    wait_until(lambda: not cachemeta_health(stack)["failing"], 30, what="snapshots saved again")
+    assert path.is_file() and snapshot(stack)["seq"] > 0
+
+
+def test_a_block_file_gc_cannot_delete_stays_indexed_until_it_can(stack: Stack) -> None:
+    """An expired agent block whose file is a directory GC cannot unlink: the others go, it
+    stays indexed and /health says why; once it can be deleted, the next pass does."""
+    ids = prompt_ids(11)
+    complete(stack, ids, **{"x-kvmesh-retention": "agent"})  # TTL 2 s in this stack
+    hashes = stack.hashes(ids)
+    wait_until(lambda: all(h in stack.store for h in hashes), 30, what="blocks stored")
+    stuck = stack.store.path(hashes[2])
+    stuck.unlink()
+    (stuck / "in-the-way").mkdir(parents=True)
+    try:
+        why = wait_until(
+            lambda: cachemeta_health(stack)["failing"].get("gc"), 30, what="the failed GC shown"
+        )
+        assert "1 of" in why and "could not be deleted" in why
+        assert not any(stack.store.path(h).exists() for h in hashes if h != hashes[2])
+    finally:
+        (stuck / "in-the-way").rmdir()
+        stuck.rmdir()
+    wait_until(lambda: not cachemeta_health(stack)["failing"], 30, what="GC working again")
+    assert stack.lookup(hashes) == {}
 
 
 def snapshot(stack: Stack) -> dict:

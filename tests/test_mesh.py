@@ -1,9 +1,11 @@
-"""Five real service processes on a real nats-server: registration, expiry, shutdown, and
+"""Five real service processes on a real nats-server: registration, a death seen the moment
+its connection closes, a freeze seen by missed beats, a duplicate id refused, shutdown, and
 recovery from a NATS restart, as a user sees them through the router's HTTP API."""
 
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -53,17 +55,48 @@ def test_unknown_path_gets_openai_error(mesh: Stack) -> None:
     assert "/v1/nothing-here" in body["error"]["message"]
 
 
-def test_a_killed_worker_is_dropped_for_its_missed_beats(mesh: Stack) -> None:
-    """SIGKILL: no goodbye, only missed heartbeats tell (the bound itself is tested with an
-    injected clock in tests/router/test_registry.py)."""
+def test_a_killed_worker_is_dropped_the_moment_its_connection_closes(mesh: Stack) -> None:
+    """SIGKILL: no goodbye; nats-server says the connection closed, and the router drops the
+    worker within a second (three missed beats would take 3 s)."""
     mesh.procs["decode-0"].popen.kill()
+    killed = time.monotonic()
     wait_until(lambda: "decode-0" not in mesh.ready_ids()["decode"], 30, what="decode-0 dropped")
-    assert "dropped decode decode-0: no heartbeat for" in mesh.procs["router-0"].output()
+    assert time.monotonic() - killed < 1.0
+    assert "dropped decode decode-0: its NATS connection closed" in mesh.procs["router-0"].output()
     status, body = get_json(f"{mesh.url}/health")
     assert (status, body["missing"]) == (503, ["decode"])
     assert get_json(f"{mesh.url}/v1/models")[1]["data"] == []  # nobody decodes: no model served
     mesh.start("decode-0")
     wait_until(lambda: healthy(mesh), 60, what="decode-0 back")
+
+
+def test_a_frozen_worker_is_dropped_for_its_missed_beats_and_comes_back(mesh: Stack) -> None:
+    """SIGSTOP: its connection stays open, only the missed heartbeats tell (the bound itself
+    is tested with an injected clock in tests/router/test_registry.py); SIGCONT: its next
+    beat registers it again."""
+    proc = mesh.procs["prefill-0"]
+    proc.signal(signal.SIGSTOP)
+    try:
+        wait_until(
+            lambda: "prefill-0" not in mesh.ready_ids()["prefill"], 30, what="prefill-0 dropped"
+        )
+        assert "dropped prefill prefill-0: no heartbeat for" in mesh.procs["router-0"].output()
+    finally:
+        proc.signal(signal.SIGCONT)
+    wait_until(lambda: healthy(mesh), 30, what="prefill-0 back")
+
+
+def test_a_second_process_under_a_live_id_is_refused(mesh: Stack) -> None:
+    """Two processes under one id would both take its tasks: the second exits at once,
+    naming the one that holds the id; the first serves on."""
+    first = mesh.procs["prefill-0"]
+    mesh.start("prefill-0")  # while it runs
+    second, mesh.procs["prefill-0"] = mesh.procs["prefill-0"], first
+    assert second.wait(30) == 1
+    assert "KVMESH_SERVICE_ID=prefill-0: already in use by a running prefill (pid" in (
+        second.output()
+    )
+    wait_until(lambda: healthy(mesh), 10, what="the mesh still healthy")
 
 
 def test_sigterm_drains_and_leaves_at_once(mesh: Stack) -> None:

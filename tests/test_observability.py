@@ -11,11 +11,10 @@ import sys
 from collections.abc import Iterable
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.trace import read_spans, request_trace
 from tests.images import ask, data_url, image, png
-from tests.procs import REPO, get_json, wait_until
+from tests.procs import REPO, get_json, metrics, wait_until
 from tests.stack import TINY_ENCODER, Stack
 
 ROLES = ("router", "encoder", "cachemeta", "prefill", "decode")
@@ -130,16 +129,6 @@ def test_one_request_gives_one_trace_across_every_service(stack: Stack) -> None:
 
     log = stack.procs["router-0"].output()
     assert f"request={rid} trace={client_trace}" in log  # its log line names both
-
-
-def metrics(url: str) -> dict[tuple[str, tuple], float]:
-    with __import__("urllib.request").request.urlopen(f"{url}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
 
 
 def test_metrics_parse_on_every_service_and_move_with_traffic(stack: Stack) -> None:

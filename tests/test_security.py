@@ -289,7 +289,7 @@ def test_the_bus_refuses_strangers_and_holds_each_role_to_its_subjects(stack: St
 
             await until(refused_four, 10, "four refusals")
             # What a prefill worker does is let through: its own KV events are stored.
-            own = KvEvent(kind="stored", location="worker:prefill-0", hashes=[], at=time.time())
+            own = KvEvent(kind="stored", location="mem:prefill-0", hashes=[], at=time.time())
             ack = await nc.jetstream().publish(subjects.kv_events("prefill"), own.to_bytes())
             assert ack.stream == KV_EVENTS_STREAM
         finally:

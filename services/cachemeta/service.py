@@ -11,6 +11,10 @@ own index).
 The index is saved every ``snapshot_interval_s`` with the stream position it reflects, to its
 state dir and to the bus (where a router starting finds it); on a restart the consumer is
 placed just after that position, so the stream replays what the snapshot lacks.
+
+A malformed event is dropped and counted (the stream goes on); a snapshot or a GC pass that
+fails is counted, logged, shown on /health ("degraded", naming it) and tried again next time;
+a block file that cannot be deleted stays indexed until a pass deletes it.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from shared.messages.heartbeat import Heartbeat, Load
 from shared.messages.kvevents import STORE, KvEvent, LookupReply, LookupRequest, memory_location
 from shared.service import Service
 from shared.settings import CommonSettings
-from shared.telemetry.metrics import register_load
+from shared.telemetry.metrics import CACHEMETA_FAILURES, register_load
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,8 @@ class CachemetaService(Service):
         self.watch: FeedWatch | None = None
         self.workers_seen: dict[str, float] = {}  # memory location → last heartbeat (monotonic)
         self.catch_up_to = 0  # the stream's last message at start
+        self.failing: dict[str, str] = {}  # housekeeping failing now (snapshot, gc) → why
+        self.clearing: set[asyncio.Task] = set()  # stopped workers' tiers being cleared
 
     def fresh_index(self) -> KvIndex:
         return KvIndex(self.settings.ttls(), lru=True, bound_s=self.common.kv_feed_bound_s)
@@ -103,7 +109,8 @@ class CachemetaService(Service):
         body = self.heartbeat().model_dump(mode="json")
         stale = self.watch.stale() if self.watch else {}
         body["kv_events"] = {"stale": stale, "applied_seq": self.index.seq}
-        body["health"] = "degraded" if stale else "ok"
+        body["failing"] = self.failing
+        body["health"] = "degraded" if stale or self.failing else "ok"
         return web.json_response(body, status=200 if self.status == "ready" else 503)
 
     # -- the index, from a snapshot and the stream ----------------------------------------
@@ -149,7 +156,12 @@ class CachemetaService(Service):
         stack.push_async_callback(sub.unsubscribe)
 
     async def _on_event_msg(self, raw: Msg) -> None:
-        self.index.apply_message(raw.data, raw.metadata.sequence.stream)
+        try:
+            self.index.apply_message(raw.data, raw.metadata.sequence.stream)
+        except Exception:  # never a message that blocks the stream: counted, and passed
+            CACHEMETA_FAILURES.labels("event").inc()
+            seq = raw.metadata.sequence.stream
+            log.exception("a KV event failed to apply (stream seq %d)", seq)
         await raw.ack()
 
     async def save_snapshot(self) -> None:
@@ -169,8 +181,31 @@ class CachemetaService(Service):
             await asyncio.sleep(self.settings.snapshot_interval_s)
             try:
                 await self.save_snapshot()
+            except Exception as err:  # a full disk, NATS away: the next interval tries again
+                self._failed("snapshot", f"index snapshot not saved: {err}")
+            else:
+                self._recovered("snapshot")
+
+    def _failed(self, what: str, why: str) -> None:
+        """Housekeeping that failed: counted; logged when it starts failing or fails anew."""
+        CACHEMETA_FAILURES.labels(what).inc()
+        if self.failing.get(what) != why:
+            log.error("%s", why)
+        self.failing[what] = why
+
+    def _recovered(self, what: str) -> None:
+        if self.failing.pop(what, None) is not None:
+            log.warning("%s works again", what)
+
+    def _delete_files(self, hashes: list[str]) -> list[tuple[str, OSError]]:
+        """The block files deleted; those that could not be, each with why."""
+        kept = []
+        for h in hashes:
+            try:
+                self.store.delete(h)
             except OSError as err:
-                log.warning("index snapshot not saved: %s", err)
+                kept.append((h, err))
+        return kept
 
     # -- questions and housekeeping --------------------------------------------------------
 
@@ -207,7 +242,11 @@ class CachemetaService(Service):
         location = memory_location(hb.service_id)
         if hb.status == "stopped":
             self.workers_seen.pop(location, None)
-            await self.events.publish("cleared", location, [])
+            # Not awaited here: a heartbeat handler that waits on the stream's ack would hold
+            # up closing (the bus drains this subscription before the ack's).
+            task = asyncio.create_task(self.events.publish("cleared", location, []))
+            self.clearing.add(task)
+            task.add_done_callback(self.clearing.discard)
             log.info("%s stopped: its memory tier cleared from the index", hb.service_id)
         else:
             self.workers_seen[location] = time.monotonic()
@@ -223,8 +262,9 @@ class CachemetaService(Service):
             await asyncio.sleep(self.settings.gc_interval_s)
             try:
                 await self.collect()
-            except Exception:
+            except Exception as err:
                 log.exception("garbage collection failed")
+                self._failed("gc", f"garbage collection failed: {err}")
 
     async def collect(self) -> None:
         """Expired blocks, then the least recently used past the high watermark: files
@@ -237,8 +277,19 @@ class CachemetaService(Service):
         victims = blocks.eviction_victims(s.store_capacity_bytes, s.high_watermark, s.low_watermark)
         doomed = list(dict.fromkeys(expired + victims))
         if not doomed:
+            self._recovered("gc")
             return
-        await asyncio.to_thread(lambda: [self.store.delete(h) for h in doomed])
+        kept = await asyncio.to_thread(self._delete_files, doomed)
+        if kept:  # they stay indexed: the next pass picks them again
+            why = f"{len(kept)} of {len(doomed)} block files could not be deleted ({kept[0][1]})"
+            self._failed("gc", f"garbage collection: {why}")
+        else:
+            self._recovered("gc")
+        failed = {h for h, _ in kept}
+        doomed = [h for h in doomed if h not in failed]
+        expired = [h for h in expired if h not in failed]
+        if not doomed:
+            return
         # Applied here at once too: the next pass must not pick them again.
         removal = KvEvent(kind="removed", location=STORE, hashes=doomed, at=time.time())
         blocks.apply(removal)

@@ -39,7 +39,6 @@ from shared.security.tls import add_port
 from shared.settings import CommonSettings
 from shared.telemetry.metrics import (
     BYTES,
-    ENGINE_FAILURES,
     SPEC_TOKENS,
     EplbCollector,
     register_load,
@@ -102,7 +101,6 @@ class DecodeService(WorkerService):
         self._outbox: dict[str, list[bytes]] = {}
         self._outbox_filled = asyncio.Event()
         self._spec_seen = (0, 0)  # the engine's speculation totals already in /metrics
-        self.failed_steps = 0  # in a row: past settings.max_failed_steps the worker is failing
         self.eplb: BalancerStats | None = None  # expert placement, as of the last step
         self.handoff_secret = load_or_create(common.resolved_secrets_dir, HANDOFF_SECRET)
 
@@ -218,6 +216,15 @@ class DecodeService(WorkerService):
             code = "busy" if isinstance(err, PoolExhausted) else "internal"
             await self.send(task.reply_subject, self.error_event(rid, str(err), code))
             return
+        except Exception as err:  # the engine failed, not the request: it moves on
+            self.active.pop(rid, None)
+            self.runner.submit(ops.free, rid)
+            why = str(err) or type(err).__name__
+            self.close_span(rid, error=f"prefill failed: {why}")
+            self.engine_failed("prefill", why)
+            message = f"{self.service_id}: prefill failed: {why}"
+            await self.send(task.reply_subject, self.error_event(rid, message, "unavailable"))
+            return
         finally:
             self.pending -= 1
             if prefix is not None:  # the sequence holds its own share
@@ -276,11 +283,8 @@ class DecodeService(WorkerService):
 
     def step_failed(self, held: list[str], why: str) -> None:
         """A step raised: its requests fail here with "unavailable", behind the tokens they
-        were sent (the router moves each at once, as from a worker that died; their blocks
-        are freed already). An engine that keeps failing makes the worker "failing": it
-        takes no more work, and its heartbeats and /health say so."""
-        self.failed_steps += 1
-        ENGINE_FAILURES.labels("decode_step").inc()
+        were sent (their blocks are freed already)."""
+        self.engine_failed("decode_step", why)
         for rid in held:
             active = self.active.pop(rid, None)
             if active is None:
@@ -292,17 +296,10 @@ class DecodeService(WorkerService):
                 TokenEvents.encoded(event)
             )
             self._outbox_filled.set()
-        if self.failed_steps >= self.settings.max_failed_steps and self.status == "ready":
-            self.status = "failing"
-            log.error(
-                "%d decode steps failed in a row (the last: %s): this worker takes no more work",
-                self.failed_steps,
-                why,
-            )
 
     def publish(self, outputs: list[StepOutput], took: float) -> None:
         """A step's tokens as events, sent in order behind the previous step's."""
-        self.failed_steps = 0
+        self.engine_worked()
         now = time.time()
         stats = self.engine.stats()  # speculation's running totals, into /metrics
         SPEC_TOKENS.labels("drafted").inc(stats.draft_tokens - self._spec_seen[0])

@@ -22,12 +22,6 @@ class DecodeSettings(WorkerSettings):
     max_queued: int = Field(
         default=64, ge=0, description="local-prefill tasks waiting at most; more are refused"
     )
-    max_failed_steps: int = Field(
-        default=3,
-        ge=1,
-        description="decode steps failing in a row before the worker calls itself failing "
-        "and takes no more work (each failure fails the requests it held, which move on)",
-    )
     engine_process: bool = Field(
         default=True,
         description="run the engine's step loop in a process of its own beside the worker "

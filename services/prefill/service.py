@@ -45,6 +45,11 @@ class HandoffFailed(Exception):
         self.code = code
 
 
+class EngineFailed(Exception):
+    """The engine raised computing a batch of prompts: not the prompts' fault. They fail
+    with "unavailable", so the router moves each to another worker at once."""
+
+
 class PrefillService(WorkerService):
     role = "prefill"
 
@@ -233,6 +238,9 @@ class PrefillService(WorkerService):
             code = err.code
         elif isinstance(err, PoolExhausted):
             code = "busy"
+        elif isinstance(err, EngineFailed):
+            log.warning("%s: %s", rid, err)
+            code = "unavailable"
         else:
             log.error("prefill of %s failed", rid, exc_info=err)
             code = "internal"
@@ -329,6 +337,20 @@ class PrefillService(WorkerService):
             raise HandoffFailed(f"{task.decode_id}: {status.error}", status.code or "busy")
 
     async def _compute(
+        self, tasks: list[GenerateTask], prefixes: dict[str, Prefix | None]
+    ) -> list[StepOutput | Exception]:
+        """The prompts computed: an output, or what stopped one of them. An engine that
+        raises fails them all with ``EngineFailed`` (they move to another worker)."""
+        try:
+            results = await self._engine_compute(tasks, prefixes)
+        except Exception as err:
+            why = str(err) or type(err).__name__
+            self.engine_failed("prefill", why)
+            raise EngineFailed(f"{self.service_id}: prefill failed: {why}") from err
+        self.engine_worked()
+        return results
+
+    async def _engine_compute(
         self, tasks: list[GenerateTask], prefixes: dict[str, Prefix | None]
     ) -> list[StepOutput | Exception]:
         """One prompt: chunked, cancellable between chunks. Several: one batched pass."""

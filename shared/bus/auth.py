@@ -131,7 +131,16 @@ def _worker(role: str) -> Permissions:
 
 
 def permissions(role: str) -> Permissions:
-    """What ``role``'s identity may publish and subscribe to, besides its own inbox."""
+    """What ``role``'s identity may publish and subscribe to, besides its own inbox. A
+    service also asks who holds its id, and answers for it (``subjects.whois``)."""
+    p = _permissions(role)
+    if role == "cli":
+        return p
+    whois = subjects.WHOIS_ALL
+    return Permissions((*p.publish, whois), (*p.subscribe, whois), p.responds)
+
+
+def _permissions(role: str) -> Permissions:
     if role in ("prefill", "decode"):
         return _worker(role)
     if role == "router":
@@ -160,6 +169,7 @@ def permissions(role: str) -> Permissions:
         ]
         subscribe = [
             subjects.HEARTBEAT_ALL,
+            subjects.SYS_DISCONNECT,  # (imported from the server's system account)
             subjects.reply_all(),
             subjects.ROUTER_REGISTRY,
             subjects.SPANS_QUERY,

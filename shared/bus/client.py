@@ -55,6 +55,9 @@ STORE_UNAVAILABLE = (
 )
 
 
+DRAIN_TIMEOUT_S = 3.0
+
+
 class BusError(Exception):
     """NATS could not be reached, or a request got no reply in time."""
 
@@ -136,6 +139,9 @@ class Bus:
                 connect_timeout=2,
                 reconnect_time_wait=0.25,
                 max_reconnect_attempts=-1,
+                # Closing drains every subscription: bounded, as a handler that waits on a
+                # reply (a stream's ack) whose own subscription drains first would not end.
+                drain_timeout=DRAIN_TIMEOUT_S,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
                 error_cb=on_error,
@@ -154,6 +160,15 @@ class Bus:
         bus = cls(nc)
         closing.append(bus)
         return bus
+
+    @property
+    def connection(self) -> str:
+        """This connection as nats-server names it: its server's id and the client id it
+        gave this connection (both change on a reconnect)."""
+        info = getattr(self.nc, "_server_info", None) or {}
+        if not info.get("server_id") or self.nc.client_id is None:
+            return ""
+        return f"{info['server_id']}:{self.nc.client_id}"
 
     @property
     def connected(self) -> bool:

@@ -22,6 +22,20 @@ def heartbeat(role: str) -> str:
     return f"{PREFIX}.heartbeat.{role}"
 
 
+# A service's id is its own: a process starting asks who holds it (request/reply; nobody
+# answers when the id is free) and then answers for it.
+def whois(service_id: str) -> str:
+    return f"{PREFIX}.whois.{_token(service_id)}"
+
+
+WHOIS_ALL = f"{PREFIX}.whois.*"
+
+
+# nats-server's own word that a client's connection closed (its system account's DISCONNECT
+# advisory, imported into the mesh's account under this subject: kvmesh/natsconf.py). Routers
+# drop a worker at once on it, not three heartbeats later.
+SYS_DISCONNECT = f"{PREFIX}.sys.disconnect"
+
 # Request/reply: a router's view of the live workers (served by every router, queue group).
 ROUTER_REGISTRY = f"{PREFIX}.router.registry"
 ROUTER_QUEUE = "router"

@@ -21,14 +21,19 @@ from shared.engine.sampling import SamplingParams
 def step(engine: Engine) -> list[StepOutput]:
     """One decode step. A sequence's last token carries its speculation totals (the worker
     reads them once the sequence is freed)."""
-    if faults.on("engine_step"):
-        raise RuntimeError("fault hook engine_step: the step raised")
+    _fault("engine_step")
     outputs = engine.step()
     for i, out in enumerate(outputs):
         if out.finish_reason and engine.holds(out.seq_id):
             seq = engine.sequence(out.seq_id)
             outputs[i] = dataclasses.replace(out, drafted=seq.drafted, accepted=seq.accepted)
     return outputs
+
+
+def _fault(name: str) -> None:
+    """The engine call raises when a test switched ``name`` on (``shared/faults.py``)."""
+    if faults.on(name):
+        raise RuntimeError(f"fault hook {name}: the engine raised")
 
 
 def abort(engine: Engine, seq_id: str) -> None:
@@ -76,6 +81,7 @@ def timed_prefill(
     images: tuple[ImageEmbeds, ...] = (),
 ) -> tuple[StepOutput, float]:
     """A prompt computed (it joins the batch); its first token, and the compute time."""
+    _fault("engine_prefill")
     started = time.perf_counter()
     out = engine.prefill(seq_id, token_ids, params, prefix=prefix, images=images)
     return out, time.perf_counter() - started
@@ -84,10 +90,12 @@ def timed_prefill(
 def prefill(engine: Engine, seq_id: str, token_ids: list[int], params: SamplingParams, **kw):  # noqa: ANN003, ANN201
     """A prompt computed for a handoff, with its cancel and pause checks (in-process only:
     they are callables)."""
+    _fault("engine_prefill")
     return engine.prefill(seq_id, token_ids, params, **kw)
 
 
 def prefill_batch(engine: Engine, requests: list[PrefillRequest]) -> list[StepOutput | Exception]:
+    _fault("engine_prefill")
     return engine.prefill_batch(requests)
 
 

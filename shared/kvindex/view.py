@@ -15,6 +15,7 @@ from collections import OrderedDict
 from shared.kvindex.feeds import Feeds
 from shared.kvindex.index import BlockIndex
 from shared.messages.kvevents import KvEvent
+from shared.telemetry.metrics import KV_EVENTS_MALFORMED
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class KvIndex:
             event = KvEvent.from_bytes(data)
         except ValueError as err:
             log.warning("dropped a malformed KV event (stream seq %d): %s", seq, err)
+            KV_EVENTS_MALFORMED.inc()
             self.seq = max(self.seq, seq)
             return False
         self.apply(event, seq)

@@ -12,6 +12,7 @@ host-memory tier: LRU within a byte capacity.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -36,6 +37,15 @@ def _write_all(fd: int, parts: list[bytes]) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
+
+
+def why_not_written(err: OSError) -> str:
+    """What a failed write says of the storage tier: full, read_only, or io."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "full"
+    if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "read_only"
+    return "io"
 
 
 class BlockStore(ABC):
@@ -64,34 +74,64 @@ class FileStore(BlockStore):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.damaged = 0  # files found damaged (and deleted) by this process
+        self.read_errors = 0  # files that could not be read (each a miss)
         # 256 fan-out directories (by the hash's first byte), made once: a write never waits
-        # on a mkdir, and a million blocks are ~4K files per directory.
-        for i in range(256):
-            (self.root / f"{i:02x}").mkdir(exist_ok=True)
+        # on a mkdir, and a million blocks are ~4K files per directory. A tier that cannot be
+        # written now (full, read-only) still reads; a write makes its directory later.
+        try:
+            for i in range(256):
+                (self.root / f"{i:02x}").mkdir(exist_ok=True)
+        except OSError as err:
+            log.warning("storage tier %s: its directories cannot be made now (%s)", self.root, err)
 
     def path(self, key: str) -> Path:
         assert len(key) >= 4 and all(c in "0123456789abcdef" for c in key), key
         return self.root / key[:2] / f"{key}.kvb"
 
     def put(self, key: str, blob: bytes) -> list[str]:
+        """Raises OSError when the file cannot be written (full, read-only, I/O): nothing
+        of it is left behind."""
         path = self.path(key)
         tmp = path.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
-            _write_all(fd, [_FRAME.pack(MAGIC, len(blob)), blob])
-        finally:
-            os.close(fd)
-        # No fsync: this is a cache. A file lost in a crash is a miss; a torn one is found by
-        # its length or its cells' checksums and deleted.
-        os.replace(tmp, path)
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:  # its directory could not be made at start
+            path.parent.mkdir(exist_ok=True)
+            fd = os.open(tmp, flags, 0o644)
+        try:
+            try:
+                _write_all(fd, [_FRAME.pack(MAGIC, len(blob)), blob])
+            finally:
+                os.close(fd)
+            # No fsync: this is a cache. A file lost in a crash is a miss; a torn one is found
+            # by its length or its cells' checksums and deleted.
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         return []
 
     def get(self, key: str) -> memoryview | None:
-        """The blob as a view into one buffer read straight from the file (no extra copy)."""
+        """The blob as a view into one buffer read straight from the file (no extra copy).
+        A file that cannot be read (an I/O error) is a miss, counted and logged."""
         try:
-            fd = os.open(self.path(key), os.O_RDONLY)
+            data = self._read(self.path(key))
         except FileNotFoundError:
             return None
+        except OSError as err:
+            self.read_errors += 1
+            log.warning("KV block %s in %s cannot be read (%s): a miss", key, self.root, err)
+            return None
+        problem = self._check(data[: _FRAME.size], len(data) - _FRAME.size)
+        if problem:
+            self.discard(key, problem)
+            return None
+        return memoryview(data)[_FRAME.size :]
+
+    @staticmethod
+    def _read(path: Path) -> bytes:
+        fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             data = os.read(fd, size)  # one read into a fresh buffer, as a plain read does
@@ -102,17 +142,16 @@ class FileStore(BlockStore):
                 data += more
         finally:
             os.close(fd)
-        problem = self._check(data[: _FRAME.size], len(data) - _FRAME.size)
-        if problem:
-            self.discard(key, problem)
-            return None
-        return memoryview(data)[_FRAME.size :]
+        return data
 
     def discard(self, key: str, reason: str) -> None:
         """A damaged blob: delete it, say so, count it."""
         log.warning("KV block %s in %s is damaged (%s): deleted", key, self.root, reason)
         self.damaged += 1
-        self.delete(key)
+        try:
+            self.delete(key)
+        except OSError as err:  # a read-only tier: the next reader finds it damaged too
+            log.warning("KV block %s cannot be deleted (%s)", key, err)
 
     @staticmethod
     def _check(head: bytes, payload_len: int) -> str:

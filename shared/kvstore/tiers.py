@@ -4,7 +4,10 @@ and the KV events that tell cachemeta about every change.
 Reads are on the request's path: the longest prefix of a prompt's blocks, from memory first,
 then from the storage tier (blocks any worker wrote). Writes never are: new blocks go on a
 bounded queue written by a background task; when the queue is full the blocks are skipped (and
-counted), so a slow disk never stalls prefill.
+counted), so a slow disk never stalls prefill. A storage tier that cannot be written (full,
+read-only, I/O errors) is left alone for ``retry_s`` after each failure: its blocks stay in
+the memory tier only, counted, and the worker's heartbeat says why (``store_error``) until a
+write works again. A block that cannot be read is a miss.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from opentelemetry import context as otel_context
 
 from shared.bus import Bus, subjects
 from shared.kvindex.publisher import KvEventPublisher
-from shared.kvstore.backend import FileStore, MemoryStore
+from shared.kvstore.backend import FileStore, MemoryStore, why_not_written
 from shared.messages.kvevents import STORE, memory_location
-from shared.telemetry.metrics import BYTES
+from shared.telemetry.metrics import BYTES, STORE_FAILURES
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class KvTiers:
         memory_bytes: int,
         store: FileStore | None,
         queue_blocks: int,
+        retry_s: float = 30.0,
     ) -> None:
         self.bus = bus
         self.events = events
@@ -72,6 +76,10 @@ class KvTiers:
         self.queued_blocks = 0
         self.skipped_blocks = 0  # not stored: the write-behind queue was full
         self.written_blocks = 0
+        self.store_error = ""  # why the storage tier is not written now (empty: it is)
+        self.unstored_blocks = 0  # not in the storage tier: it could not be written
+        self.retry_s = retry_s
+        self._retry_at = 0.0
 
     @property
     def keep(self) -> bool:
@@ -109,13 +117,16 @@ class KvTiers:
         return found
 
     def _read_files(self, hashes: list[str]) -> list[bytes]:
+        """The blocks from the first up to the first missing (or unreadable: a miss)."""
         assert self.store is not None
+        errors = self.store.read_errors
         blobs = []
         for h in hashes:
             blob = self.store.get(h)
             if blob is None:
                 break
             blobs.append(blob)
+        STORE_FAILURES.labels("read", "io").inc(self.store.read_errors - errors)
         return blobs
 
     async def discard(self, h: str, tier: str, reason: str) -> None:
@@ -175,10 +186,11 @@ class KvTiers:
                 try:
                     await self._to_memory(hashes, blobs, retention)
                     if self.store is not None:
-                        await asyncio.to_thread(self._write_files, hashes, blobs)
-                        sizes = [len(b) for b in blobs]
+                        n = await self._to_store(hashes, blobs)
+                        sizes = [len(b) for b in blobs[:n]]
                         BYTES.labels("store", "write").inc(sum(sizes))
-                        await self.events.publish("stored", STORE, hashes, sizes, retention)
+                        if n:
+                            await self.events.publish("stored", STORE, hashes[:n], sizes, retention)
                     self.written_blocks += len(hashes)
                 except Exception:
                     log.exception("storing %d KV blocks failed", len(hashes))
@@ -198,11 +210,47 @@ class KvTiers:
                     )
                     span.end()
 
-    def _write_files(self, hashes: list[str], blobs: list[bytes]) -> None:
+    async def _to_store(self, hashes: list[str], blobs: list[bytes]) -> int:
+        """The blocks written to the storage tier, from the first: how many. While it fails
+        (full, read-only, I/O) one write is tried per ``retry_s``; the rest are not stored."""
+        if self.store_error and time.monotonic() < self._retry_at:
+            self._unstored(len(hashes), self.store_error)
+            return 0
+        n, err = await asyncio.to_thread(self._write_files, hashes, blobs)
+        if err is None:
+            if self.store_error:
+                log.warning("storage tier %s is written again", self.store.root)
+                self.store_error = ""
+            return n
+        why = why_not_written(err)
+        if why != self.store_error:
+            log.error(
+                "storage tier %s cannot be written (%s: %s): blocks stay in the memory tier "
+                "only; one write is tried again every %g s",
+                self.store.root,
+                why,
+                err,
+                self.retry_s,
+            )
+        self.store_error = why
+        self._retry_at = time.monotonic() + self.retry_s
+        self._unstored(len(hashes) - n, why)
+        return n
+
+    def _unstored(self, n: int, why: str) -> None:
+        self.unstored_blocks += n
+        STORE_FAILURES.labels("write", why).inc(n)
+
+    def _write_files(self, hashes: list[str], blobs: list[bytes]) -> tuple[int, OSError | None]:
+        """Blocks written from the first, until one cannot be: how many, and why not."""
         assert self.store is not None
-        for h, blob in zip(hashes, blobs, strict=True):
-            if h not in self.store:  # the same block from another worker: already there
-                self.store.put(h, blob)
+        for i, (h, blob) in enumerate(zip(hashes, blobs, strict=True)):
+            try:
+                if h not in self.store:  # the same block from another worker: already there
+                    self.store.put(h, blob)
+            except OSError as err:
+                return i, err
+        return len(hashes), None
 
     async def _to_memory(self, hashes: list[str], blobs: list[bytes], retention: str) -> None:
         evicted: list[str] = []

@@ -31,6 +31,11 @@ class Load(Message):
     kv_write_skips: int = Field(
         default=0, ge=0, description="blocks not stored because the write-behind queue was full"
     )
+    kv_store_error: str = Field(
+        default="",
+        description="workers: why the storage tier is not being written (full, read_only, "
+        "io); empty when it is",
+    )
     kv_events: int = Field(
         default=0, ge=0, description="workers: KV events made since it started (the last seq)"
     )
@@ -56,9 +61,30 @@ class Heartbeat(Message):
         "workers of its kind",
     )
     load: Load = Field(default_factory=Load)
+    connection: str = Field(
+        default="",
+        description="the NATS connection its beats come over (server id:client id): when the "
+        "server says that connection closed, routers drop it at once",
+    )
     interval_s: float = Field(gt=0, description="the sender's heartbeat interval")
     started_at: float = Field(description="unix time the service started")
     sent_at: float = Field(description="unix time of this heartbeat")
+
+
+class WhoIs(Message):
+    """Who holds a service id? Asked by a process about to start under it."""
+
+    asker: str = Field(default="", description="the asking process: host and pid")
+
+
+class Holder(Message):
+    """The process that holds a service id, answering ``WhoIs``."""
+
+    service_id: str
+    role: Role
+    host: str
+    pid: int
+    started_at: float
 
 
 class RegistryQuery(Message):

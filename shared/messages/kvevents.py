@@ -3,9 +3,10 @@ every router (each keeps the block index itself); anyone ↔ cachemeta lookups (
 
 from __future__ import annotations
 
+import re
 from typing import Literal, get_args
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.messages import Message
 
@@ -28,6 +29,7 @@ def memory_owner(location: str) -> str:
 
 
 Kind = Literal["stored", "removed", "touched", "cleared"]
+HASH_CHARS = 32  # a block hash in hex (shared/kvstore/hashing.py)
 
 
 class KvEvent(Message):
@@ -41,8 +43,8 @@ class KvEvent(Message):
     lags or stopped."""
 
     kind: Kind
-    location: str = ""
-    hashes: list[str] = Field(default_factory=list)
+    location: str = Field(default="", pattern=r"^(store|mem:[A-Za-z0-9_.-]{1,64})?$")
+    hashes: list[str] = Field(default_factory=list, description="32 hex digits each")
     sizes: list[int] = Field(default_factory=list, description="bytes, per hash (stored)")
     retention: Retention = "chat"
     at: float = Field(description="unix time of the change")
@@ -50,8 +52,24 @@ class KvEvent(Message):
     epoch: float = Field(default=0.0, description="the publisher's start (unix time)")
     seq: int = Field(default=0, ge=0, description="the publisher's count of its events, this one")
 
+    @model_validator(mode="after")
+    def _whole(self) -> KvEvent:
+        """Every hash a block's (the index packs them at a fixed width, the storage tier
+        names files by them); one size per hash when sizes are given."""
+        if any(len(h) != HASH_CHARS for h in self.hashes) or not _HEX.fullmatch(
+            "".join(self.hashes)
+        ):
+            raise ValueError(f"hashes: each must be {HASH_CHARS} lowercase hex digits")
+        if self.sizes and len(self.sizes) != len(self.hashes):
+            raise ValueError(f"sizes: {len(self.sizes)} for {len(self.hashes)} hashes")
+        if any(size < 0 for size in self.sizes):
+            raise ValueError("sizes: a block's bytes cannot be negative")
+        if self.kind in ("stored", "removed", "cleared") and not self.location:
+            raise ValueError(f"location: a {self.kind} event names one")
+        return self
 
-HASH_CHARS = 32  # a block hash in hex (shared/kvstore/hashing.py)
+
+_HEX = re.compile(r"[0-9a-f]*")
 
 
 class LookupRequest(Message):

@@ -46,7 +46,7 @@ SPEC_TOKENS = Counter(
 )
 ENGINE_FAILURES = Counter(
     "kvmesh_engine_failures",
-    "engine calls that raised, by what (decode_step): each failed the requests it held",
+    "engine calls that raised, by what (decode_step, prefill): each failed the requests it held",
     ["what"],
 )
 MOVES = Counter(
@@ -62,6 +62,22 @@ BYTES = Counter("kvmesh_bytes", "bytes moved, by link and direction", ["link", "
 # Workers and the encoder.
 PREFILL_TOKENS = Counter(
     "kvmesh_prefill_tokens", "prompt tokens a worker prefilled, computed or reused", ["kind"]
+)
+STORE_FAILURES = Counter(
+    "kvmesh_kv_store_failures",
+    "KV blocks the storage tier failed to take or give, by op (write, read) and why (full, "
+    "read_only, io): a write not stored, a read a miss",
+    ["op", "why"],
+)
+KV_EVENTS_MALFORMED = Counter(
+    "kvmesh_kv_events_malformed",
+    "KV events dropped by a holder of the block index (cachemeta, a router) because they did "
+    "not parse or did not hold together (a hash of the wrong width, sizes not one per hash)",
+)
+CACHEMETA_FAILURES = Counter(
+    "kvmesh_cachemeta_failures",
+    "cachemeta's housekeeping that failed, by what (snapshot, gc): it goes on, and retries",
+    ["what"],
 )
 IMAGES = Counter(
     "kvmesh_images", "images answered by the encoder, by where embeddings came from", ["source"]

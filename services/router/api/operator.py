@@ -1,8 +1,9 @@
-"""The operator's endpoints: GET /health (each role with its services, this router's KV index
-and the workers whose KV events are stale: "degraded"; 503 while a role that serves requests
-has no ready one), /v1/models (what a ready prefill and decode worker both serve), /v1/stats (the
-operator's summary: services/router/observe/stats.py) and /openapi.json (the HTTP API as it
-is: ``openapi.py``)."""
+"""The operator's endpoints: GET /health (each role with its services, this router's KV index;
+"degraded" while a worker's KV events are stale, a worker is failing, or a worker cannot write
+the storage tier, each named; 503 while a role that serves requests has no ready one),
+/v1/models (what a ready prefill and decode worker both serve), /v1/stats (the operator's
+summary: services/router/observe/stats.py) and /openapi.json (the HTTP API as it is:
+``openapi.py``)."""
 
 from __future__ import annotations
 
@@ -61,10 +62,16 @@ class OperatorApi:
         }
         missing = self.mesh.registry.missing_roles()
         index = self.mesh.kv.report()
+        services = [s for role in ROLES for s in roles[role]]
+        failing = [s["id"] for s in services if s["status"] == "failing"]
+        unwritten = {s["id"]: s["load"]["kv_store_error"] for s in services}
+        unwritten = {sid: why for sid, why in unwritten.items() if why}
         body = {
-            "status": "degraded" if missing or index["stale"] else "ok",
+            "status": "degraded" if missing or index["stale"] or failing or unwritten else "ok",
             "service_id": self.router_id,
             "missing": missing,
+            "failing": failing,
+            "storage_unwritten": unwritten,
             "roles": roles,
             "kv_index": index,
         }

@@ -3,8 +3,11 @@ every KV block is (its own index, from the KV event stream: ``kvindex.py``), the
 circuit breakers, how far this router's loop runs behind, and the services stopped or lost
 lately. Answers other routers' and `kvmesh status`'s registry queries.
 
-A service that misses its heartbeats is dropped, with a log line, by whichever notices first:
-the sweep (a few times per beat interval), ``/health`` or a registry query. The sweep also
+A service whose NATS connection closes (it died, or was cut off) is dropped the moment
+nats-server says so (its disconnect advisory; kvmesh/natsconf.py); one that only misses its
+heartbeats (frozen, or a NATS server of your own without the advisory) is dropped, with a log
+line, by whichever notices first: the sweep (a few times per beat interval), ``/health`` or a
+registry query. The sweep also
 measures the loop's lag (its own wake-ups against when they were due): a router that far
 behind gives its workers' beats that much grace (they wait in its queue too).
 """
@@ -12,13 +15,16 @@ behind gives its workers' beats that much grace (they wait in its queue too).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 
+from nats.aio.msg import Msg
+
 from services.router.dispatch.kvindex import RouterIndex
-from services.router.dispatch.workers import Breakers, LoopLag, WorkerRegistry
+from services.router.dispatch.workers import Breakers, LoopLag, WorkerRecord, WorkerRegistry
 from services.router.settings import WorkerSettings
 from shared.bus import Bus, subjects
 from shared.messages.heartbeat import Heartbeat, RegistryQuery, RegistrySnapshot
@@ -47,6 +53,7 @@ class Mesh:
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        await bus.nc.subscribe(subjects.SYS_DISCONNECT, cb=self.on_disconnect)
         await self.kv.start(stack, bus)  # (caught up with the stream before it serves)
         await bus.serve(
             subjects.ROUTER_REGISTRY, RegistryQuery, self.on_registry_query, subjects.ROUTER_QUEUE
@@ -74,6 +81,30 @@ class Mesh:
             log.info("%s %s stopped", hb.role, hb.service_id)
             self.gone[hb.service_id] = (hb.role, time.time())
 
+    async def on_disconnect(self, raw: Msg) -> None:
+        """nats-server's advisory that a connection closed: the service whose heartbeats
+        came over it is gone (a later connection of the same process registers it again)."""
+        try:
+            advisory = json.loads(raw.data)
+            connection = f"{advisory['server']['id']}:{advisory['client']['id']}"
+            reason = str(advisory.get("reason", ""))
+        except (ValueError, KeyError, TypeError):
+            return
+        for record in self.registry.workers():
+            if record.heartbeat.connection == connection:
+                self.drop(record.service_id, f"its NATS connection closed ({reason})")
+
+    def drop(self, service_id: str, why: str) -> None:
+        record = self.registry.remove(service_id)
+        if record is not None:
+            self._forget(record, why)
+
+    def _forget(self, record: WorkerRecord, why: str) -> None:
+        """A service dropped from the registry: listed as gone, its KV feed forgotten."""
+        self.gone[record.service_id] = (record.heartbeat.role, time.time())
+        self.kv.index.feeds.forget(record.service_id)
+        log.warning("dropped %s %s: %s", record.heartbeat.role, record.service_id, why)
+
     async def _sweep(self) -> None:
         interval = min(0.25, self.beat_interval_s / 4)
         while True:
@@ -91,14 +122,7 @@ class Mesh:
         for sid in [s for s, (_, at) in self.gone.items() if time.time() - at > GONE_KEPT_S]:
             del self.gone[sid]  # (listed as gone that long, then forgotten)
         for record in self.registry.expire(now, grace_s=self.lag.seconds):
-            self.gone[record.service_id] = (record.heartbeat.role, time.time())
-            self.kv.index.feeds.forget(record.service_id)
-            log.warning(
-                "dropped %s %s: no heartbeat for %.1f s",
-                record.heartbeat.role,
-                record.service_id,
-                record.age(now),
-            )
+            self._forget(record, f"no heartbeat for {record.age(now):.1f} s")
 
     async def on_registry_query(self, query: RegistryQuery) -> RegistrySnapshot:
         now = time.monotonic()

@@ -63,7 +63,7 @@ def test_the_estimates_error_is_on_metrics_and_in_the_explanation(stack: Stack) 
     """Each prefilled request's estimated TTFT is checked against the measured one: the
     router's /metrics carry the error per worker and for the pool, and what the pool's
     estimate learned; each candidate in a response says its worker's recent error."""
-    from tests.test_observability import metrics
+    from tests.procs import metrics
 
     client = stack.client()
     before = metrics(stack.url).get(("kvmesh_router_ttft_estimates_total", (("scope", "pool"),)))

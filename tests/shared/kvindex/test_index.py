@@ -1,4 +1,5 @@
-"""The block index: lookups per location, TTLs, LRU eviction, persistence."""
+"""The block index: lookups per location, TTLs, LRU eviction, persistence. Events are built
+unchecked (``model_construct``): short names stand for block hashes here."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ TTL = {"chat": 100.0, "agent": 10.0}
 
 
 def stored(location: str, hashes: list[str], at: float = 0.0, retention: str = "chat", size=10):
-    return KvEvent(
+    return KvEvent.model_construct(
         kind="stored",
         location=location,
         hashes=hashes,
@@ -33,7 +34,7 @@ def test_removal_and_a_gone_worker() -> None:
     index = BlockIndex(TTL)
     index.apply(stored(STORE, ["a", "b"]))
     index.apply(stored("mem:p0", ["a", "b"]))
-    index.apply(KvEvent(kind="removed", location=STORE, hashes=["b"], at=1))
+    index.apply(KvEvent.model_construct(kind="removed", location=STORE, hashes=["b"], at=1))
     assert index.lookup(["a", "b"], now=2) == {STORE: 1, "mem:p0": 2}
     assert index.drop_location("mem:p0") == 2
     assert index.lookup(["a", "b"], now=2) == {STORE: 1}
@@ -97,8 +98,9 @@ def test_touches_and_clears_are_events() -> None:
     index = BlockIndex(TTL, lru=False)
     index.apply(stored(STORE, ["a", "b"], at=0, retention="agent"))
     index.apply(stored("mem:p0", ["a", "b"], at=0, retention="agent"))
-    index.apply(KvEvent(kind="touched", hashes=["a"], at=8))  # a router used it at 8
+    used = KvEvent.model_construct(kind="touched", hashes=["a"], at=8)  # a router used it at 8
+    index.apply(used)
     assert [k for k, _ in index.expired(now=15)] == ["b"]  # a lives until 18
-    index.apply(KvEvent(kind="cleared", location="mem:p0", at=9))
+    index.apply(KvEvent.model_construct(kind="cleared", location="mem:p0", at=9))
     assert index.lookup(["a", "b"], now=9) == {STORE: 2}
     index.check_integrity()
