@@ -4,11 +4,15 @@ the document cannot fall behind the routes)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from aiohttp import web
 from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
+from services.router.api.dashboard import MAX_LISTED, MAX_SERIES_MINUTES
+from services.router.batch.api import MAX_LISTED as MAX_BATCHES_LISTED
 from services.router.formats.anthropic import CountRequest
 from services.router.formats.batches import BatchCreate
 from services.router.formats.endpoints import COUNT_TOKENS, ENDPOINTS
@@ -48,7 +52,7 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
     "/dashboard/style.css": ("The page's style", None, ()),
     "/v1/dashboard/mesh": ("Every service by role, and those gone lately", None, (401, 403)),
     "/v1/dashboard/series": ("The mesh's figures minute by minute", None, (400, 401, 403)),
-    "/v1/dashboard/requests": ("This router's recent requests", None, (401, 403)),
+    "/v1/dashboard/requests": ("This router's recent requests", None, (400, 401, 403)),
     "/v1/dashboard/requests/{request_id}": (
         "A recent request with its routing decision and its spans from every service",
         None,
@@ -60,10 +64,36 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
         None,
         (401, 403),
     ),
-    "/health": ("Each role with its services; 503 while a role has none ready", None, (503,)),
+    "/health": ("Each role with its services; 503 while a role has none ready", None, ()),
     "/metrics": ("Prometheus metrics", None, ()),
     "/openapi.json": ("This document", None, ()),
 }
+
+# Responses that are not errors though their status says so.
+NOT_ERRORS = {"/health": {"503": {"description": "a role has no ready service (this document)"}}}
+
+_LIMIT = {"type": "integer", "minimum": 1}
+QUERY: dict[str, list[dict]] = {  # each operation's query parameters, as the handler reads them
+    "/v1/files": [{"name": "purpose", "schema": {"type": "string"}}],
+    "/v1/batches": [
+        {"name": "limit", "schema": {**_LIMIT, "maximum": MAX_BATCHES_LISTED, "default": 20}},
+        {"name": "after", "schema": {"type": "string"}},
+    ],
+    "/v1/dashboard/series": [
+        {"name": "minutes", "schema": {**_LIMIT, "maximum": MAX_SERIES_MINUTES}}
+    ],
+    "/v1/dashboard/requests": [{"name": "limit", "schema": {**_LIMIT, "maximum": MAX_LISTED}}],
+}
+
+
+def _parameters(path: str) -> list[dict]:
+    """The path's parameters (every ``{name}`` in it) and its query's."""
+    found = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in re.findall(r"{(\w+)}", path)
+    ]
+    return found + [{"in": "query", "required": False, **q} for q in QUERY.get(path, [])]
+
 
 _ERROR = {
     "type": "object",
@@ -83,8 +113,19 @@ _ERROR = {
 }
 
 
+def _bodies() -> tuple[dict[type[BaseModel], dict], dict]:
+    """Every request body's schema reference, and the schemas they use: built together, so
+    two formats' models of one name (each has a ToolDef) are told apart."""
+    models = sorted({m for _, m, _ in ROUTES.values() if m is not None}, key=lambda m: m.__name__)
+    refs, top = models_json_schema(
+        [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+    )
+    return {m: refs[(m, "validation")] for m in models}, top.get("$defs", {})
+
+
 def document(routes: Iterable[web.AbstractRoute], version: str, auth: bool) -> dict:
-    schemas: dict = {"Error": _ERROR}
+    bodies, defs = _bodies()
+    schemas: dict = {"Error": _ERROR, **defs}
     paths: dict = {}
     for route in routes:
         info = route.resource.get_info() if route.resource else {}
@@ -99,6 +140,7 @@ def document(routes: Iterable[web.AbstractRoute], version: str, auth: bool) -> d
         op: dict = {
             "summary": summary,
             "responses": {"200": {"description": "OK"}}
+            | NOT_ERRORS.get(path, {})
             | {
                 str(code): {
                     "description": "an OpenAI-style error",
@@ -109,17 +151,12 @@ def document(routes: Iterable[web.AbstractRoute], version: str, auth: bool) -> d
                 for code in errors
             },
         }
+        if parameters := _parameters(path):
+            op["parameters"] = parameters
         if model is not None:
-            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            schemas.update(schema.pop("$defs", {}))
-            schemas[model.__name__] = schema
             op["requestBody"] = {
                 "required": True,
-                "content": {
-                    "application/json": {
-                        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}
-                    }
-                },
+                "content": {"application/json": {"schema": bodies[model]}},
             }
         if auth and path.startswith("/v1/"):
             op["security"] = [{"bearer": []}, {"apiKey": []}]

@@ -21,6 +21,8 @@ from services.router.formats.wire import parse_body, query_int
 from services.router.settings import BatchSettings
 from shared.bus import Bus
 
+MAX_LISTED = 100  # batches in one page of GET /v1/batches
+
 
 class BatchApi:
     def __init__(
@@ -154,7 +156,7 @@ class BatchApi:
 
     async def list_batches(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)
-        limit = query_int(request.query, "limit", 20, 100)
+        limit = query_int(request.query, "limit", 20, MAX_LISTED)
         after = request.query.get("after")
         records = sorted(
             (r for r in await self.store.all() if r.tenant == tenant),

@@ -16,11 +16,18 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from services.router.errors import ApiError
+from services.router.formats.wire import (
+    NonEmpty,
+    Unserved,
+    integer,
+    parse_body,
+    refuse_unserved,
+    sampling_of,
+    unserved,
+)
 from services.router.formats.wire import StrictBody as _Body
-from services.router.formats.wire import parse_body, refuse_unserved, sampling_of
 from services.router.request import conversation as conv
 
 SYSTEM_SEPARATOR = "\n"  # between system blocks: one, always (peers differ: "" or "\n")
@@ -79,9 +86,10 @@ class ToolResultBlock(_Body):
         return f"Error: {text}" if self.is_error else text
 
 
-Block = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")
-]
+# What each side may send: tool results are the user's, tool calls the assistant's.
+UserBlock = Annotated[TextBlock | ImageBlock | ToolResultBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock, Field(discriminator="type")]
+Block = UserBlock | AssistantBlock
 
 
 class ToolDef(_Body):
@@ -92,24 +100,51 @@ class ToolDef(_Body):
     cache_control: CacheControl | None = None
 
 
-class ToolChoiceIn(_Body):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = Field(default=None, min_length=1)
+class _Choice(_Body):
     disable_parallel_tool_use: bool | None = None  # a forced choice makes one call anyway
 
-    def choice(self) -> conv.ToolChoice:
-        if self.type == "tool":
-            if self.name is None:
-                raise ApiError(
-                    400, "tool_choice.name: required with type tool", param="tool_choice.name"
-                )
-            return conv.ToolChoice("named", self.name)
-        return conv.ToolChoice({"any": "required"}.get(self.type, self.type))
+
+class AutoChoice(_Choice):
+    type: Literal["auto"]
 
 
-class Message(_Body):
-    role: Literal["user", "assistant"]
-    content: str | list[Block]
+class AnyChoice(_Choice):
+    type: Literal["any"]
+
+
+class ToolNamedChoice(_Choice):
+    type: Literal["tool"]
+    name: str = Field(min_length=1)
+
+
+class NoneChoice(_Body):
+    type: Literal["none"]
+
+
+ToolChoiceIn = Annotated[
+    AutoChoice | AnyChoice | ToolNamedChoice | NoneChoice, Field(discriminator="type")
+]
+
+
+def _choice(choice: ToolChoiceIn | None) -> conv.ToolChoice:
+    if choice is None:
+        return conv.ToolChoice()
+    if isinstance(choice, ToolNamedChoice):
+        return conv.ToolChoice("named", choice.name)
+    return conv.ToolChoice({"any": "required"}.get(choice.type, choice.type))
+
+
+class UserMessage(_Body):
+    role: Literal["user"]
+    content: str | list[UserBlock]
+
+
+class AssistantMessage(_Body):
+    role: Literal["assistant"]
+    content: str | list[AssistantBlock]
+
+
+Message = Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]
 
 
 class Metadata(_Body):
@@ -118,31 +153,24 @@ class Metadata(_Body):
 
 class MessagesRequest(_Body):
     model: str = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
+    max_tokens: integer(ge=1)
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: Annotated[list[NonEmpty], Field(max_length=4)] | None = None
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: integer(ge=0) | None = None
     metadata: Metadata | None = None
     cache_control: CacheControl | None = None  # top-level automatic caching: a no-op here
     service_tier: Literal["auto", "standard_only"] | None = None
     # Defined by Anthropic, not served (yet): refused with a 400 naming them.
-    thinking: dict | None = None
-    output_config: dict | None = None
+    thinking: Unserved = unserved("extended thinking is not served by this model")
+    output_config: Unserved = unserved("output_config is not served")
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoiceIn | None = None
-    mcp_servers: list | None = None
-    container: str | None = None
-
-    @field_validator("stop_sequences")
-    @classmethod
-    def _check_stops(cls, stops: list[str] | None) -> list[str] | None:
-        if stops is not None and (len(stops) > 4 or not all(stops)):
-            raise ValueError("at most 4 non-empty strings")
-        return stops
+    mcp_servers: Unserved = unserved("MCP servers are not served")
+    container: Unserved = unserved("containers are not served")
 
 
 class CountRequest(_Body):
@@ -152,17 +180,9 @@ class CountRequest(_Body):
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     cache_control: CacheControl | None = None
-    thinking: dict | None = None
+    thinking: Unserved = unserved("extended thinking is not served by this model")
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoiceIn | None = None
-
-
-NOT_SERVED = {
-    "thinking": "extended thinking is not served by this model",
-    "output_config": "output_config is not served yet",
-    "mcp_servers": "MCP servers are not served",
-    "container": "containers are not served",
-}
 
 
 def _system(system: str | list[TextBlock] | None) -> conv.Message | None:
@@ -187,14 +207,9 @@ def _messages_of(m: Message, i: int) -> list[conv.Message]:
         if isinstance(b, TextBlock):
             parts.append(conv.Text(b.text))
         elif isinstance(b, ToolUseBlock):
-            if m.role != "assistant":
-                param = f"{where}.content[{j}]"
-                raise ApiError(400, f"{param}: tool_use blocks are the assistant's", param=param)
             parts.append(conv.ToolCall(b.id, b.name, b.input))
         elif isinstance(b, ToolResultBlock):
             param = f"{where}.content[{j}].tool_use_id"
-            if m.role != "user":
-                raise ApiError(400, f"{param}: tool_result blocks are the user's", param=param)
             results.append(conv.ToolResult(b.tool_use_id, b.text(), param))
         else:
             source = b.source
@@ -220,15 +235,14 @@ def _tools(req: MessagesRequest | CountRequest) -> dict:
         conv.Tool(t.name, t.description or "", t.input_schema, f"tools[{i}].input_schema")
         for i, t in enumerate(req.tools or ())
     )
-    choice = req.tool_choice.choice() if req.tool_choice else conv.ToolChoice()
-    return {"tools": tools, "tool_choice": choice}
+    return {"tools": tools, "tool_choice": _choice(req.tool_choice)}
 
 
 def conversation(body: bytes) -> conv.Conversation:
     """A Messages body as the conversation it carries."""
     req = parse_body(body, MessagesRequest)
     assert isinstance(req, MessagesRequest)
-    refuse_unserved(req, NOT_SERVED)
+    refuse_unserved(req)
     return conv.Conversation(
         req.model,
         _messages(req),
@@ -243,5 +257,5 @@ def count_conversation(body: bytes) -> conv.Conversation:
     """A count_tokens body: the conversation whose prompt is counted."""
     req = parse_body(body, CountRequest)
     assert isinstance(req, CountRequest)
-    refuse_unserved(req, NOT_SERVED)
+    refuse_unserved(req)
     return conv.Conversation(req.model, _messages(req), max_tokens=1, **_tools(req))

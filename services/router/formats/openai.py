@@ -7,13 +7,22 @@ gRPC handlers only move bytes (the gRPC API's messages mirror these bodies).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, WithJsonSchema
 
 from services.router.errors import ApiError
+from services.router.formats.wire import (
+    NonEmpty,
+    Unserved,
+    integer,
+    parse_body,
+    refuse_unserved,
+    sampling_of,
+    unserved,
+)
 from services.router.formats.wire import StrictBody as _Body
-from services.router.formats.wire import parse_body, refuse_unserved, sampling_of
 from services.router.request import conversation as conv
 from shared.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -44,35 +53,16 @@ class ToolCallIn(_Body):
     function: FunctionCall
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+Content = str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+
+
+class _ChatMessage(_Body):
+    role: str  # each kind's own
+    content: Content | None = None
 
     def message(self, i: int) -> conv.Message:
         """As the conversation's message (``i``: its place, for errors' names)."""
         where = f"messages[{i}]"
-        role = "system" if self.role == "developer" else self.role
-        listed = isinstance(self.content, list)
-        if self.role == "tool":
-            if self.tool_call_id is None:
-                raise ApiError(
-                    400,
-                    f"{where}.tool_call_id: required in a tool message",
-                    param=f"{where}.tool_call_id",
-                )
-            text = (
-                self.content
-                if isinstance(self.content, str)
-                else "".join(p.text for p in self.content or () if isinstance(p, TextPart))
-            )
-            result = conv.ToolResult(self.tool_call_id, text, f"{where}.tool_call_id")
-            return conv.Message("tool", (result,), where, listed)
-        if self.tool_calls and self.role != "assistant":
-            raise ApiError(
-                400, f"{where}.tool_calls: only in assistant messages", param=f"{where}.tool_calls"
-            )
         parts: list[conv.Part] = []
         if isinstance(self.content, str):
             parts.append(conv.Text(self.content))
@@ -81,11 +71,50 @@ class ChatMessage(_Body):
                 parts.append(conv.Text(p.text))
             else:
                 parts.append(conv.Image(p.image_url.url, f"{where}.content[{j}].image_url"))
+        role = {"developer": "system"}.get(self.role, self.role)
+        return conv.Message(role, tuple(parts), where, isinstance(self.content, list))
+
+
+class SystemMessage(_ChatMessage):
+    role: Literal["system", "developer"]
+
+
+class UserMessage(_ChatMessage):
+    role: Literal["user"]
+
+
+class AssistantMessage(_ChatMessage):
+    role: Literal["assistant"]
+    tool_calls: list[ToolCallIn] | None = None
+
+    def message(self, i: int) -> conv.Message:
+        said = super().message(i)
+        calls = []
         for j, c in enumerate(self.tool_calls or ()):
-            param = f"{where}.tool_calls[{j}].function.arguments"
+            param = f"{said.param}.tool_calls[{j}].function.arguments"
             args = conv.arguments_object(c.function.arguments, param)
-            parts.append(conv.ToolCall(c.id, c.function.name, args))
-        return conv.Message(role, tuple(parts), where, listed)
+            calls.append(conv.ToolCall(c.id, c.function.name, args))
+        return replace(said, parts=(*said.parts, *calls))
+
+
+class ToolMessage(_ChatMessage):
+    role: Literal["tool"]
+    tool_call_id: str = Field(min_length=1, max_length=256)
+
+    def message(self, i: int) -> conv.Message:
+        where = f"messages[{i}]"
+        text = (
+            self.content
+            if isinstance(self.content, str)
+            else "".join(p.text for p in self.content or () if isinstance(p, TextPart))
+        )
+        result = conv.ToolResult(self.tool_call_id, text, f"{where}.tool_call_id")
+        return conv.Message("tool", (result,), where, isinstance(self.content, list))
+
+
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
 
 
 class FunctionDef(_Body):
@@ -121,77 +150,67 @@ class JsonSchema(_Body):
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchema | None = None
+class TextFormat(_Body):
+    type: Literal["text"]
 
     def answer(self) -> conv.JsonAnswer | None:
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return conv.JsonAnswer(None, "response_format")
-        if self.json_schema is None:
-            raise ApiError(
-                400,
-                "response_format.json_schema: required with type json_schema",
-                param="response_format.json_schema",
-            )
+        return None
+
+
+class JsonObjectFormat(_Body):
+    type: Literal["json_object"]
+
+    def answer(self) -> conv.JsonAnswer | None:
+        return conv.JsonAnswer(None, "response_format")
+
+
+class JsonSchemaFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+    def answer(self) -> conv.JsonAnswer | None:
         return conv.JsonAnswer(self.json_schema.schema_, "response_format.json_schema.schema")
 
 
-# Fields the formats define that this server does not serve yet: a 400 naming them.
-NOT_SERVED_CHAT = {
-    "functions": "deprecated by OpenAI: use tools",
-    "function_call": "deprecated by OpenAI: use tool_choice",
-    "audio": "audio output is not served (the models answer in text)",
-    "prediction": "predicted outputs are not served",
-    "web_search_options": "web search is not served",
-    "reasoning_effort": "the models served do not reason before answering",
-    "verbosity": "the models served do not take a verbosity",
-}
-NOT_SERVED_COMPLETIONS = {
-    "suffix": "insertion (a suffix) is not served",
-}
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
 MAX_LOGIT_BIAS = 300
+TOKEN_ID = r"^[0-9]{1,9}$"
+# Token id → bias. Its schema by hand: pydantic states the keys' pattern as patternProperties,
+# which lets any other key through.
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=TOKEN_ID)], Annotated[float, Field(ge=-100, le=100)]],
+    Field(max_length=MAX_LOGIT_BIAS),
+    WithJsonSchema(
+        {
+            "type": "object",
+            "description": "token id → bias",
+            "maxProperties": MAX_LOGIT_BIAS,
+            "propertyNames": {"pattern": TOKEN_ID},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        }
+    ),
+]
 
 
 class _Sampling(_Body):
     model: str = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: integer(ge=1) | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0, description="kvmesh (as vLLM): 0 for no limit")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1, description="only one choice per request")
+    top_k: integer(ge=0) | None = Field(
+        default=None, description="kvmesh (as vLLM): 0 for no limit"
+    )
+    seed: integer() | None = None
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = None
+    n: integer(ge=1, le=1) = Field(default=1, description="only one choice per request")
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = Field(default=None, max_length=256)
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > 4 or not all(stops):
-            raise ValueError("at most 4 non-empty strings")
-        return stop
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _check_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias is None:
-            return None
-        if len(bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens")
-        for key, value in bias.items():
-            if not key.isdigit():
-                raise ValueError(f"keys are token ids (got {key[:20]!r})")
-            if not -100 <= value <= 100:
-                raise ValueError(f"values are in [-100, 100] (got {value} for {key})")
-        return bias
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -201,9 +220,9 @@ class _Sampling(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: integer(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = None
     store: Literal[False] | None = Field(default=None, description="stateless: nothing is stored")
@@ -217,21 +236,27 @@ class ChatRequest(_Sampling):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # a forced choice makes one call; auto, any
-    functions: object = None
-    function_call: object = None
-    audio: object = None
-    prediction: object = None
-    web_search_options: object = None
-    reasoning_effort: object = None
-    verbosity: object = None
+    functions: Unserved = unserved("deprecated by OpenAI: use tools")
+    function_call: Unserved = unserved("deprecated by OpenAI: use tool_choice")
+    audio: Unserved = unserved("audio output is not served (the models answer in text)")
+    prediction: Unserved = unserved("predicted outputs are not served")
+    web_search_options: Unserved = unserved("web search is not served")
+    reasoning_effort: Unserved = unserved("the models served do not reason before answering")
+    verbosity: Unserved = unserved("the models served do not take a verbosity")
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    prompt: (
+        NonEmpty
+        | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
+        | Annotated[list[integer(ge=0)], Field(min_length=1)]
+    )
+    logprobs: integer(ge=0, le=5) | None = None
     echo: Literal[False] = Field(default=False, description="the prompt is not echoed")
-    best_of: int | None = Field(default=None, ge=1, le=1, description="one candidate per request")
-    suffix: str | None = None
+    best_of: integer(ge=1, le=1) | None = Field(
+        default=None, description="one candidate per request"
+    )
+    suffix: Unserved = unserved("insertion (a suffix) is not served")
 
 
 def conversation(body: bytes, chat: bool) -> conv.Conversation:
@@ -245,12 +270,10 @@ def conversation(body: bytes, chat: bool) -> conv.Conversation:
     if isinstance(req, ChatRequest):
         return _chat(req, common)
     assert isinstance(req, CompletionRequest)
-    refuse_unserved(req, NOT_SERVED_COMPLETIONS)
+    refuse_unserved(req)
     prompt: str | tuple[int, ...]
-    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
-        if len(req.prompt) != 1:
-            raise ApiError(400, "prompt: one prompt per request", param="prompt")
-        prompt = req.prompt[0]
+    if isinstance(req.prompt, list) and isinstance(req.prompt[0], str):
+        prompt = req.prompt[0]  # (one prompt per request)
     else:
         prompt = req.prompt if isinstance(req.prompt, str) else tuple(req.prompt)  # type: ignore[arg-type]
     return conv.Conversation(
@@ -263,7 +286,7 @@ def conversation(body: bytes, chat: bool) -> conv.Conversation:
 
 
 def _chat(req: ChatRequest, common: dict) -> conv.Conversation:
-    refuse_unserved(req, NOT_SERVED_CHAT)
+    refuse_unserved(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
     limit, field = req.max_tokens, "max_tokens"

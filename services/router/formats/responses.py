@@ -14,9 +14,16 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from services.router.errors import ApiError
+from services.router.formats.wire import (
+    NonEmpty,
+    Unserved,
+    integer,
+    parse_body,
+    refuse_unserved,
+    sampling_of,
+    unserved,
+)
 from services.router.formats.wire import StrictBody as _Body
-from services.router.formats.wire import parse_body, refuse_unserved, sampling_of
 from services.router.request import conversation as conv
 
 
@@ -75,22 +82,32 @@ class NamedChoice(_Body):
     name: str = Field(min_length=1)
 
 
-class TextFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    schema_: dict | None = Field(default=None, alias="schema")
+class PlainText(_Body):
+    type: Literal["text"]
+
+    def answer(self) -> conv.JsonAnswer | None:
+        return None
+
+
+class JsonObject(_Body):
+    type: Literal["json_object"]
+
+    def answer(self) -> conv.JsonAnswer | None:
+        return conv.JsonAnswer(None, "text.format")
+
+
+class JsonSchemaText(_Body):
+    type: Literal["json_schema"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    schema_: dict = Field(alias="schema")
     description: str | None = None
     strict: bool | None = None
 
     def answer(self) -> conv.JsonAnswer | None:
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return conv.JsonAnswer(None, "text.format")
-        if self.schema_ is None or self.name is None:
-            field = "text.format.schema" if self.schema_ is None else "text.format.name"
-            raise ApiError(400, f"{field}: required with type json_schema", param=field)
         return conv.JsonAnswer(self.schema_, "text.format.schema")
+
+
+TextFormat = Annotated[PlainText | JsonObject | JsonSchemaText, Field(discriminator="type")]
 
 
 class TextOptions(_Body):
@@ -99,14 +116,16 @@ class TextOptions(_Body):
 
 class ResponsesRequest(_Body):
     model: str = Field(min_length=1)
-    input: str | list[InputItem] = Field(min_length=1)
+    input: NonEmpty | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: integer(ge=1) | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool = False
-    store: bool | None = None
-    previous_response_id: str | None = None
+    store: Unserved = unserved("kvmesh keeps no responses (stateless); leave store unset or false")
+    previous_response_id: Unserved = unserved(
+        "kvmesh keeps no responses (stateless); send the whole conversation as input"
+    )
     metadata: dict[str, str] | None = None
     user: str | None = None
     text: TextOptions | None = None
@@ -119,35 +138,17 @@ class ResponsesRequest(_Body):
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: bool | None = None  # a forced choice makes one call; auto, any
     # Defined by OpenAI, not served (yet): refused with a 400 naming them.
-    reasoning: dict | None = None
-    include: list | None = None
-    background: bool | None = None
-
-
-NOT_SERVED = {
-    "reasoning": "reasoning is not served by this model",
-    "include": "no extra output is served",
-    "background": "background responses are not served (kvmesh keeps no responses)",
-}
+    reasoning: Unserved = unserved("reasoning is not served by this model")
+    include: Unserved = unserved("no extra output is served")
+    background: Unserved = unserved(
+        "background responses are not served (kvmesh keeps no responses)"
+    )
 
 
 def conversation(body: bytes) -> conv.Conversation:
     req = parse_body(body, ResponsesRequest)
     assert isinstance(req, ResponsesRequest)
-    if req.previous_response_id is not None:
-        raise ApiError(
-            400,
-            "previous_response_id: kvmesh keeps no responses (stateless); send the whole "
-            "conversation as input",
-            param="previous_response_id",
-        )
-    if req.store:
-        raise ApiError(
-            400,
-            "store: kvmesh keeps no responses (stateless); leave store unset or false",
-            param="store",
-        )
-    refuse_unserved(req, NOT_SERVED)
+    refuse_unserved(req)
     messages: list[conv.Message] = []
     if req.instructions:
         messages.append(conv.Message("system", (conv.Text(req.instructions),), "instructions"))

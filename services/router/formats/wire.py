@@ -8,8 +8,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import fields
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+)
 
 from services.router.errors import ApiError
 from shared.engine.sampling import SamplingParams
@@ -24,12 +32,23 @@ class StrictBody(BaseModel):
 
 
 def parse_body(body: bytes, kind: type[BaseModel]) -> BaseModel:
-    """The request body, checked; ApiError(400) names the first bad field."""
+    """The request body, checked; ApiError(400) names the bad field (of a union's errors,
+    the one that reached deepest into what was sent), as ``messages[1].content``."""
     try:
         return kind.model_validate_json(body)
     except ValidationError as err:
-        first = err.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
+        errors = err.errors()
+        sent = None
+        if errors[0]["type"] not in ("json_invalid", "model_type"):
+            sent = json.loads(body)
+        paths = [_field_path(sent, e["loc"], e["type"]) for e in errors]
+        # A union's members each fail: the one meant failed on a constraint (not on the
+        # value's type), and reached deepest into what was sent.
+        deepest = max(
+            range(len(errors)),
+            key=lambda i: (not _mismatch(errors[i]["type"]), len(paths[i]), -i),
+        )
+        first, loc = errors[deepest], _named(paths[deepest])
         if first["type"] == "json_invalid":
             raise ApiError(400, f"request body is not valid JSON: {first['msg']}") from None
         if first["type"] == "model_type" and not loc:
@@ -42,11 +61,91 @@ def parse_body(body: bytes, kind: type[BaseModel]) -> BaseModel:
         raise ApiError(400, f"{loc or 'body'}: {msg}", param=loc or None) from None
 
 
-def refuse_unserved(req: BaseModel, not_served: dict[str, str]) -> None:
-    """400 naming the first field the format defines that this server does not serve."""
-    for name, why in not_served.items():
-        if getattr(req, name, None) is not None:
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+def _integral(value: object) -> object:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**limits: int) -> Any:  # noqa: ANN401 (a type, for an annotation)
+    """An integer as JSON Schema counts them (5.0 is one: it is 5; "5" is not), within
+    ``limits`` (ge, le), which /openapi.json states."""
+    return Annotated[int, Field(**limits), BeforeValidator(_integral)]
+
+
+# A field a format defines that kvmesh does not serve: taken when it asks for nothing (null,
+# false, "", [] or {}, as clients often send the default), refused with a 400 naming it and
+# why otherwise. /openapi.json says exactly that.
+NOT_SERVED = "x-kvmesh-not-served"
+Unserved = Annotated[
+    Any,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "null"},
+                {"const": False},
+                {"const": ""},
+                {"type": "array", "maxItems": 0},
+                {"type": "object", "maxProperties": 0},
+            ]
+        }
+    ),
+]
+
+
+def unserved(why: str) -> Any:  # noqa: ANN401 (a pydantic FieldInfo, as Field returns)
+    """The field's default and description for an ``Unserved`` field."""
+    return Field(
+        default=None,
+        description=f"not served: {why} (only an empty value is taken)",
+        json_schema_extra={NOT_SERVED: why},
+    )
+
+
+def refuse_unserved(req: BaseModel) -> None:
+    """400 naming the first field not served here that asks for something."""
+    for name, info in type(req).model_fields.items():
+        why = (info.json_schema_extra or {}).get(NOT_SERVED)  # type: ignore[union-attr]
+        if why and not _inert(getattr(req, name)):
             raise ApiError(400, f"{name}: {why}", param=name)
+
+
+def _field_path(sent: object, loc: tuple, kind: str) -> list[str | int]:
+    """``loc`` less pydantic's own steps (a union member's name, a tag): those that are not
+    a key or an index of what was sent; but a field that is missing is named."""
+    path: list[str | int] = []
+    for step in loc:
+        if (
+            isinstance(sent, dict)
+            and step in sent
+            or isinstance(sent, list)
+            and isinstance(step, int)
+            and 0 <= step < len(sent)
+        ):
+            sent = sent[step]
+        else:
+            continue
+        path.append(step)
+    if kind == "missing" and loc and isinstance(loc[-1], str):
+        path.append(loc[-1])
+    return path
+
+
+def _mismatch(kind: str) -> bool:
+    """An error that says the value is of another kind (another union member was meant)."""
+    return kind.endswith(("_type", "_parsing")) or kind == "literal_error"
+
+
+def _named(path: list[str | int]) -> str:
+    out = ""
+    for step in path:
+        out += f"[{step}]" if isinstance(step, int) else f".{step}" if out else step
+    return out
+
+
+def _inert(value: object) -> bool:
+    return value is None or value is False or (type(value) in (str, list, dict) and not value)
 
 
 # Sampling fields a body names as the engine does, but shapes otherwise: each format's

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from services.router.errors import ApiError
 from shared.engine.sampling import SamplingParams
 
 
@@ -167,13 +168,14 @@ class Conversation:
 
 
 def arguments_object(text: str, param: str) -> dict:
-    """A call's arguments sent as JSON text (OpenAI's formats), parsed: an object."""
+    """A call's arguments sent as JSON text (OpenAI's formats), parsed: an object. Called
+    while a body is read: a 400 naming the field when they are not."""
     try:
         obj = json.loads(text)
     except ValueError:
-        raise ToolError(f"{param}: not JSON", param) from None
+        raise ApiError(400, f"{param}: not JSON", param=param) from None
     if not isinstance(obj, dict):
-        raise ToolError(f"{param}: a JSON object is required", param)
+        raise ApiError(400, f"{param}: a JSON object is required", param=param)
     return obj
 
 

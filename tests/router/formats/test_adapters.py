@@ -113,9 +113,11 @@ def test_tools_their_calls_and_results_become_the_conversations() -> None:
         ({"temperature": "0.5"}, "temperature", "valid number"),
         ({"n": 2}, "n", "less than or equal to 1"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
-        ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"x": 1}}, "logit_bias.x", "should match pattern '^[0-9]{1,9}$'"),
+        ({"logit_bias": {"7": 101}}, "logit_bias.7", "less than or equal to 100"),
+        ({"stop": ["a", ""]}, "stop[1]", "at least 1 character"),
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
-        ({"functions": []}, "functions", "use tools"),
+        ({"functions": [{"name": "f"}]}, "functions", "use tools"),
         ({"colour": "blue"}, "colour", "not a field this API accepts"),
     ],
 )
@@ -141,7 +143,7 @@ def test_a_completion_takes_one_prompt_as_text_or_token_ids() -> None:
     ids = openai.conversation(body(model="tiny", prompt=[5, 6, 7]), chat=False)
     assert ids.prompt == (5, 6, 7) and ids.prompt_field == "prompt"
     raw = body(model="tiny", prompt=["a", "b"])
-    refused(lambda b: openai.conversation(b, chat=False), raw, "prompt", "one prompt")
+    refused(lambda b: openai.conversation(b, chat=False), raw, "prompt", "at most 1 item")
     refused(
         lambda b: openai.conversation(b, chat=False),
         body(model="tiny", prompt="a", suffix="z"),
@@ -202,7 +204,12 @@ def test_an_anthropic_message_is_the_same_conversation_as_openais() -> None:
 
 
 def test_anthropic_refuses_what_it_does_not_serve_in_its_words() -> None:
-    raw = body(model="tiny", max_tokens=5, messages=[{"role": "user", "content": "a"}], thinking={})
+    raw = body(
+        model="tiny",
+        max_tokens=5,
+        messages=[{"role": "user", "content": "a"}],
+        thinking={"type": "enabled"},
+    )
     refused(anthropic.conversation, raw, "thinking", "extended thinking")
     raw = body(model="tiny", messages=[{"role": "user", "content": "a"}])
     refused(anthropic.conversation, raw, "max_tokens", "Field required")
