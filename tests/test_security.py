@@ -11,7 +11,6 @@ import asyncio
 import http.client
 import json
 import os
-import random
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -73,10 +72,12 @@ def ask(stack: Stack, key: str | None, prompt: str | list[int] = "Hi", **headers
     )
 
 
-def raw(stack: Stack, path: str, headers: dict[str, str], body: dict | None = None):
+def raw(
+    stack: Stack, path: str, headers: dict[str, str], body: dict | None = None, method: str = ""
+):
     conn = http.client.HTTPConnection(stack.url.removeprefix("http://"), timeout=60)
     try:
-        method = "POST" if body is not None else "GET"
+        method = method or ("POST" if body is not None else "GET")
         conn.request(method, path, json.dumps(body) if body else None, headers)
         resp = conn.getresponse()
         data = resp.read()
@@ -370,81 +371,10 @@ def test_openapi_describes_every_route_as_it_is(stack: Stack) -> None:
     assert "messages" in schemas["ChatRequest"]["properties"]
     refs = json.dumps(doc).split('"$ref": "')[1:]
     assert all(r.split('"')[0].removeprefix("#/components/schemas/") in schemas for r in refs)
-    for path, ops in paths.items():  # each documented operation exists: no 404 or 405
-        for method in ops:
+    for path, ops in paths.items():  # each documented operation answers as documented
+        for method, op in ops.items():
             concrete = re.sub(r"\{[^}]+\}", "x", path)  # (/v1/files/{file_id}: /v1/files/x)
-            status, _, _ = raw(stack, concrete, {}, {} if method == "post" else None)
-            assert status not in (404, 405), (method, path, status)
-
-
-def fuzz_value(rng: random.Random, depth: int = 0) -> object:
-    """Any JSON value, leaning to the ones that break parsers: huge, negative, empty, odd."""
-    kinds = ["int", "float", "str", "bool", "null", "list", "dict", "big", "odd"]
-    kind = rng.choice(kinds if depth < 2 else kinds[:5])
-    if kind == "int":
-        return rng.choice([0, -1, 1, 2, 7, 4096, 2**31, -(2**63), 10**30])
-    if kind == "float":
-        return rng.choice([0.0, -0.5, 1.5, 2.0000001, 1e308, -1e-308])
-    if kind == "str":
-        return rng.choice(["", "tiny", "user", "system", "a" * 300, "\x00", "é中🙂", "[1,2]"])
-    if kind == "bool":
-        return rng.random() < 0.5
-    if kind == "null":
-        return None
-    if kind == "list":
-        return [fuzz_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
-    if kind == "dict":
-        keys = ["role", "content", "type", "text", "image_url", "url", "x"]
-        return {rng.choice(keys): fuzz_value(rng, depth + 1) for _ in range(rng.randint(0, 3))}
-    if kind == "big":
-        return "z" * rng.choice([5000, 100_000])
-    return rng.choice([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])
-
-
-def test_fuzzing_the_documented_api_gets_no_5xx_and_the_mesh_stays_healthy(
-    stack: Stack, tenants: dict[str, str]
-) -> None:
-    """Bodies mutated from valid ones, field by field as /openapi.json lists them, and raw
-    garbage: 150 requests at most, 90 s at most, to 127.0.0.1 only."""
-    _, _, doc = raw(stack, "/openapi.json", {})
-    schemas = doc["components"]["schemas"]
-    bases = {
-        "/v1/chat/completions": (
-            {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
-            schemas["ChatRequest"]["properties"],
-        ),
-        "/v1/completions": (
-            {"model": "tiny", "max_tokens": 2, "prompt": "Hi"},
-            schemas["CompletionRequest"]["properties"],
-        ),
-    }
-    rng = random.Random(20261201)
-    headers = {"Authorization": f"Bearer {tenants['admin']}", "Content-Type": "application/json"}
-    deadline = time.monotonic() + 90
-    seen: dict[int, int] = {}
-    for n in range(150):
-        if time.monotonic() > deadline:
-            break
-        path = rng.choice(list(bases))
-        base, fields = bases[path]
-        body = json.loads(json.dumps(base))
-        for field in rng.sample(list(fields), rng.randint(1, 3)):
-            if rng.random() < 0.15:
-                body.pop(field, None)
-            else:
-                body[field] = fuzz_value(rng)
-        tokens = body.get("max_tokens")
-        if type(tokens) is int and 16 < tokens < 10**6:
-            body["max_tokens"] = 16  # an answer is kept short: the fuzz is about the input
-        data = json.dumps(body).encode() if n % 10 else rng.randbytes(rng.randint(0, 64))
-        conn = http.client.HTTPConnection(stack.url.removeprefix("http://"), timeout=60)
-        try:
-            conn.request("POST", path, data, headers)
-            status = conn.getresponse().status
-        finally:
-            conn.close()
-        assert status < 500, (path, body if n % 10 else data, status)
-        seen[status] = seen.get(status, 0) + 1
-    assert seen.get(200, 0) > 0 and seen.get(400, 0) > 0, seen  # both kinds were reached
-    assert all(s["status"] == "ready" for s in stack.health().values())
-    assert ask(stack, tenants["a"]).choices
+            body = {} if method == "post" else None
+            status, _, _ = raw(stack, concrete, {}, body, method.upper())
+            assert str(status) in op["responses"], (method, path, status)
+            assert status < 500 or path == "/health", (method, path, status)

@@ -69,6 +69,18 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
     "/openapi.json": ("This document", None, ()),
 }
 
+# Bodies that are not JSON, by route.
+UPLOAD = {
+    "type": "object",
+    "properties": {
+        "file": {"type": "string", "format": "binary", "description": "JSON lines"},
+        "purpose": {"const": "batch"},
+    },
+    "required": ["file", "purpose"],
+    "additionalProperties": False,
+}
+OTHER_BODIES = {"POST /v1/files": {"multipart/form-data": {"schema": UPLOAD}}}
+
 # Responses that are not errors though their status says so.
 NOT_ERRORS = {"/health": {"503": {"description": "a role has no ready service (this document)"}}}
 
@@ -158,6 +170,8 @@ def document(routes: Iterable[web.AbstractRoute], version: str, auth: bool) -> d
                 "required": True,
                 "content": {"application/json": {"schema": bodies[model]}},
             }
+        elif key in OTHER_BODIES:
+            op["requestBody"] = {"required": True, "content": OTHER_BODIES[key]}
         if auth and path.startswith("/v1/"):
             op["security"] = [{"bearer": []}, {"apiKey": []}]
         paths.setdefault(path, {})[route.method.lower()] = op

@@ -75,8 +75,25 @@ class BatchApi:
         tenant = self._tenant(request)
         if not request.content_type.startswith("multipart/"):
             raise ApiError(400, "a multipart/form-data body with file and purpose")
+        try:
+            purpose, name, data = await self._parts(request)
+        except ApiError:
+            raise
+        except Exception as err:  # a body aiohttp cannot read as multipart: the client's
+            raise ApiError(
+                400,
+                f"a multipart/form-data body with file and purpose: {err or type(err).__name__}",
+            ) from None
+        if purpose != "batch":
+            raise ApiError(400, f"purpose: batch (got {purpose!r})", param="purpose")
+        if not name:
+            raise ApiError(400, "file: missing", param="file")
+        info = await self.files.put(tenant, purpose, name, data)
+        return web.json_response(info.to_dict())
+
+    async def _parts(self, request: web.Request) -> tuple[str, str, bytes]:
+        """The upload's purpose, file name and bytes (413 past the size limit)."""
         purpose, name, data = "", "", b""
-        limit = self.files.max_bytes
         async for part in await request.multipart():
             if not isinstance(part, BodyPartReader):
                 continue
@@ -84,13 +101,11 @@ class BatchApi:
                 purpose = (await part.read(decode=True)).decode(errors="replace").strip()
             elif part.name == "file":
                 name = part.filename or "upload.jsonl"
-                data = await _read_limited(part, limit)
-        if purpose != "batch":
-            raise ApiError(400, f"purpose: batch (got {purpose!r})", param="purpose")
-        if not name:
-            raise ApiError(400, "file: missing", param="file")
-        info = await self.files.put(tenant, purpose, name, data)
-        return web.json_response(info.to_dict())
+                data = await _read_limited(part, self.files.max_bytes)
+            else:
+                field = part.name or "a part without a name"
+                raise ApiError(400, f"{field}: not a field this API accepts", param=part.name)
+        return purpose, name, data
 
     async def list_files(self, request: web.Request) -> web.Response:
         purpose = request.query.get("purpose")

@@ -4,13 +4,14 @@ and metadata), checked; a 400 names the field."""
 from __future__ import annotations
 
 import re
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
 from services.router.errors import ApiError
 from services.router.formats.endpoints import ENDPOINTS
 
-WINDOW = re.compile(r"^(\d+)(s|m|h)$")
+WINDOW = re.compile(r"^([0-9]{1,9})(s|m|h)$")
 UNITS = {"s": 1, "m": 60, "h": 3600}
 MAX_WINDOW_S = 24 * 3600
 MAX_METADATA = 16
@@ -29,41 +30,26 @@ def window_s(window: object) -> int:
     return seconds
 
 
-def check_metadata(metadata: object) -> dict[str, str] | None:
-    if metadata is None:
-        return None
-    if (
-        not isinstance(metadata, dict)
-        or len(metadata) > MAX_METADATA
-        or not all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-            for k, v in metadata.items()
-        )
-    ):
-        raise ApiError(
-            400,
-            "metadata: at most 16 string pairs, keys up to 64 characters, values up to 512",
-            param="metadata",
-        )
-    return metadata
+# OpenAI's metadata: at most 16 pairs, keys up to 64 characters, values up to 512.
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=MAX_METADATA),
+]
+Endpoint = Literal[tuple(ENDPOINTS)]
 
 
 class BatchCreate(BaseModel):
     """POST /v1/batches (OpenAI's fields)."""
 
     input_file_id: str = Field(description="an uploaded file of purpose batch")
-    endpoint: str = Field(description=f"one of {', '.join(ENDPOINTS)}")
+    endpoint: Endpoint
     completion_window: str = Field(
-        default="24h", description='"24h", or shorter ("30m", "90s": a kvmesh extension)'
+        default="24h",
+        pattern=WINDOW.pattern,
+        description='"24h", or shorter ("30m", "90s": a kvmesh extension)',
     )
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
 
     def checked(self) -> tuple[int, dict[str, str] | None]:
         """The window in seconds and the metadata; 400 naming the field otherwise."""
-        if self.endpoint not in ENDPOINTS:
-            raise ApiError(
-                400,
-                f"endpoint: one of {', '.join(ENDPOINTS)} (got {self.endpoint!r})",
-                param="endpoint",
-            )
-        return window_s(self.completion_window), check_metadata(self.metadata)
+        return window_s(self.completion_window), self.metadata
