@@ -175,9 +175,13 @@ def test_streamed_completion_with_a_stop_string(client) -> None:
 
 
 def test_seeded_sampling_through_the_mesh_is_reproducible(client) -> None:
+    """The same seed, the same answer; another seed, or no sampling, another one (so the
+    seed and the temperature did reach the engine)."""
     kw = dict(model="tiny", prompt="x " * 30, max_tokens=10, temperature=1.0, seed=11)
     first = client.completions.create(**kw).choices[0].text
     assert client.completions.create(**kw).choices[0].text == first
+    assert client.completions.create(**{**kw, "seed": 12}).choices[0].text != first
+    assert client.completions.create(**{**kw, "temperature": 0}).choices[0].text != first
 
 
 def test_grpc_unary_and_streaming_generate(stack, client) -> None:
@@ -272,7 +276,7 @@ def test_client_disconnect_frees_decode_kv(stack, client) -> None:
         (
             {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]},
             400,
-            "messages.0.role",
+            "messages[0].role",
         ),
         (
             {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},

@@ -108,7 +108,14 @@ def test_keys_added_and_revoked_while_the_router_runs(
     stack: Stack, keys_file: Path, tenants: dict[str, str]
 ) -> None:
     late = keys(keys_file, "add", "--tenant", "late")
-    wait_until(lambda: ask(stack, late), 10, what="the new key accepted")
+
+    def accepted() -> bool:  # (refused until the router has read the file again)
+        try:
+            return bool(ask(stack, late))
+        except openai.AuthenticationError:
+            return False
+
+    wait_until(accepted, 10, what="the new key accepted")
     late_id = next(k.id for k in KeysFile.read(keys_file).keys if k.tenant == "late")
     keys(keys_file, "revoke", late_id)
 

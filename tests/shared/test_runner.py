@@ -28,7 +28,12 @@ async def test_calls_still_queued_or_made_after_the_engine_stops_fail_at_once() 
     loop = asyncio.get_running_loop()
     assert await loop.run_in_executor(None, inside.wait, 10)  # (under load it takes a while)
     closing = asyncio.ensure_future(runner.close())
-    await asyncio.sleep(0.1)  # the stop is queued ahead of the waiting call
+
+    def stop_queued() -> bool:  # ahead of the waiting call (it ranks first)
+        return any(job[-1] is StopIteration for job in list(runner._loop._jobs.queue))
+
+    while not stop_queued():
+        await asyncio.sleep(0.005)
     gate.set()
     await closing
     assert await busy is True  # the call in progress finished

@@ -41,7 +41,7 @@ def parse_body(body: bytes, kind: type[BaseModel]) -> BaseModel:
         sent = None
         if errors[0]["type"] not in ("json_invalid", "model_type"):
             sent = json.loads(body)
-        paths = [_field_path(sent, e["loc"], e["type"]) for e in errors]
+        paths = [_field_path(sent, e) for e in errors]
         # A union's members each fail: the one meant failed on a constraint (not on the
         # value's type), and reached deepest into what was sent.
         deepest = max(
@@ -111,9 +111,11 @@ def refuse_unserved(req: BaseModel) -> None:
             raise ApiError(400, f"{name}: {why}", param=name)
 
 
-def _field_path(sent: object, loc: tuple, kind: str) -> list[str | int]:
-    """``loc`` less pydantic's own steps (a union member's name, a tag): those that are not
-    a key or an index of what was sent; but a field that is missing is named."""
+def _field_path(sent: object, error: dict) -> list[str | int]:
+    """The error's place less pydantic's own steps (a union member's name, a tag): those
+    that are not a key or an index of what was sent; but a field that is missing is named,
+    as is the field that tells a union's members apart (``role``) when it is wrong."""
+    loc, kind = error["loc"], error["type"]
     path: list[str | int] = []
     for step in loc:
         if (
@@ -129,6 +131,8 @@ def _field_path(sent: object, loc: tuple, kind: str) -> list[str | int]:
         path.append(step)
     if kind == "missing" and loc and isinstance(loc[-1], str):
         path.append(loc[-1])
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        path.append(str(error.get("ctx", {}).get("discriminator", "")).strip("'"))
     return path
 
 

@@ -10,6 +10,7 @@ import pytest
 from services.router.observe.cachemiss import HASH_CHARS, CacheMisses, Prompt, PromptParts
 from services.router.request.conversation import Conversation, Message, Text
 from services.router.request.render import Renderer
+from shared.kvstore.hashing import block_hashes
 from shared.model.text import TextModel
 
 BS = 64
@@ -24,7 +25,8 @@ def chat(*texts: str, system: str = "You keep the harbour's books. " * 10) -> Co
 
 
 class Served:
-    """Prompts as the frontend hands them over: rendered for real, hashed by content."""
+    """Prompts as the frontend hands them over: rendered for real, their blocks hashed as the
+    router hashes them (``template`` stands in for the model's fingerprint)."""
 
     def __init__(self, model: TextModel) -> None:
         self.model = model
@@ -35,11 +37,7 @@ class Served:
     def __call__(self, conv: Conversation, tenant: str = "t", template: str = ""):
         rendered = asyncio.run(self.renderer.render(conv, self.model, []))
         ids = rendered.ids
-        # A block hash stands for its tokens (and all before): the ids themselves will do.
-        hashes = [
-            f"{hash((template, tuple(ids[: (b + 1) * BS]))) & (2**128 - 1):032x}"
-            for b in range(len(ids) // BS)
-        ]
+        hashes = block_hashes(ids, BS, f"tiny{template}", salt=tenant)
         seen = PromptParts.of(tenant, conv, [])
         self.n += 1
         prompt = Prompt(f"r{self.n}", "tiny", seen.parts, len(ids), BS, "".join(hashes))
@@ -98,6 +96,22 @@ def test_a_new_conversation_with_the_same_system_prompt_is_not_a_break(served: S
     misses.remember("t", prompt, seen.texts)
     out, _, _ = explain(misses, served, chat("Something else entirely. " * 10), BS)
     assert out is None
+
+
+def test_a_system_prompt_edited_before_the_same_question_is_explained(served: Served) -> None:
+    """The commonest shape: a system prompt and one question; the system prompt edited and
+    the question asked again (two parts, one shared: the question)."""
+    misses = CacheMisses(10**7)
+    question = "Which berth is free at dawn? " * 4
+    before = "You keep the harbour's books. " * 10
+    prompt, seen, _ = served(chat(question, system=before))
+    misses.remember("t", prompt, seen.texts)
+    after = before.replace("books", "ledger", 1)
+    cached = before.index("books") // 8 // BS * BS  # (about where the edit's block starts)
+    out, _, _ = explain(misses, served, chat(question, system=after), cached)
+    assert out is not None and out["kind"] == "system_changed"
+    assert (out["message"], out["char"]) == (0, before.index("books"))
+    assert out["earlier_request_id"] == prompt.request_id
 
 
 def test_a_raw_prompt_edited_is_located_by_character(served: Served) -> None:
