@@ -24,6 +24,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -82,20 +83,26 @@ def listed(stack: Stack, sid: str) -> bool:
 
 
 def decode_killed(stack: Stack, calm: str) -> dict:
-    killed: dict[str, float] = {}
+    killed: dict[str, object] = {}
+
+    def watch(sid: str, at: float) -> None:  # beside the stream, which goes on meanwhile
+        wait_until(lambda: not listed(stack, sid), 30, 0.002, what=f"{sid} dropped")
+        killed["dropped_ms"] = (time.perf_counter() - at) * 1e3
 
     def kill() -> None:
         sid = holder(stack, "decode")
-        killed.update(sid=sid, at=time.perf_counter())  # type: ignore[arg-type]
+        at = time.perf_counter()
         os.kill(stack.procs[sid].popen.pid, signal.SIGKILL)
+        killed["sid"] = sid
+        killed["watch"] = threading.Thread(target=watch, args=(sid, at))
+        killed["watch"].start()  # type: ignore[attr-defined]
 
     text, _, gap = stream(stack, kill)
+    killed["watch"].join()  # type: ignore[attr-defined]
     sid = str(killed["sid"])
-    wait_until(lambda: not listed(stack, sid), 30, 0.005, what=f"{sid} dropped")
-    dropped = (time.perf_counter() - killed["at"]) * 1e3
     stack.start(sid)
     stack.wait_ready([sid])
-    return {"same": text == calm, "stall_ms": gap, "dropped_ms": dropped}
+    return {"same": text == calm, "stall_ms": gap, "dropped_ms": killed["dropped_ms"]}
 
 
 def decode_raises(stack: Stack, calm: str) -> dict:
