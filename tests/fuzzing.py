@@ -37,6 +37,7 @@ RULES = re.compile(
             r"needs logprobs: true",  # top_logprobs without logprobs
             r"the prompt is empty",  # messages whose content renders to nothing
             r"image",  # an image part's bytes or address
+            r"completion_window: 24h, or a shorter time",  # within 24 h (the pattern: a time)
         ]
     )
 )

@@ -1,4 +1,5 @@
-"""Logit bias, presence/frequency penalties and log-probabilities, in the engine."""
+"""Logit bias, presence/frequency penalties, top_p at its edge and log-probabilities, in the
+engine."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import torch
 
 from shared.engine.sampling import SamplingParams
-from shared.engine.torch.sampler import adjusted
+from shared.engine.torch.sampler import adjusted, sample
 from tests.engine.conftest import make_engine
 from tests.engine.test_prefix_reuse import prompt
 
@@ -67,6 +68,14 @@ def test_frequency_penalty_grows_with_the_count_presence_does_not() -> None:
     both = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
     out = adjusted(logits, both, [1, 1, 1, 3])
     assert out.tolist() == [0.0, -1.25, 0.0, -0.75, 0.0]
+
+
+def test_the_smallest_top_p_keeps_the_most_likely_token() -> None:
+    """5e-324 is a valid top_p (in (0, 1]) that fp32 rounds to 0: the fuzzer's find; it
+    made every token "outside" and the sampler raise."""
+    logits = torch.tensor([0.1, 3.0, -2.0, 1.0])
+    for top_p in (5e-324, 1e-30, 0.01):
+        assert sample(logits, SamplingParams(temperature=1.0, top_p=top_p, seed=3), 0) == 1
 
 
 def test_logprobs_are_the_models_and_name_the_most_likely(tiny_models) -> None:

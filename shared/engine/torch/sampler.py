@@ -72,6 +72,7 @@ def sample(
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        outside[0] = False  # (a top_p too small for fp32 compares as 0: the best stays)
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     generator = None
