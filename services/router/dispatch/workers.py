@@ -231,7 +231,9 @@ class Breakers:
             OPEN.labels(worker).set(1)
 
     def success(self, worker: str) -> None:
+        """The worker served (or registered): its breaker closed, its gauge 0 (there from
+        its first beat on, so a dashboard sees every worker's)."""
         b = self._by_worker.pop(worker, None)
         if b is not None and b.opened_at is not None:
             log.info("breaker closed for %s: it served a request again", worker)
-            OPEN.labels(worker).set(0)
+        OPEN.labels(worker).set(0)

@@ -19,9 +19,9 @@ character where the break is (and that part's place in the request, as the reque
 
 "The same conversation": among the tenant's recent prompts for the model that share one of
 the new prompt's first messages after the system prompt, the one sharing the most content
-parts with it, when that is more than half of its own parts after its system prompt (a system
-prompt edited before the same question is a break; a new conversation that only repeats a
-system prompt is not); for raw prompts, the one whose text the new one
+parts with it, when that is more than half of its own parts, or of those after its system
+prompt (a system prompt edited before the same question is a break; a new conversation that
+only repeats a system prompt is not); for raw prompts, the one whose text the new one
 shares at least half of from the start. Memory is bounded: a conversation is kept as its
 latest prompt (a turn replaces the one it continues), as its parts' digests, its texts (each
 distinct text once, however many prompts hold it) and its full blocks' hashes, the least
@@ -218,10 +218,12 @@ class CacheMisses:
                 was = self._text(old.parts[0].digest)
                 shared = _common_prefix(was, texts[0])
                 related = 2 * shared >= len(was)
-            else:  # the system prompt aside: it may be the very thing that changed
+            else:  # over all its parts, or its parts after the system prompt (which may be
+                # the very thing that changed)
+                shared = sum(p.digest in mine for p in old.parts)
                 said = [p for p in old.parts if p.role != "system"]
-                shared = sum(p.digest in mine for p in said)
-                related = 2 * shared > len(said)
+                shared_said = sum(p.digest in mine for p in said)
+                related = 2 * shared > len(old.parts) or 2 * shared_said > len(said)
             key = (shared, old.seen_at)
             if related and key > best_key:
                 best, best_key = old, key
