@@ -393,6 +393,7 @@ def main() -> None:
     # workers; the fake-paced engine (no model compute: the mesh alone, beside the anchor);
     # the real model.
     fake = {  # (the fake's blocks are not worth keeping: no tiers)
+        "KVMESH_BENCH_ENGINES": "true",
         "KVMESH_PREFILL_ENGINE": "fake-paced",
         "KVMESH_DECODE_ENGINE": "fake-paced",
         "KVMESH_FAKE_PREFILL": "1",

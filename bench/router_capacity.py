@@ -243,6 +243,7 @@ def kvmesh_stack(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int]:
         KVMESH_ROUTER_GRPC_PORT="0",
         KVMESH_PREFILL_MODEL="tiny",
         KVMESH_DECODE_MODEL="tiny",
+        KVMESH_BENCH_ENGINES="true",
         KVMESH_DECODE_ENGINE="fake-paced",
         KVMESH_FAKE_STEP_MS=str(args.step_ms),
         KVMESH_PREFILL_THREADS="1",

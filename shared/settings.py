@@ -121,6 +121,11 @@ class CommonSettings(KvmeshSettings):
         description="tests only: serve PUT/DELETE /faults/{name}, faults switched on inside the "
         "process (shared/faults.py; the route has no auth)",
     )
+    bench_engines: bool = Field(
+        default=False,
+        description="benchmarks only: let a worker run an engine whose answers are not the "
+        "model's (fake-paced, for measuring the mesh itself)",
+    )
 
     @property
     def kv_feed_bound_s(self) -> float:

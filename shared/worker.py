@@ -29,7 +29,7 @@ from shared.engine.interface import (
 )
 from shared.engine.kvformat import DTYPES, BadBlock
 from shared.engine.process import ProcessRunner
-from shared.engine.registry import ENGINES, load_engine
+from shared.engine.registry import BENCH_ONLY, ENGINES, load_engine
 from shared.kvindex.publisher import KvEventPublisher
 from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
@@ -142,6 +142,12 @@ class WorkerService(Service):
         """The model named is there and servable (its files read once: later starts find
         its text side cached)."""
         assert isinstance(settings, WorkerSettings)
+        if settings.engine in BENCH_ONLY and not common.bench_engines:
+            setting = env_name(type(settings), "engine")
+            raise SettingsError(
+                f"{setting}={settings.engine}: a benchmark-only engine (its answers are not "
+                "the model's); set KVMESH_BENCH_ENGINES=true to run it for a benchmark"
+            )
         try:
             check_model(settings.model, Path(common.state_dir), common.models)
         except ModelError as err:

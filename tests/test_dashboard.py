@@ -79,6 +79,8 @@ def test_the_page_shows_every_role_with_no_console_errors(stack: Stack, browser)
     )
     assert set(states) == {"ready"}
     tab.page.wait_for_selector("#figures tbody tr")
+    # A mesh up for minutes says its per-day figures are projected from them, not 24 h.
+    assert "extrapolated from them" in tab.page.inner_text("#figures-window")
     tab.shot("mesh")
     assert tab.errors == []
     tab.page.close()

@@ -53,6 +53,9 @@ def test_the_same_image_twice_is_encoded_once_and_its_kv_reused(stack: Stack) ->
     assert second.usage.prompt_tokens_details.cached_tokens >= image_end
     assert first.usage.prompt_tokens == second.usage.prompt_tokens > image_end
     assert second.choices[0].message.content == first.choices[0].message.content
+    # The test encoder's tower has random weights: the answer says it does not see the image.
+    assert img1["untrained_tower"] is True
+    assert "random weights" in first.model_extra["kvmesh"]["warnings"][0]
 
 
 def test_one_tenants_image_never_finds_anothers_embeddings(stack: Stack) -> None:

@@ -51,6 +51,7 @@ class EncoderService(Service):
 
     def __init__(self, common: CommonSettings, settings: EncoderSettings) -> None:
         super().__init__(common, settings)
+        self.untrained: set[str] = set()  # models whose tower has random weights
         self.settings: EncoderSettings = settings
         self.towers: dict[str, VisionTower] = {}
         self.cache = MemoryStore(settings.cache_bytes)  # "model:hash" → float32 rows
@@ -131,6 +132,7 @@ class EncoderService(Service):
                 log.info("%s: vision weights from %s", model, weights)
             else:
                 log.warning("%s: vision tower has random weights (seed %d)", model, s.seed)
+                self.untrained.add(model)
             towers[model] = tower
         return towers
 
@@ -212,6 +214,7 @@ class EncoderService(Service):
             cached=cached,
             source=source,
             encode_s=took,
+            untrained=req.model in self.untrained,
         )
 
     @staticmethod

@@ -105,6 +105,11 @@ class ImageSettings(Section):
         description="let remote image URLs reach private, loopback and link-local addresses "
         "(off: public addresses only, checked on every connection and redirect)",
     )
+    remote_image_hosts: list[str] = Field(
+        default_factory=list,
+        description="hosts (names or addresses) remote image URLs may reach though they are "
+        "not public: an internal image server; every other host must be public",
+    )
     remote_image_timeout_s: float = Field(default=10.0, gt=0, description="to fetch one image")
     encode_timeout_s: float = Field(
         default=30.0, gt=0, description="an image not encoded within this fails its request (503)"

@@ -19,6 +19,9 @@ ENGINES: dict[str, str] = {
     "vllm": "shared.engine.vllm.engine:VllmEngine",
 }
 OWNING = frozenset({"vllm"})  # the backends that are OwningEngines (known before importing)
+# Engines whose answers are not the model's: a worker runs one only when told it is a
+# benchmark (KVMESH_BENCH_ENGINES).
+BENCH_ONLY = frozenset({"fake-paced"})
 
 
 def engine_class(name: str) -> type[Engine] | type[OwningEngine]:

@@ -31,6 +31,7 @@ class EncodeReply(Message):
     source: Literal["", "encoded", "memory", "storage", "shared"] = ""  # shared: another
     # request's encode of the same image, in flight
     encode_s: float = 0.0  # decoding, resizing and the tower (0 when cached)
+    untrained: bool = False  # the tower's weights are random: its embeddings mean nothing
     error: str = ""
     error_code: ImageErrorCode = ""
 

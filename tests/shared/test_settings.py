@@ -108,6 +108,13 @@ def test_a_worker_picks_its_engine_by_name(monkeypatch: pytest.MonkeyPatch, role
     assert "'sglang'" in str(err.value)
 
 
+def test_the_benchmark_only_engine_is_refused_by_a_production_worker() -> None:
+    done = start_with("prefill", "KVMESH_PREFILL_ENGINE", "fake-paced")
+    assert done.returncode == 2
+    assert "KVMESH_PREFILL_ENGINE=fake-paced: a benchmark-only engine" in done.stderr
+    assert "KVMESH_BENCH_ENGINES=true" in done.stderr
+
+
 def test_an_unknown_engine_stops_the_worker_at_start() -> None:
     done = start_with("decode", "KVMESH_DECODE_ENGINE", "sglang")
     assert done.returncode == 2

@@ -88,6 +88,7 @@ class Encodes:
                     "source": reply.source if reply else None,
                     "encode_ms": round(reply.encode_s * 1e3, 3) if reply else None,
                     "encoder": reply.encoder_id if reply else None,
+                    **({"untrained_tower": True} if reply and reply.untrained else {}),
                 }
             )
         return out

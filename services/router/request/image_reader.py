@@ -12,7 +12,7 @@ from __future__ import annotations
 from services.router.dispatch.encodes import ImageInput
 from services.router.errors import ApiError
 from services.router.request.conversation import Conversation
-from services.router.request.remote import fetch_image
+from services.router.request.remote import Reach, fetch_image
 from services.router.settings import ImageSettings
 from shared.settings import CommonSettings
 from shared.vision.images import BadImage, content_hash, decode_data_url, probe
@@ -25,6 +25,8 @@ class ImageReader:
         self.settings = settings
         self.grid = common.vision_grid  # how an image's size becomes tokens (as the encoder's)
         self.max_pixels = common.image_max_pixels
+        hosts = frozenset(h.rstrip(".").lower() for h in settings.remote_image_hosts)
+        self.reach = Reach(settings.remote_images_private, hosts)
 
     async def read_all(self, conv: Conversation, salt: str, max_payload: int) -> list[ImageInput]:
         """The conversation's images, each checked, in order. ``max_payload``: the bus's
@@ -53,8 +55,7 @@ class ImageReader:
                         "only data: URLs are accepted (this server fetches nothing; "
                         "KVMESH_ROUTER_ALLOW_REMOTE_IMAGES=true allows http(s) URLs)"
                     )
-                timeout, private = s.remote_image_timeout_s, s.remote_images_private
-                data = await fetch_image(url, max_bytes, timeout, private)
+                data = await fetch_image(url, max_bytes, s.remote_image_timeout_s, self.reach)
             else:
                 data = decode_data_url(url, max_bytes)
             info = probe(data, self.max_pixels)

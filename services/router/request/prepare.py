@@ -48,6 +48,12 @@ class Usage:
     cached_tokens: int = 0
 
 
+UNTRAINED = (
+    "the vision tower that encoded this request's images has random weights (no trained "
+    "weights for this model): the answer does not see the images"
+)
+
+
 @dataclass
 class Timing:
     """Where a request's time went, in the workers (ms); the rest is the mesh's."""
@@ -94,6 +100,11 @@ class Timing:
             "cached_tokens_by_tier": self.cached_tokens_by_tier,
             "route": self.decision(),
             **({"images": self.images} if self.images else {}),
+            **(
+                {"warnings": [UNTRAINED]}
+                if any("untrained_tower" in i for i in self.images)
+                else {}
+            ),
             **({"cache_miss": self.cache_miss} if self.cache_miss else {}),
         }
 

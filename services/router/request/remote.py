@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp.abc import ResolveResult
@@ -38,35 +39,54 @@ def is_public(address: str) -> bool:
     return ip.is_global and not ip.is_multicast
 
 
+@dataclass(frozen=True)
+class Reach:
+    """Where a remote image URL may lead: public addresses, and ``hosts`` (names or
+    addresses: an internal image server) even when they are not; or anywhere (``private``)."""
+
+    private: bool = False
+    hosts: frozenset[str] = frozenset()
+
+    def allows(self, host: str) -> bool:
+        return self.private or host.rstrip(".").lower() in self.hosts
+
+
 class NotPublic(OSError):
     """A host whose addresses are all non-public (an OSError: aiohttp wraps it as a DNS
     failure, whose cause ``fetch_image`` reports)."""
 
 
 class PublicResolver(ThreadedResolver):
-    """The system resolver, keeping public addresses only."""
+    """The system resolver, keeping the addresses ``reach`` allows: public ones, and every
+    address of a host it names."""
+
+    def __init__(self, reach: Reach) -> None:
+        super().__init__()
+        self.reach = reach
 
     async def resolve(
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
     ) -> list[ResolveResult]:
         found = await super().resolve(host, port, family)
-        public = [r for r in found if is_public(r["host"])]
+        if self.reach.allows(host):
+            return found
+        public = [r for r in found if is_public(r["host"]) or self.reach.allows(r["host"])]
         if not public:
             shown = ", ".join(sorted({r["host"] for r in found}))
             raise NotPublic(f"{host.rstrip('.')} resolves to {shown}, not a public address")
         return public
 
 
-async def fetch_image(url: str, max_bytes: int, timeout_s: float, private_ok: bool) -> bytes:
+async def fetch_image(url: str, max_bytes: int, timeout_s: float, reach: Reach) -> bytes:
     """The body at ``url``; BadImage (its message for the client) on anything else."""
-    resolver = None if private_ok else PublicResolver()
+    resolver = None if reach.private else PublicResolver(reach)
     connector = aiohttp.TCPConnector(resolver=resolver, use_dns_cache=False)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     target = URL(url)
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             for _ in range(MAX_REDIRECTS + 1):
-                _check_hop(target, private_ok)
+                _check_hop(target, reach)
                 async with session.get(target, allow_redirects=False) as resp:
                     location = resp.headers.get("Location")
                     if resp.status in (301, 302, 303, 307, 308) and location:
@@ -74,7 +94,7 @@ async def fetch_image(url: str, max_bytes: int, timeout_s: float, private_ok: bo
                         continue
                     if resp.status != 200:
                         raise BadImage(f"fetching the URL gave HTTP {resp.status}")
-                    data = await resp.content.read(max_bytes + 1)
+                    data = await _body(resp, max_bytes)
                     break
             else:
                 raise BadImage(f"fetching the URL took more than {MAX_REDIRECTS} redirects")
@@ -89,10 +109,21 @@ async def fetch_image(url: str, max_bytes: int, timeout_s: float, private_ok: bo
     return data
 
 
-def _check_hop(url: URL, private_ok: bool) -> None:
+async def _body(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The whole body, or its first ``max_bytes`` + 1 (then it is too large): read to its
+    end, not what one read gives (a server that sends a little then stalls is a timeout)."""
+    data = bytearray()
+    async for chunk in resp.content.iter_chunked(64 << 10):
+        data += chunk
+        if len(data) > max_bytes:
+            break
+    return bytes(data)
+
+
+def _check_hop(url: URL, reach: Reach) -> None:
     if url.scheme not in ("http", "https") or not url.host:
         raise BadImage(f"only http(s) URLs can be fetched, not {str(url)[:100]!r}")
-    if private_ok:
+    if reach.allows(url.host):
         return
     try:
         public = is_public(url.host)

@@ -3,6 +3,8 @@ URLs fetched only when allowed, and only from public addresses."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -54,7 +56,8 @@ def test_joined_prompts_hash_as_the_workers_do(tokenizer: PromptTokenizer) -> No
 @pytest.fixture
 async def image_server() -> AsyncIterator[tuple[int, bytes]]:
     """A local HTTP server with an image, redirects to it, a redirect loop, and redirects to
-    a file and to the cloud metadata address."""
+    a file and to the cloud metadata address; one that stalls mid-body, and one that sends
+    more than any limit."""
     import io
 
     from aiohttp import web
@@ -72,10 +75,26 @@ async def image_server() -> AsyncIterator[tuple[int, bytes]]:
     async def cat(_: web.Request) -> web.Response:
         return web.Response(body=out.getvalue())
 
+    async def stalls(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "image/png"})
+        await resp.prepare(request)
+        await resp.write(out.getvalue()[:20])
+        await asyncio.sleep(3)  # (the client gives up after 1 s)
+        return resp
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "image/png"})
+        await resp.prepare(request)
+        for _ in range(64):  # 4 MiB, past the reader's 1 MB
+            await resp.write(b"\0" * (64 << 10))
+        return resp
+
     app = web.Application()
     app.add_routes(
         [
             web.get("/cat.png", cat),
+            web.get("/stalls.png", stalls),
+            web.get("/endless.png", endless),
             web.get("/hop", moved("/cat.png")),
             web.get("/loop", moved("/loop")),
             web.get("/file", moved("file:///etc/passwd")),
@@ -90,12 +109,18 @@ async def image_server() -> AsyncIterator[tuple[int, bytes]]:
     await runner.cleanup()
 
 
-def limits(allow_remote: bool = True, private: bool = False) -> ImageReader:
+def limits(
+    allow_remote: bool = True,
+    private: bool = False,
+    hosts: tuple[str, ...] = (),
+    timeout_s: float = 5.0,
+) -> ImageReader:
     settings = ImageSettings(
         image_max_bytes=10**6,
         allow_remote_images=allow_remote,
         remote_images_private=private,
-        remote_image_timeout_s=5.0,
+        remote_image_hosts=list(hosts),
+        remote_image_timeout_s=timeout_s,
     )
     return ImageReader(settings, CommonSettings(image_max_pixels=10**7))
 
@@ -123,9 +148,23 @@ async def test_remote_images_only_when_allowed(image_server: tuple[int, bytes]) 
     await refused(f"{base}/file", inside, "only http")
 
 
-async def test_remote_urls_reach_public_addresses_only(
-    image_server: tuple[int, bytes], monkeypatch: pytest.MonkeyPatch
+async def test_a_remote_image_that_stalls_is_too_large_or_does_not_resolve_is_a_400(
+    image_server: tuple[int, bytes],
 ) -> None:
+    """The fetch is bounded in time and in bytes, and a name that does not resolve is said
+    so: each a 400 naming the image, at once or within the timeout (1 s here)."""
+    port, _ = image_server
+    base = f"http://127.0.0.1:{port}"
+    inside = limits(private=True, timeout_s=1.0)
+    started = time.monotonic()
+    await refused(f"{base}/stalls.png", inside, "cannot fetch the URL \\(.*Timeout")
+    assert time.monotonic() - started < 5
+    await refused(f"{base}/endless.png", inside, "larger than 1,000,000 bytes")
+    await refused("http://kvmesh-test.invalid/x.png", inside, "does not resolve")
+    await refused("http://kvmesh-test.invalid/x.png", limits(), "does not resolve")
+
+
+async def test_remote_urls_reach_public_addresses_only(image_server: tuple[int, bytes]) -> None:
     """The router fetches on the client's behalf from inside the cluster: a URL naming a
     loopback, private or link-local address, directly, by a name or by a redirect, is refused
     before any byte is sent there."""
@@ -139,11 +178,12 @@ async def test_remote_urls_reach_public_addresses_only(
     ):
         await refused(url, public_only, "not a public address: refused")
     await refused(f"http://localhost:{port}/cat.png", public_only, "localhost resolves to")
-    # The same checks on each redirect: here the test server's own address counts as public.
-    real = remote.is_public
-    monkeypatch.setattr(remote, "is_public", lambda a: a == "127.0.0.1" or real(a))
-    assert (await fetched(f"http://localhost:{port}/hop", public_only)).data == png
-    await refused(f"http://127.0.0.1:{port}/meta", public_only, "169.254.169.254 is not a public")
+    # An internal image server named in KVMESH_ROUTER_REMOTE_IMAGE_HOSTS is reached, by its
+    # name and its address; a redirect from it to anywhere else is checked as any URL.
+    internal = limits(hosts=("localhost", "127.0.0.1"))
+    assert (await fetched(f"http://localhost:{port}/hop", internal)).data == png
+    await refused(f"http://127.0.0.1:{port}/meta", internal, "169.254.169.254 is not a public")
+    await refused(f"http://[::ffff:127.0.0.1]:{port}/cat.png", internal, "not a public address")
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,13 @@ function figureRow(name, f) {
 }
 
 function drawFigures(stats) {
+  // Over the last 24 h once the routers have seen that much; before, per day is a projection
+  // of what they saw (/v1/stats says so: extrapolated).
+  const seen = stats.window_s >= 3600 ? `${(stats.window_s / 3600).toFixed(1)} h` :
+    `${Math.max(1, Math.round(stats.window_s / 60))} min`;
+  $("#figures-window").textContent = stats.extrapolated ?
+    `(DeepInfer's, over the ${seen} seen; per day extrapolated from them)` :
+    "(DeepInfer's, over the last 24 h)";
   const rows = [figureRow("all", stats.overall)];
   for (const [name, f] of Object.entries(stats.by_class || {})) rows.push(figureRow(name, f));
   fill($("#figures tbody"), rows);
