@@ -244,7 +244,12 @@ def test_failing_workers_are_skipped_by_their_breakers_and_bad_requests_open_non
         for i in range(2):
             with pytest.raises(openai.InternalServerError):
                 ask(i)
-        assert breaker_gauges(url) == {"prefill-0": 1.0, "prefill-1": 1.0}
+        assert breaker_gauges(url) == {
+            "prefill-0": 1.0,
+            "prefill-1": 1.0,
+            "decode-0": 0.0,
+            "decode-1": 0.0,
+        }
         with pytest.raises(openai.InternalServerError) as err:
             ask(2)
         # Refused without a task sent to either (no ack waited for): both are skipped.

@@ -75,7 +75,8 @@ class Mesh:
         self.kv.heard(hb, time.monotonic())
         if self.registry.observe(hb, time.monotonic()):
             log.info("registered %s %s", hb.role, hb.service_id)
-            self.breakers.success(hb.service_id)  # a new process: its breaker starts closed
+            if hb.role in ("prefill", "decode"):  # a new process: its breaker starts closed
+                self.breakers.success(hb.service_id)
             self.gone.pop(hb.service_id, None)
         elif hb.status == "stopped":
             log.info("%s %s stopped", hb.role, hb.service_id)
