@@ -206,7 +206,7 @@ async def claim_id(service: Service, bus: Bus) -> None:
     )
     setting = "KVMESH_SERVICE_ID"
     try:
-        holder = await bus.request(subject, WhoIs(asker=f"{me.host}:{me.pid}"), Holder, 2.0)
+        holder = await bus.ask(subject, WhoIs(asker=f"{me.host}:{me.pid}"), Holder, 2.0)
     except NoResponders:  # nobody holds it (a holder that died let go with its connection)
         holder = None
     except BusError as err:

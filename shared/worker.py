@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TypeVar
@@ -40,6 +41,7 @@ from shared.messages.generate import (
     GenerateTask,
     ImageRef,
     Logprobs,
+    TaskAck,
     TokenEvent,
     TokenEvents,
 )
@@ -56,6 +58,34 @@ from shared.telemetry.tracing import REQUEST_ID, tracer
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+TAKEN_KEPT_S = 60.0  # a task asked again within this after it was taken is not taken twice
+
+
+class Tasks:
+    """A worker's task subject, served so that a task asked twice is taken once: a router
+    asks again when the ack is late (``Bus.ask``: the first ask or its ack may be lost with a
+    NATS node), and a task already taken is acked again, not run again. Asks are answered
+    one at a time (a second is read after the first's answer); a refused task is not
+    remembered (asked again, it may be taken)."""
+
+    def __init__(self, on_task: Callable[[GenerateTask], Awaitable[TaskAck]]) -> None:
+        self.on_task = on_task
+        self.taken: dict[str, float] = {}  # request id -> when (oldest first)
+
+    async def serve(self, bus: Bus, subject: str) -> None:
+        await bus.serve(subject, GenerateTask, self.ask)
+
+    async def ask(self, task: GenerateTask) -> TaskAck:
+        now = time.monotonic()
+        while self.taken and next(iter(self.taken.values())) < now - TAKEN_KEPT_S:
+            del self.taken[next(iter(self.taken))]
+        if task.request_id in self.taken:
+            return TaskAck(accepted=True, again=True)
+        ack = await self.on_task(task)
+        if ack.accepted:
+            self.taken[task.request_id] = now
+        return ack
 
 
 class ImagesMissing(Exception):

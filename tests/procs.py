@@ -97,6 +97,19 @@ class Proc:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
+    def wait_for(self, marker: str, timeout_s: float) -> None:
+        """Until ``marker`` is in the output; failing (with the output's end) when the process
+        exits first or the time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while marker not in self.output():
+            if not self.alive() or time.monotonic() > deadline:
+                why = f"exit code {self.popen.returncode}" if not self.alive() else "timed out"
+                tail = "\n".join(self.output().splitlines()[-40:])
+                raise AssertionError(
+                    f"{marker!r} never came ({why} after {timeout_s:g} s):\n{tail}"
+                )
+            time.sleep(0.1)
+
     def signal(self, sig: int) -> None:
         if self.alive():
             self.popen.send_signal(sig)

@@ -44,7 +44,7 @@ from shared.telemetry.metrics import (
     register_load,
 )
 from shared.telemetry.tracing import attached, extract, tracer
-from shared.worker import ImagesMissing, WorkerService
+from shared.worker import ImagesMissing, Tasks, WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class DecodeService(WorkerService):
         await server.start()
         stack.push_async_callback(server.stop, 1.0)
         self.kv_address = f"{self.settings.advertised_host()}:{port}"
-        await bus.serve(subjects.tasks(self.role, self.service_id), GenerateTask, self.on_task)
+        await Tasks(self.on_task).serve(bus, subjects.tasks(self.role, self.service_id))
         sender = asyncio.create_task(self._send_outbox())
         stack.push_async_callback(self._stop_sending, sender)
         self.runner.start_stepping(self.publish, self.step_failed)

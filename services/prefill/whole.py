@@ -142,9 +142,7 @@ class WholePrefill(OwningWorker):
             rest = task.model_copy(update={"handover": Handover(answer_ids=sent)})
             subject = subjects.handovers(task.decode_id)
             try:
-                ack = await self.bus.request(
-                    subject, rest, TaskAck, self.settings.handoff_timeout_s
-                )
+                ack = await self.bus.ask(subject, rest, TaskAck, self.settings.handoff_timeout_s)
             except BusError as err:
                 ack = TaskAck(accepted=False, reason=f"did not answer: {err}")
         if ack.accepted:

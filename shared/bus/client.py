@@ -56,6 +56,8 @@ STORE_UNAVAILABLE = (
 
 
 DRAIN_TIMEOUT_S = 3.0
+ASK_RESEND_S = 0.5  # an ask not answered in this is sent again (``Bus.ask``)
+NO_RESPONDERS_RETRY_S = 0.1  # between asks of a subject nobody subscribes to at the moment
 
 
 class BusError(Exception):
@@ -64,6 +66,10 @@ class BusError(Exception):
 
 class NoResponders(BusError):
     """Nobody subscribes to the subject now (gone, or its connection to NATS coming back)."""
+
+
+class NoReply(BusError):
+    """A request was not answered in time."""
 
 
 class RemoteError(BusError):
@@ -272,10 +278,36 @@ class Bus:
         except nats.errors.NoRespondersError as err:
             raise NoResponders(f"nobody serves {subject}") from err
         except nats.errors.TimeoutError as err:
-            raise BusError(f"no reply on {subject} within {timeout_s:g} s") from err
+            raise NoReply(f"no reply on {subject} within {timeout_s:g} s") from err
         if raw.headers and ERROR_HEADER in raw.headers:
             raise RemoteError(raw.headers[ERROR_HEADER])
         return reply_type.from_bytes(raw.data)
+
+    async def ask(
+        self,
+        subject: str,
+        msg: Message,
+        reply_type: type[R],
+        timeout_s: float,
+        resend_s: float = ASK_RESEND_S,
+    ) -> R:
+        """``request``, sent again until answered within ``timeout_s``: every ``resend_s``
+        unanswered, and soon after "nobody serves". NATS delivers at most once: an ask written
+        to a node as it dies is lost, as is one that reaches a node before a reconnecting
+        subscriber is back. Only for a handler that takes the same message twice as once
+        (``shared.worker.Tasks``); a late answer to an earlier send is dropped."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await self.request(subject, msg, reply_type, max(0.05, min(left, resend_s)))
+            except NoResponders:
+                if left <= NO_RESPONDERS_RETRY_S:
+                    raise
+                await asyncio.sleep(NO_RESPONDERS_RETRY_S)
+            except NoReply:
+                if left <= resend_s:
+                    raise NoReply(f"no reply on {subject} within {timeout_s:g} s") from None
 
     async def gather(
         self, subject: str, msg: Message, reply_type: type[R], timeout_s: float, want: int

@@ -77,6 +77,7 @@ class TaskAck(Message):
     accepted: bool
     reason: str = ""  # why not: "busy" (queue full), "unknown model", ...
     queued: int = 0  # tasks ahead of this one
+    again: bool = False  # asked again after it was taken (the first ack lost): taken once
 
 
 ErrorCode = Literal["", "busy", "unavailable", "internal", "cancelled"]

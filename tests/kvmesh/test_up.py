@@ -41,7 +41,7 @@ def test_up_status_and_clean_stop(state_dir: Path) -> None:
     env = up_env(state_dir, nats_port, http_port)
     up = Proc([*KVMESH, "up", "--prefill", "2"], env, state_dir / "up.log")
     try:
-        wait_until(lambda: "kvmesh is up" in up.output(), 60, what="kvmesh up to be ready")
+        up.wait_for("kvmesh is up", 60)
         assert f"API at http://127.0.0.1:{http_port}" in up.output()
         # Each service's log lines are shown with its name in front.
         assert "prefill-1   | " in up.output()
@@ -94,7 +94,7 @@ def test_up_tls_everywhere(state_dir: Path) -> None:
     env["KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS"] = "0"  # every prompt crosses the handoff
     up = Proc([*KVMESH, "up", "--tls", "--encoder", "0"], env, state_dir / "up.log")
     try:
-        wait_until(lambda: "kvmesh is up" in up.output(), 120, what="kvmesh up --tls ready")
+        up.wait_for("kvmesh is up", 120)
         api = f"https://127.0.0.1:{http_port}"
         assert f"API at {api}" in up.output()
         tls_dir = state_dir / "tls"
@@ -177,7 +177,7 @@ def test_up_with_a_nats_cluster_and_two_routers_loses_nothing_to_a_node_or_a_rou
     cmd = [*KVMESH, "up", "--nats-cluster", "3", "--routers", "2", "--encoder", "0"]
     up = Proc(cmd, env, state_dir / "up.log")
     try:
-        wait_until(lambda: "kvmesh is up" in up.output(), 120, what="kvmesh up to be ready")
+        up.wait_for("kvmesh is up", 120)
         urls = [f"http://127.0.0.1:{http_port + i}" for i in (0, 1)]
         assert f"API at {urls[0]}, {urls[1]}" in up.output()
         clients = [
@@ -286,7 +286,7 @@ def test_killing_kvmesh_up_leaves_no_process_behind(state_dir: Path) -> None:
     env = up_env(state_dir, free_port(), free_port())
     up = Proc([*KVMESH, "up", "--encoder", "0"], env, state_dir / "up.log")
     try:
-        wait_until(lambda: "kvmesh is up" in up.output(), 120, what="kvmesh up to be ready")
+        up.wait_for("kvmesh is up", 120)
         assert len(kvmesh_pids(str(state_dir))) >= 6  # five services and nats-server
         up.popen.kill()
         up.wait(10)
@@ -322,7 +322,7 @@ def test_up_serves_two_checkpoints_by_path_each_on_its_own_workers(
     ]
     up = Proc([*KVMESH, *args], env, state_dir / "up.log")
     try:
-        wait_until(lambda: "kvmesh is up" in up.output(), 120, what="kvmesh up to be ready")
+        up.wait_for("kvmesh is up", 120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none")
         assert {m.id for m in client.models.list()} == {"alpha", "beta"}
         for model in ("alpha", "beta"):

@@ -4,14 +4,18 @@ and reconnection when the server restarts."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 
 import pytest
 
 from kvmesh.natsserver import NatsServer
-from shared.bus import Bus, BusError, RemoteError
+from shared.bus import Bus, BusError, NoResponders, RemoteError
 from shared.bus.client import PARTS_HEADER
+from shared.engine.sampling import SamplingParams
 from shared.messages import Message
+from shared.messages.generate import GenerateTask, TaskAck
+from shared.worker import Tasks
 from tests.procs import until
 
 
@@ -63,6 +67,46 @@ async def test_request_reply_error_and_no_responders(open_nats_url: str) -> None
             await bus.request("test.double", Ping(n=-1), Pong)
         with pytest.raises(BusError, match="nobody serves test.nobody"):
             await bus.request("test.nobody", Ping(n=1), Pong, timeout_s=1)
+    finally:
+        await bus.close()
+
+
+async def test_an_ask_unanswered_is_sent_again_and_a_task_is_taken_once(
+    open_nats_url: str,
+) -> None:
+    """A worker too slow to ack in time is asked again (as one whose first ask was lost with
+    a NATS node): the router gets its ack, and the worker runs the task once."""
+    bus = await Bus.connect(open_nats_url, "t-ask")
+    taken: list[str] = []
+
+    async def on_task(task: GenerateTask) -> TaskAck:
+        if task.request_id == "slow":
+            await asyncio.sleep(0.35)  # its first ask's answer comes after the resend
+        taken.append(task.request_id)
+        return TaskAck(accepted=task.request_id != "refused", reason="busy")
+
+    try:
+        await Tasks(on_task).serve(bus, "test.tasks")
+        ask = functools.partial(bus.ask, "test.tasks", reply_type=TaskAck, resend_s=0.1)
+        slow = GenerateTask(
+            request_id="slow",
+            model="m",
+            token_ids=[1],
+            sampling=SamplingParams(),
+            reply_subject="r",
+            decode_id="d",
+            decode_kv_address="",
+            deadline=0,
+        )
+        ack = await ask(slow, timeout_s=2)
+        assert ack.accepted and ack.again
+        assert (await ask(slow, timeout_s=2)).again
+        refused = slow.model_copy(update={"request_id": "refused"})
+        assert not (await ask(refused, timeout_s=2)).accepted
+        assert not (await ask(refused, timeout_s=2)).accepted  # refused: asked afresh
+        assert taken == ["slow", "refused", "refused"]
+        with pytest.raises(NoResponders):  # asked again meanwhile: still nobody
+            await bus.ask("test.nobody", slow, TaskAck, timeout_s=0.3)
     finally:
         await bus.close()
 

@@ -3,8 +3,10 @@ task, and what this router has in flight at each worker.
 
 The task goes with NATS request/reply; the reply only says "queued" or "busy" (tokens come
 later, on this router's reply subject). A busy worker is skipped for the next pair; when every
-pair is busy: 429. A worker whose NATS node was lost is reconnecting: nobody subscribed is
-asked again within the ack timeout (a dead one is given up on when it ends).
+pair is busy: 429. The task is asked again until acked within the ack timeout (``Bus.ask``):
+an ask or its ack lost with a NATS node, or a worker reconnecting to another node, costs a
+resend, not the request; the worker takes a task sent twice once (``shared.worker.Tasks``).
+A dead worker is given up on when the ack timeout ends.
 
 What is in flight is counted from the moment a task is sent (requests routed meanwhile see it)
 and undone when the worker refuses it or the attempt ends, however it ends: ``InFlight.held``.
@@ -12,7 +14,6 @@ and undone when the worker refuses it or the attempt ends, however it ends: ``In
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
@@ -23,12 +24,10 @@ from services.router.dispatch.workers import Breakers, WorkerRegistry
 from services.router.errors import ApiError, overloaded
 from services.router.routing.route import Route, RouteRequest, RoutingPolicy
 from services.router.settings import DispatchSettings
-from shared.bus import Bus, BusError, NoResponders, subjects
+from shared.bus import Bus, BusError, subjects
 from shared.messages.generate import GenerateTask, TaskAck, TokenEvent
 from shared.security.handoff import HANDOFF_SECRET, handoff_token
 from shared.security.secret import load_or_create
-
-NO_RESPONDERS_RETRY_S = 0.1  # between asks of a worker not subscribed at the moment
 
 
 class InFlight:
@@ -119,7 +118,12 @@ class Sender:
         for worker, decode in route.pairs:
             self.inflight.take(attempt, worker, decode, req, route.ranked)
             try:
-                ack = await self._ask(subjects.tasks(role, worker), self._task(attempt, decode))
+                ack = await self.bus.ask(
+                    subjects.tasks(role, worker),
+                    self._task(attempt, decode),
+                    TaskAck,
+                    self.settings.ack_timeout_s,
+                )
             except BusError as err:
                 self.inflight.put_back(attempt)
                 raise Failed(f"{role} {worker} did not answer: {err}", worker) from None
@@ -153,15 +157,3 @@ class Sender:
             images=list(job.images),
             priority=job.priority,
         )
-
-    async def _ask(self, subject: str, task: GenerateTask) -> TaskAck:
-        """The worker's ack within the ack timeout (nobody subscribed: asked again)."""
-        deadline = time.monotonic() + self.settings.ack_timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                return await self.bus.request(subject, task, TaskAck, max(0.05, left))
-            except NoResponders:
-                if left <= NO_RESPONDERS_RETRY_S:
-                    raise
-                await asyncio.sleep(NO_RESPONDERS_RETRY_S)
