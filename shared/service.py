@@ -180,7 +180,9 @@ def build_app(service: Service) -> web.Application:
         middlewares=[openai_errors, *service.middlewares()],
         client_max_size=service.settings.max_body_bytes,
     )
-    register_load(LoadCollector(service.role, service.load, service.heartbeat_ages))
+    bus = service.beats_bus
+    pending = bus.pending if bus is not None else lambda: None
+    register_load(LoadCollector(service.role, service.load, service.heartbeat_ages, pending))
     app.add_routes(
         [
             web.get("/health", service.health),

@@ -169,6 +169,16 @@ def test_metrics_parse_on_every_service_and_move_with_traffic(stack: Stack) -> N
     age = ("kvmesh_heartbeat_age_seconds", (("role", "prefill"), ("service_id", "prefill-0")))
     assert after["router"][age] >= 0
     assert ("kvmesh_queued_requests", (("role", "encoder"),)) in after["encoder"]
+    for role in urls:  # every process's NATS backlog (nothing waits once the answer is in)
+        out = ("kvmesh_nats_pending_bytes", (("direction", "out"), ("role", role)))
+        assert after[role][out] >= 0
+        assert ("kvmesh_nats_pending_messages", (("role", role),)) in after[role]
+    stored = wait_until(  # the blocks the chat wrote, indexed
+        lambda: (s := get_json(f"{urls['cachemeta']}/health")[1]["storage_tier"])["bytes"] and s,
+        10,
+        what="the storage tier's bytes indexed",
+    )
+    assert stored["bytes"] <= stored["capacity"] == 64 << 30
 
 
 def test_stats_match_a_known_workload(stack: Stack) -> None:

@@ -105,10 +105,15 @@ class CachemetaService(Service):
         return Load(inflight=len(self.index))
 
     async def health(self, request: web.Request) -> web.Response:
-        """The heartbeat's figures, and the workers whose KV events are stale (degraded)."""
+        """The heartbeat's figures, the workers whose KV events are stale (degraded), and the
+        storage tier's indexed size against its capacity."""
         body = self.heartbeat().model_dump(mode="json")
         stale = self.watch.stale() if self.watch else {}
         body["kv_events"] = {"stale": stale, "applied_seq": self.index.seq}
+        body["storage_tier"] = {
+            "bytes": self.index.blocks.store_bytes,
+            "capacity": self.settings.store_capacity_bytes,
+        }
         body["failing"] = self.failing
         body["health"] = "degraded" if stale or self.failing else "ok"
         return web.json_response(body, status=200 if self.status == "ready" else 503)

@@ -180,6 +180,16 @@ class Bus:
     def connected(self) -> bool:
         return self.nc.is_connected
 
+    def pending(self) -> tuple[int, int, int]:
+        """What waits on this connection: bytes published but not yet written to NATS, and
+        the messages (and their bytes) received but not yet handled by their subscriptions."""
+        subs = list(self.nc._subs.values())  # nats-py lists a connection's subscriptions only here
+        return (
+            self.nc.pending_data_size,
+            sum(sub.pending_msgs for sub in subs),
+            sum(sub.pending_bytes for sub in subs),
+        )
+
     async def close(self) -> None:
         """Flush what was published and close (subscriptions stop at once)."""
         if self.nc.is_closed:

@@ -93,10 +93,12 @@ class LoadCollector(Collector):
         role: str,
         load: Callable[[], Load],
         heartbeat_ages: Callable[[], list[tuple[str, str, float]] | None],
+        nats_pending: Callable[[], tuple[int, int, int] | None] = lambda: None,
     ) -> None:
         self.role = role
         self.load = load
         self.heartbeat_ages = heartbeat_ages
+        self.nats_pending = nats_pending
 
     def collect(self):  # noqa: ANN201
         load = self.load()
@@ -114,6 +116,25 @@ class LoadCollector(Collector):
         ):
             g = GaugeMetricFamily(name, help_, labels=["role"])
             g.add_metric([self.role], value)
+            yield g
+        pending = self.nats_pending()
+        if pending is not None:
+            out_bytes, in_msgs, in_bytes = pending
+            g = GaugeMetricFamily(
+                "kvmesh_nats_pending_bytes",
+                "bytes waiting on this process's NATS connection: published, not yet written "
+                "(out); received, not yet handled (in)",
+                labels=["role", "direction"],
+            )
+            g.add_metric([self.role, "out"], out_bytes)
+            g.add_metric([self.role, "in"], in_bytes)
+            yield g
+            g = GaugeMetricFamily(
+                "kvmesh_nats_pending_messages",
+                "messages received on this process's NATS connection, not yet handled",
+                labels=["role"],
+            )
+            g.add_metric([self.role], in_msgs)
             yield g
         ages = self.heartbeat_ages()
         if ages is not None:
