@@ -1,5 +1,5 @@
 """What a user sees when something goes wrong, through real processes (tiny model): a request
-past its deadline (504), every worker busy (429), no decode room or a worker refusing (503),
+past its deadline (504), every worker busy (429), no decode room now (429) or ever (400),
 a client that leaves while its prompt is prefilled, a worker draining, past its drain bound,
 or signalled twice, an encoder cache that evicts, a prefill worker that gives up on
 embeddings, gRPC's status codes and cancellation, and each routing policy serving."""
@@ -119,9 +119,9 @@ def test_every_worker_busy_gets_429_with_retry_after(stack: Stack) -> None:
         stack.procs["decode-full"].stop()
 
 
-def test_no_decode_worker_with_room_gets_503(stack: Stack) -> None:
+def test_no_decode_worker_with_room_gets_429(stack: Stack) -> None:
     """One answer reserves decode's whole pool (4,096 tokens); frozen there, the worker's last
-    heartbeat says it has no room: the next request is refused at once."""
+    heartbeat says it has no room: the next request is refused at once, to be retried."""
     stream = stack.client().completions.create(stream=True, **{**LONG_ANSWER, "max_tokens": 4090})
     chunks = iter(stream)
     next(chunks)
@@ -133,32 +133,57 @@ def test_no_decode_worker_with_room_gets_503(stack: Stack) -> None:
             what="decode's pool full in its heartbeat",
         )
         decode.signal(signal.SIGSTOP)
-        code, _, body = post(stack.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4})
-        assert (
-            code == 503 and body["error"]["message"] == "no decode worker has room for this request"
+        code, headers, body = post(stack.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4})
+        assert code == 429 and headers["Retry-After"] == "1"
+        assert body["error"]["message"] == (
+            "no decode worker has room for this request; retry shortly"
         )
         with pytest.raises(grpc.RpcError) as err:
             grpc_generate(stack.grpc, "hello", max_tokens=4)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         decode.signal(signal.SIGCONT)
         stream.close()
     wait_until(lambda: blocks_used(stack) == 0, 30, what="the long answer cancelled and freed")
 
 
-def test_a_decode_worker_refusing_the_handoff_gets_503_naming_why(stack: Stack) -> None:
-    """A decode pool of 2 blocks: the router sends the request (the worker has some room), the
-    prefill worker asks decode to reserve 5 blocks, decode refuses; no other worker to retry
-    on: 503, with the reason."""
+def test_a_request_no_decode_pool_could_hold_gets_400_naming_the_limit(stack: Stack) -> None:
+    """A decode pool of 2 blocks (128 tokens): 300 prompt tokens and 10 more never fit there,
+    however long the client waits: 400, naming the field and the limit (not a retry)."""
     stack.restart("decode-0", KVMESH_DECODE_KV_CACHE_TOKENS="128")
     stack.wait_ready(["decode-0"])
     try:
         ids = [(i * 7919) % 40000 + 100 for i in range(300)]
         code, _, body = post(stack.url, {"model": "tiny", "prompt": ids, "max_tokens": 10})
-        assert code == 503, body
-        message = body["error"]["message"]
-        assert "every prefill worker failed" in message and "KV cache full" in message
+        assert code == 400, body
+        assert body["error"]["param"] == "max_tokens"
+        assert (
+            "need 310 tokens of KV; the largest decode worker holds 128" in body["error"]["message"]
+        )
     finally:
+        stack.restart("decode-0")
+        stack.wait_ready(["decode-0"])
+
+
+def test_a_decode_worker_full_at_the_handoff_is_left_out_and_the_client_told_to_retry(
+    stack: Stack,
+) -> None:
+    """Decode's heartbeat is a beat old: the router thinks it has room, the prefill worker's
+    KV push finds its pool taken. The request moves off decode (not off the prefill worker,
+    which did nothing wrong); with no other decode worker, 429 saying why."""
+    stack.restart("decode-0", KVMESH_HEARTBEAT_INTERVAL_S="30")  # its first beat: all free
+    stack.wait_ready(["decode-0"])
+    stream = stack.client().completions.create(stream=True, **{**LONG_ANSWER, "max_tokens": 4000})
+    try:
+        next(iter(stream))  # its 4,000 tokens reserved
+        ids = [(i * 7919) % 40000 + 100 for i in range(300)]
+        code, headers, body = post(stack.url, {"model": "tiny", "prompt": ids, "max_tokens": 10})
+        assert code == 429 and headers["Retry-After"] == "1", body
+        message = body["error"]["message"]
+        assert message.startswith("every decode worker failed this request; retry shortly")
+        assert "decode-0: KV cache full" in message
+    finally:
+        stream.close()
         stack.restart("decode-0")
         stack.wait_ready(["decode-0"])
 

@@ -233,9 +233,10 @@ class PrefillService(WorkerService):
         if isinstance(err, Cancelled) or getattr(err, "code", "") == "cancelled":
             log.info("%s cancelled", rid)
             return
-        if isinstance(err, HandoffFailed):
+        at_fault = self.service_id
+        if isinstance(err, HandoffFailed):  # decode's doing: the router leaves it out, not us
             log.warning("handoff of %s failed: %s", rid, err)
-            code = err.code
+            code, at_fault = err.code, task.decode_id
         elif isinstance(err, PoolExhausted):
             code = "busy"
         elif isinstance(err, EngineFailed):
@@ -244,7 +245,8 @@ class PrefillService(WorkerService):
         else:
             log.error("prefill of %s failed", rid, exc_info=err)
             code = "internal"
-        await self.send(task.reply_subject, self.error_event(rid, str(err), code))
+        failed = self.error_event(rid, str(err), code)
+        await self.send(task.reply_subject, failed.model_copy(update={"worker_id": at_fault}))
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self.channels:

@@ -34,7 +34,7 @@ from services.router.dispatch.plan import BlockLookup, CachePlanner
 from services.router.dispatch.send import InFlight, Sender
 from services.router.dispatch.stream import Replies
 from services.router.dispatch.workers import Breakers, WorkerRecord, WorkerRegistry
-from services.router.errors import ApiError, unavailable
+from services.router.errors import ApiError, overloaded, unavailable
 from services.router.routing.route import (
     DecodeScore,
     Ranked,
@@ -143,6 +143,7 @@ class Dispatcher:
     def _route(self, job: Job, excluded: set[str]) -> tuple[Route, RouteRequest]:
         """The routing decision over the workers not left out (503 when there is none)."""
         decoders = self.candidates("decode", job.model, excluded)
+        self.check_fits(job, decoders)
         # Workers pair with their own kind: engines that own their KV hand a request over
         # through the storage tier, the others over gRPC.
         whole = any(w.heartbeat.whole for w in decoders)
@@ -177,8 +178,10 @@ class Dispatcher:
             )
             if not chosen.pairs:
                 self.check_servable(job.model)
-                if not chosen.decision:
-                    raise unavailable("no decode worker has room for this request")
+                if not decodes:  # each one tried failed it
+                    raise unavailable("every decode worker failed this request")
+                if not chosen.decision:  # (full now: the client retries shortly)
+                    raise overloaded("no decode worker has room for this request")
                 raise unavailable("every prefill worker failed this request")
             if not chosen.ranked:
                 span.set_attributes(chosen.decision)
@@ -235,6 +238,25 @@ class Dispatcher:
                 why = f"no live {role} worker serves {model!r}"
             raise unavailable(f"{why}; retry later")
 
+    @staticmethod
+    def check_fits(job: Job, decoders: list[WorkerRecord]) -> None:
+        """400 when no decode worker's KV pool could ever hold the prompt and its answer
+        (busy ones free up; one too small never does)."""
+        pools = [
+            w.heartbeat.load.kv_blocks_total * w.heartbeat.load.kv_block_size for w in decoders
+        ]
+        largest = max(pools, default=0)
+        need = len(job.prompt_ids) + job.sampling.max_tokens
+        if largest and need > largest:
+            raise ApiError(
+                400,
+                f"the prompt ({len(job.prompt_ids)} tokens) and max_tokens "
+                f"({job.sampling.max_tokens}) need {need} tokens of KV; the largest decode "
+                f"worker holds {largest}: shorten the prompt or lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
     def candidates(
         self, role: str, model: str, excluded: set[str], breakers: bool = True
     ) -> list[WorkerRecord]:
@@ -282,6 +304,7 @@ class Moves:
         self.offset = 0  # of them, those sent before the current attempt
         self.excluded: set[str] = set()
         self.failures: list[str] = []
+        self.faults = 0  # of the failures, those that were a worker's fault (not busy)
 
     def attempt(self) -> Attempt:
         self.offset = len(self.sent)
@@ -298,6 +321,7 @@ class Moves:
         """An attempt failed: its workers are left out from now on; ApiError(503) when no
         move is left."""
         self.failures.append(str(failure))
+        self.faults += failure.fault
         self.excluded.update(failure.service_ids)
         if self.move == self.limit:
             raise ApiError(
@@ -314,9 +338,13 @@ class Moves:
         MOVES.labels("resumed" if self.sent else "retried").inc()
 
     def unservable(self, err: ApiError) -> ApiError:
-        """No worker is left to move to: the error says why the request had to move."""
-        if self.failures:
-            err.message += f" (after: {'; '.join(self.failures)})"
+        """No worker is left to move to: the error says why the request had to move (429
+        when every worker tried was only busy: the client retries shortly)."""
+        if not self.failures:
+            return err
+        if err.status == 503 and not self.faults:
+            err = overloaded(err.message.removesuffix("; retry later"))
+        err.message += f" (after: {'; '.join(self.failures)})"
         return err
 
     def next_job(self) -> Job:
