@@ -51,6 +51,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -438,7 +439,10 @@ class Faults:
         self.queue: list[tuple[float, str, Callable[[], dict]]] = []
         self.done: list[dict] = []
         self.restarted: dict[str, float] = {}
-        self.running: threading.Thread | None = None
+        # One thread for the whole run: a process started from a thread dies when that
+        # thread ends (tests/procs.py: die_with_parent's signal is the starting thread's).
+        self.thread = ThreadPoolExecutor(max_workers=1)
+        self.running: Future | None = None
 
     def due(self, t: float, restarts: str, run: Callable[[], dict]) -> None:
         self.queue.append((t, restarts, run))
@@ -446,11 +450,10 @@ class Faults:
 
     def go_on(self, t: float) -> None:
         if self.queue and self.queue[0][0] <= t and not self.busy():
-            self.running = threading.Thread(target=self._run, args=(t, *self.queue.pop(0)[1:]))
-            self.running.start()
+            self.running = self.thread.submit(self._run, t, *self.queue.pop(0)[1:])
 
     def busy(self) -> bool:
-        return self.running is not None and self.running.is_alive()
+        return self.running is not None and not self.running.done()
 
     def over(self) -> bool:
         return not self.queue and not self.busy()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.sampling import SamplingParams
+from shared.engine.torch.speculate import CostCurve
 from tests.engine.conftest import make_engine
 from tests.engine.test_prefix_reuse import prompt
 
@@ -17,8 +18,15 @@ def repetitive(n: int, seed: int) -> list[int]:
     return (base * (n // len(base) + 1))[:n]
 
 
+# A pass costs the same whatever its length: adaptive speculation then drafts wherever a draft
+# may be accepted (what it chooses on a real curve depends on this machine's timing).
+FLAT = CostCurve({1: 0.01, 512: 0.01})
+
+
 def decode(model, prompts: list[list[int]], params: list[SamplingParams], **options):
     engine = make_engine(model, kv_cache_tokens=16384, **options)
+    if options.get("speculative") == "adaptive":
+        engine._base_cost = FLAT
     outs = [
         [engine.prefill(f"s{i}", p, q).token_id]
         for i, (p, q) in enumerate(zip(prompts, params, strict=False))
@@ -50,9 +58,7 @@ def test_speculation_gives_plain_decodes_tokens(tiny_models, name: str, mode: st
     spec, engine = decode(model, prompts, params, speculative=mode, max_draft=6, fixed_draft=4)
     assert spec == plain
     stats = engine.stats()
-    assert 0 <= stats.accepted_tokens <= stats.draft_tokens
-    if mode == "fixed":  # (adaptive drafts only what pays on this machine: timing decides)
-        assert stats.draft_tokens > 0 and stats.accepted_tokens > 0
+    assert 0 < stats.accepted_tokens <= stats.draft_tokens  # drafts made, and kept
 
 
 def test_a_stop_string_and_max_tokens_end_a_speculating_answer_where_plain_ends(
