@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import openai
 import pytest
@@ -265,9 +266,31 @@ def test_a_cancelled_batch_keeps_the_answers_it_got(client: openai.OpenAI) -> No
         client.batches.cancel(completed.id)
 
 
-def test_a_batch_past_its_window_expires_with_what_it_answered(client: openai.OpenAI) -> None:
+def test_a_batch_past_its_window_expires_with_what_it_answered(
+    client: openai.OpenAI, stack: Stack
+) -> None:
+    """A 2-second window: once a line is answered the workers are paused until it has
+    passed (a fast machine could answer all 40 lines in 2 s), and the rest expire."""
     lines = [line(i, max_tokens=64) for i in range(40)]
-    done = finished(client, run_batch(client, lines, completion_window="2s").id)
+    batch = run_batch(client, lines, completion_window="2s")
+    wait_until(
+        lambda: (
+            (b := client.batches.retrieve(batch.id)).request_counts.completed
+            or b.status == "expired"
+        ),
+        30,
+        0.05,
+        what="a line answered",
+    )
+    workers = [p for sid, p in stack.procs.items() if sid.startswith(("prefill", "decode"))]
+    for worker in workers:
+        worker.signal(signal.SIGSTOP)
+    try:
+        time.sleep(max(0.0, batch.created_at + 2.5 - time.time()))
+    finally:
+        for worker in workers:
+            worker.signal(signal.SIGCONT)
+    done = finished(client, batch.id)
     assert done.status == "expired" and done.expired_at
     answered = lines_of(client, done.output_file_id)
     expired = lines_of(client, done.error_file_id)

@@ -3,6 +3,7 @@ model), a real nats-server, gRPC handoffs; driven with the official openai clien
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -367,16 +368,16 @@ def test_a_router_running_far_behind_refuses_new_requests_until_it_catches_up(
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     wait_until(lambda: post(url + "/v1/completions", body)[0] == 200, 60, what="router-lag up")
     proc = stack.procs["router-lag"]
-    proc.signal(signal.SIGSTOP)
-    time.sleep(2.5)  # past its workers' two beats
-    proc.signal(signal.SIGCONT)
-
-    def refused() -> tuple[int, dict, dict] | None:  # once its late timers have said so
-        answer = post(url + "/v1/completions", body)
-        return answer if answer[0] == 429 else None
-
-    code, headers, resp = wait_until(refused, 2, what="a 429 while it runs behind")
-    assert headers.get("Retry-After") == "1"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        proc.signal(signal.SIGSTOP)
+        time.sleep(2.5)  # past its workers' two beats
+        # Sent while it is frozen: read once it wakes, after its late timer has said so
+        # (however slowly this machine lets the test send it).
+        waiting = pool.submit(post, url + "/v1/completions", body)
+        time.sleep(0.2)
+        proc.signal(signal.SIGCONT)
+        code, headers, resp = waiting.result(30)
+    assert code == 429 and headers.get("Retry-After") == "1"
     assert "behind" in resp["error"]["message"] and resp["error"]["code"] == "overloaded"
     wait_until(lambda: post(url + "/v1/completions", body)[0] == 200, 10, what="caught up")
     assert "dropped decode" not in proc.output() and "dropped prefill" not in proc.output()
