@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -186,6 +187,27 @@ def test_a_decode_worker_full_at_the_handoff_is_left_out_and_the_client_told_to_
         stream.close()
         stack.restart("decode-0")
         stack.wait_ready(["decode-0"])
+
+
+def test_a_port_in_use_stops_a_service_at_start_naming_the_setting(stack: Stack) -> None:
+    """A port another process holds, even one that lets others share it (SO_REUSEPORT, as a
+    gRPC server does by default): the service exits at start naming the setting, instead of
+    taking half of the other's connections."""
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        stack.start("decode-squat", KVMESH_DECODE_KV_PORT=str(port))
+        stack.start("router-squat", KVMESH_ROUTER_GRPC_PORT=str(port), KVMESH_ROUTER_HTTP_PORT="0")
+        for sid, setting in (
+            ("decode-squat", "KVMESH_DECODE_KV_PORT"),
+            ("router-squat", "KVMESH_ROUTER_GRPC_PORT"),
+        ):
+            proc = stack.procs.pop(sid)
+            assert proc.wait(60) == 1, proc.output()
+            assert f"{setting}: cannot listen for gRPC on " in proc.output()
+            assert f":{port} (the port is in use" in proc.output()
 
 
 # -- a client that goes away ---------------------------------------------------------------

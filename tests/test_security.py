@@ -210,6 +210,16 @@ def test_a_router_told_to_use_a_bad_keys_file_does_not_start(tmp_path: Path) -> 
     assert done.returncode == 2 and "kvmesh keys add" in done.stderr
 
 
+def test_half_a_tls_pair_is_refused_at_start_naming_both(tmp_path: Path) -> None:
+    cert = tmp_path / "service.pem"
+    cert.write_text("a certificate, its key not given")
+    for var in ("KVMESH_TLS_CERT_FILE", "KVMESH_NATS_TLS_CERT_FILE"):
+        done = start_with("prefill", var, str(cert))
+        assert done.returncode == 2
+        pair = var.removesuffix("CERT_FILE")
+        assert f"{pair}CERT_FILE and {pair}KEY_FILE go together" in done.stderr
+
+
 def kv_address(stack: Stack, sid: str) -> str:
     """A worker's KV handoff address, from the router's registry."""
 

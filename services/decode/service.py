@@ -11,7 +11,6 @@ import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
-import grpc
 from opentelemetry import context as otel_context
 
 from services.decode.settings import DecodeSettings
@@ -35,8 +34,8 @@ from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.security.handoff import HANDOFF_SECRET, handoff_refusal
 from shared.security.secret import load_or_create
-from shared.security.tls import add_port
-from shared.settings import CommonSettings
+from shared.security.tls import add_port, grpc_server
+from shared.settings import CommonSettings, env_name
 from shared.telemetry.metrics import (
     BYTES,
     SPEC_TOKENS,
@@ -107,10 +106,11 @@ class DecodeService(WorkerService):
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await self.start_engine(stack, bus, own_process=self.settings.engine_process)
         register_load(EplbCollector(lambda: self.eplb))
-        server = grpc.aio.server()
+        server = grpc_server()
         kv_pb2_grpc.add_KvHandoffServicer_to_server(KvReceiver(self), server)
         address = f"{self.settings.http_host}:{self.settings.kv_port}"
-        port = add_port(server, address, self.common, mutual=True)  # only the mesh pushes KV
+        setting = env_name(DecodeSettings, "kv_port")
+        port = add_port(server, address, self.common, True, setting)  # only the mesh pushes KV
         await server.start()
         stack.push_async_callback(server.stop, 1.0)
         self.kv_address = f"{self.settings.advertised_host()}:{port}"

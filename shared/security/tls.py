@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from shared.settings import CommonSettings
+from shared.settings import CommonSettings, SettingsError
 
 
 def client_context(
@@ -37,18 +37,35 @@ def server_context(common: CommonSettings) -> ssl.SSLContext | None:
     return context
 
 
-def add_port(server: grpc.aio.Server, address: str, common: CommonSettings, mutual: bool) -> int:
+def grpc_server(**kwargs: object) -> grpc.aio.Server:
+    """A gRPC server that owns its port: gRPC shares a port with any other socket that allows
+    it (SO_REUSEPORT, on by default), so a second kvmesh process told the same port would
+    take half of the first's connections instead of failing."""
+    options = [("grpc.so_reuseport", 0), *kwargs.pop("options", [])]  # type: ignore[misc]
+    return grpc.aio.server(options=options, **kwargs)  # type: ignore[arg-type]
+
+
+def add_port(
+    server: grpc.aio.Server, address: str, common: CommonSettings, mutual: bool, setting: str
+) -> int:
     """Listen on ``address``: with the service's certificate when TLS is on (``mutual``: a
-    client must show one the mesh's CA signed), else plain. Returns the port (0: failed)."""
-    if common.tls_cert_file is None:
-        return server.add_insecure_port(address)
-    assert common.tls_key_file is not None and common.tls_ca_file is not None
-    credentials = grpc.ssl_server_credentials(
-        [(common.tls_key_file.read_bytes(), common.tls_cert_file.read_bytes())],
-        root_certificates=common.tls_ca_file.read_bytes() if mutual else None,
-        require_client_auth=mutual,
-    )
-    return server.add_secure_port(address, credentials)
+    client must show one the mesh's CA signed), else plain. Returns the port; SettingsError
+    naming ``setting`` when the address cannot be listened on (in use, not this host's)."""
+    try:
+        if common.tls_cert_file is None:
+            return server.add_insecure_port(address)
+        assert common.tls_key_file is not None and common.tls_ca_file is not None
+        credentials = grpc.ssl_server_credentials(
+            [(common.tls_key_file.read_bytes(), common.tls_cert_file.read_bytes())],
+            root_certificates=common.tls_ca_file.read_bytes() if mutual else None,
+            require_client_auth=mutual,
+        )
+        return server.add_secure_port(address, credentials)
+    except RuntimeError:  # grpc's "Failed to bind"
+        raise SettingsError(
+            f"{setting}: cannot listen for gRPC on {address} (the port is in use, or the "
+            "address is not this host's)"
+        ) from None
 
 
 def channel(address: str, common: CommonSettings) -> grpc.aio.Channel:

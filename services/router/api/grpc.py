@@ -26,8 +26,8 @@ from services.router.request.answer import Answers, Delta
 from services.router.request.prepare import Prepared, Preparer
 from services.router.settings import RouterSettings
 from shared.proto import api_pb2, api_pb2_grpc
-from shared.security.tls import add_port
-from shared.settings import CommonSettings, SettingsError
+from shared.security.tls import add_port, grpc_server
+from shared.settings import CommonSettings, env_name
 
 CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -189,7 +189,7 @@ async def serve_grpc(
 ) -> str:
     """Serve the API until the stack closes (over TLS when the mesh has it); its address."""
     size = settings.max_body_bytes  # a gRPC message carries what an HTTP body would
-    server = grpc.aio.server(
+    server = grpc_server(
         interceptors=[interceptor],
         options=[
             ("grpc.max_receive_message_length", size),
@@ -198,9 +198,7 @@ async def serve_grpc(
     )
     api_pb2_grpc.add_GenerationServicer_to_server(api, server)
     where = f"{settings.http_host}:{settings.grpc_port}"
-    port = add_port(server, where, common, mutual=False)
-    if not port:
-        raise SettingsError(f"cannot listen for gRPC on {where}")
+    port = add_port(server, where, common, False, env_name(type(settings), "grpc_port"))
     await server.start()
     stack.push_async_callback(server.stop, 1.0)
     return f"{settings.advertised_host()}:{port}"
