@@ -350,3 +350,42 @@ def test_kvmesh_batch_runs_a_file_and_a_rerun_sends_only_what_is_missing(
     assert "1 requests" in third.stderr and "completed: 1 answers" in third.stderr
     ids = [json.loads(x)["custom_id"] for x in out.read_text().splitlines()]
     assert sorted(ids) == [f"req-{i}" for i in range(5)]
+
+
+def test_a_router_frozen_past_its_lease_loses_the_batch_and_no_line_is_answered_twice(
+    stack: Stack,
+) -> None:
+    """router-c works on a batch, then freezes past its lease (3 s): router-0 takes the batch
+    over. Woken, router-c finds its lease gone and stops; every line is answered once."""
+    url = stack.router("router-c")
+    on_c = stack.client(url, timeout=60)
+    lines = [line(i, max_tokens=48) for i in range(48)]
+    batch = run_batch(on_c, lines)
+    wait_until(
+        lambda: on_c.batches.retrieve(batch.id).request_counts.completed >= 2,
+        60,
+        what="router-c answered two lines",
+        interval_s=0.05,
+    )
+    router_c = stack.procs["router-c"]
+    router_c.signal(signal.SIGSTOP)
+    try:
+        client = stack.client()
+        wait_until(
+            lambda: f"batch {batch.id}: working on it" in stack.procs["router-0"].output(),
+            LEASE_S * 10,
+            what="router-0 takes the batch over",
+        )
+    finally:
+        router_c.signal(signal.SIGCONT)
+    done = finished(client, batch.id, timeout_s=120)
+    assert done.status == "completed", done
+    out = lines_of(client, done.output_file_id)
+    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(48))
+    assert done.request_counts.completed == 48 and done.request_counts.failed == 0
+    wait_until(
+        lambda: f"batch {batch.id}: lease lost" in router_c.output(),
+        30,
+        what="router-c to see its lease gone",
+    )
+    router_c.stop()
