@@ -1,17 +1,21 @@
 """Every router keeps the block index itself (real processes, real NATS): it routes by its
 own copy with cachemeta frozen or killed, a router started mid-run finds the same blocks, a
-worker whose KV events are cut while it keeps answering is flagged and routed by load until a
-resync makes its feed whole, two routers decide alike, and a block used through one router only
+worker whose KV events are cut while it keeps answering (a fault hook, or nats-server's
+permissions reloaded) is flagged and routed by load until a resync makes its feed whole, two
+routers decide alike, and a block used through one router only
 is kept alive everywhere against its TTL."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
 import pytest
 
+from kvmesh.natsserver import NatsServer
+from shared.bus import subjects
 from shared.messages.kvevents import STORE
 from tests.procs import get_json, wait_until
 from tests.stack import Stack
@@ -190,6 +194,46 @@ def test_a_worker_whose_events_are_cut_is_flagged_routed_by_load_then_resynced(
     decision = route(stack, ids + conversation(41, 64))
     assert decision["chosen"] == hooked and memory(decision)[hooked] >= 512
     print(f"stopped feed flagged in {flagged_s:.1f} s")
+
+
+def test_a_worker_nats_will_not_let_publish_its_events_is_flagged_then_made_whole(
+    stack: Stack, nats_server: NatsServer
+) -> None:
+    """The real fault behind a lost event: nats-server's configuration, reloaded, no longer
+    lets the prefill role publish its KV events. The worker says what NATS refused, routers
+    flag its tier stale; the permission given back, the feed is whole again."""
+    subject = json.dumps(subjects.kv_events("prefill")) + ", "
+    config = nats_server.config.read_text()
+    assert subject in config
+    ids, holder = home_of(stack, 51)
+    nats_server.config.write_text(config.replace(subject, "", 1))
+    os.kill(nats_server.pid, signal.SIGHUP)  # nats-server reloads its configuration
+    try:
+        time.sleep(0.5)  # (the reload is not acknowledged)
+        # Its next turn goes to it (its tier still trusted): new blocks, their event refused.
+        assert route(stack, ids + conversation(52, 128))["chosen"] == holder
+        wait_until(
+            lambda: (
+                f"permissions violation for publish to {subject[:-2]}"
+                in stack.procs[holder].output()
+            ),
+            30,
+            what="the worker to say NATS refused its KV events",
+        )
+        wait_until(
+            lambda: holder in router_health(stack)["kv_index"]["stale"],
+            15,
+            what="the refused feed flagged",
+        )
+    finally:
+        nats_server.config.write_text(config)
+        os.kill(nats_server.pid, signal.SIGHUP)
+    route(stack, ids + conversation(53, 64))  # (an event that comes asks for the resync)
+    wait_until(
+        lambda: not router_health(stack)["kv_index"]["stale"],
+        60,
+        what="the feed whole again",
+    )
 
 
 def test_touches_through_one_router_keep_a_block_alive_everywhere(stack: Stack) -> None:
