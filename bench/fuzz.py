@@ -115,6 +115,7 @@ def main() -> int:
                 "http_cases": http.cases,
                 "http_operations": http.operations,
                 "http_failures": http.failures,
+                "http_links_followed": http.links,
                 "grpc_cases": outcomes["cases"],
                 "grpc_answered": outcomes["answered"],
                 "grpc_refused": refused,

@@ -75,6 +75,7 @@ class FuzzRun:
     cases: int  # requests generated and sent
     operations: int  # operations tested
     failures: int  # unique failures found
+    links: int  # OpenAPI links followed by the stateful phase (a call's answer into the next)
     output: str
 
 
@@ -83,7 +84,8 @@ def schemathesis_run(
 ) -> FuzzRun:
     """Every operation of the router at ``url`` (127.0.0.1), every check Schemathesis has
     (``positive_data_acceptance`` replaced by ``refusals_name_a_rule``), its phases that
-    apply, seeded: a failure reproduces with the same seed."""
+    apply (stateful: the document's links, an upload into a batch into its cancel), seeded:
+    a failure reproduces with the same seed."""
     command = [
         str(Path(sys.executable).parent / "schemathesis"),
         "run",
@@ -123,6 +125,7 @@ def schemathesis_run(
         figure(r"(\d+) generated"),
         figure(r"Tested: (\d+)"),
         figure(r"(\d+) unique failures?"),
+        figure(r"API Links:\s+(\d+) covered"),
         out,
     )
 

@@ -51,6 +51,7 @@ def test_schemathesis_finds_nothing_and_the_mesh_serves_on(
     run = schemathesis_run(stack.url, admin[1], SEED, max_examples=3, timeout_s=300)
     assert run.returncode == 0, run.output[-8000:]
     assert run.operations >= 20 and run.cases >= 500, run.output[-2000:]
+    assert run.links >= 4, run.output[-2000:]  # the stateful phase went from call to call
     assert all(s["status"] == "ready" for s in stack.health().values())
     assert serves(stack, admin[1])
 

@@ -388,6 +388,16 @@ def test_openapi_describes_every_route_as_it_is(stack: Stack) -> None:
     assert "messages" in schemas["ChatRequest"]["properties"]
     refs = json.dumps(doc).split('"$ref": "')[1:]
     assert all(r.split('"')[0].removeprefix("#/components/schemas/") in schemas for r in refs)
+    ids = [op["operationId"] for ops in paths.values() for op in ops.values()]
+    assert len(ids) == len(set(ids))
+    links = paths["/v1/files"]["post"]["responses"]["200"]["links"]  # upload → batch → cancel
+    assert links["batch"]["operationId"] == paths["/v1/batches"]["post"]["operationId"]
+    cancel = paths["/v1/batches"]["post"]["responses"]["200"]["links"]["cancel"]
+    assert cancel["operationId"] == paths["/v1/batches/{batch_id}/cancel"]["post"]["operationId"]
+    for ops in paths.values():
+        for op in ops.values():
+            for link in op["responses"]["200"].get("links", {}).values():
+                assert link["operationId"] in ids
     for path, ops in paths.items():  # each documented operation answers as documented
         for method, op in ops.items():
             concrete = re.sub(r"\{[^}]+\}", "x", path)  # (/v1/files/{file_id}: /v1/files/x)

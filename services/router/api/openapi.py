@@ -98,6 +98,41 @@ QUERY: dict[str, list[dict]] = {  # each operation's query parameters, as the ha
 }
 
 
+def operation_id(method: str, path: str) -> str:
+    """``get_v1_batches_batch_id`` for GET /v1/batches/{batch_id}."""
+    return f"{method.lower()}_" + "_".join(re.findall(r"\w+", path))
+
+
+def _link(method: str, path: str, **fields: object) -> dict:
+    return {"operationId": operation_id(method, path), **fields}
+
+
+FILE_ID = {"file_id": "$response.body#/id"}
+BATCH_ID = {"batch_id": "$response.body#/id"}
+# What one operation's answer leads to (OpenAPI links): a client, and a stateful fuzzer, goes
+# from an uploaded file to its description, its bytes, a batch of it and its deletion, and
+# from a batch to its status and its cancel, and from the recent requests to one's detail.
+LINKS = {
+    "POST /v1/files": {
+        "file": _link("GET", "/v1/files/{file_id}", parameters=FILE_ID),
+        "content": _link("GET", "/v1/files/{file_id}/content", parameters=FILE_ID),
+        "batch": _link("POST", "/v1/batches", requestBody={"input_file_id": "$response.body#/id"}),
+        "delete": _link("DELETE", "/v1/files/{file_id}", parameters=FILE_ID),
+    },
+    "POST /v1/batches": {
+        "batch": _link("GET", "/v1/batches/{batch_id}", parameters=BATCH_ID),
+        "cancel": _link("POST", "/v1/batches/{batch_id}/cancel", parameters=BATCH_ID),
+    },
+    "GET /v1/dashboard/requests": {
+        "request": _link(
+            "GET",
+            "/v1/dashboard/requests/{request_id}",
+            parameters={"request_id": "$response.body#/requests/0/id"},
+        ),
+    },
+}
+
+
 def _parameters(path: str) -> list[dict]:
     """The path's parameters (every ``{name}`` in it) and its query's."""
     found = [
@@ -150,6 +185,7 @@ def document(routes: Iterable[web.AbstractRoute], version: str, auth: bool) -> d
         )
         summary, model, errors = ROUTES[key]
         op: dict = {
+            "operationId": operation_id(route.method, path),
             "summary": summary,
             "responses": {"200": {"description": "OK"}}
             | NOT_ERRORS.get(path, {})
@@ -163,6 +199,8 @@ def document(routes: Iterable[web.AbstractRoute], version: str, auth: bool) -> d
                 for code in errors
             },
         }
+        if links := LINKS.get(f"{route.method} {path}"):
+            op["responses"]["200"]["links"] = links
         if parameters := _parameters(path):
             op["parameters"] = parameters
         if model is not None:
