@@ -14,6 +14,8 @@ import anthropic
 import jsonschema
 import pytest
 
+from shared.model.catalog import resolve
+from shared.model.text import text_of
 from tests.images import data_url, png
 from tests.stack import TINY_ENCODER, Stack
 
@@ -138,6 +140,55 @@ def test_one_conversation_renders_the_same_in_both_apis_and_hits_the_cache_acros
     ]
     follow = client.messages.create(model="tiny", system=SYSTEM, messages=messages, max_tokens=2)
     assert follow.usage.cache_read_input_tokens >= 0.9 * as_chat.usage.prompt_tokens // 64 * 64
+
+
+def hf_prompt(stack: Stack, messages: list[dict]) -> list[int]:
+    """The prompt as transformers renders and tokenizes it, from the model's own template
+    and tokenizer: not kvmesh's renderer."""
+    import transformers
+
+    text = text_of(resolve("tiny", {}), stack.dir)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=text.tokenizer)
+    tokenizer.chat_template = text.chat_template.source
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def test_one_conversation_is_the_same_tokens_in_every_format(
+    client: anthropic.Anthropic, stack: Stack
+) -> None:
+    """Chat, Messages, Responses and count_tokens give the prompt transformers renders,
+    token for token: the same count, and the same greedy answer as its ids sent raw (a
+    different token anywhere would change the answer of the tiny model's random weights)."""
+    turns = [
+        {"role": "user", "content": "Tide at berth 7?"},
+        {"role": "assistant", "content": "High water at 14:10."},
+        {"role": "user", "content": "And the pilot, is she free then?"},
+    ]
+    ids = hf_prompt(stack, [{"role": "system", "content": SYSTEM}, *turns])
+    oai = stack.client()
+    raw = oai.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+    chat = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "system", "content": SYSTEM}, *turns],
+        max_tokens=8,
+        temperature=0,
+    )
+    message = client.messages.create(
+        model="tiny", system=SYSTEM, messages=turns, max_tokens=8, extra_body=GREEDY
+    )
+    response = oai.responses.create(
+        model="tiny", instructions=SYSTEM, input=turns, max_output_tokens=8, temperature=0
+    )
+    counted = client.messages.count_tokens(model="tiny", system=SYSTEM, messages=turns)
+    used = message.usage
+    assert raw.usage.prompt_tokens == len(ids)
+    assert chat.usage.prompt_tokens == response.usage.input_tokens == len(ids)
+    assert counted.input_tokens == len(ids)
+    assert used.input_tokens + (used.cache_read_input_tokens or 0) == len(ids)
+    answer = raw.choices[0].text
+    assert chat.choices[0].message.content == answer
+    assert message.content[0].text == answer and response.output_text == answer
 
 
 @pytest.mark.parametrize(
