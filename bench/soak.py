@@ -8,13 +8,14 @@ of its own when run as root, so it can be made read-only). The load: ``--clients
 starts over (chat, streamed chat and completions; greedy and sampled), so the caches keep
 taking new blocks and evicting old ones.
 
-"Full" is when the storage tier reached its eviction watermark and every prefill worker's
-memory tier is nine-tenths used. Every ``--sample-s``: each process's resident memory and
-open file descriptors (its children's too: decode's engine process), the KV blocks the
-workers hold, the requests queued, and each process's NATS backlog (its /metrics). Growth
-per hour is the slope of a least-squares line through the samples after the plateau (of a
-process's current run: one restarted is measured from a minute after), ± twice its standard
-error.
+"Full" is when the storage tier reached its eviction watermark, every prefill worker's memory
+tier is nine-tenths used and so is the router's tokenizer cache (300,000 tokens here: the
+default, 4 million, takes hours to fill at this load). Every ``--sample-s``: each process's
+resident memory and open file descriptors (its children's too: decode's engine process), the
+KV blocks the workers hold, the requests queued, and each process's NATS backlog (its
+/metrics). Growth per hour is the slope of a least-squares line through the samples after the
+plateau (of a process's current run: one restarted is measured from a minute after), ± twice
+its standard error.
 
 Faults, one of each kind: a decode worker killed (-9) and started again, and cachemeta
 killed and started again, while the caches fill; after the plateau, spread over the rest:
@@ -67,6 +68,7 @@ from tests.stack import Stack, start_stack  # noqa: E402
 IDS = ("router-0", "cachemeta-0", "prefill-0", "prefill-1", "decode-0", "decode-1")
 STORE_MIB = 48  # the storage tier's capacity (the tmpfs is twice that)
 MEMORY_TIER_MIB = 6  # each worker's
+TOKEN_CACHE = 300_000  # the router's tokenizer cache, in tokens (~50 bytes each)
 SETTINGS = {
     "KVMESH_FAULT_HOOKS": "true",
     "KVMESH_CACHEMETA_STORE_CAPACITY_BYTES": str(STORE_MIB << 20),
@@ -78,6 +80,7 @@ SETTINGS = {
     "KVMESH_DECODE_MAX_ENGINE_FAILURES": "1000",
     "KVMESH_PREFILL_STORE_RETRY_S": "5",
     "KVMESH_DECODE_STORE_RETRY_S": "5",
+    "KVMESH_ROUTER_TOKEN_CACHE_TOKENS": str(TOKEN_CACHE),
 }
 WORKERS = ("prefill", "decode")
 WATERMARK = 0.9  # cachemeta's default high watermark
@@ -171,6 +174,7 @@ class Sample:
     queued: int
     store_mb: float
     memory_tiers: float  # the least full prefill worker's memory tier, its share used
+    token_cache: float  # the router's tokenizer cache, its share used
     nats_pending: dict[str, float]
 
 
@@ -206,7 +210,7 @@ def sample(stack: Stack, t: float) -> Sample:
     store = 0.0
     with contextlib.suppress(OSError, KeyError):
         store = get_json(f"{stack.advertised('cachemeta-0')}/health")[1]["storage_tier"]["bytes"]
-    pending = {}
+    pending, token_cache = {}, 0.0
     for sid in pids:
         if sid == "nats-server" or not (url := stack.advertised(sid)):
             continue
@@ -215,6 +219,9 @@ def sample(stack: Stack, t: float) -> Sample:
             pending[sid] = sum(
                 v for (name, _), v in m.items() if name == "kvmesh_nats_pending_bytes"
             )
+            if sid.startswith("router"):
+                cached = [v for (n, _), v in m.items() if n == "kvmesh_router_token_cache_tokens"]
+                token_cache = sum(cached) / TOKEN_CACHE
     return Sample(
         t=t,
         rss_mb=rss,
@@ -225,6 +232,7 @@ def sample(stack: Stack, t: float) -> Sample:
         queued=sum(load["queued"] for load in loads),
         store_mb=store / 2**20,
         memory_tiers=min(tiers, default=0.0),
+        token_cache=token_cache,
         nats_pending=pending,
     )
 
@@ -404,7 +412,8 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
             samples.append(s)
             next_sample += args.sample_s
             store_full = s.store_mb >= WATERMARK * STORE_MIB * 0.97
-            if full_at is None and store_full and s.memory_tiers >= 0.9:
+            full = store_full and s.memory_tiers >= 0.9 and s.token_cache >= 0.9
+            if full_at is None and full:
                 full_at = t
                 end_at = max(end_at, now + 2 * t)
                 span = end_at - now  # the late faults spread over it, none near its end
@@ -414,6 +423,7 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
             say(
                 f"{t:6.0f} s  {tally.requests:6d} requests  {sum(tally.errors.values())} errors"
                 f"  store {s.store_mb:5.1f}/{STORE_MIB} MiB  memory tiers {s.memory_tiers:4.0%}"
+                f"  token cache {s.token_cache:4.0%}"
                 f"  RSS {sum(s.rss_mb.values()):6.0f} MB  fds {sum(s.fds.values()):4d}"
                 f"  queued {s.queued}"
             )

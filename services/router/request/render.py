@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from prometheus_client import Gauge
 from tokenizers import Tokenizer
 
 from services.router.dispatch.encodes import ImageInput
@@ -52,6 +53,14 @@ class Rendered:
     images: tuple[ImageRef, ...] = ()  # each image's placeholder tokens
 
 
+TOKEN_CACHE = Gauge(
+    "kvmesh_router_token_cache_tokens",
+    "prompt tokens the router's tokenizer cache holds, by model (at most "
+    "KVMESH_ROUTER_TOKEN_CACHE_TOKENS each)",
+    ["model"],
+)
+
+
 class Renderer:
     def __init__(
         self,
@@ -70,7 +79,9 @@ class Renderer:
     def add(self, name: str, model: TextModel) -> None:
         """Render for the model ``name`` from now on (its tokenizer, with a cache of
         segments)."""
-        self._tokenizers[name] = PromptTokenizer(model.tokenizer, self.token_cache_tokens)
+        tokenizer = PromptTokenizer(model.tokenizer, self.token_cache_tokens)
+        self._tokenizers[name] = tokenizer
+        TOKEN_CACHE.labels(name).set_function(lambda: tokenizer.cached_tokens)
 
     async def text_model(self, name: str) -> TextModel:
         """A model's text side (config, tokenizer, chat template), loaded once, off the loop,
@@ -195,6 +206,10 @@ class PromptTokenizer:
         self._cached_tokens = 0
         self.hits = self.misses = 0
         self._lock = threading.Lock()  # encode may run on several threads
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._cached_tokens
 
     def encode(self, text: str) -> list[int]:
         """The same ids as ``tokenizer.encode(text, add_special_tokens=False).ids``."""
