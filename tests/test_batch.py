@@ -71,6 +71,26 @@ def run_batch(client: openai.OpenAI, lines: list[dict | str], **create: object):
     return batch
 
 
+def answering(client: openai.OpenAI, n: int):  # noqa: ANN201
+    """A batch of ``n`` lines of 48 tokens, once two of them are answered."""
+    batch = run_batch(client, [line(i, max_tokens=48) for i in range(n)])
+    wait_until(
+        lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2,
+        60,
+        what="two lines answered",
+        interval_s=0.05,
+    )
+    return batch
+
+
+def each_line_answered_once(client: openai.OpenAI, batch_id: str, n: int) -> None:
+    done = finished(client, batch_id, timeout_s=120)
+    assert done.status == "completed", done
+    out = lines_of(client, done.output_file_id)
+    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(n))
+    assert done.request_counts.completed == n and done.request_counts.failed == 0
+
+
 def finished(client: openai.OpenAI, batch_id: str, timeout_s: float = 120):  # noqa: ANN201
     found = {}
 
@@ -244,14 +264,7 @@ def test_files_belong_to_their_tenant_and_have_a_size_limit(stack: Stack) -> Non
 def test_a_cancelled_batch_keeps_the_answers_it_got(client: openai.OpenAI) -> None:
     # (more lines than a router runs at once, KVMESH_ROUTER_BATCH_CONCURRENCY's 16: lines in
     # flight when the cancel comes are answered, the later ones are not started)
-    lines = [line(i, max_tokens=48) for i in range(80)]
-    batch = run_batch(client, lines)
-    wait_until(
-        lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2,
-        60,
-        what="two lines answered",
-        interval_s=0.1,
-    )
+    batch = answering(client, 80)
     assert client.batches.cancel(batch.id).status == "cancelling"
     done = finished(client, batch.id)
     assert done.status == "cancelled" and done.cancelled_at and done.cancelling_at
@@ -303,21 +316,9 @@ def test_a_batch_past_its_window_expires_with_what_it_answered(
 def test_a_router_killed_mid_batch_another_carries_it_on(stack: Stack) -> None:
     url = stack.router("router-b")
     on_b = stack.client(url, timeout=60)
-    lines = [line(i, max_tokens=48) for i in range(64)]  # four rounds of 16 at once
-    batch = run_batch(on_b, lines)
-    wait_until(
-        lambda: on_b.batches.retrieve(batch.id).request_counts.completed >= 2,
-        60,
-        what="router-b answered two lines",
-        interval_s=0.05,
-    )
+    batch = answering(on_b, 64)  # four rounds of 16 at once
     stack.procs["router-b"].signal(signal.SIGKILL)  # no lease given back: it runs out
-    client = stack.client()
-    done = finished(client, batch.id, timeout_s=120)
-    assert done.status == "completed", done
-    out = lines_of(client, done.output_file_id)
-    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(64))
-    assert done.request_counts.completed == 64 and done.request_counts.failed == 0
+    each_line_answered_once(stack.client(), batch.id, 64)
     assert f"batch {batch.id}: working on it" in stack.procs["router-0"].output()
 
 
@@ -359,18 +360,10 @@ def test_a_router_frozen_past_its_lease_loses_the_batch_and_no_line_is_answered_
     over. Woken, router-c finds its lease gone and stops; every line is answered once."""
     url = stack.router("router-c")
     on_c = stack.client(url, timeout=60)
-    lines = [line(i, max_tokens=48) for i in range(48)]
-    batch = run_batch(on_c, lines)
-    wait_until(
-        lambda: on_c.batches.retrieve(batch.id).request_counts.completed >= 2,
-        60,
-        what="router-c answered two lines",
-        interval_s=0.05,
-    )
+    batch = answering(on_c, 48)
     router_c = stack.procs["router-c"]
     router_c.signal(signal.SIGSTOP)
     try:
-        client = stack.client()
         wait_until(
             lambda: f"batch {batch.id}: working on it" in stack.procs["router-0"].output(),
             LEASE_S * 10,
@@ -378,11 +371,7 @@ def test_a_router_frozen_past_its_lease_loses_the_batch_and_no_line_is_answered_
         )
     finally:
         router_c.signal(signal.SIGCONT)
-    done = finished(client, batch.id, timeout_s=120)
-    assert done.status == "completed", done
-    out = lines_of(client, done.output_file_id)
-    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(48))
-    assert done.request_counts.completed == 48 and done.request_counts.failed == 0
+    each_line_answered_once(stack.client(), batch.id, 48)
     wait_until(
         lambda: f"batch {batch.id}: lease lost" in router_c.output(),
         30,
