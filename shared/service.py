@@ -345,6 +345,7 @@ def run_service(service_cls: type[Service], settings_cls: type[ServiceSettings])
         common.trace_endpoint,
         common.trace_sample_ratio,
         common.state_dir,
+        common.recent_traces,
     )
     try:
         uvloop.run(_run(service))

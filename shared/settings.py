@@ -175,6 +175,13 @@ class CommonSettings(KvmeshSettings):
     trace_sample_ratio: float = Field(
         default=1.0, ge=0, le=1, description="share of new traces recorded (a parent's choice wins)"
     )
+    recent_traces: int = Field(
+        default=4096,
+        ge=0,
+        le=1 << 20,
+        description="traces each process keeps in memory, the most recent, for the operator "
+        "page's request detail (a trace is this process's spans of one request)",
+    )
 
     # How an image becomes placeholder tokens: the router counts them, the encoder makes
     # that many embeddings; both must read the same values.

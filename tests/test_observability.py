@@ -169,6 +169,7 @@ def test_metrics_parse_on_every_service_and_move_with_traffic(stack: Stack) -> N
     age = ("kvmesh_heartbeat_age_seconds", (("role", "prefill"), ("service_id", "prefill-0")))
     assert after["router"][age] >= 0
     assert ("kvmesh_queued_requests", (("role", "encoder"),)) in after["encoder"]
+    assert after["router"][("kvmesh_recent_traces", ())] >= 1  # (its spans, for the page)
     for role in urls:  # every process's NATS backlog (nothing waits once the answer is in)
         out = ("kvmesh_nats_pending_bytes", (("direction", "out"), ("role", role)))
         assert after[role][out] >= 0

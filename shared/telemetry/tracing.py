@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from prometheus_client import Gauge
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,9 @@ class RecentSpans(SpanProcessor):
             while len(self._traces) > self.max_traces:
                 self._traces.popitem(last=False)
 
+    def __len__(self) -> int:
+        return len(self._traces)
+
     def of(self, trace_id: str) -> list[dict]:
         with self._lock:
             spans = list(self._traces.get(int(trace_id, 16), ()))
@@ -152,19 +156,32 @@ class RecentSpans(SpanProcessor):
 
 
 RECENT = RecentSpans()  # the process's (setup_tracing adds it to the provider)
+RECENT_TRACES = Gauge(
+    "kvmesh_recent_traces",
+    "traces this process keeps for the operator page (at most KVMESH_RECENT_TRACES)",
+)
+RECENT_TRACES.set_function(lambda: len(RECENT))
 
 
 EXPORT_DELAY_MS = 500
 
 
 def setup_tracing(
-    role: str, service_id: str, exporter: str, endpoint: str, sample_ratio: float, state_dir: Path
+    role: str,
+    service_id: str,
+    exporter: str,
+    endpoint: str,
+    sample_ratio: float,
+    state_dir: Path,
+    recent_traces: int = MAX_TRACES,
 ) -> TracerProvider:
     """The process's tracer provider, exporting as ``exporter`` says (see the module doc).
     With ``none``, spans are not even recorded (the API's no-op tracer; context still flows
-    through, so the services downstream see the caller's trace)."""
+    through, so the services downstream see the caller's trace). ``recent_traces``: how many
+    the operator's page can show (``RECENT``)."""
     if exporter == "none":
         return TracerProvider()  # never installed: only its shutdown is called
+    RECENT.max_traces = recent_traces
     resource = Resource.create(
         {"service.name": f"kvmesh-{role}", "service.instance.id": service_id}
     )
