@@ -14,6 +14,8 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Protocol
 
+from prometheus_client import Gauge
+
 from services.router.dispatch.job import Job, Segments
 from shared.kvstore.hashing import block_hashes, packed_block_hashes
 from shared.telemetry.tracing import tracer
@@ -32,6 +34,9 @@ class PrefixHashes:
         self._recent: OrderedDict[tuple, tuple[Segments, list[str]]] = OrderedDict()
         self.reused_blocks = 0  # hashes taken from an earlier prompt
         self.hashed_blocks = 0  # hashes computed
+
+    def __len__(self) -> int:
+        return len(self._recent)
 
     def hashes(self, segments: Segments, block_size: int, fingerprint: str, salt: str) -> list[str]:
         """The block hashes of the prompt made of ``segments``."""
@@ -65,10 +70,18 @@ class BlockLookup(Protocol):
     def lookup(self, hashes: list[str]) -> dict[str, int]: ...
 
 
+PREFIX_PROMPTS = Gauge(
+    "kvmesh_router_prefix_prompts",
+    "conversations whose block hashes the router remembers, to hash only a next turn's new "
+    "blocks (at most 4,096)",
+)
+
+
 class CachePlanner:
     def __init__(self, kv: BlockLookup) -> None:
         self.kv = kv
         self.hash_cache = PrefixHashes()
+        PREFIX_PROMPTS.set_function(lambda: len(self.hash_cache))
 
     async def planned(self, job: Job, block_size: int) -> Job:
         """The job with its prompt's block hashes and where they are (unchanged while no
