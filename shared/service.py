@@ -208,7 +208,8 @@ async def claim_id(service: Service, bus: Bus) -> None:
     )
     setting = "KVMESH_SERVICE_ID"
     try:
-        holder = await bus.ask(subject, WhoIs(asker=f"{me.host}:{me.pid}"), Holder, 2.0)
+        asker = WhoIs(asker=f"{me.host}:{me.pid}")
+        holder = await bus.ask(subject, asker, Holder, 2.0, nobody_again=False)
     except NoResponders:  # nobody holds it (a holder that died let go with its connection)
         holder = None
     except BusError as err:

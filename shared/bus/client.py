@@ -300,19 +300,21 @@ class Bus:
         reply_type: type[R],
         timeout_s: float,
         resend_s: float = ASK_RESEND_S,
+        nobody_again: bool = True,
     ) -> R:
         """``request``, sent again until answered within ``timeout_s``: every ``resend_s``
-        unanswered, and soon after "nobody serves". NATS delivers at most once: an ask written
-        to a node as it dies is lost, as is one that reaches a node before a reconnecting
-        subscriber is back. Only for a handler that takes the same message twice as once
-        (``shared.worker.Tasks``); a late answer to an earlier send is dropped."""
+        unanswered, and soon after "nobody serves" (unless ``nobody_again`` is False: then
+        NoResponders at once). NATS delivers at most once: an ask written to a node as it dies
+        is lost, as is one that reaches a node before a reconnecting subscriber is back. Only
+        for a handler that takes the same message twice as once (``shared.worker.Tasks``); a
+        late answer to an earlier send is dropped."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             try:
                 return await self.request(subject, msg, reply_type, max(0.05, min(left, resend_s)))
             except NoResponders:
-                if left <= NO_RESPONDERS_RETRY_S:
+                if not nobody_again or left <= NO_RESPONDERS_RETRY_S:
                     raise
                 await asyncio.sleep(NO_RESPONDERS_RETRY_S)
             except NoReply:
