@@ -9,9 +9,10 @@ starts over (chat, streamed chat and completions; greedy and sampled), so the ca
 taking new blocks and evicting old ones.
 
 "Full" is when the storage tier reached its eviction watermark, every prefill worker's memory
-tier is nine-tenths used, and so are the router's tokenizer cache and every serving process's
-recent traces (300,000 tokens and 600 traces here: the defaults, 4 million and 4,096, take
-the better part of an hour to fill at this load). Every ``--sample-s``: each process's
+tier is nine-tenths used, and so are the router's tokenizer cache, the conversations whose
+hashes it keeps, and every serving process's recent traces (300,000 tokens, 200 conversations
+and 600 traces here: the defaults, 4 million, 4,096 and 4,096, take hours to fill at this
+load). Every ``--sample-s``: each process's
 resident memory and open file descriptors (its children's too: decode's engine process), the
 KV blocks the workers hold, the requests queued, and each process's NATS backlog (its
 /metrics). Growth per hour is the slope of a least-squares line through the samples after the
@@ -71,6 +72,7 @@ STORE_MIB = 48  # the storage tier's capacity (the tmpfs is twice that)
 MEMORY_TIER_MIB = 6  # each worker's
 TOKEN_CACHE = 300_000  # the router's tokenizer cache, in tokens (~50 bytes each)
 RECENT_TRACES = 600  # each process's traces kept for the operator page
+PREFIX_PROMPTS = 200  # conversations whose block hashes the router keeps
 SETTINGS = {
     "KVMESH_FAULT_HOOKS": "true",
     "KVMESH_CACHEMETA_STORE_CAPACITY_BYTES": str(STORE_MIB << 20),
@@ -84,6 +86,7 @@ SETTINGS = {
     "KVMESH_DECODE_STORE_RETRY_S": "5",
     "KVMESH_ROUTER_TOKEN_CACHE_TOKENS": str(TOKEN_CACHE),
     "KVMESH_RECENT_TRACES": str(RECENT_TRACES),
+    "KVMESH_ROUTER_PREFIX_PROMPTS": str(PREFIX_PROMPTS),
 }
 WORKERS = ("prefill", "decode")
 WATERMARK = 0.9  # cachemeta's default high watermark
@@ -179,6 +182,7 @@ class Sample:
     memory_tiers: float  # the least full prefill worker's memory tier, its share used
     token_cache: float  # the router's tokenizer cache, its share used
     traces: float  # the emptiest trace buffer of the router and the workers, its share used
+    prefixes: float  # the router's conversations' hashes, its share used
     nats_pending: dict[str, float]
 
 
@@ -214,7 +218,7 @@ def sample(stack: Stack, t: float) -> Sample:
     store = 0.0
     with contextlib.suppress(OSError, KeyError):
         store = get_json(f"{stack.advertised('cachemeta-0')}/health")[1]["storage_tier"]["bytes"]
-    pending, token_cache, traces = {}, 0.0, []
+    pending, token_cache, traces, prefixes = {}, 0.0, [], 0.0
     for sid in pids:
         if sid == "nats-server" or not (url := stack.advertised(sid)):
             continue
@@ -229,6 +233,7 @@ def sample(stack: Stack, t: float) -> Sample:
             if sid.startswith("router"):
                 cached = [v for (n, _), v in m.items() if n == "kvmesh_router_token_cache_tokens"]
                 token_cache = sum(cached) / TOKEN_CACHE
+                prefixes = m.get(("kvmesh_router_prefix_prompts", ()), 0.0) / PREFIX_PROMPTS
     return Sample(
         t=t,
         rss_mb=rss,
@@ -241,6 +246,7 @@ def sample(stack: Stack, t: float) -> Sample:
         memory_tiers=min(tiers, default=0.0),
         token_cache=token_cache,
         traces=min(traces, default=0.0),
+        prefixes=prefixes,
         nats_pending=pending,
     )
 
@@ -420,7 +426,7 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
             samples.append(s)
             next_sample += args.sample_s
             store_full = s.store_mb >= WATERMARK * STORE_MIB * 0.97
-            full = store_full and min(s.memory_tiers, s.token_cache, s.traces) >= 0.9
+            full = store_full and min(s.memory_tiers, s.token_cache, s.traces, s.prefixes) >= 0.9
             if full_at is None and full:
                 full_at = t
                 end_at = max(end_at, now + 2 * t)
@@ -432,6 +438,7 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
                 f"{t:6.0f} s  {tally.requests:6d} requests  {sum(tally.errors.values())} errors"
                 f"  store {s.store_mb:5.1f}/{STORE_MIB} MiB  memory tiers {s.memory_tiers:4.0%}"
                 f"  token cache {s.token_cache:4.0%}  traces {s.traces:4.0%}"
+                f"  prefixes {s.prefixes:4.0%}"
                 f"  RSS {sum(s.rss_mb.values()):6.0f} MB  fds {sum(s.fds.values()):4d}"
                 f"  queued {s.queued}"
             )

@@ -127,6 +127,12 @@ class DispatchSettings(Section):
     ack_timeout_s: float = Field(
         default=2.0, gt=0, description="a worker must queue or refuse a task within this"
     )
+    prefix_prompts: int = Field(
+        default=4096,
+        ge=0,
+        description="conversations whose block hashes are kept, so a next turn hashes only "
+        "its new blocks (each holds its conversation's text)",
+    )
     max_starting: int = Field(
         default=32,
         ge=1,

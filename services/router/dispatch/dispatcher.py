@@ -81,7 +81,7 @@ class Dispatcher:
         self.breakers = breakers
         self.policy = policy
         self.settings = settings
-        self.plans = CachePlanner(kv)
+        self.plans = CachePlanner(kv, settings.prefix_prompts)
         self.inflight = InFlight(policy, breakers)
         self.sender = Sender(bus, router_id, registry, self.inflight, settings, secrets_dir)
         self.replies = Replies(bus, router_id, registry, breakers, settings)

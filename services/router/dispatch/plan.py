@@ -73,14 +73,14 @@ class BlockLookup(Protocol):
 PREFIX_PROMPTS = Gauge(
     "kvmesh_router_prefix_prompts",
     "conversations whose block hashes the router remembers, to hash only a next turn's new "
-    "blocks (at most 4,096)",
+    "blocks (at most KVMESH_ROUTER_PREFIX_PROMPTS)",
 )
 
 
 class CachePlanner:
-    def __init__(self, kv: BlockLookup) -> None:
+    def __init__(self, kv: BlockLookup, prefix_prompts: int = 4096) -> None:
         self.kv = kv
-        self.hash_cache = PrefixHashes()
+        self.hash_cache = PrefixHashes(prefix_prompts)
         PREFIX_PROMPTS.set_function(lambda: len(self.hash_cache))
 
     async def planned(self, job: Job, block_size: int) -> Job:
