@@ -111,3 +111,20 @@ def test_the_file_exporter_writes_spans_and_none_writes_nothing(
     assert spans["inner"]["parent_id"] == spans["outer"]["span_id"]
     assert spans["outer"]["attributes"]["kvmesh.request_id"] == "r-1"
     assert spans["outer"]["service"] == "kvmesh-router"
+
+
+def test_recent_spans_keep_the_last_so_many_traces() -> None:
+    """KVMESH_RECENT_TRACES: the operator page's traces are the most recent ones only."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from shared.telemetry.tracing import RecentSpans
+
+    recent = RecentSpans(max_traces=3)
+    provider = TracerProvider()
+    provider.add_span_processor(recent)
+    ids = []
+    for _ in range(5):
+        with provider.get_tracer("t").start_as_current_span("request") as span:
+            ids.append(format(span.get_span_context().trace_id, "032x"))
+    assert len(recent) == 3
+    assert recent.of(ids[0]) == [] and len(recent.of(ids[-1])) == 1

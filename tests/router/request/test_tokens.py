@@ -84,3 +84,22 @@ def test_a_next_turn_reuses_the_hashes_of_its_shared_blocks(model) -> None:
     before = cache.reused_blocks
     assert cache.hashes(segments, 64, "fp", "") == block_hashes(ids, 64, "fp", "")
     assert cache.reused_blocks == before
+
+
+def test_the_hashes_of_at_most_so_many_conversations_are_kept(model) -> None:
+    """KVMESH_ROUTER_PREFIX_PROMPTS: past it, the oldest conversation is forgotten (its next
+    turn is hashed whole, and still exactly)."""
+    from services.router.dispatch.plan import PrefixHashes
+
+    fast, cache = PromptTokenizer(model.tokenizer), PrefixHashes(2)
+    openings = [
+        model.chat_template.render([{"role": "user", "content": f"{i} " * 200}]) for i in range(3)
+    ]
+    for text in openings:
+        cache.hashes(fast.encode_segments(text)[1], 64, "fp", "")
+    assert len(cache) == 2
+    before = cache.reused_blocks
+    cache.hashes(fast.encode_segments(openings[0])[1], 64, "fp", "")  # forgotten: none reused
+    assert cache.reused_blocks == before
+    cache.hashes(fast.encode_segments(openings[2])[1], 64, "fp", "")  # kept: all reused
+    assert cache.reused_blocks > before
