@@ -171,6 +171,7 @@ def test_metrics_parse_on_every_service_and_move_with_traffic(stack: Stack) -> N
     assert ("kvmesh_queued_requests", (("role", "encoder"),)) in after["encoder"]
     assert after["router"][("kvmesh_recent_traces", ())] >= 1  # (its spans, for the page)
     assert after["router"][("kvmesh_router_prefix_prompts", ())] >= 1  # (the chat's hashes)
+    assert after["router"][("kvmesh_router_cache_explain_bytes", ())] > 0  # (and its parts)
     for role in urls:  # every process's NATS backlog (nothing waits once the answer is in)
         out = ("kvmesh_nats_pending_bytes", (("direction", "out"), ("role", role)))
         assert after[role][out] >= 0

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
+from prometheus_client import Gauge
 from tokenizers import Tokenizer
 
 from services.router.dispatch.job import Job, Segments
@@ -133,10 +134,18 @@ def _digest(role: str, content: str) -> bytes:
     return xxhash.xxh3_128_digest(f"{role}\x00{content}".encode("utf-8", "surrogatepass"))
 
 
+EXPLAIN_BYTES = Gauge(
+    "kvmesh_router_cache_explain_bytes",
+    "what the cache-miss explanations hold (recent conversations' parts and block hashes), "
+    "by its own count (at most KVMESH_ROUTER_CACHE_EXPLAIN_BYTES)",
+)
+
+
 class CacheMisses:
     """Recent conversations per tenant, and the explanation of a new prompt's misses."""
 
     def __init__(self, max_bytes: int) -> None:
+        EXPLAIN_BYTES.set_function(lambda: self.bytes)
         self.max_bytes = max_bytes
         self._prompts: OrderedDict[tuple[str, str], Prompt] = OrderedDict()  # (tenant, rid)
         # (tenant, anchor digest) → the request ids of prompts with that anchor, oldest first
