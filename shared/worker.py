@@ -505,11 +505,15 @@ class WorkerService(Service):
             worker_id=self.service_id,
         )
 
-    def error_event(self, rid: str, message: str, code: str, index: int = 0) -> TokenEvent:
+    def error_event(
+        self, rid: str, message: str, code: str, index: int = 0, at_fault: str = ""
+    ) -> TokenEvent:
         """A request failed here, before its first token or after ``index`` tokens (``code``
-        tells the router whether another worker may try)."""
+        tells the router whether another worker may try; ``at_fault``: the worker it leaves
+        out, when not this one)."""
+        worker = at_fault or self.service_id
         return TokenEvent(
-            request_id=rid, index=index, error=message, error_code=code, worker_id=self.service_id
+            request_id=rid, index=index, error=message, error_code=code, worker_id=worker
         )
 
     async def send(self, subject: str, *events: TokenEvent) -> None:

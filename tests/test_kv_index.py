@@ -196,6 +196,19 @@ def test_a_worker_whose_events_are_cut_is_flagged_routed_by_load_then_resynced(
     print(f"stopped feed flagged in {flagged_s:.1f} s")
 
 
+def reload(server: NatsServer, config: str) -> None:
+    """nats-server given ``config`` (SIGHUP), once its log says it reloaded."""
+    assert server.log_file is not None
+    done = server.log_file.read_text().count("Reloaded server configuration")
+    server.config.write_text(config)
+    os.kill(server.pid, signal.SIGHUP)
+    wait_until(
+        lambda: server.log_file.read_text().count("Reloaded server configuration") > done,
+        10,
+        what="nats-server to reload its configuration",
+    )
+
+
 def test_a_worker_nats_will_not_let_publish_its_events_is_flagged_then_made_whole(
     stack: Stack, nats_server: NatsServer
 ) -> None:
@@ -206,10 +219,8 @@ def test_a_worker_nats_will_not_let_publish_its_events_is_flagged_then_made_whol
     config = nats_server.config.read_text()
     assert subject in config
     ids, holder = home_of(stack, 51)
-    nats_server.config.write_text(config.replace(subject, "", 1))
-    os.kill(nats_server.pid, signal.SIGHUP)  # nats-server reloads its configuration
+    reload(nats_server, config.replace(subject, "", 1))
     try:
-        time.sleep(0.5)  # (the reload is not acknowledged)
         # Its next turn goes to it (its tier still trusted): new blocks, their event refused.
         assert route(stack, ids + conversation(52, 128))["chosen"] == holder
         wait_until(
@@ -226,8 +237,7 @@ def test_a_worker_nats_will_not_let_publish_its_events_is_flagged_then_made_whol
             what="the refused feed flagged",
         )
     finally:
-        nats_server.config.write_text(config)
-        os.kill(nats_server.pid, signal.SIGHUP)
+        reload(nats_server, config)
     route(stack, ids + conversation(53, 64))  # (an event that comes asks for the resync)
     wait_until(
         lambda: not router_health(stack)["kv_index"]["stale"],

@@ -3,7 +3,7 @@ model), a real nats-server, gRPC handoffs; driven with the official openai clien
 
 from __future__ import annotations
 
-import concurrent.futures
+import http.client
 import json
 import os
 import signal
@@ -370,15 +370,20 @@ def test_a_router_running_far_behind_refuses_new_requests_until_it_catches_up(
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     wait_until(lambda: post(url + "/v1/completions", body)[0] == 200, 60, what="router-lag up")
     proc = stack.procs["router-lag"]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        proc.signal(signal.SIGSTOP)
-        time.sleep(2.5)  # past its workers' two beats
-        # Sent while it is frozen: read once it wakes, after its late timer has said so
-        # (however slowly this machine lets the test send it).
-        waiting = pool.submit(post, url + "/v1/completions", body)
-        time.sleep(0.2)
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
+    proc.signal(signal.SIGSTOP)
+    try:
+        time.sleep(2.5)  # frozen past its workers' two beats (the fault's length)
+        # Sent while it is frozen (the kernel holds the connection and the bytes): read once
+        # it wakes, after its late timer has said so.
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+    finally:
         proc.signal(signal.SIGCONT)
-        code, headers, resp = waiting.result(30)
+    answer = conn.getresponse()
+    code, headers, resp = answer.status, dict(answer.headers), json.loads(answer.read())
+    conn.close()
     assert code == 429 and headers.get("Retry-After") == "1"
     assert "behind" in resp["error"]["message"] and resp["error"]["code"] == "overloaded"
     wait_until(lambda: post(url + "/v1/completions", body)[0] == 200, 10, what="caught up")

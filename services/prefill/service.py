@@ -245,8 +245,7 @@ class PrefillService(WorkerService):
         else:
             log.error("prefill of %s failed", rid, exc_info=err)
             code = "internal"
-        failed = self.error_event(rid, str(err), code)
-        await self.send(task.reply_subject, failed.model_copy(update={"worker_id": at_fault}))
+        await self.send(task.reply_subject, self.error_event(rid, str(err), code, 0, at_fault))
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self.channels:
