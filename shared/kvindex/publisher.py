@@ -9,7 +9,9 @@ tells a feed that went quiet while its worker computes (a bridge whose engine st
 talking). Blocks are matched to announcements by count, oldest first, so an earlier
 computation's late event does not hide a later one's silence; those still waiting when an
 event is made more than ``bound_s`` after them are dropped (the feed flows: the engine chose
-not to keep them).
+not to keep them). An engine's event may also come before its worker tells what it computed
+(vLLM's feed and its answers are two streams): blocks announced that nothing waited for are
+kept for ``bound_s``, and the blocks computed next take them first.
 
 A publish that fails is logged and counted, not raised: the event is lost. The holders of the
 index see the gap and ask for a resync (``resync``); a worker also resyncs by itself at its
@@ -57,8 +59,10 @@ class KvEventPublisher:
         self.lost = 0  # of those, not published
         self.bound_s = bound_s
         self.clock = clock  # when blocks were computed and announced (tests give their own)
-        # Blocks of new KV computed, each to be announced: location → [computed at, blocks].
+        # Blocks of new KV computed, each to be announced: location → [computed at, blocks];
+        # and blocks announced before they were told computed: location → [announced at, blocks].
         self.waiting: dict[str, deque[list]] = {}
+        self.ahead: dict[str, deque[list]] = {}
         self._resync: asyncio.Task | None = None
         self._lost_since_resync = False
         self.resyncs = 0
@@ -100,8 +104,11 @@ class KvEventPublisher:
 
     def computed(self, blocks: int, location: str) -> None:
         """``blocks`` of new KV were computed, to be announced as stored at ``location``."""
+        now = self.clock()
+        self._expire(self.ahead, now)
+        blocks = self._take(self.ahead.get(location), blocks)
         if blocks > 0:
-            self.waiting.setdefault(location, deque()).append([self.clock(), blocks])
+            self.waiting.setdefault(location, deque()).append([now, blocks])
 
     def unannounced_s(self) -> float:
         """How long the oldest block computed and not yet announced has waited (0: none)."""
@@ -110,15 +117,28 @@ class KvEventPublisher:
 
     def _announced(self, location: str, blocks: int, now: float) -> None:
         """An event made: ``blocks`` stored at ``location`` announce the oldest computed
-        there, and blocks left waiting more than ``bound_s`` before it are not to be."""
-        queue = self.waiting.get(location)
+        there (those left over are kept a while, for blocks told computed after), and blocks
+        left waiting more than ``bound_s`` before it are not to be."""
+        blocks = self._take(self.waiting.get(location), blocks)
+        if location and blocks > 0:
+            self.ahead.setdefault(location, deque()).append([now, blocks])
+        self._expire(self.waiting, now)  # (the feed flows: the engine chose not to keep them)
+        self._expire(self.ahead, now)
+
+    @staticmethod
+    def _take(queue: deque[list] | None, blocks: int) -> int:
+        """``blocks`` matched against ``queue``'s oldest first; returns those left over."""
         while queue and blocks > 0:
             take = min(blocks, queue[0][1])
             queue[0][1] -= take
             blocks -= take
             if not queue[0][1]:
                 queue.popleft()
-        for queue in self.waiting.values():
+        return blocks
+
+    def _expire(self, queues: dict[str, deque[list]], now: float) -> None:
+        """Entries older than ``bound_s`` dropped from ``queues``."""
+        for queue in queues.values():
             while queue and now - queue[0][0] > self.bound_s:
                 queue.popleft()
 
