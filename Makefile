@@ -31,7 +31,21 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm.txt
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps -r requirements-vllm.txt
 	@touch $(VLLM_STAMP)
 
-test: $(STAMP) $(VLLM_STAMP) browser
+# SGLang's own code for the tests of kvmesh's plug points into it (tests/sglang_release.py):
+# the pinned release's wheel from the package registry, unpacked beside the venv, never
+# installed (SGLang needs CUDA; the modules those tests use import without it).
+SGLANG_VERSION := 0.5.23
+SGLANG_RELEASE := $(VENV)/sglang-$(SGLANG_VERSION)
+SGLANG_STAMP := $(SGLANG_RELEASE)/.fetched
+$(SGLANG_STAMP): $(STAMP)
+	rm -rf $(SGLANG_RELEASE) && mkdir -p $(SGLANG_RELEASE)/wheel
+	$(BIN)/pip download --disable-pip-version-check -q --no-deps \
+		sglang==$(SGLANG_VERSION) -d $(SGLANG_RELEASE)/wheel
+	$(BIN)/python -m zipfile -e $(SGLANG_RELEASE)/wheel/sglang-$(SGLANG_VERSION)-*.whl $(SGLANG_RELEASE)
+	rm -rf $(SGLANG_RELEASE)/wheel
+	@touch $(SGLANG_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) browser
 	$(BIN)/python -m pytest
 
 # The operator page's tests drive Debian's chromium (tests/test_dashboard.py); installed here

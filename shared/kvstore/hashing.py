@@ -11,12 +11,21 @@ routes, and a 77K-token prompt's 1,200 blocks take 0.3 ms with it against 1 ms w
 whose cost here is per call, not per byte. It is not built to resist crafted collisions; to
 aim one at another request's block an attacker would need that block's chain value, which
 covers the whole prefix before it (and the tenant's salt, which isolates tenants anyway).
+
+A second scheme, ``sglang``, is SGLang's own (its HiCache storage keys): SHA-256 over the
+previous block's digest and the block's token ids as u32 little-endian, the chain seeded from
+the request's ``cache_salt`` (``sglang_cache_salt``: kvmesh passes the model's fingerprint, the
+block size and the tenant salt in it, so the chain covers what the XXH3 one does). SGLang names
+what it writes to its storage backend with these hashes and the backend never sees token ids,
+so for a model served by SGLang the router hashes prompts this way and one hash names a block
+from the router to the storage tier (``HASH_SCHEMES``; workers say their scheme in heartbeats).
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -77,6 +86,23 @@ def block_hashes(
     )
 
 
+def scheme_block_hashes(
+    scheme: str,
+    token_ids: Sequence[int],
+    block_size: int,
+    fingerprint: str,
+    salt: str = "",
+    known: Sequence[str] = (),
+    images: Sequence[ImageSpan] = (),
+) -> list[str]:
+    """``block_hashes`` in the hash scheme ``scheme`` (one of ``HASH_SCHEMES``)."""
+    if scheme == XXH3:
+        return block_hashes(token_ids, block_size, fingerprint, salt, (), known, images)
+    n_full = len(token_ids) // block_size
+    packed = pack_tokens(token_ids[: n_full * block_size], images)
+    return HASH_SCHEMES[scheme](packed, block_size, fingerprint, salt, (), known, None)
+
+
 def packed_block_hashes(
     packed: bytes,
     block_size: int,
@@ -106,3 +132,66 @@ def packed_block_hashes(
         prev = digest(prev + data[at : at + step])  # 16 bytes of chain, then the block
         hashes.append(prev.hex())
     return hashes
+
+
+def sglang_cache_salt(fingerprint: str, block_size: int, salt: str = "") -> str:
+    """The ``cache_salt`` kvmesh gives SGLang for a request: it seeds SGLang's hash chain (and
+    keeps one tenant's radix-cache entries from another's), so the chain covers the model, the
+    block size and the tenant as the XXH3 one does."""
+    return f"kvmesh/{fingerprint}/{block_size}/{salt}"
+
+
+def sglang_seed(cache_salt: str | None, extra_key: str | None = None) -> bytes | None:
+    """The digest SGLang's storage chain starts from for a request (its
+    ``storage_namespace_seed``): None with neither salt nor extra key."""
+    if cache_salt is None and extra_key is None:
+        return None
+    digest = hashlib.sha256(b"sglang-cache-namespace-v1")
+    for part in (extra_key, cache_salt):  # presence and length keep the parts apart
+        if part is None:
+            digest.update(b"\x00")
+            continue
+        encoded = part.encode("utf-8")
+        digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return digest.digest()
+
+
+def sglang_chain(packed: bytes, block_size: int, prev: bytes | None, start: int = 0) -> list[str]:
+    """SGLang's chained SHA-256 over the full blocks of ``packed`` from byte ``start``, going
+    on from digest ``prev`` (None: a chain with no seed)."""
+    step = block_size * 4
+    data = memoryview(packed)
+    end = start + (len(data) - start) // step * step
+    out = []
+    sha = hashlib.sha256
+    for at in range(start, end, step):
+        prev = (sha(prev + data[at : at + step]) if prev else sha(data[at : at + step])).digest()
+        out.append(prev.hex())
+    return out
+
+
+def packed_sglang_hashes(
+    packed: bytes,
+    block_size: int,
+    fingerprint: str,
+    salt: str = "",
+    extra_keys: Sequence[str] = (),
+    known: Sequence[str] = (),
+    offset: int | None = None,
+) -> list[str]:
+    """``packed_block_hashes`` in SGLang's scheme (token ids are u32 there: the int32 packing
+    is the same bytes; an image's placeholders are not SGLang's and such prompts do not go to
+    it)."""
+    assert block_size > 0 and not extra_keys, "SGLang's chain takes no extra keys"
+    if known:
+        prev: bytes | None = bytes.fromhex(known[-1])
+    else:
+        prev = sglang_seed(sglang_cache_salt(fingerprint, block_size, salt))
+    start = len(known) * block_size * 4 if offset is None else offset
+    return [*known, *sglang_chain(packed, block_size, prev, start)]
+
+
+XXH3, SGLANG = "xxh3", "sglang"
+PackedHasher = Callable[..., list[str]]
+# A worker's hash scheme → how the router hashes prompts for its model.
+HASH_SCHEMES: dict[str, PackedHasher] = {XXH3: packed_block_hashes, SGLANG: packed_sglang_hashes}

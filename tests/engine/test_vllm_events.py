@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from shared.engine.vllm.events import STORAGE_MEDIUM, KvEventBridge
+from shared.engine.vllm.events import STORAGE_MEDIUM, VllmEventBridge
 from shared.kvstore.hashing import block_hashes
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events", reason="the vllm extra")
@@ -17,13 +17,13 @@ kv_events = pytest.importorskip("vllm.distributed.kv_events", reason="the vllm e
 BS, FP = 4, "fp-test"
 
 
-def bridge() -> tuple[KvEventBridge, list[tuple]]:
+def bridge() -> tuple[VllmEventBridge, list[tuple]]:
     said: list[tuple] = []
 
     async def publish(kind: str, hashes: list[str], tier: str, retention: str, size: int) -> None:
         said.append((kind, hashes, tier, retention, size))
 
-    return KvEventBridge(FP, BS, publish), said
+    return VllmEventBridge(FP, BS, publish), said
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int], **extra) -> object:

@@ -28,7 +28,7 @@ from shared.engine.interface import (
     OwningEngine,
 )
 from shared.engine.sampling import SamplingParams, TokenLogprobs
-from shared.engine.vllm.events import KvEventBridge
+from shared.engine.vllm.events import VllmEventBridge
 from shared.files import locked
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
@@ -66,7 +66,7 @@ class VllmEngine(OwningEngine):
         self.options = options
         self._engine = None  # vllm's AsyncLLM, once started
         self._stats = _Stats()
-        self._bridge: KvEventBridge | None = None
+        self._bridge: VllmEventBridge | None = None
 
     @classmethod
     def refusal(cls, options: EngineOptions) -> str:
@@ -113,7 +113,7 @@ class VllmEngine(OwningEngine):
 
         events = None
         if on_blocks is not None:  # its cache's events, bridged into kvmesh's hashes
-            self._bridge = KvEventBridge(self.config.fingerprint, self.block_size, on_blocks)
+            self._bridge = VllmEventBridge(self.config.fingerprint, self.block_size, on_blocks)
             endpoint = self._bridge.bind()
             events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
 
@@ -209,7 +209,7 @@ class VllmEngine(OwningEngine):
         return EngineStats(used, s.blocks_total, self.block_size, held, s.running)
 
     def cached_blocks(self) -> list[str]:
-        return list(self._bridge.ours.values()) if self._bridge is not None else []
+        return self._bridge.cached() if self._bridge is not None else []
 
     async def stop(self) -> None:
         if self._bridge is not None:

@@ -1,0 +1,175 @@
+"""An engine's own KV cache events as kvmesh's: which blocks its prefix cache holds, in the
+hash space the router looks prompts up in.
+
+vLLM and SGLang publish their cache events the same way, over ZMQ: frames ``(topic, seq as 8
+big-endian bytes, msgpack [ts, events, dp_rank])``, the events ``BlockStored`` (the blocks'
+token ids, the engine's ids for them, its id of the block before the first), ``BlockRemoved``
+and ``AllBlocksCleared``. Each engine's subclass says how to read a batch and how its blocks
+are named in kvmesh's hash space (``chain``): the bridge recomputes each stored block's hash
+from its tokens, chained on its parent's (the engine's ids are not the router's hashes), and
+keeps the engine's id → kvmesh's to translate removals.
+
+A block may sit in more than one medium of the engine at once (SGLang's GPU and host memory):
+it is held by the worker while any medium holds it, and is reported removed when the last
+lets it go. A gap in the sequence numbers (a batch lost) is mended by ``lost``: a subclass
+whose engine replays asks for the batches missed; otherwise everything known is reported
+removed and the map starts again (blocks still cached are reported again as they are used).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from shared import faults
+from shared.engine.interface import BlockEvents
+from shared.kvstore.tiers import MEMORY
+
+log = logging.getLogger(__name__)
+
+
+class KvEventBridge:
+    block_size: int
+
+    def __init__(self, block_size: int, publish: BlockEvents) -> None:
+        self.block_size = block_size
+        self.publish = publish
+        self.ours: dict[Any, str] = {}  # the engine's block id → kvmesh's hash
+        self.media: dict[Any, set[str]] = {}  # the engine's block id → the media holding it
+        self.last_seq = -1
+        self._socket = None
+        self._task: asyncio.Task | None = None
+        self.endpoint = ""
+
+    # -- what an engine's subclass says ---------------------------------------------------
+
+    def decode(self, payload: bytes) -> list:
+        """The events of one batch (raises ValueError when they cannot be read)."""
+        raise NotImplementedError
+
+    def chain(self, event: Any, parent: str | None) -> list[str]:
+        """kvmesh's hashes of a BlockStored's full blocks, going on from ``parent`` (kvmesh's
+        hash of the block before them; None when they start the prompt)."""
+        raise NotImplementedError
+
+    async def other(self, event: Any) -> bool:
+        """An event the subclass handles itself (True when it did)."""
+        return False
+
+    async def lost(self, first: int, seq: int) -> None:
+        """Batches ``first``..``seq - 1`` never came: by default, start over."""
+        log.warning("KV events %d..%d from the engine were lost: resync", first, seq - 1)
+        await self.resync()
+
+    # -- the feed -------------------------------------------------------------------------
+
+    def bind(self) -> str:
+        """Open the subscriber for the engine's publisher to connect to (before the engine
+        starts: it connects as it starts)."""
+        import zmq
+        import zmq.asyncio
+
+        self._socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        return self.endpoint
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._socket is not None:
+            self._socket.close(linger=0)
+
+    async def _run(self) -> None:
+        assert self._socket is not None
+        while True:
+            _, seq_bytes, payload = await self._socket.recv_multipart()
+            if faults.on("kv_feed"):  # (a test: the engine's feed goes quiet)
+                continue
+            await self.batch(int.from_bytes(seq_bytes, "big", signed=True), payload)
+
+    async def batch(self, seq: int, payload: bytes) -> None:
+        """One batch as it came, numbered ``seq``."""
+        if seq == 0 and self.last_seq >= 0:  # the engine started over: so does the map
+            await self.resync()
+            self.last_seq = -1
+        elif seq <= self.last_seq:
+            return  # (a replayed batch already applied)
+        if seq != self.last_seq + 1:
+            await self.lost(self.last_seq + 1, seq)
+        try:
+            events = self.decode(payload)
+        except ValueError as err:
+            log.warning("a KV event batch the engine sent could not be read: %s", err)
+            await self.resync()
+            self.last_seq = seq
+            return
+        self.last_seq = seq
+        try:
+            await self.apply(events)
+        except Exception:  # one bad batch must not stop the bridge
+            log.exception("KV event batch %d", seq)
+
+    async def resync(self) -> None:
+        """Forget every block: reported removed (the engine reports them again when used)."""
+        gone, self.ours, self.media = list(self.ours.values()), {}, {}
+        await self.publish("removed", gone, MEMORY, "chat", 0)
+
+    async def apply(self, events: list) -> None:
+        stored: list[str] = []
+        removed: list[str] = []
+        for event in events:
+            kind = type(event).__name__
+            medium = getattr(event, "medium", None) or ""
+            if await self.other(event):
+                continue
+            if kind == "BlockStored":
+                stored += self.stored(event, medium)
+            elif kind == "BlockRemoved":
+                for block in event.block_hashes:
+                    held = self.media.get(block)
+                    if held is None:
+                        continue
+                    held.discard(medium)
+                    if not held:
+                        del self.media[block]
+                        removed.append(self.ours.pop(block))
+            elif kind == "AllBlocksCleared":
+                removed += list(self.ours.values())
+                self.ours.clear()
+                self.media.clear()
+        if removed:
+            await self.publish("removed", removed, MEMORY, "chat", 0)
+        if stored:
+            await self.publish("stored", stored, MEMORY, "chat", 0)
+
+    def stored(self, event: Any, medium: str) -> list[str]:
+        """kvmesh's hashes of a BlockStored's blocks new to the worker (none when its parent
+        is unknown: its prefix was never reported, or was forgotten)."""
+        if event.block_size != self.block_size:
+            log.warning(
+                "the engine stored blocks of %d tokens, not %d", event.block_size, self.block_size
+            )
+            return []
+        parent = event.parent_block_hash
+        known = None if parent is None else self.ours.get(parent)
+        if parent is not None and known is None:
+            return []
+        new = []
+        for block, ours in zip(event.block_hashes, self.chain(event, known), strict=False):
+            held = self.media.setdefault(block, set())
+            if not held:
+                self.ours[block] = ours
+                new.append(ours)
+            held.add(medium)
+        return new
+
+    def cached(self) -> list[str]:
+        """kvmesh's hashes of every block the engine holds, as its events said."""
+        return list(self.ours.values())
