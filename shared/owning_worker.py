@@ -45,7 +45,7 @@ class OwningWorker(WorkerService):
             block = env_name(type(settings), "block_size")
             engine = env_name(type(settings), "engine")
             raise SettingsError(
-                f"{block}={settings.block_size} with {engine}={settings.engine}: {refusal}"
+                f"{engine}={settings.engine} with {block}={settings.block_size}: {refusal}"
             )
 
     def __init__(self, common: CommonSettings, settings: WorkerSettings) -> None:
@@ -83,7 +83,12 @@ class OwningWorker(WorkerService):
         """The worker's engine options, with the storage tier the engine reads and writes."""
         s = self.worker_settings
         store = self.common.resolved_kv_store_dir if s.kv_store else ""
-        return replace(s.engine_options(), kv_store_dir=str(store), store_dtype=s.store_dtype)
+        return replace(
+            s.engine_options(),
+            kv_store_dir=str(store),
+            store_dtype=s.store_dtype,
+            memory_tier_bytes=s.memory_tier_bytes,
+        )
 
     async def blocks(
         self, kind: str, hashes: list[str], tier: str, retention: str, block_bytes: int = 0
@@ -125,6 +130,7 @@ class OwningWorker(WorkerService):
         stats = self.owning.stats()
         return Load(  # inflight: what this worker accepted (the engine's own count lags a step)
             **self.kv_event_figures(),
+            kv_hash=self.owning.hash_scheme,
             inflight=len(self.answers),
             queued=max(0, stats.sequences - stats.running),
             kv_blocks_used=stats.kv_blocks_used,

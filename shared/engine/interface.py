@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol
 
 from shared.engine.sampling import SamplingParams, TokenLogprobs
+from shared.kvstore.hashing import XXH3
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 
@@ -83,9 +84,11 @@ class EngineOptions:
     eplb_replan_steps: int = 10_000
     eplb_move_cost: float = 0.05  # mean-card decode steps per expert moved
     eplb_record: str = ""  # a load file the per-step expert counts are written to
-    # Engines that own their KV (vLLM) read and write the shared storage tier themselves.
+    # Engines that own their KV (vLLM, SGLang) read and write the shared storage tier
+    # themselves; SGLang keeps the worker's memory tier in its own host memory (HiCache).
     kv_store_dir: str = ""  # empty: no storage tier
     store_dtype: str = ""  # of stored blocks; empty: the engine's
+    memory_tier_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -382,6 +385,7 @@ class OwningEngine(ABC):
 
     config: ModelConfig
     block_size: int
+    hash_scheme: str = XXH3  # how its blocks are named (shared/kvstore/hashing.py): the router's
 
     @classmethod
     @abstractmethod

@@ -15,10 +15,12 @@ ENGINES: dict[str, str] = {
     "torch": "shared.engine.torch.engine:TorchEngine",
     # benchmarks of the mesh only: real prefill, decode a paced fixed token (see its module)
     "fake-paced": "shared.engine.fake:PacedFakeEngine",
-    # an engine that owns its KV (OwningEngine): vLLM, from the vllm extra
+    # engines that own their KV (OwningEngine): vLLM, from the vllm extra; SGLang, on a GPU
+    # machine with sglang installed
     "vllm": "shared.engine.vllm.engine:VllmEngine",
+    "sglang": "shared.engine.sglang.engine:SglangEngine",
 }
-OWNING = frozenset({"vllm"})  # the backends that are OwningEngines (known before importing)
+OWNING = frozenset({"vllm", "sglang"})  # the OwningEngine backends (known before importing)
 # Engines whose answers are not the model's: a worker runs one only when told it is a
 # benchmark (KVMESH_BENCH_ENGINES).
 BENCH_ONLY = frozenset({"fake-paced"})

@@ -8,6 +8,7 @@ adapters carry those over by name)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 MAX_TOP_LOGPROBS = 20
@@ -80,3 +81,16 @@ class SamplingParams:
         state across the split: vLLM's): greedy or unseeded sampling, no penalty that counts
         the answer's tokens, no grammar over the whole answer."""
         return (self.greedy or self.seed is None) and not self.penalized and self.grammar is None
+
+
+def stop_string_hit(
+    decode: Callable[[list[int]], str], output_ids: list[int], stops: Sequence[str]
+) -> str | None:
+    """A stop string the answer's text ends with now, its newest token just added (a stop may
+    span several tokens; those that do not include the newest text were checked before).
+    ``decode``: the model's tokenizer's, token ids to text."""
+    longest = max(len(s) for s in stops)
+    tail = decode(output_ids[-(longest + 4) :])
+    new = decode(output_ids[-1:])
+    recent = tail[-(longest + len(new)) :]
+    return next((s for s in stops if s in recent), None)

@@ -23,6 +23,11 @@ class Load(Message):
     kv_blocks_used: int = Field(default=0, ge=0)
     kv_blocks_total: int = Field(default=0, ge=0)
     kv_block_size: int = Field(default=0, ge=0, description="tokens per KV block (workers)")
+    kv_hash: Literal["xxh3", "sglang"] = Field(
+        default="xxh3",
+        description="workers: how their KV blocks are named, so how the router hashes their "
+        "model's prompts (shared/kvstore/hashing.py: sglang for SGLang's own page hashes)",
+    )
     queued_tokens: int = Field(
         default=0, ge=0, description="prefill: prompt tokens waiting, less its memory-tier hits"
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.files import locked
 from shared.model import gguf
 from shared.model.catalog import ModelError, ModelSource
 from shared.model.config import ModelConfig
@@ -132,3 +133,16 @@ def _tensors(path: Path, config: ModelConfig, dtype: type) -> dict[str, np.ndarr
             x = gguf.unpermute_rope(x, heads)
         out[name] = np.ascontiguousarray(x, dtype=dtype)
     return out
+
+
+def hf_directory(source: ModelSource, config: ModelConfig, state_dir: Path) -> Path:
+    """The model as a Hugging Face directory: its own, or a GGUF model's export (made once
+    per machine, under a lock when workers start together)."""
+    if source.kind == "hf":
+        assert source.path is not None
+        return source.path
+    to = state_dir / "cache" / f"hf-{config.fingerprint}"
+    with locked(to.with_suffix(".lock")):
+        if not (to / "config.json").is_file():
+            export(source, state_dir, to)
+    return to

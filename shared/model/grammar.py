@@ -146,3 +146,22 @@ class Matcher:
     def done(self) -> bool:
         """The grammar is complete: only an end-of-answer token may follow."""
         return self._m.is_stopped()
+
+
+def lark_of(grammar: str) -> str:
+    """The router's grammar (llguidance's serialized form: shared/model/grammar.py) as the
+    Lark text an engine's llguidance backend takes (vLLM's, SGLang's): the same llguidance
+    compiles it there, so the answer's constraint is the one the torch engine applies. (A
+    Lark grammar is already that text: llguidance keeps it as given.)"""
+    if not grammar.lstrip().startswith("{"):
+        return grammar
+    spec = json.loads(grammar)
+    grammars = spec.get("grammars") or []
+    if len(grammars) != 1:
+        raise ValueError(f"a grammar of {len(grammars)} parts cannot be passed to an engine")
+    (one,) = grammars
+    if one.get("lark_grammar"):
+        return one["lark_grammar"]
+    if one.get("json_schema") is not None:
+        return f"start: %json {json.dumps(one['json_schema'])}\n"
+    raise ValueError("a grammar neither Lark nor a JSON schema cannot be passed to an engine")

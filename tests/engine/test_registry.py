@@ -20,8 +20,8 @@ def test_every_registered_backend_implements_the_whole_interface() -> None:
 
 
 def test_an_unknown_engine_is_named_with_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"unknown engine 'sglang'; one of torch"):
-        engine_class("sglang")
+    with pytest.raises(ValueError, match=r"unknown engine 'trtllm'; one of torch"):
+        engine_class("trtllm")
 
 
 def test_load_engine_serves_a_model_through_the_interface(tmp_path: Path) -> None:

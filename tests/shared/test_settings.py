@@ -101,11 +101,11 @@ def test_a_worker_picks_its_engine_by_name(monkeypatch: pytest.MonkeyPatch, role
     cls = {"prefill": PrefillSettings, "decode": DecodeSettings}[role]
     assert load_settings(cls).engine == "torch"
     var = f"KVMESH_{role.upper()}_ENGINE"
-    monkeypatch.setenv(var, "sglang")
+    monkeypatch.setenv(var, "trtllm")
     with pytest.raises(SettingsError) as err:
         load_settings(cls)
     assert var in str(err.value) and "one of torch" in str(err.value)
-    assert "'sglang'" in str(err.value)
+    assert "'trtllm'" in str(err.value)
 
 
 def test_the_benchmark_only_engine_is_refused_by_a_production_worker() -> None:
@@ -116,9 +116,16 @@ def test_the_benchmark_only_engine_is_refused_by_a_production_worker() -> None:
 
 
 def test_an_unknown_engine_stops_the_worker_at_start() -> None:
-    done = start_with("decode", "KVMESH_DECODE_ENGINE", "sglang")
+    done = start_with("decode", "KVMESH_DECODE_ENGINE", "trtllm")
     assert done.returncode == 2
     assert (
-        "KVMESH_DECODE_ENGINE: Value error, one of torch, fake-paced, vllm (got 'sglang')"
+        "KVMESH_DECODE_ENGINE: Value error, one of torch, fake-paced, vllm, sglang (got 'trtllm')"
         in done.stderr
     )
+
+
+def test_an_sglang_worker_where_sglang_is_not_installed_says_so_at_start() -> None:
+    done = start_with("decode", "KVMESH_DECODE_ENGINE", "sglang")
+    assert done.returncode == 2
+    assert "KVMESH_DECODE_ENGINE=sglang" in done.stderr
+    assert "SGLang is not installed here" in done.stderr and "sglang==0.5.23" in done.stderr

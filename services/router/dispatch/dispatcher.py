@@ -45,6 +45,7 @@ from services.router.routing.route import (
 )
 from services.router.settings import DispatchSettings
 from shared.bus import Bus
+from shared.kvstore.hashing import XXH3
 from shared.messages.generate import TokenEvent
 from shared.telemetry.metrics import MOVES
 from shared.telemetry.tracing import tracer
@@ -126,7 +127,9 @@ class Dispatcher:
     async def plan(self, job: Job) -> Job:
         """The job with its cache plan: block hashes, and where this router's index says
         they are."""
-        return await self.plans.planned(job, self.block_size(job.model))
+        return await self.plans.planned(
+            job, self.block_size(job.model), self.hash_scheme(job.model)
+        )
 
     async def _send(self, attempt: Attempt, moves: Moves, span: Span) -> None:
         """Route the attempt and queue its task (the span current meanwhile)."""
@@ -276,11 +279,20 @@ class Dispatcher:
                     return w.heartbeat.load.kv_block_size
         return 0
 
+    def hash_scheme(self, model: str) -> str:
+        """How the KV blocks of the workers serving the model are named (their engine's hash
+        scheme: shared/kvstore/hashing.py), as their heartbeats say."""
+        for role in ("prefill", "decode"):
+            for w in self.candidates(role, model, set()):
+                if w.heartbeat.load.kv_block_size:
+                    return w.heartbeat.load.kv_hash
+        return XXH3
+
     def prompt_hashes(self, job: Job) -> tuple[int, list[str]]:
         """The block size of the job's model (0 while no worker of it is known) and the
         hashes of the prompt's full blocks (from the cache of recent prompts' hashes)."""
         bs = self.block_size(job.model)
-        return bs, self.plans.hashes(job, bs)
+        return bs, self.plans.hashes(job, bs, self.hash_scheme(job.model))
 
 
 def resumed_event(event: TokenEvent, offset: int) -> TokenEvent:

@@ -17,7 +17,7 @@ from typing import Protocol
 from prometheus_client import Gauge
 
 from services.router.dispatch.job import Job, Segments
-from shared.kvstore.hashing import block_hashes, packed_block_hashes
+from shared.kvstore.hashing import HASH_SCHEMES, XXH3, scheme_block_hashes
 from shared.telemetry.tracing import tracer
 
 KEY_SEGMENTS = 6
@@ -38,11 +38,13 @@ class PrefixHashes:
     def __len__(self) -> int:
         return len(self._recent)
 
-    def hashes(self, segments: Segments, block_size: int, fingerprint: str, salt: str) -> list[str]:
-        """The block hashes of the prompt made of ``segments``."""
+    def hashes(
+        self, segments: Segments, block_size: int, fingerprint: str, salt: str, scheme: str = XXH3
+    ) -> list[str]:
+        """The block hashes of the prompt made of ``segments``, in hash scheme ``scheme``."""
         # A conversation is known by its opening: through its first user message in a chat
         # (system prompt, then the user's first words), the whole text otherwise.
-        key = (fingerprint, block_size, salt, segments[:KEY_SEGMENTS])
+        key = (fingerprint, block_size, salt, scheme, segments[:KEY_SEGMENTS])
         known: list[str] = []
         entry = self._recent.get(key)
         if entry is not None:
@@ -54,7 +56,7 @@ class PrefixHashes:
                 shared += len(new[1])
             known = old_hashes[: min(len(old_hashes), shared // (4 * block_size))]
         packed = b"".join(p for _, p in segments)
-        hashes = packed_block_hashes(packed, block_size, fingerprint, salt, known=known)
+        hashes = HASH_SCHEMES[scheme](packed, block_size, fingerprint, salt, known=known)
         self.reused_blocks += len(known)
         self.hashed_blocks += len(hashes) - len(known)
         self._recent[key] = (segments, hashes)
@@ -83,23 +85,26 @@ class CachePlanner:
         self.hash_cache = PrefixHashes(prefix_prompts)
         PREFIX_PROMPTS.set_function(lambda: len(self.hash_cache))
 
-    async def planned(self, job: Job, block_size: int) -> Job:
-        """The job with its prompt's block hashes and where they are (unchanged while no
-        worker of its model says its block size: ``block_size`` 0)."""
-        hashes = self.hashes(job, block_size)
+    async def planned(self, job: Job, block_size: int, scheme: str = XXH3) -> Job:
+        """The job with its prompt's block hashes (in the model's workers' hash scheme) and
+        where they are (unchanged while no worker of its model says its block size:
+        ``block_size`` 0)."""
+        hashes = self.hashes(job, block_size, scheme)
         if not block_size:
             return job
         counts = self.lookup(hashes)
         return replace(job, block_size=block_size, block_hashes=hashes, cached_blocks=counts)
 
-    def hashes(self, job: Job, block_size: int) -> list[str]:
+    def hashes(self, job: Job, block_size: int, scheme: str = XXH3) -> list[str]:
         """The hashes of the prompt's full blocks of ``block_size`` tokens."""
         if not block_size:
             return []
         if job.segments:
-            return self.hash_cache.hashes(job.segments, block_size, job.fingerprint, job.salt)
-        return block_hashes(
-            job.prompt_ids, block_size, job.fingerprint, job.salt, images=job.images
+            return self.hash_cache.hashes(
+                job.segments, block_size, job.fingerprint, job.salt, scheme
+            )
+        return scheme_block_hashes(
+            scheme, job.prompt_ids, block_size, job.fingerprint, job.salt, images=job.images
         )
 
     def lookup(self, hashes: list[str]) -> dict[str, int]:

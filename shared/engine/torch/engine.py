@@ -28,7 +28,7 @@ from shared.engine.interface import (
     Prefix,
     StepOutput,
 )
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling import SamplingParams, stop_string_hit
 from shared.engine.torch.blocks import BlockPool
 from shared.engine.torch.kvio import KvIO
 from shared.engine.torch.loader import LoadedModel, load_model
@@ -457,7 +457,7 @@ class TorchEngine(Engine):
         seq.output_ids.append(token)
         if (token in self.config.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             seq.finish_reason = "stop"
-        elif p.stop and (hit := self._stop_string(seq)):
+        elif p.stop and (hit := stop_string_hit(self.tokenizer.decode, seq.output_ids, p.stop)):
             seq.finish_reason, seq.stop_string = "stop", hit
         elif len(seq.output_ids) >= p.max_tokens or seq.n_tokens >= self.config.max_context:
             seq.finish_reason = "length"
@@ -485,15 +485,6 @@ class TorchEngine(Engine):
             padded[: mask.numel()] = mask[: logits.numel()]
             mask = padded
         return logits.masked_fill(~mask, float("-inf"))
-
-    def _stop_string(self, seq: Sequence) -> str | None:
-        """A stop string that the text ends with now (it may span several tokens)."""
-        longest = max(len(s) for s in seq.params.stop)
-        tail = self.tokenizer.decode(seq.output_ids[-(longest + 4) :])
-        new = self.tokenizer.decode(seq.output_ids[-1:])
-        # Only stops that include the newest text: older ones were checked on earlier steps.
-        recent = tail[-(longest + len(new)) :]
-        return next((s for s in seq.params.stop if s in recent), None)
 
     # -- ending ----------------------------------------------------------------------------
 

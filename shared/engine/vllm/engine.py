@@ -13,7 +13,6 @@ another's.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -29,30 +28,16 @@ from shared.engine.interface import (
 )
 from shared.engine.sampling import SamplingParams, TokenLogprobs
 from shared.engine.vllm.events import VllmEventBridge
-from shared.files import locked
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
+from shared.model.export import hf_directory
+from shared.model.grammar import lark_of
 from shared.model.text import text_of
 from shared.orphans import spawned_children_die_with_us
 
 log = logging.getLogger(__name__)
 
 BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend's kernel block sizes (MultipleOf(32))
-
-
-def hf_directory(source: ModelSource, config: ModelConfig, state_dir: Path) -> Path:
-    """The model as a Hugging Face directory: its own, or a GGUF model's export (made once
-    per machine, under a lock when workers start together)."""
-    if source.kind == "hf":
-        assert source.path is not None
-        return source.path
-    from shared.model.export import export
-
-    to = state_dir / "cache" / f"hf-{config.fingerprint}"
-    with locked(to.with_suffix(".lock")):
-        if not (to / "config.json").is_file():
-            export(source, state_dir, to)
-    return to
 
 
 class VllmEngine(OwningEngine):
@@ -246,25 +231,6 @@ def vllm_params(p: SamplingParams):  # noqa: ANN201 (vllm's SamplingParams)
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=structured,
     )
-
-
-def lark_of(grammar: str) -> str:
-    """The router's grammar (llguidance's serialized form: shared/model/grammar.py) as the
-    Lark text vLLM's guidance backend takes; the same llguidance compiles it there, so the
-    answer's constraint is the one the torch engine applies. (A Lark grammar is already
-    that text: llguidance keeps it as given.)"""
-    if not grammar.lstrip().startswith("{"):
-        return grammar
-    spec = json.loads(grammar)
-    grammars = spec.get("grammars") or []
-    if len(grammars) != 1:
-        raise ValueError(f"a grammar of {len(grammars)} parts cannot be passed to vLLM")
-    (one,) = grammars
-    if one.get("lark_grammar"):
-        return one["lark_grammar"]
-    if one.get("json_schema") is not None:
-        return f"start: %json {json.dumps(one['json_schema'])}\n"
-    raise ValueError("a grammar that is neither Lark nor a JSON schema cannot be passed to vLLM")
 
 
 def logprobs_of(piece, wanted: int | None) -> list[TokenLogprobs] | None:  # noqa: ANN001
