@@ -333,7 +333,7 @@ def sglang_params(p: SamplingParams) -> dict:
     if p.seed is not None:
         out["sampling_seed"] = p.seed
     if p.logit_bias:
-        out["logit_bias"] = {str(t): b for t, b in p.logit_bias.items()}
+        out["logit_bias"] = {str(t): b for t, b in p.logit_bias}
     if p.grammar is not None:
         out["ebnf"] = lark_of(p.grammar)  # llguidance reads it as Lark
     return out
