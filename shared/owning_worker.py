@@ -40,6 +40,12 @@ class OwningWorker(WorkerService):
         """The model, and engine options the engine can take (exit 2 naming the settings)."""
         super().check(common, settings)
         assert isinstance(settings, WorkerSettings)
+        if settings.pd_transfer and settings.engine != "sglang":
+            raise SettingsError(
+                f"{env_name(type(settings), 'pd_transfer')}={settings.pd_transfer} with "
+                f"{env_name(type(settings), 'engine')}={settings.engine}: only SGLang moves KV "
+                "by its own transfer; vLLM's P/D goes through the storage tier"
+            )
         refusal = engine_class(settings.engine).refusal(settings.engine_options())
         if refusal:
             block = env_name(type(settings), "block_size")
@@ -88,6 +94,10 @@ class OwningWorker(WorkerService):
             kv_store_dir=str(store),
             store_dtype=s.store_dtype,
             memory_tier_bytes=s.memory_tier_bytes,
+            pd_transfer=s.pd_transfer,
+            pd_role=self.role if s.pd_transfer else "",
+            bootstrap_host=s.advertised_host(),
+            bootstrap_port=s.bootstrap_port,
         )
 
     async def blocks(
@@ -123,6 +133,16 @@ class OwningWorker(WorkerService):
             bs = self.owning.block_size
             new = (prompt_tokens - 1) // bs - cached_tokens // bs
             self.kv_events.computed(new, memory_location(self.service_id))
+
+    @property
+    def pd_only(self) -> bool:  # type: ignore[override]
+        return self.owning is not None and self.owning.pd_only
+
+    def addresses(self) -> dict[str, str]:
+        """Its HTTP address, and (an SGLang prefill worker in SGLang's own P/D) where decode
+        engines fetch KV from its engine."""
+        peer = self.owning.peer_address() if self.owning is not None else ""
+        return {**super().addresses(), **({"bootstrap": peer} if peer else {})}
 
     def load(self) -> Load:
         if self.owning is None:

@@ -68,6 +68,7 @@ class Service(ABC):
 
     role: ClassVar[Role]
     whole: ClassVar[bool] = False  # its engine owns its KV (decode: it takes whole requests)
+    pd_only: bool = False  # (decode) it takes only prefill workers' hand-overs
 
     @classmethod
     def implementation(cls, settings: ServiceSettings) -> type[Service]:
@@ -133,6 +134,7 @@ class Service(ABC):
             addresses=self.addresses(),
             models=self.models(),
             whole=self.whole,
+            pd_only=self.pd_only,
             load=self.load(),
             connection=self.beats_bus.connection if self.beats_bus is not None else "",
             interval_s=self.common.heartbeat_interval_s,

@@ -92,6 +92,10 @@ class ImagesMissing(Exception):
     """A prompt's image embeddings did not come (no encoder made them in time)."""
 
 
+# SGLang's KV transfer backends (its DISAGG_TRANSFER_BACKEND_CHOICES)
+PD_TRANSFERS = ("mooncake", "nixl", "mooncake_tcp", "mori", "ascend", "fake")
+
+
 class WorkerSettings(ServiceSettings):
     """Engine settings of a worker role (prefill and decode each subclass it)."""
 
@@ -138,6 +142,28 @@ class WorkerSettings(ServiceSettings):
         "calls itself failing and takes no more work (each failure fails the requests it "
         "held, which move on)",
     )
+
+    pd_transfer: str = Field(
+        default="",
+        description="SGLang workers: P/D by SGLang's own KV transfer (its backend: mooncake, "
+        "nixl, mooncake_tcp, mori, ascend; fake moves nothing, for tests), the prefill "
+        "worker's engine handing each prompt's KV to the decode worker's; empty: SGLang "
+        "workers hand over through the storage tier, as vLLM's do",
+    )
+    bootstrap_port: int = Field(
+        default=8998,
+        ge=1,
+        le=65535,
+        description="SGLang prefill workers with pd_transfer: the port of its engine's "
+        "bootstrap server (where decode engines ask for a request's KV)",
+    )
+
+    @field_validator("pd_transfer")
+    @classmethod
+    def _known_transfer(cls, name: str) -> str:
+        if name and name not in PD_TRANSFERS:
+            raise ValueError(f"empty or one of {', '.join(PD_TRANSFERS)}")
+        return name
 
     @field_validator("store_dtype")
     @classmethod

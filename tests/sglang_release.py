@@ -59,9 +59,10 @@ def _methods(path: Path, cls: str, names: tuple[str, ...]) -> dict[str, str]:
 
 class HostPoolStandIn:
     """A stand-in for SGLang's ``MHATokenToKVPoolHost`` (whose module pulls in SGLang's GPU
-    model configs), running **the release's own** ``init_kv_buffer``, ``get_data_page`` and
-    ``set_from_flat_data_page``, taken from its source: the buffer's shape in each layout and
-    what SGLang reads and writes as a page are SGLang's, not this test's idea of them."""
+    model configs), running **the release's own** ``init_kv_buffer``, ``get_data_page``,
+    ``get_dummy_flat_data_page`` and ``set_from_flat_data_page``, taken from its source: the
+    buffer's shape in each layout and what SGLang reads and writes as a page are SGLang's, not
+    this test's idea of them."""
 
     def __init__(
         self,
@@ -83,7 +84,12 @@ class HostPoolStandIn:
     @classmethod
     def build(cls) -> type[HostPoolStandIn]:
         package = load()
-        names = ("init_kv_buffer", "get_data_page", "set_from_flat_data_page")
+        names = (
+            "init_kv_buffer",
+            "get_data_page",
+            "get_dummy_flat_data_page",
+            "set_from_flat_data_page",
+        )
         found = _methods(package / "srt/mem_cache/pool_host/mha.py", "MHATokenToKVPoolHost", names)
 
         def alloc(dims, dtype, device, pin_memory, allocator, **_) -> torch.Tensor:  # noqa: ANN001

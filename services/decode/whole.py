@@ -40,6 +40,9 @@ class WholeRequests(OwningWorker):
     async def on_handover(self, task: GenerateTask) -> TaskAck:
         if task.handover is None:
             return TaskAck(accepted=False, reason="not a hand-over")
+        if self.pd_only != (task.handover.bootstrap is not None):
+            why = "its engine takes KV from a prefill engine" if self.pd_only else "no peer"
+            return TaskAck(accepted=False, reason=f"not this worker's kind of hand-over ({why})")
         return await self.on_task(task)
 
     def refusal(self, task: GenerateTask) -> str:
@@ -56,6 +59,8 @@ class WholeRequests(OwningWorker):
             if why:
                 log.warning("refused the hand-over of %s: %s", task.request_id, why)
                 return f"refused: {why}"
+        elif self.pd_only:  # (a router's own task: it cannot prefill alone)
+            return "this decode worker takes only hand-overs from SGLang prefill workers"
         return super().refusal(task)
 
     async def answer(self, task: GenerateTask) -> None:
@@ -75,8 +80,10 @@ class WholeRequests(OwningWorker):
                 max_tokens=params.max_tokens - len(sent),
                 answer_offset=params.answer_offset + len(sent),
             )
+        boot = handover.bootstrap if handover is not None else None
+        peer = (boot.host, boot.port, boot.room) if boot is not None else None
         try:
-            pieces = self.owning.generate(rid, prompt, params, task.salt, task.retention)
+            pieces = self.owning.generate(rid, prompt, params, task.salt, task.retention, peer)
             async for piece in pieces:
                 if not piece.token_ids and piece.finish_reason is None:
                     continue

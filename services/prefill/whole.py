@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from opentelemetry.trace import SpanKind
@@ -34,7 +36,15 @@ from services.prefill.settings import PrefillSettings
 from shared.bus import BusError, subjects
 from shared.engine.interface import Generated
 from shared.kvstore.backend import FileStore
-from shared.messages.generate import Cancel, GenerateTask, Handover, Logprobs, TaskAck, TokenEvent
+from shared.messages.generate import (
+    Bootstrap,
+    Cancel,
+    GenerateTask,
+    Handover,
+    Logprobs,
+    TaskAck,
+    TokenEvent,
+)
 from shared.owning_worker import OwningWorker
 from shared.service import ServiceSettings
 from shared.settings import CommonSettings, SettingsError, env_name
@@ -73,9 +83,60 @@ class WholePrefill(OwningWorker):
     async def answer(self, task: GenerateTask) -> None:
         assert self.owning is not None
         try:
-            await self.prefill(task)
+            if self.owning.peer_address():
+                await self.with_peer(task, self.owning.peer_address())
+            else:
+                await self.prefill(task)
         finally:
             self.cancelled.discard(task.request_id)
+
+    async def with_peer(self, task: GenerateTask, address: str) -> None:
+        """SGLang's own P/D: the decode worker is handed the request at once, with a room at
+        this engine's bootstrap server; the two engines then compute it together, this one
+        the prompt (sending its KV as it goes), that one the answer. The reuse figures go to
+        the router from here once the prompt is done (an event with no tokens)."""
+        assert self.owning is not None
+        rid, started = task.request_id, time.perf_counter()
+        host, _, port = address.rpartition(":")
+        boot = Bootstrap(host=host, port=int(port), room=secrets.randbits(63))
+        pieces = self.owning.generate(
+            rid, task.token_ids, task.sampling, task.salt, task.retention,
+            (boot.host, boot.port, boot.room),
+        )  # fmt: skip
+        computing = asyncio.create_task(_all(pieces))
+        rest = task.model_copy(update={"handover": Handover(bootstrap=boot)})
+        with tracer.start_as_current_span(
+            "kv.handoff",
+            context=self.span_context(rid),
+            kind=SpanKind.CLIENT,
+            attributes={"to": task.decode_id, "via": "sglang", "room": boot.room},
+        ):
+            ack = await self.ask_decode(task, rest)
+        if not ack.accepted:
+            await self.owning.abort(rid)
+            await asyncio.gather(computing, return_exceptions=True)
+            await self.decode_refused(task, ack, [])
+            return
+        try:
+            done = await computing
+        except Exception as err:
+            log.exception("prefill of %s failed", rid)
+            self.close_span(rid, error=str(err))
+            await self.send(task.reply_subject, self.error_event(rid, str(err), "unavailable"))
+            return
+        first, last = done[0], done[-1]
+        self.computed(len(task.token_ids), first.cached_tokens)
+        event = TokenEvent(
+            request_id=rid,
+            index=0,
+            token_ids=[],
+            cached_tokens=first.cached_tokens,
+            cached_by_tier=last.cached_by_tier,
+            prefill_s=time.perf_counter() - started,
+            worker_id=self.service_id,
+        )
+        await self.send(task.reply_subject, event)
+        self.close_span(rid, tokens=0)
 
     async def prefill(self, task: GenerateTask) -> None:
         assert self.owning is not None
@@ -140,16 +201,24 @@ class WholePrefill(OwningWorker):
                 self.close_span(rid, error="cancelled")
                 return
             rest = task.model_copy(update={"handover": Handover(answer_ids=sent)})
-            subject = subjects.handovers(task.decode_id)
-            try:
-                ack = await self.bus.ask(subject, rest, TaskAck, self.settings.handoff_timeout_s)
-            except BusError as err:
-                ack = TaskAck(accepted=False, reason=f"did not answer: {err}")
+            ack = await self.ask_decode(task, rest)
         if ack.accepted:
             self.close_span(rid, tokens=len(sent))
             return
-        # The router moves the answer on from the tokens it has (the decode worker's fault
-        # when it did not answer; none when it was busy).
+        await self.decode_refused(task, ack, sent)
+
+    async def ask_decode(self, task: GenerateTask, rest: GenerateTask) -> TaskAck:
+        """The decode worker the router chose asked to take the rest of the request."""
+        subject = subjects.handovers(task.decode_id)
+        try:
+            return await self.bus.ask(subject, rest, TaskAck, self.settings.handoff_timeout_s)
+        except BusError as err:
+            return TaskAck(accepted=False, reason=f"did not answer: {err}")
+
+    async def decode_refused(self, task: GenerateTask, ack: TaskAck, sent: list[int]) -> None:
+        """The router moves the answer on from the tokens it has (the decode worker's fault
+        when it did not answer; none when it was busy)."""
+        rid = task.request_id
         self.close_span(rid, error=f"{task.decode_id}: {ack.reason}")
         code = "busy" if ack.reason == "busy" else "unavailable"
         failed = TokenEvent(
@@ -179,3 +248,7 @@ class WholePrefill(OwningWorker):
             await asyncio.sleep(TIER_POLL_S)
             missing = [h for h in missing if h not in self.store]
         return time.monotonic() - started
+
+
+async def _all(pieces: AsyncIterator[Generated]) -> list[Generated]:
+    return [p async for p in pieces]

@@ -89,6 +89,12 @@ class EngineOptions:
     kv_store_dir: str = ""  # empty: no storage tier
     store_dtype: str = ""  # of stored blocks; empty: the engine's
     memory_tier_bytes: int = 0
+    # An engine's own P/D (SGLang's): the transfer backend its KV moves by ("": none), this
+    # worker's side of it, and (prefill) where its bootstrap server listens.
+    pd_transfer: str = ""
+    pd_role: str = ""  # "prefill" or "decode"
+    bootstrap_host: str = ""
+    bootstrap_port: int = 8998
 
 
 @dataclass(frozen=True)
@@ -368,6 +374,10 @@ class Generated:
     stored: list[str] = field(default_factory=list)
 
 
+# In an engine's own P/D (SGLang's): the prefill engine's bootstrap host and port, and the
+# request's room there; both engines are given the same.
+Peer = tuple[str, int, int]
+
 # What an engine that owns its KV says of its blocks: ("stored" or "removed", kvmesh's hashes
 # of the blocks, the tier: "memory" (its own cache) or "storage", their retention class, the
 # bytes each block takes there: 0 when the engine does not say, then its in-memory size), for
@@ -411,9 +421,11 @@ class OwningEngine(ABC):
         params: SamplingParams,
         salt: str = "",
         retention: str = "chat",
+        peer: Peer | None = None,
     ) -> AsyncIterator[Generated]:
         """The answer to a prompt, in pieces. ``salt``: the tenant's, so one tenant's cached
-        prefix is never another's; ``retention``: the class its stored blocks are kept under.
+        prefix is never another's; ``retention``: the class its stored blocks are kept under;
+        ``peer``: in an engine's own P/D, where the KV moves between the two engines.
         Closing the iterator early aborts the request."""
 
     @abstractmethod
@@ -430,8 +442,14 @@ class OwningEngine(ABC):
         return []
 
     def peer_address(self) -> str:
-        """Where a P/D peer reaches this engine's KV ("" when it takes no peer)."""
+        """Where a P/D peer reaches this engine's KV, host:port ("" when it takes no peer):
+        a prefill engine's in an engine's own P/D."""
         return ""
+
+    @property
+    def pd_only(self) -> bool:
+        """It decodes only what a peer prefill engine hands it (it cannot prefill alone)."""
+        return False
 
     @abstractmethod
     async def stop(self) -> None:

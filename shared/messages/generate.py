@@ -29,14 +29,25 @@ class ImageRef(Message):
 Priority = Literal["online", "batch"]
 
 
+class Bootstrap(Message):
+    """Where a decode engine fetches a request's KV from its prefill engine in SGLang's own
+    P/D: the prefill engine's bootstrap server and the request's room there."""
+
+    host: str
+    port: int = Field(ge=1, le=65535)
+    room: int = Field(ge=0, lt=2**63)
+
+
 class Handover(Message):
     """A P/D hand-over between workers whose engines own their KV (``services/prefill/
-    whole.py``): the prompt's KV is in the storage tier; the answer's first tokens that the
-    prefill worker sent (none when decode must sample every token itself: see
+    whole.py``): the prompt's KV is in the storage tier, or (``bootstrap``) the prefill
+    engine sends it to the decode engine itself as it computes it; the answer's first tokens
+    that the prefill worker sent (none when decode must sample every token itself: see
     ``SamplingParams.continues_as_prompt``). Decode goes on after them, numbering its events
     from there, and leaves the reuse figures to the prefill worker's event."""
 
     answer_ids: list[int] = Field(default_factory=list)
+    bootstrap: Bootstrap | None = None
 
 
 class GenerateTask(Message):

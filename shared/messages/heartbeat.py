@@ -65,6 +65,11 @@ class Heartbeat(Message):
         "requests (a request of its model needs no prefill worker); it pairs only with "
         "workers of its kind",
     )
+    pd_only: bool = Field(
+        default=False,
+        description="(decode) its engine decodes only what a prefill worker's engine hands it "
+        "(SGLang's own P/D): the router never has it prefill a request itself",
+    )
     load: Load = Field(default_factory=Load)
     connection: str = Field(
         default="",

@@ -148,8 +148,11 @@ class Dispatcher:
         decoders = self.candidates("decode", job.model, excluded)
         self.check_fits(job, decoders)
         # Workers pair with their own kind: engines that own their KV hand a request over
-        # through the storage tier, the others over gRPC.
+        # through the storage tier (or, SGLang's in its own P/D, engine to engine: prefill
+        # workers with a bootstrap server pair with decode workers that take only that), the
+        # others over gRPC.
         whole = any(w.heartbeat.whole for w in decoders)
+        peered = any(w.heartbeat.pd_only for w in decoders)
         decodes = [
             DecodeScore(
                 w.service_id,
@@ -157,6 +160,7 @@ class Dispatcher:
                 max(self.inflight[w.service_id], w.heartbeat.load.inflight),
                 w.heartbeat.whole,
                 w.heartbeat.load.queued_tokens,
+                w.heartbeat.pd_only,
             )
             for w in decoders
             if w.heartbeat.whole == whole
@@ -164,7 +168,7 @@ class Dispatcher:
         prefills = {
             w.service_id: w.heartbeat.load.queued_tokens
             for w in self.candidates("prefill", job.model, excluded)
-            if w.heartbeat.whole == whole
+            if w.heartbeat.whole == whole and ("bootstrap" in w.heartbeat.addresses) == peered
         }
         req = RouteRequest(
             job.request_id,
@@ -231,7 +235,8 @@ class Dispatcher:
         """503 unless a ready prefill and a ready decode worker serve the model, and one of
         each is not skipped by its circuit breaker (a decode worker that takes whole requests
         needs no prefill worker)."""
-        whole = any(w.heartbeat.whole for w in self.candidates("decode", model, set()))
+        decoders = self.candidates("decode", model, set())
+        whole = any(w.heartbeat.whole and not w.heartbeat.pd_only for w in decoders)
         for role in ("decode",) if whole else ("prefill", "decode"):
             if self.candidates(role, model, set()):
                 continue

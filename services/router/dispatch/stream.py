@@ -193,8 +193,8 @@ class Replies:
                 if item.index > next_index:
                     early[item.index] = item
                     continue
-                if item.index < next_index:  # a duplicate
-                    continue
+                if item.index < next_index and (item.token_ids or item.finish_reason):
+                    continue  # a duplicate (one with no tokens only brings figures: it goes on)
                 event = item
             next_index += len(event.token_ids)
             run = [event]

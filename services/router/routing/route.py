@@ -201,6 +201,7 @@ class DecodeScore:
     active: int  # sequences decoding (the router's count of what it sent, or the worker's)
     whole: bool = False  # it takes whole requests (an engine that owns its KV: vLLM)
     queued_tokens: int = 0  # (whole) prompt tokens its last heartbeat says wait there
+    pd_only: bool = False  # (whole) it decodes only what a prefill engine hands it (SGLang P/D)
 
 
 def rank_decode(scores: list[DecodeScore], needed_blocks: int) -> list[DecodeScore]:
@@ -253,21 +254,23 @@ def route(
     Decode workers whose engine owns its KV (``whole``: vLLM) prefill, decode and keep their
     KV themselves: with no prefill worker for the model, every request is theirs (aggregated),
     and the policy ranks them as it ranks prefill workers, by what their caches hold and
-    what waits there."""
+    what waits there. Those that decode only what a prefill engine hands them (``pd_only``:
+    SGLang's own P/D) never prefill a request themselves."""
     bs = max(1, req.block_size or 64)
     ranked = rank_decode(decodes, -(-(req.n_prompt + req.answer_tokens) // bs))
     if not ranked:
         return Route([], {})
     decode = ranked[0].service_id
-    uncached = uncached_on(req, decode)
-    if ranked[0].whole and not prefills:
-        for d in ranked:
+    alone = [d for d in ranked if not d.pd_only]  # (those that can prefill a request too)
+    uncached = uncached_on(req, alone[0].service_id) if alone else req.n_prompt
+    if alone and alone[0].whole and not prefills:
+        for d in alone:
             policy.reported(d.service_id, d.queued_tokens)
-        chosen = policy.rank(req, [d.service_id for d in ranked])
+        chosen = policy.rank(req, [d.service_id for d in alone])
         decision = {"policy": policy.name, "candidates": chosen, "prefill": "on decode (whole)"}
         return Route([(r.service_id, r.service_id) for r in chosen], decision, True, True)
-    if uncached <= local_max_tokens:
-        pairs = [(d.service_id, d.service_id) for d in ranked]
+    if alone and uncached <= local_max_tokens:
+        pairs = [(d.service_id, d.service_id) for d in alone]
         return Route(pairs, {"prefill": "on decode", "uncached_tokens": uncached}, True)
     for service_id, queued in prefills.items():
         policy.reported(service_id, queued)

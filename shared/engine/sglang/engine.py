@@ -39,6 +39,7 @@ from shared.engine.interface import (
     EngineStats,
     Generated,
     OwningEngine,
+    Peer,
 )
 from shared.engine.sampling import SamplingParams, TokenLogprobs, stop_string_hit
 from shared.kvstore.hashing import SGLANG, pack_tokens, packed_sglang_hashes, sglang_cache_salt
@@ -137,6 +138,13 @@ class SglangEngine(OwningEngine):
                 "hicache_storage_backend": "dynamic",
                 "hicache_storage_backend_extra_config": json.dumps(extra),
             }
+        if o.pd_transfer:  # SGLang's own P/D: its KV moves by its transfer backend
+            args |= {
+                "disaggregation_mode": o.pd_role,
+                "disaggregation_transfer_backend": o.pd_transfer,
+            }
+            if o.pd_role == "prefill":
+                args["disaggregation_bootstrap_port"] = o.bootstrap_port
         if events:
             config = {"publisher": "zmq", "endpoint": events, "topic": ""}
             if replay:
@@ -225,9 +233,20 @@ class SglangEngine(OwningEngine):
         params: SamplingParams,
         salt: str = "",
         retention: str = "chat",
+        peer: Peer | None = None,
     ) -> AsyncIterator[Generated]:
         assert self._engine is not None, "start() first"
+        if bool(peer) != bool(self.options.pd_transfer):
+            raise ValueError(
+                "an SGLang engine in P/D takes requests with their bootstrap room only"
+                if self.options.pd_transfer
+                else "this SGLang engine is not in P/D: no bootstrap room"
+            )
         self.remember(token_ids, salt, retention)
+        where = {}
+        if peer is not None:
+            host, port, room = peer
+            where = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
         stream = await self._engine.async_generate(
             input_ids=list(token_ids),
             sampling_params=sglang_params(params),
@@ -236,9 +255,20 @@ class SglangEngine(OwningEngine):
             cache_salt=sglang_cache_salt(self.config.fingerprint, self.block_size, salt),
             return_logprob=params.logprobs is not None,
             top_logprobs_num=params.logprobs or 0,
+            **where,
         )
         async for piece in pieces(stream, params, self.tokenizer, seq_id, self.abort):
             yield piece
+
+    def peer_address(self) -> str:
+        o = self.options
+        if o.pd_transfer and o.pd_role == "prefill":
+            return f"{o.bootstrap_host}:{o.bootstrap_port}"
+        return ""
+
+    @property
+    def pd_only(self) -> bool:
+        return bool(self.options.pd_transfer) and self.options.pd_role == "decode"
 
     async def abort(self, seq_id: str) -> None:
         if self._engine is not None:

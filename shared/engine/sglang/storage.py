@@ -251,7 +251,9 @@ class KvmeshHiCacheStorage(HiCacheStorage):
             n_tokens=pool.page_size,
         )
         dtype = kvformat.DTYPES[dtype_name]
-        return kvformat.encode(fields, k.to(dtype).unsqueeze(1), v.to(dtype).unsqueeze(1))
+        # One gather of the page out of the pool's layout, then each layer's cell is a slice.
+        k, v = (x.to(dtype).contiguous().unsqueeze(1) for x in (k, v))
+        return kvformat.encode(fields, k, v)
 
     # -- the older, copying interface: SGLang uses interface_v1 with this backend ----------
 

@@ -25,6 +25,7 @@ from shared.engine.interface import (
     EngineStats,
     Generated,
     OwningEngine,
+    Peer,
 )
 from shared.engine.sampling import SamplingParams, TokenLogprobs
 from shared.engine.vllm.events import VllmEventBridge
@@ -143,12 +144,15 @@ class VllmEngine(OwningEngine):
         params: SamplingParams,
         salt: str = "",
         retention: str = "chat",
+        peer: Peer | None = None,
     ) -> AsyncIterator[Generated]:
         from vllm.inputs import TokensPrompt
 
         from shared.engine.vllm.connector import RETENTION_KEY, STORAGE_TOKENS, STORED
 
         assert self._engine is not None, "start() first"
+        if peer is not None:
+            raise ValueError("vLLM's P/D goes through the storage tier here: no peer engine")
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         if salt:
             prompt["cache_salt"] = salt
