@@ -23,7 +23,7 @@ import openai
 from kvmesh.natsserver import NatsServer
 from shared.bus import BusError, subjects
 from shared.kvstore.backend import FileStore
-from shared.kvstore.hashing import block_hashes
+from shared.kvstore.hashing import XXH3, scheme_block_hashes
 from shared.messages.kvevents import LookupReply, LookupRequest
 from shared.model.text import load_config
 from shared.security.salt import SALT_SECRET, tenant_salt
@@ -110,14 +110,19 @@ class Stack:
         """The storage tier's files."""
         return FileStore(self.dir / "kvstore")
 
-    def hashes(self, ids: list[int], tenant: str = "", model: str = "tiny") -> list[str]:
-        """The block hashes of a prompt's full blocks, as the router and workers make them."""
+    def hashes(
+        self, ids: list[int], tenant: str = "", model: str = "tiny", scheme: str = XXH3
+    ) -> list[str]:
+        """The block hashes of a prompt's full blocks, as the router and workers make them
+        (``scheme``: the workers' hash scheme, SGLang's for its workers)."""
         salt = tenant_salt(load_or_create(secrets_dir(self.dir), SALT_SECRET), tenant)
-        return self.hashes_with_salt(ids, salt, model)
+        return self.hashes_with_salt(ids, salt, model, scheme)
 
-    def hashes_with_salt(self, ids: list[int], salt: str, model: str = "tiny") -> list[str]:
+    def hashes_with_salt(
+        self, ids: list[int], salt: str, model: str = "tiny", scheme: str = XXH3
+    ) -> list[str]:
         config = load_config(model, self.dir)
-        return block_hashes(ids, BLOCK_SIZE, config.fingerprint, salt)
+        return scheme_block_hashes(scheme, ids, BLOCK_SIZE, config.fingerprint, salt)
 
     def lookup(self, hashes: list[str]) -> dict[str, int] | None:
         """Cachemeta's answer (location → leading blocks held); None while none answers."""

@@ -184,14 +184,16 @@ class BlockIndex:
 
     def columns(self) -> dict:
         """The index as columns of plain values (a snapshot's body): one packed string of
-        hashes, storage-tier blocks first in LRU order, then one list per field; each block's
-        locations as an index into the distinct sets of them (they are few)."""
+        hashes (a list where SGLang's are among them), storage-tier blocks first in LRU order,
+        then one list per field; each block's locations as an index into the distinct sets of
+        them (they are few)."""
         order = list(self.store_lru) if self.lru else []
         order += [h for h, e in self.entries.items() if not (self.lru and STORE in e.locations)]
         entries = [self.entries[h] for h in order]
         sets: dict[frozenset[str], int] = {}
-        return {
-            "hashes": "".join(order),
+        uniform = all(len(h) == HASH_CHARS for h in order)
+        return {  # (SGLang's hashes among kvmesh's: a list, not one string of fixed width)
+            "hashes": "".join(order) if uniform else order,
             "sizes": [e.size for e in entries],
             "agent": [int(e.retention == "agent") for e in entries],
             "last_access": [e.last_access for e in entries],
@@ -203,10 +205,13 @@ class BlockIndex:
     def from_columns(cls, cols: dict, ttl_s: dict[str, float], lru: bool = True) -> BlockIndex:
         index = cls(ttl_s, lru)
         packed, width = cols["hashes"], HASH_CHARS
+        if isinstance(packed, list):
+            hashes = packed
+        else:
+            hashes = [packed[i : i + width] for i in range(0, len(packed), width)]
         sets = [index._interned(frozenset(s)) for s in cols["sets"]]
         rows = zip(cols["sizes"], cols["agent"], cols["last_access"], cols["where"], strict=True)
-        for i, (size, agent, last_access, where) in enumerate(rows):
-            h = packed[i * width : (i + 1) * width]
+        for h, (size, agent, last_access, where) in zip(hashes, rows, strict=True):
             retention = "agent" if agent else "chat"
             locations = sets[where]
             if not locations:

@@ -29,7 +29,10 @@ def memory_owner(location: str) -> str:
 
 
 Kind = Literal["stored", "removed", "touched", "cleared"]
-HASH_CHARS = 32  # a block hash in hex (shared/kvstore/hashing.py)
+# A block hash in hex (shared/kvstore/hashing.py): kvmesh's XXH3-128, or SGLang's SHA-256 for
+# the blocks of SGLang workers (their engine names its storage pages so).
+HASH_CHARS = 32
+HASH_WIDTHS = (32, 64)
 
 
 class KvEvent(Message):
@@ -44,7 +47,9 @@ class KvEvent(Message):
 
     kind: Kind
     location: str = Field(default="", pattern=r"^(store|mem:[A-Za-z0-9_.-]{1,64})?$")
-    hashes: list[str] = Field(default_factory=list, description="32 hex digits each")
+    hashes: list[str] = Field(
+        default_factory=list, description="32 hex digits each (64: SGLang's page hashes)"
+    )
     sizes: list[int] = Field(default_factory=list, description="bytes, per hash (stored)")
     retention: Retention = "chat"
     at: float = Field(description="unix time of the change")
@@ -54,12 +59,13 @@ class KvEvent(Message):
 
     @model_validator(mode="after")
     def _whole(self) -> KvEvent:
-        """Every hash a block's (the index packs them at a fixed width, the storage tier
-        names files by them); one size per hash when sizes are given."""
-        if any(len(h) != HASH_CHARS for h in self.hashes) or not _HEX.fullmatch(
-            "".join(self.hashes)
-        ):
-            raise ValueError(f"hashes: each must be {HASH_CHARS} lowercase hex digits")
+        """Every hash a block's, all of one width (the storage tier names files by them);
+        one size per hash when sizes are given."""
+        widths = {len(h) for h in self.hashes}
+        if len(widths) > 1 or widths - set(HASH_WIDTHS) or not _HEX.fullmatch("".join(self.hashes)):
+            raise ValueError(
+                f"hashes: each must be {HASH_CHARS} lowercase hex digits (or 64 each: SGLang's)"
+            )
         if self.sizes and len(self.sizes) != len(self.hashes):
             raise ValueError(f"sizes: {len(self.sizes)} for {len(self.hashes)} hashes")
         if any(size < 0 for size in self.sizes):
@@ -73,19 +79,27 @@ _HEX = re.compile(r"[0-9a-f]*")
 
 
 class LookupRequest(Message):
-    """A prompt's block hashes, in order. On the wire as one string of fixed-width hashes: a
-    77K-token prompt has 1,200 of them, and one string parses far faster than 1,200."""
+    """A prompt's block hashes, in order. On the wire as one string of hashes of one width
+    (``width`` hex digits each: 64 for an SGLang model's): a 77K-token prompt has 1,200 of
+    them, and one string parses far faster than 1,200."""
 
-    packed: str = Field(pattern=r"^([0-9a-f]{32})*$")
+    packed: str = Field(pattern=r"^[0-9a-f]*$")
+    width: Literal[32, 64] = HASH_CHARS
+
+    @model_validator(mode="after")
+    def _whole(self) -> LookupRequest:
+        if len(self.packed) % self.width:
+            raise ValueError(f"packed: {len(self.packed)} hex digits, not hashes of {self.width}")
+        return self
 
     @classmethod
     def of(cls, hashes: list[str]) -> LookupRequest:
-        return cls(packed="".join(hashes))
+        return cls(packed="".join(hashes), width=len(hashes[0]) if hashes else HASH_CHARS)
 
     @property
     def hashes(self) -> list[str]:
-        p = self.packed
-        return [p[i : i + HASH_CHARS] for i in range(0, len(p), HASH_CHARS)]
+        p, w = self.packed, self.width
+        return [p[i : i + w] for i in range(0, len(p), w)]
 
 
 class LookupReply(Message):

@@ -3,8 +3,12 @@ unchecked (``model_construct``): short names stand for block hashes here."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from shared.kvindex.index import BlockIndex
-from shared.messages.kvevents import STORE, KvEvent
+from shared.messages.kvevents import STORE, KvEvent, LookupRequest
 
 TTL = {"chat": 100.0, "agent": 10.0}
 
@@ -104,3 +108,23 @@ def test_touches_and_clears_are_events() -> None:
     index.apply(KvEvent.model_construct(kind="cleared", location="mem:p0", at=9))
     assert index.lookup(["a", "b"], now=9) == {STORE: 2}
     index.check_integrity()
+
+
+def test_sglangs_64_digit_hashes_are_blocks_beside_kvmeshs() -> None:
+    """An SGLang model's blocks are named by SGLang's page hashes (SHA-256: 64 hex digits):
+    events, lookups and snapshots take them beside kvmesh's 32-digit ones."""
+    ours, theirs = h("a"), "5e" * 32
+    event = KvEvent(kind="stored", location=STORE, hashes=[theirs], sizes=[10], at=1.0)
+    with pytest.raises(ValueError, match="hashes"):
+        KvEvent(kind="stored", location=STORE, hashes=[ours, theirs], sizes=[1, 1], at=1.0)
+    asked = LookupRequest.of([theirs, "6f" * 32])
+    assert LookupRequest.model_validate_json(asked.model_dump_json()).hashes == [theirs, "6f" * 32]
+    with pytest.raises(ValueError, match="packed"):
+        LookupRequest(packed=theirs[:40], width=64)
+    index = BlockIndex(TTL)
+    index.apply(event)
+    index.apply(stored("mem:p0", [ours], at=2))
+    again = BlockIndex.from_columns(json.loads(json.dumps(index.columns())), TTL)
+    assert again.lookup([theirs], now=3) == {STORE: 1}
+    assert again.lookup([ours], now=3) == {"mem:p0": 1}
+    again.check_integrity()
