@@ -189,32 +189,8 @@ class Engine(ABC):
     Room for a whole answer (prompt + max_tokens) is taken when a sequence is admitted, so a
     full pool refuses new work (``PoolExhausted``) and never stops a running sequence.
 
-    What an SGLang backend (GPU deployments, not built here: these machines have no GPU) would
-    have to provide, method by method:
-
-    - ``load``: start SGLang's in-process engine for the model with token ids in and out (no
-      tokenizer of its own: the router tokenizes), its page size equal to ``block_size``, and
-      its own prefix cache (RadixAttention, HiCache) off or limited to what it is told, since
-      kvmesh's tiers and cachemeta decide what is cached where. ``config`` must carry a
-      fingerprint that changes with the weights and the KV layout (dtype, TP sharding).
-    - ``can_admit`` / ``reserve``: ask SGLang's request-to-token and token-to-KV pools for
-      room for prompt + max_tokens, and keep it held until ``free``.
-    - ``prefill``: admit a request whose first ``prefix.n_tokens`` tokens' KV are already in
-      pages it holds (the pages ``import_blocks`` filled), with image embeddings given as input
-      embeddings for the placeholder positions; run chunked prefill (chunks of
-      ``prefill_chunk``) polling ``cancelled`` between chunks; return the first sampled token.
-      ``prefill_batch``: several such requests in one extend batch.
-    - ``step``: one decode iteration of the running batch (overlap scheduling and CUDA graphs
-      are internal), one ``StepOutput`` per sequence, stop tokens and strings applied.
-    - ``export_kv`` / ``export_blocks`` / ``import_kv`` / ``import_blocks`` / ``receive``:
-      copy a sequence's pages between device and host in kvformat's cells (per layer and
-      block: K then V, [block_size, kv_heads, head_dim]), checking every cell's CRC32 on the
-      way in; a model with latent attention (MLA) keeps one latent tensor per layer instead
-      of K and V, and needs its own cell layout in kvformat and its fingerprint.
-    - seeded sampling: a seeded answer continued on another worker (handed off, or resumed
-      after a failure with ``answer_offset`` tokens already sent) must give the same tokens,
-      so each token's randomness is derived from (seed, position in the answer) alone.
-    - ``stats``: page counts of its pools; ``cleanup``: abort everything, free device memory.
+    SGLang is not one of these: it schedules, batches and keeps its own KV, as vLLM does, so it
+    is an ``OwningEngine`` (``shared/engine/sglang/``).
     """
 
     config: ModelConfig
