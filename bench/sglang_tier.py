@@ -38,7 +38,7 @@ from shared.kvstore.hashing import (  # noqa: E402
     packed_sglang_hashes,
     sglang_cache_salt,
 )
-from tests.sglang_release import HostPoolStandIn, load  # noqa: E402
+from tests.sglang_release import HostPoolStandIn, load, storage_config  # noqa: E402
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 LAYERS, HEADS, DIM, PAGE = 32, 8, 128, 64  # Llama-3-8B's KV shape, SGLang's usual page
@@ -88,7 +88,6 @@ def page_costs(pages: int, where: Path) -> dict:
     from shared.engine.sglang.storage import storage_args
 
     load()
-    from sglang.srt.mem_cache import hicache_storage
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     pool_class = HostPoolStandIn.build()
@@ -99,19 +98,8 @@ def page_costs(pages: int, where: Path) -> dict:
         pool = pool_class(layout, LAYERS, HEADS, DIM, PAGE, pages, torch.bfloat16)
         pool.kv_buffer.normal_()
         with tempfile.TemporaryDirectory(dir=where) as tier:
-            config = hicache_storage.HiCacheStorageConfig(
-                tp_rank=0,
-                tp_size=1,
-                pp_rank=0,
-                pp_size=1,
-                attn_cp_rank=0,
-                attn_cp_size=1,
-                is_mla_model=False,
-                enable_storage_metrics=False,
-                is_page_first_layout=layout != "layer_first",
-                model_name="bench",
-                extra_config=storage_args(tier, "bench-fingerprint", "", ""),
-            )
+            extra = storage_args(tier, "bench-fingerprint", "", "")
+            config = storage_config(extra, is_page_first_layout=layout != "layer_first")
             backend = StorageBackendFactory.create_backend("dynamic", config, pool)
             backend.register_mem_pool_host(pool)
             keys = [f"{i:064x}" for i in range(1, pages + 1)]

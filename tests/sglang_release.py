@@ -100,3 +100,25 @@ class HostPoolStandIn:
         for name, source in found.items():
             exec(compile(source, f"sglang-{VERSION}:mha.py:{name}", "exec"), scope, members)  # noqa: S102
         return type("SglangHostPool", (cls,), members)
+
+
+def storage_config(extra: dict, **overrides):  # noqa: ANN003, ANN201
+    """SGLang's ``HiCacheStorageConfig`` for one rank of an MHA model, as its cache controller
+    builds it, with the backend's extra config."""
+    load()
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    fields = dict(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="smollm2",
+        extra_config=extra,
+    )
+    return HiCacheStorageConfig(**{**fields, **overrides})

@@ -40,13 +40,25 @@ class KvEventBridge:
         self.last_seq = -1
         self._socket = None
         self._task: asyncio.Task | None = None
+        self._decode = None
         self.endpoint = ""
 
     # -- what an engine's subclass says ---------------------------------------------------
 
+    def batch_type(self) -> type:
+        """The engine's msgpack batch type (``[ts, events, dp_rank]``, its events tagged)."""
+        raise NotImplementedError
+
     def decode(self, payload: bytes) -> list:
         """The events of one batch (raises ValueError when they cannot be read)."""
-        raise NotImplementedError
+        import msgspec
+
+        if self._decode is None:
+            self._decode = msgspec.msgpack.Decoder(type=self.batch_type()).decode
+        try:
+            return self._decode(payload).events
+        except msgspec.DecodeError as err:
+            raise ValueError(str(err)) from None
 
     def chain(self, event: Any, parent: str | None) -> list[str]:
         """kvmesh's hashes of a BlockStored's full blocks, going on from ``parent`` (kvmesh's

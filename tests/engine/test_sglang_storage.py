@@ -14,7 +14,7 @@ import torch
 
 from shared.engine import kvformat
 from shared.kvstore.backend import FileStore
-from tests.sglang_release import HostPoolStandIn, load
+from tests.sglang_release import HostPoolStandIn, load, storage_config
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 LAYERS, HEADS, DIM, PAGE, PAGES = 3, 2, 8, 4, 6
@@ -30,30 +30,13 @@ def sglang():
     return hicache_storage, StorageBackendFactory, HostPoolStandIn.build()
 
 
-def config(hicache_storage, extra: dict, **overrides):  # noqa: ANN001, ANN201
-    fields = dict(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name="smollm2",
-        extra_config=extra,
-    )
-    return hicache_storage.HiCacheStorageConfig(**{**fields, **overrides})
-
-
 def backend(sglang, tier: Path, pool, report: str = "", fingerprint: str = FP):  # noqa: ANN001, ANN201
     """The backend as SGLang's cache controller makes it: its factory, then the host pool."""
     from shared.engine.sglang.storage import storage_args
 
     hicache_storage, factory, _ = sglang
     extra = storage_args(str(tier), fingerprint, "", report)
-    made = factory.create_backend("dynamic", config(hicache_storage, extra), pool)
+    made = factory.create_backend("dynamic", storage_config(extra), pool)
     made.register_mem_pool_host(pool)
     return made
 
@@ -168,10 +151,10 @@ def test_mla_models_and_split_ranks_are_refused_saying_why(sglang, tmp_path: Pat
 
     extra = storage_args(str(tmp_path), FP, "", "")
     with pytest.raises(ValueError, match="MLA model"):
-        factory.create_backend("dynamic", config(hicache_storage, extra, is_mla_model=True), None)
+        factory.create_backend("dynamic", storage_config(extra, is_mla_model=True), None)
     with pytest.raises(ValueError, match="tensor parallelism 2"):
-        factory.create_backend("dynamic", config(hicache_storage, extra, tp_size=2), None)
-    made = factory.create_backend("dynamic", config(hicache_storage, extra), None)
+        factory.create_backend("dynamic", storage_config(extra, tp_size=2), None)
+    made = factory.create_backend("dynamic", storage_config(extra), None)
 
     class Unified:  # a layout kvmesh's block format is not converted from
         layout, dtype = "page_unified", torch.float16

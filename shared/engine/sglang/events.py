@@ -35,18 +35,11 @@ class SglangEventBridge(KvEventBridge):
         super().__init__(block_size, publish)
         self.replay_endpoint = replay_endpoint
         self.replayed = 0  # batches that came again by replay
-        self._decode = None
 
-    def decode(self, payload: bytes) -> list:
-        import msgspec
+    def batch_type(self) -> type:
         from sglang.srt.disaggregation.kv_events import KVEventBatch
 
-        if self._decode is None:
-            self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
-        try:
-            return self._decode(payload).events
-        except msgspec.DecodeError as err:
-            raise ValueError(str(err)) from None
+        return KVEventBatch
 
     def chain(self, event: Any, parent: str | None) -> list[str]:
         tokens = event.token_ids

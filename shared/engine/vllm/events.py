@@ -32,18 +32,11 @@ class VllmEventBridge(KvEventBridge):
     def __init__(self, fingerprint: str, block_size: int, publish: BlockEvents) -> None:
         super().__init__(block_size, publish)
         self.fingerprint = fingerprint
-        self._decode = None
 
-    def decode(self, payload: bytes) -> list:
-        import msgspec
+    def batch_type(self) -> type:
         from vllm.distributed.kv_events import KVEventBatch
 
-        if self._decode is None:
-            self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
-        try:
-            return self._decode(payload).events
-        except msgspec.DecodeError as err:
-            raise ValueError(str(err)) from None
+        return KVEventBatch
 
     async def other(self, event: Any) -> bool:
         medium = getattr(event, "medium", None) or ""
