@@ -232,7 +232,8 @@ def test_the_storage_backends_reports_are_published_with_each_requests_retention
     async def run() -> None:
         engine._engine = ScriptedSglang([out([1], "length")])
         params = SamplingParams(max_tokens=1)
-        [p async for p in engine.generate("r-2", prompt, params, "t", retention="agent")]
+        done = [p async for p in engine.generate("r-2", prompt, params, "t", retention="agent")]
+        assert done[-1].stored == pages  # (what a P/D prefill worker waits for in the tier)
         endpoint = engine._bind_reports(on_blocks)
         push = zmq.Context.instance().socket(zmq.PUSH)
         push.connect(endpoint)

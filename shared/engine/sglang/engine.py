@@ -30,6 +30,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -213,14 +214,18 @@ class SglangEngine(OwningEngine):
                 log.debug("SGLang's load not read: %s", err)
             await asyncio.sleep(LOAD_EVERY_S)
 
-    def remember(self, token_ids: list[int], salt: str, retention: str) -> None:
+    def pages(self, token_ids: list[int], salt: str) -> list[str]:
+        """The hashes SGLang names the prompt's full pages by (in storage too)."""
+        n = len(token_ids) // self.block_size * self.block_size
+        packed = pack_tokens(token_ids[:n])
+        return packed_sglang_hashes(packed, self.block_size, self.config.fingerprint, salt)
+
+    def remember(self, pages: list[str], retention: str) -> None:
         """The retention class of a request's pages, by their hashes (the storage backend
         reports hashes only); "chat", the default, is not kept."""
         if retention == "chat":
             return
-        n = len(token_ids) // self.block_size * self.block_size
-        packed = pack_tokens(token_ids[:n])
-        for h in packed_sglang_hashes(packed, self.block_size, self.config.fingerprint, salt):
+        for h in pages:
             self._retention[h] = retention
             self._retention.move_to_end(h)
         while len(self._retention) > RETENTIONS_KEPT:
@@ -242,7 +247,10 @@ class SglangEngine(OwningEngine):
                 if self.options.pd_transfer
                 else "this SGLang engine is not in P/D: no bootstrap room"
             )
-        self.remember(token_ids, salt, retention)
+        # The prompt's pages go to the storage tier as SGLang backs them up (a P/D prefill
+        # worker handing over through the tier waits for them: ``Generated.stored``).
+        pages = self.pages(token_ids, salt) if self.options.kv_store_dir else []
+        self.remember(pages, retention)
         where = {}
         if peer is not None:
             host, port, room = peer
@@ -258,7 +266,7 @@ class SglangEngine(OwningEngine):
             **where,
         )
         async for piece in pieces(stream, params, self.tokenizer, seq_id, self.abort):
-            yield piece
+            yield replace(piece, stored=pages) if piece.finish_reason and not peer else piece
 
     def peer_address(self) -> str:
         o = self.options
