@@ -36,6 +36,10 @@ EXTRAS = {name: requirements(specs) for name, specs in PYPROJECT["optional-depen
 LEFT_OUT = {"torchvision", "torchaudio", "torchcodec"}
 
 
+# The modules of the engines that own their KV (and their event bridge).
+OWNING_ENGINES = ("shared/engine/vllm/", "shared/engine/sglang/", "shared/engine/bridge.py")
+
+
 def lock(files: tuple[str, ...] = ("requirements.txt", "requirements-vllm.txt")) -> dict[str, str]:
     """The lock: requirements.txt, and requirements-vllm.txt (the vllm extra's part)."""
     pins = {}
@@ -94,14 +98,17 @@ def test_every_import_is_a_declared_dependency() -> None:
     vllm = closure(set(EXTRAS["vllm"]))
     undeclared = []
     for module, files in sorted(third_party_imports().items()):
+        if module == "sglang" and all(f.startswith("shared/engine/sglang/") for f in files):
+            continue  # SGLang, installed on a CUDA machine by its operator (see SGLang)
         dists = distributions_of(module)
         assert dists, f"{module} (imported by {sorted(files)}) comes from no installed package"
         if dists & set(RUNTIME):
             continue
         if dists & plot and all(f.startswith("kvmesh/") for f in files):
             continue  # `kvmesh sim --png`, which names the extra when it is missing
-        if dists & vllm and all(f.startswith("shared/engine/vllm/") for f in files):
-            continue  # the vLLM engine, imported only when a worker runs it
+        if dists & vllm and all(f.startswith(OWNING_ENGINES) for f in files):
+            continue  # engines that own their KV, imported only when a worker runs one (the
+            # vllm extra brings what they use; SGLang's install brings the same)
         undeclared.append(f"{module} ({', '.join(sorted(dists))}) in {sorted(files)}")
     assert not undeclared, "imported but not in [project].dependencies:\n" + "\n".join(undeclared)
 

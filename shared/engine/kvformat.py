@@ -68,12 +68,6 @@ class BadBlock(KVFormatError):
         self.index = index
 
 
-def _to_bytes(t: torch.Tensor) -> bytes:
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the raw 16-bit words
-        t = t.view(torch.int16)
-    return t.contiguous().numpy().tobytes()
-
-
 def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if dtype == torch.bfloat16:
         return torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy()).view(dtype).view(shape)
@@ -83,16 +77,50 @@ def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torc
 
 def encode(header_fields: dict, k: torch.Tensor, v: torch.Tensor) -> bytes:
     """k, v: [layers, n_blocks, block_size, G, E] in the dtype to store."""
-    cells = []
+    return b"".join(encode_parts(header_fields, k, v))
+
+
+def encode_parts(header_fields: dict, k: torch.Tensor, v: torch.Tensor) -> list:
+    """``encode``'s bytes in parts: the header, then each cell's K and V as views of ``k`` and
+    ``v`` (made contiguous once, not copied again), for a writer that takes parts as they are
+    (``FileStore.put_parts``: one writev)."""
+    k_raw, v_raw = _raw(k), _raw(v)
+    parts: list = []
     crcs = []
-    for layer in range(k.shape[0]):
-        for block in range(k.shape[1]):
-            cell = _to_bytes(k[layer, block]) + _to_bytes(v[layer, block])
-            cells.append(cell)
-            crcs.append(zlib.crc32(cell))
+    for layer in range(k_raw.shape[0]):
+        for block in range(k_raw.shape[1]):
+            kc = memoryview(k_raw[layer, block]).cast("B")
+            vc = memoryview(v_raw[layer, block]).cast("B")
+            crcs.append(zlib.crc32(vc, zlib.crc32(kc)))  # (the CRC of K then V)
+            parts += [kc, vc]
     header = KVHeader(**header_fields, crc32=crcs)
     blob = json.dumps(asdict(header)).encode()
-    return MAGIC + struct.pack("<I", len(blob)) + blob + b"".join(cells)
+    return [MAGIC + struct.pack("<I", len(blob)) + blob, *parts]
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """A tensor's memory as a contiguous numpy array (bfloat16's 16-bit words as int16)."""
+    t = t.contiguous()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def all_cells(source: bytearray | memoryview) -> tuple[KVHeader, torch.Tensor]:
+    """A blob's header and every cell at once, as one tensor [layers, blocks, 2 (K, V),
+    block_size, G, E] over the blob's own memory (no copy: ``source`` must be writable),
+    every cell's CRC checked first."""
+    view = memoryview(source).cast("B")
+    header, start = read_header(as_reader(view))
+    size, count = header.cell_bytes, len(header.crc32)
+    data = view[start : start + size * count]
+    if len(data) < size * count:
+        raise KVFormatError(f"KV data truncated: {len(data)} of {size * count} bytes")
+    for i, crc in enumerate(header.crc32):
+        if zlib.crc32(data[i * size : (i + 1) * size]) != crc:
+            layer, block = divmod(i, header.n_blocks)
+            raise KVFormatError(f"KV checksum mismatch at layer {layer} block {block}")
+    shape = (header.n_layers, header.n_blocks, 2, header.block_size, header.n_kv_heads)
+    cells = torch.frombuffer(data, dtype=DTYPES[header.dtype]) if count else torch.empty(0)
+    return header, cells.view(*shape, header.head_dim)
 
 
 def read_header(f: BinaryIO) -> tuple[KVHeader, int]:

@@ -91,6 +91,11 @@ class FileStore(BlockStore):
     def put(self, key: str, blob: bytes) -> list[str]:
         """Raises OSError when the file cannot be written (full, read-only, I/O): nothing
         of it is left behind."""
+        return self.put_parts(key, [blob])
+
+    def put_parts(self, key: str, parts: list) -> list[str]:
+        """``put`` of a blob given in parts (bytes-like), written as they are (one writev)."""
+        blob_len = sum(memoryview(p).nbytes for p in parts)
         path = self.path(key)
         tmp = path.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -101,7 +106,7 @@ class FileStore(BlockStore):
             fd = os.open(tmp, flags, 0o644)
         try:
             try:
-                _write_all(fd, [_FRAME.pack(MAGIC, len(blob)), blob])
+                _write_all(fd, [_FRAME.pack(MAGIC, blob_len), *parts])
             finally:
                 os.close(fd)
             # No fsync: this is a cache. A file lost in a crash is a miss; a torn one is found
@@ -130,19 +135,22 @@ class FileStore(BlockStore):
         return memoryview(data)[_FRAME.size :]
 
     @staticmethod
-    def _read(path: Path) -> bytes:
+    def _read(path: Path) -> bytearray:
+        """The file, read straight into one fresh buffer (writable: a reader may view it as
+        tensors without a copy)."""
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            data = os.read(fd, size)  # one read into a fresh buffer, as a plain read does
-            while len(data) < size:  # short reads are rare, but allowed
-                more = os.read(fd, size - len(data))
-                if not more:
+            data = bytearray(size)
+            view, got = memoryview(data), 0
+            while got < size:  # short reads are rare, but allowed
+                n = os.readv(fd, [view[got:]])
+                if not n:
                     break
-                data += more
+                got += n
         finally:
             os.close(fd)
-        return data
+        return data[:got] if got < size else data
 
     def discard(self, key: str, reason: str) -> None:
         """A damaged blob: delete it, say so, count it."""

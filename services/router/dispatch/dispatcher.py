@@ -45,7 +45,6 @@ from services.router.routing.route import (
 )
 from services.router.settings import DispatchSettings
 from shared.bus import Bus
-from shared.kvstore.hashing import XXH3
 from shared.messages.generate import TokenEvent
 from shared.telemetry.metrics import MOVES
 from shared.telemetry.tracing import tracer
@@ -286,12 +285,13 @@ class Dispatcher:
 
     def hash_scheme(self, model: str) -> str:
         """How the KV blocks of the workers serving the model are named (their engine's hash
-        scheme: shared/kvstore/hashing.py), as their heartbeats say."""
+        scheme: shared/kvstore/hashing.py), as their heartbeats say ("" while none says its
+        block size: nothing is hashed then)."""
         for role in ("prefill", "decode"):
             for w in self.candidates(role, model, set()):
                 if w.heartbeat.load.kv_block_size:
                     return w.heartbeat.load.kv_hash
-        return XXH3
+        return ""
 
     def prompt_hashes(self, job: Job) -> tuple[int, list[str]]:
         """The block size of the job's model (0 while no worker of it is known) and the

@@ -202,8 +202,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):
         """A block's bytes into the host pool's page at slot ``index`` (every cell's CRC
         checked first: nothing damaged reaches the pool)."""
         pool = self.pool
-        f = kvformat.as_reader(blob)
-        header, start = kvformat.read_header(f)
+        header, cells = kvformat.all_cells(blob)  # [layers, 1, K and V, page, heads, dim]
         want = (self.fingerprint, 1, pool.layer_num, pool.page_size, pool.head_num, pool.head_dim)
         have = (
             header.fingerprint,
@@ -215,27 +214,26 @@ class KvmeshHiCacheStorage(HiCacheStorage):
         )
         if have != want:
             raise kvformat.KVFormatError(f"another model's or another shape's block: {have}")
-        cells = [kvformat.read_cell(f, header, start, layer, 0) for layer in range(pool.layer_num)]
         k, v = page_views(pool, index)
-        for layer, (ck, cv) in enumerate(cells):
-            k[layer].copy_(ck)
-            v[layer].copy_(cv)
+        k.copy_(cells[:, 0, 0])  # (one strided copy each, from the file's buffer)
+        v.copy_(cells[:, 0, 1])
 
     def _write(self, key: str, index: int, stored: list, damaged: list) -> bool:
         if key in self.store:
             return True
-        blob = self.encode(index)
+        parts = self.encode(index)
         try:
-            self.store.put(key, blob)
+            self.store.put_parts(key, parts)
         except OSError as err:
             log.warning("KV page %s not stored: %s", key, err)
             return False
         self.written += 1
-        stored.append((key, len(blob)))
+        stored.append((key, sum(memoryview(p).nbytes for p in parts)))
         return True
 
-    def encode(self, index: int) -> bytes:
-        """The host pool's page at slot ``index`` in kvmesh's block format."""
+    def encode(self, index: int) -> list:
+        """The host pool's page at slot ``index`` in kvmesh's block format, in parts (the
+        header, then each layer's K and V: views of one gather out of the pool's layout)."""
         pool = self.pool
         dtype_name = self.store_dtype or DTYPE_NAMES[pool.dtype]
         k, v = page_views(pool, index)
@@ -251,9 +249,8 @@ class KvmeshHiCacheStorage(HiCacheStorage):
             n_tokens=pool.page_size,
         )
         dtype = kvformat.DTYPES[dtype_name]
-        # One gather of the page out of the pool's layout, then each layer's cell is a slice.
-        k, v = (x.to(dtype).contiguous().unsqueeze(1) for x in (k, v))
-        return kvformat.encode(fields, k, v)
+        k, v = (x.to(dtype).unsqueeze(1) for x in (k, v))
+        return kvformat.encode_parts(fields, k, v)
 
     # -- the older, copying interface: SGLang uses interface_v1 with this backend ----------
 
