@@ -69,12 +69,12 @@ async def answer(engine: SglangEngine, rid: str, salt: str = "", prompt=PROMPT) 
     return tokens, pieces[0].cached_tokens, pieces[-1].cached_by_tier or {}
 
 
-def transformers_greedy(directory: Path, n: int) -> list[int]:
+def transformers_greedy(directory: Path, n: int, device: str) -> list[int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).cuda()
-    ids = torch.tensor([PROMPT], device="cuda")
+    model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).to(device)
+    ids = torch.tensor([PROMPT], device=device)
     out = model.generate(ids, max_new_tokens=n, do_sample=False)
     return out[0, len(PROMPT) :].tolist()
 
@@ -101,7 +101,7 @@ async def run(args: argparse.Namespace) -> dict:
 
     # 1. greedy, against transformers on the same weights
     ours, _, _ = await answer(engine, "greedy-1", salt="harbour")
-    theirs = transformers_greedy(engine.directory, GREEDY.max_tokens)
+    theirs = transformers_greedy(engine.directory, GREEDY.max_tokens, args.device)
     same = next(
         (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), len(ours)
     )
@@ -184,6 +184,7 @@ def main() -> None:
     ap.add_argument("--state", default=str(Path(tempfile.gettempdir()) / "kvmesh-sglang"))
     ap.add_argument("--pd", action="store_true", help="also SGLang's own P/D on one GPU")
     ap.add_argument("--transfer", default="mooncake", help="its KV transfer backend")
+    ap.add_argument("--device", default="cuda", help="where transformers' reference runs")
     args = ap.parse_args()
     figures = asyncio.run(run(args))
     print(json.dumps(figures))

@@ -39,7 +39,8 @@ class KvEventBridge:
         self.media: dict[Any, set[str]] = {}  # the engine's block id → the media holding it
         self.last_seq = -1
         self._socket = None
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._applying = asyncio.Lock()
         self._decode = None
         self.endpoint = ""
 
@@ -89,12 +90,12 @@ class KvEventBridge:
         return self.endpoint
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self._tasks = [asyncio.create_task(self._run())]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._socket is not None:
             self._socket.close(linger=0)
 
@@ -104,7 +105,12 @@ class KvEventBridge:
             _, seq_bytes, payload = await self._socket.recv_multipart()
             if faults.on("kv_feed"):  # (a test: the engine's feed goes quiet)
                 continue
-            await self.batch(int.from_bytes(seq_bytes, "big", signed=True), payload)
+            await self.take(int.from_bytes(seq_bytes, "big", signed=True), payload)
+
+    async def take(self, seq: int, payload: bytes) -> None:
+        """A batch, applied after any other being applied (the feed's and a replay's)."""
+        async with self._applying:
+            await self.batch(seq, payload)
 
     async def batch(self, seq: int, payload: bytes) -> None:
         """One batch as it came, numbered ``seq``."""

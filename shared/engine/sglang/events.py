@@ -27,6 +27,7 @@ from shared.kvstore.hashing import sglang_chain, sglang_seed
 log = logging.getLogger(__name__)
 
 REPLAY_WAIT_S = 2.0  # for the replayed batches, each
+REPLAY_POLL_S = 2.0  # how often SGLang's buffer is asked for batches past the last one here
 END_SEQ = -1  # the replay's last frame
 
 
@@ -35,6 +36,24 @@ class SglangEventBridge(KvEventBridge):
         super().__init__(block_size, publish)
         self.replay_endpoint = replay_endpoint
         self.replayed = 0  # batches that came again by replay
+
+    def start(self) -> None:
+        super().start()
+        if self.replay_endpoint:
+            self._tasks.append(asyncio.create_task(self._poll()))
+
+    async def _poll(self) -> None:
+        """Now and then, the batches past the last one applied, from SGLang's buffer: a lost
+        batch is otherwise seen only when the next comes (or, the first ones, sent before
+        this side was connected, never)."""
+        while True:
+            await asyncio.sleep(REPLAY_POLL_S)
+            first = self.last_seq + 1
+            got = await self._replay(first, 2**62, quiet=True)
+            for n in sorted(got):
+                if n == self.last_seq + 1:
+                    self.replayed += 1
+                    await self.take(n, got[n])
 
     def batch_type(self) -> type:
         from sglang.srt.disaggregation.kv_events import KVEventBatch
@@ -71,7 +90,7 @@ class SglangEventBridge(KvEventBridge):
             self.replayed += 1
             await self.batch(n, got[n])
 
-    async def _replay(self, first: int, seq: int) -> dict[int, bytes]:
+    async def _replay(self, first: int, seq: int, quiet: bool = False) -> dict[int, bytes]:
         import zmq
         import zmq.asyncio
 
@@ -91,7 +110,8 @@ class SglangEventBridge(KvEventBridge):
                 if first <= n < seq:
                     got[n] = payload
         except TimeoutError:
-            log.warning("SGLang's replay socket did not answer in %.0f s", REPLAY_WAIT_S)
+            say = log.debug if quiet else log.warning
+            say("SGLang's replay socket did not answer in %.0f s", REPLAY_WAIT_S)
         finally:
             socket.close(linger=0)
         return got
