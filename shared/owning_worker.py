@@ -38,7 +38,6 @@ class OwningWorker(WorkerService):
     @classmethod
     def check(cls, common: CommonSettings, settings: ServiceSettings) -> None:
         """The model, and engine options the engine can take (exit 2 naming the settings)."""
-        super().check(common, settings)
         assert isinstance(settings, WorkerSettings)
         if settings.pd_transfer and settings.engine != "sglang":
             raise SettingsError(
@@ -46,6 +45,7 @@ class OwningWorker(WorkerService):
                 f"{env_name(type(settings), 'engine')}={settings.engine}: only SGLang moves KV "
                 "by its own transfer; vLLM's P/D goes through the storage tier"
             )
+        super().check(common, settings)
         refusal = engine_class(settings.engine).refusal(settings.engine_options())
         if refusal:
             block = env_name(type(settings), "block_size")

@@ -62,7 +62,7 @@ class WholePrefill(OwningWorker):
     def check(cls, common: CommonSettings, settings: ServiceSettings) -> None:
         super().check(common, settings)
         assert isinstance(settings, PrefillSettings)
-        if not settings.kv_store:
+        if not settings.kv_store and not settings.pd_transfer:  # (SGLang's own P/D needs none)
             raise SettingsError(
                 f"{env_name(PrefillSettings, 'kv_store')}=false with "
                 f"{env_name(PrefillSettings, 'engine')}={settings.engine}: the prompt's KV "

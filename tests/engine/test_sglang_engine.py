@@ -260,3 +260,24 @@ def test_options_without_tiers_start_sglang_without_hicache(engine: SglangEngine
     bare = replace(OPTIONS, kv_store_dir="", memory_tier_bytes=0)
     args = SglangEngine(engine.config, engine.directory, bare, engine.state_dir).server_args()
     assert "enable_hierarchical_cache" not in args and "hicache_storage_backend" not in args
+
+
+def test_an_engines_own_pd_is_sglangs_and_its_transfer_one_of_sglangs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from services.decode.settings import DecodeSettings
+    from services.decode.whole import WholeRequests
+    from shared.settings import CommonSettings, SettingsError, load_settings
+
+    monkeypatch.setenv("KVMESH_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("KVMESH_DECODE_PD_TRANSFER", "rdma")
+    with pytest.raises(SettingsError, match="KVMESH_DECODE_PD_TRANSFER.*one of mooncake, nixl"):
+        load_settings(DecodeSettings)
+    monkeypatch.setenv("KVMESH_DECODE_PD_TRANSFER", "nixl")
+    monkeypatch.setenv("KVMESH_DECODE_ENGINE", "vllm")
+    settings = load_settings(DecodeSettings)
+    with pytest.raises(SettingsError) as err:
+        WholeRequests.check(load_settings(CommonSettings), settings)
+    said = str(err.value)
+    assert "KVMESH_DECODE_PD_TRANSFER=nixl with KVMESH_DECODE_ENGINE=vllm" in said
+    assert "through the storage tier" in said
