@@ -1,8 +1,10 @@
 """`kvmesh init`: a mesh's secrets and nats-server's configuration under the state dir.
 
 `kvmesh up` does this at every start; docker-compose runs it once before NATS and the
-services (they share the state dir's volume). It makes each role's NATS identity (an NKey
-from a secret in the secrets dir), writes <state_dir>/nats/server.conf (kvmesh/nats.conf, the
+services (they share the state dir's volume), and on Kubernetes a Job runs it and puts what it
+wrote into Secrets (deploy/kubernetes/). It makes the secrets every process of a mesh shares
+(the tenant salt, the KV hand-over's key), each role's NATS identity (an NKey from a secret in
+the secrets dir), writes <state_dir>/nats/server.conf (kvmesh/nats.conf, the
 identities' public keys and permissions, TLS with ``--tls``) and, with ``--tls``, a local CA
 and every role's certificate under <state_dir>/tls. Nothing that exists is replaced, except
 the server configuration (rewritten from the code's permissions) and expiring certificates.
@@ -17,6 +19,9 @@ from pathlib import Path
 
 from kvmesh.natsconf import write_server_config
 from kvmesh.tls import MeshTls, ensure_mesh_tls
+from shared.security.handoff import HANDOFF_SECRET
+from shared.security.salt import SALT_SECRET
+from shared.security.secret import load_or_create
 from shared.settings import CommonSettings, SettingsError, load_settings
 
 
@@ -26,7 +31,14 @@ class Prepared:
     tls: MeshTls | None
 
 
+# The secrets every process of a mesh must share, whatever host it runs on: the tenant salt
+# (one tenant's block hashes are the same on every router) and the KV hand-over's key.
+MESH_SECRETS = (SALT_SECRET, HANDOFF_SECRET)
+
+
 def prepare(common: CommonSettings, tls: bool) -> Prepared:
+    for name in MESH_SECRETS:  # (NATS identities are made below, with the configuration)
+        load_or_create(common.resolved_secrets_dir, name)
     mesh_tls = ensure_mesh_tls(common.state_dir / "tls") if tls else None
     server_tls = None
     if mesh_tls is not None:
