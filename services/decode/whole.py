@@ -1,10 +1,13 @@
-"""A decode worker whose engine owns its KV (vLLM: ``shared.engine.interface.OwningEngine``).
+"""A decode worker whose engine owns its KV (vLLM, SGLang: ``shared.engine.interface.
+OwningEngine``).
 It takes whole requests (the router sends a model's short prompts here, and all of them when
 the model has no prefill worker) and streams each answer to the request's reply subject as the
 engine gives it. It also takes the rest of an answer a prefill worker of the same kind began
 (P/D, ``services/prefill/whole.py``): the prompt's KV is in the storage tier by then, where
 this engine's storage connector loads it, and the answer goes on after the tokens already
-sent. Everything around the engine is ``shared/owning_worker.py``'s."""
+sent; or, in SGLang's own P/D (``Handover.bootstrap``), this engine fetches the KV from the
+prefill worker's engine itself. A decode worker in SGLang's own P/D takes nothing else
+(``pd_only``). Everything around the engine is ``shared/owning_worker.py``'s."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""A prefill worker whose engine owns its KV (vLLM): P/D with such engines on both sides.
+"""A prefill worker whose engine owns its KV (vLLM, SGLang): P/D with such engines on both
+sides. (SGLang's own P/D, where the engines move the KV themselves, is ``with_peer``; what
+follows is the hand-over through the storage tier, vLLM's and SGLang's otherwise.)
 
 The engine computes the prompt and samples the first token; its storage connector writes the
 prompt's full blocks to the storage tier meanwhile (``shared/engine/vllm/connector.py``). The
