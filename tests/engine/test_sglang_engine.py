@@ -179,6 +179,7 @@ def test_cached_tokens_by_tier_logprobs_and_abort(engine: SglangEngine) -> None:
     details = {"device": 16, "host": 32, "storage": 64, "storage_backend": "KvmeshHiCacheStorage"}
     scripted = ScriptedSglang(
         [
+            out([], cached_tokens=112),  # (a chunk before any token: not a piece)
             out([5], cached_tokens=112, output_token_logprobs=[(-0.5, 5, None)],
                 output_top_logprobs=[[(-0.5, 5, None), (-1.5, 6, None)]]),
             out([6, 7], "stop", cached_tokens=112, cached_tokens_details=details,

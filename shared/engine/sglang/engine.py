@@ -322,6 +322,8 @@ async def pieces(
             new = list(out.get("output_ids") or ())
             finish = meta.get("finish_reason")
             reason = FINISHED.get(finish.get("type")) if isinstance(finish, dict) else None
+            if not new and reason is None:  # (nothing yet: the first piece is still to come)
+                continue
             stop = None
             if params.stop and new:
                 for i in range(len(new)):  # (a piece may hold several tokens)
