@@ -54,14 +54,17 @@ def is_nats(url: str, timeout_s: float = 1.0) -> bool:
 
 @dataclass(frozen=True)
 class Cluster:
-    """A node's place in a local NATS cluster: routes to every other node's route port."""
+    """A node's place in a NATS cluster: routes to every other node's route port, on this
+    node's host (a local cluster) or on each node's own (``hosts``)."""
 
     name: str
     node: int  # this node's index
     route_ports: tuple[int, ...]  # every node's, by index
+    hosts: tuple[str, ...] = ()  # every node's host, by index (empty: all on this one)
 
     def args(self, host: str) -> list[str]:
-        others = [f"nats://{host}:{p}" for i, p in enumerate(self.route_ports) if i != self.node]
+        at = self.hosts or (host,) * len(self.route_ports)
+        others = [f"nats://{at[i]}:{p}" for i, p in enumerate(self.route_ports) if i != self.node]
         return [
             "--server_name",
             f"{self.name}-{self.node}",
@@ -88,8 +91,10 @@ class NatsServer:
         config: Path = CONFIG,
         tls: bool = False,
         cluster: Cluster | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
         self.host, self.port = host, port
+        self.prefix = prefix  # what runs it elsewhere (``ip netns exec NS``: another host)
         self.store_dir = store_dir
         self.log_file = log_file
         self.config = config
@@ -109,14 +114,14 @@ class NatsServer:
         ports = [self.port]
         if self.cluster is not None:
             ports.append(self.cluster.route_ports[self.cluster.node])
-        for port in ports:
+        for port in ports if not self.prefix else ():  # (another host's ports: not seen here)
             if port_in_use(self.host, port):
                 raise NatsServerError(
                     f"cannot start NATS: port {port} on {self.host} is already in use; "
                     "stop what holds it, or set KVMESH_NATS_URL to a running NATS server"
                 )
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [str(nats_server_binary()), "-c", str(self.config), "-a", self.host]
+        cmd = [*self.prefix, str(nats_server_binary()), "-c", str(self.config), "-a", self.host]
         cmd += ["-p", str(self.port)]
         cmd += ["-js", "-sd", str(self.store_dir)]
         if self.cluster is not None:

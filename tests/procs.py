@@ -75,6 +75,7 @@ class Proc:
     """A child process whose output goes to a file the test can read back."""
 
     def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.args, self.env = args, env  # (to start it again as it was)
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115
         # The child dies with the test run, however it ends (no process left eating CPU).

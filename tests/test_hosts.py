@@ -1,0 +1,145 @@
+"""The mesh across three hosts (network namespaces on a bridge: tests/hosts.py): a NATS node on
+each (one cluster, every stream on all three); cachemeta and the router on host 0, a prefill
+worker on host 1, a decode worker on host 2; the client beside them, through the bridge. Every
+service binds and advertises its own host's address; the storage tier is one directory all
+three see."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from kvmesh.natsconf import write_server_config
+from kvmesh.natsserver import Cluster, NatsServer
+from tests.hosts import Hosts, hosts_or_skip
+from tests.procs import Proc, get_json, secrets_dir, service_env, wait_until
+
+NATS_PORT, ROUTE_PORT, HTTP_PORT, ROUTER_PORT, KV_PORT = 4222, 6222, 9100, 8000, 50061
+PLACES = {"cachemeta-0": 0, "router-0": 0, "prefill-0": 1, "decode-0": 2}
+
+
+@dataclass
+class Mesh:
+    hosts: Hosts
+    dir: Path
+    nats: list[NatsServer]
+    procs: dict[str, Proc]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.hosts.addresses[0]}:{ROUTER_PORT}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def health(self) -> dict[str, dict]:
+        roles = get_json(f"{self.url}/health")[1]["roles"]
+        return {w["id"]: w for workers in roles.values() for w in workers}
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    hosts_or_skip()
+    root = tmp_path_factory.mktemp("hosts")
+    with Hosts(3) as hosts:
+        addresses = hosts.addresses
+        config = write_server_config(root / "nats.conf", secrets_dir(root / "state"))
+        nats = [
+            NatsServer(
+                addresses[i],
+                NATS_PORT,
+                root / f"nats-{i}",
+                log_file=root / f"nats-{i}.log",
+                config=config,
+                cluster=Cluster("kvmesh", i, (ROUTE_PORT,) * 3, tuple(addresses)),
+                prefix=("ip", "netns", "exec", hosts.namespaces[i]),
+            )
+            for i in range(3)
+        ]
+        procs: dict[str, Proc] = {}
+        try:
+            for server in nats:
+                server.start(timeout_s=20)
+            urls = ",".join(f"nats://{a}:{NATS_PORT}" for a in addresses)
+            for sid, i in PLACES.items():
+                role = sid.split("-")[0]
+                prefix = f"KVMESH_{role.upper()}_"
+                env = service_env(
+                    urls,
+                    root / f"state-{i}",
+                    KVMESH_SECRETS_DIR=str(secrets_dir(root / "state")),
+                    KVMESH_KV_STORE_DIR=str(root / "kvstore"),  # (one directory for all hosts)
+                    KVMESH_JETSTREAM_REPLICAS="3",
+                    KVMESH_SERVICE_ID=sid,
+                    **{
+                        f"{prefix}HTTP_HOST": addresses[i],
+                        f"{prefix}HTTP_PORT": str(ROUTER_PORT if role == "router" else HTTP_PORT),
+                    },
+                )
+                if role == "decode":
+                    env["KVMESH_DECODE_KV_PORT"] = str(KV_PORT)
+                procs[sid] = hosts.service(i, role, env, root / f"{sid}.log")
+            m = Mesh(hosts, root, nats, procs)
+            wait_until(
+                lambda: (
+                    {s: w["status"] for s, w in m.health().items() if s in PLACES}
+                    == dict.fromkeys(PLACES, "ready")
+                ),
+                120,
+                what="every service on its host ready",
+            )
+            yield m
+        finally:
+            for proc in procs.values():
+                proc.stop()
+            for server in nats:
+                server.stop()
+
+
+def test_every_service_advertises_its_own_hosts_address(mesh: Mesh) -> None:
+    health = mesh.health()
+    for sid, i in PLACES.items():
+        assert health[sid]["address"].startswith(f"http://{mesh.hosts.addresses[i]}:"), sid
+
+
+def test_a_request_is_prefilled_on_one_host_and_decoded_on_another(mesh: Mesh) -> None:
+    client = mesh.client()
+    words = " ".join(f"harbour{i}" for i in range(400))  # past the local-prefill bound
+    started = time.monotonic()
+    answer = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": f"{words}. What is the capital of France?"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert answer.choices[0].message.content and answer.usage.completion_tokens == 8
+    assert time.monotonic() - started < 60
+    extra = answer.model_extra["kvmesh"]
+    # The KV crossed from host 1 to host 2 over gRPC (1.5 MB of it).
+    assert extra["workers"] == ["prefill-0", "decode-0"] and extra["kv_bytes"] > 1_000_000
+
+
+def test_a_second_turn_is_read_from_the_storage_tier_by_a_worker_on_another_host(
+    mesh: Mesh,
+) -> None:
+    """The prefill worker on host 1 wrote the first turn's blocks to the one directory all
+    hosts see; after its memory tier is gone (restarted), they come back from there."""
+    client = mesh.client()
+    turn = [{"role": "user", "content": " ".join(f"quay{i}" for i in range(300))}]
+    first = client.chat.completions.create(model="tiny", messages=turn, max_tokens=4)
+    assert first.model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0
+    wait_until(lambda: any((mesh.dir / "kvstore").rglob("*.kvb")), 20, what="blocks in the tier")
+    mesh.procs["prefill-0"].stop()
+    env = mesh.procs["prefill-0"].env
+    mesh.procs["prefill-0"] = mesh.hosts.service(1, "prefill", env, mesh.dir / "prefill-0.1.log")
+    wait_until(
+        lambda: mesh.health().get("prefill-0", {}).get("status") == "ready", 60, what="prefill"
+    )
+    again = client.chat.completions.create(model="tiny", messages=turn, max_tokens=4)
+    tiers = again.model_extra["kvmesh"]["cached_tokens_by_tier"]
+    assert tiers["storage"] >= 256 and tiers["memory"] == 0
