@@ -1,8 +1,8 @@
-"""The mesh across three hosts (network namespaces on a bridge: tests/hosts.py): a NATS node on
-each (one cluster, every stream on all three); cachemeta and the router on host 0, a prefill
-worker on host 1, a decode worker on host 2; the client beside them, through the bridge. Every
-service binds and advertises its own host's address; the storage tier is one directory all
-three see."""
+"""The mesh across four hosts (network namespaces on a bridge: tests/hosts.py): a NATS node on
+each of the first three (one cluster, every stream on all three); cachemeta and the router on
+host 0, a prefill worker on host 1, decode workers on hosts 2 and 3; the client beside them,
+through the bridge. Every service binds and advertises its own host's address; the storage
+tier is one directory all hosts see."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from tests.hosts import Hosts, hosts_or_skip
 from tests.procs import Proc, get_json, secrets_dir, service_env, wait_until
 
 NATS_PORT, ROUTE_PORT, HTTP_PORT, ROUTER_PORT, KV_PORT = 4222, 6222, 9100, 8000, 50061
-PLACES = {"cachemeta-0": 0, "router-0": 0, "prefill-0": 1, "decode-0": 2}
+PLACES = {"cachemeta-0": 0, "router-0": 0, "prefill-0": 1, "decode-0": 2, "decode-1": 3}
+ANSWER = 1200  # tokens: long enough that a host cut after the first chunks was mid-answer
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Mesh:
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     hosts_or_skip()
     root = tmp_path_factory.mktemp("hosts")
-    with Hosts(3) as hosts:
+    with Hosts(4) as hosts:
         addresses = hosts.addresses
         config = write_server_config(root / "nats.conf", secrets_dir(root / "state"))
         nats = [
@@ -56,7 +57,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
                 root / f"nats-{i}",
                 log_file=root / f"nats-{i}.log",
                 config=config,
-                cluster=Cluster("kvmesh", i, (ROUTE_PORT,) * 3, tuple(addresses)),
+                cluster=Cluster("kvmesh", i, (ROUTE_PORT,) * 3, tuple(addresses[:3])),
                 prefix=("ip", "netns", "exec", hosts.namespaces[i]),
             )
             for i in range(3)
@@ -65,7 +66,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         try:
             for server in nats:
                 server.start(timeout_s=20)
-            urls = ",".join(f"nats://{a}:{NATS_PORT}" for a in addresses)
+            urls = ",".join(f"nats://{a}:{NATS_PORT}" for a in addresses[:3])
             for sid, i in PLACES.items():
                 role = sid.split("-")[0]
                 prefix = f"KVMESH_{role.upper()}_"
@@ -76,6 +77,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
                     KVMESH_KV_STORE_DIR=str(root / "kvstore"),  # (one directory for all hosts)
                     KVMESH_JETSTREAM_REPLICAS="3",
                     KVMESH_SERVICE_ID=sid,
+                    KVMESH_ROUTER_TOKEN_TIMEOUT_S="3",  # (a worker cut off: moved within 3 s)
                     **{
                         f"{prefix}HTTP_HOST": addresses[i],
                         f"{prefix}HTTP_PORT": str(ROUTER_PORT if role == "router" else HTTP_PORT),
@@ -120,8 +122,9 @@ def test_a_request_is_prefilled_on_one_host_and_decoded_on_another(mesh: Mesh) -
     assert answer.choices[0].message.content and answer.usage.completion_tokens == 8
     assert time.monotonic() - started < 60
     extra = answer.model_extra["kvmesh"]
-    # The KV crossed from host 1 to host 2 over gRPC (1.5 MB of it).
-    assert extra["workers"] == ["prefill-0", "decode-0"] and extra["kv_bytes"] > 1_000_000
+    # The KV crossed from host 1 to host 2 or 3 over gRPC (1.5 MB of it).
+    prefill, decode = extra["workers"]
+    assert prefill == "prefill-0" and PLACES[decode] > 1 and extra["kv_bytes"] > 1_000_000
 
 
 def test_a_second_turn_is_read_from_the_storage_tier_by_a_worker_on_another_host(
@@ -143,3 +146,61 @@ def test_a_second_turn_is_read_from_the_storage_tier_by_a_worker_on_another_host
     again = client.chat.completions.create(model="tiny", messages=turn, max_tokens=4)
     tiers = again.model_extra["kvmesh"]["cached_tokens_by_tier"]
     assert tiers["storage"] >= 256 and tiers["memory"] == 0
+
+
+def serving(mesh: Mesh) -> str:
+    """The decode worker holding a request now (its own /health says so)."""
+
+    def busy() -> list[str]:
+        return [
+            sid
+            for sid in ("decode-0", "decode-1")
+            if get_json(f"{mesh.health()[sid]['address']}/health")[1]["load"]["inflight"]
+        ]
+
+    return wait_until(busy, 30, interval_s=0.01, what="a decode worker serving")[0]
+
+
+def read(mesh: Mesh, during=None) -> tuple[str, int]:  # noqa: ANN001
+    """A long greedy answer, streamed: its text and tokens; ``during()`` after 300 chunks."""
+    chunks = mesh.client().completions.create(
+        model="tiny",
+        prompt="Tell the long story of a lighthouse keeper and the ships she guided home. " * 3,
+        max_tokens=ANSWER,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = [], 0
+    for i, chunk in enumerate(chunks):
+        if i == 300 and during is not None:
+            during()
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+        if chunk.usage:
+            usage = chunk.usage.completion_tokens
+    return "".join(text), usage
+
+
+def test_a_host_cut_off_mid_stream_loses_nothing_and_its_worker_comes_back(mesh: Mesh) -> None:
+    """The host of the decode worker streaming an answer is cut off (its cable pulled): the
+    router hears no more of it, moves the answer to the other decode worker, and the client
+    gets the uninterrupted answer token for token. Back on the network, the worker rejoins."""
+    reference = read(mesh)
+    assert reference[1] == ANSWER
+    cut: list[int] = []
+
+    def cut_its_host() -> None:
+        host = PLACES[serving(mesh)]
+        mesh.hosts.cut(host)
+        cut.append(host)
+
+    try:
+        answer = read(mesh, during=cut_its_host)
+    finally:
+        for host in cut:
+            mesh.hosts.heal(host)
+    assert answer == reference
+    (host,) = cut
+    (sid,) = [s for s, h in PLACES.items() if h == host]
+    wait_until(lambda: mesh.health().get(sid, {}).get("status") == "ready", 60, what=f"{sid} back")
