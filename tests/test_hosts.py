@@ -20,7 +20,14 @@ from tests.hosts import Hosts, hosts_or_skip
 from tests.procs import Proc, get_json, secrets_dir, service_env, wait_until
 
 NATS_PORT, ROUTE_PORT, HTTP_PORT, ROUTER_PORT, KV_PORT = 4222, 6222, 9100, 8000, 50061
-PLACES = {"cachemeta-0": 0, "router-0": 0, "prefill-0": 1, "decode-0": 2, "decode-1": 3}
+PLACES = {
+    "cachemeta-0": 0,
+    "router-0": 0,
+    "router-1": 1,
+    "prefill-0": 1,
+    "decode-0": 2,
+    "decode-1": 3,
+}
 ANSWER = 1200  # tokens: long enough that a host cut after the first chunks was mid-answer
 
 
@@ -33,13 +40,17 @@ class Mesh:
 
     @property
     def url(self) -> str:
-        return f"http://{self.hosts.addresses[0]}:{ROUTER_PORT}"
+        return self.router_url("router-0")
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+    def router_url(self, sid: str) -> str:
+        return f"http://{self.hosts.addresses[PLACES[sid]]}:{ROUTER_PORT}"
 
-    def health(self) -> dict[str, dict]:
-        roles = get_json(f"{self.url}/health")[1]["roles"]
+    def client(self, router: str = "router-0") -> openai.OpenAI:
+        base = f"{self.router_url(router)}/v1"
+        return openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+
+    def health(self, router: str = "router-0") -> dict[str, dict]:
+        roles = get_json(f"{self.router_url(router)}/health")[1]["roles"]
         return {w["id"]: w for workers in roles.values() for w in workers}
 
 
@@ -204,3 +215,26 @@ def test_a_host_cut_off_mid_stream_loses_nothing_and_its_worker_comes_back(mesh:
     (host,) = cut
     (sid,) = [s for s, h in PLACES.items() if h == host]
     wait_until(lambda: mesh.health().get(sid, {}).get("status") == "ready", 60, what=f"{sid} back")
+
+
+def test_a_router_on_each_of_two_hosts_shares_one_mesh(mesh: Mesh) -> None:
+    """Each router lists every service; a conversation's next turn through the other router
+    finds the first turn's blocks where that router's own index says they are."""
+    for router in ("router-0", "router-1"):
+        health = mesh.health(router)
+        assert all(health[sid]["status"] == "ready" for sid in PLACES), router
+    turn = [{"role": "user", "content": " ".join(f"pier{i}" for i in range(300))}]
+    first = mesh.client("router-0").chat.completions.create(
+        model="tiny", messages=turn, max_tokens=4
+    )
+    assert first.model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0
+    again = first.choices[0].message.content
+    turn2 = [*turn, {"role": "assistant", "content": again}, {"role": "user", "content": "More."}]
+
+    def reused() -> int:
+        answer = mesh.client("router-1").chat.completions.create(
+            model="tiny", messages=turn2, max_tokens=4
+        )
+        return answer.model_extra["kvmesh"]["prompt_cache_hit_tokens"]
+
+    wait_until(lambda: reused() >= 256, 20, what="turn 2 through router-1 finding turn 1's blocks")
