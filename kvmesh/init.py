@@ -36,10 +36,10 @@ class Prepared:
 MESH_SECRETS = (SALT_SECRET, HANDOFF_SECRET)
 
 
-def prepare(common: CommonSettings, tls: bool) -> Prepared:
+def prepare(common: CommonSettings, tls: bool, hosts: tuple[str, ...] = ()) -> Prepared:
     for name in MESH_SECRETS:  # (NATS identities are made below, with the configuration)
         load_or_create(common.resolved_secrets_dir, name)
-    mesh_tls = ensure_mesh_tls(common.state_dir / "tls") if tls else None
+    mesh_tls = ensure_mesh_tls(common.state_dir / "tls", hosts) if tls else None
     server_tls = None
     if mesh_tls is not None:
         nats = mesh_tls.certs["nats"]
@@ -53,6 +53,13 @@ def prepare(common: CommonSettings, tls: bool) -> Prepared:
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("init", help="write the mesh's secrets and NATS configuration")
     p.add_argument("--tls", action="store_true", help="also a local CA and certificates")
+    p.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="(with --tls) an address or name the certificates also name: each host of a "
+        "mesh over several (repeatable)",
+    )
     p.set_defaults(run=run)
 
 
@@ -62,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as err:
         print(f"kvmesh init: {err}", file=sys.stderr)
         return 2
-    done = prepare(common, args.tls)
+    done = prepare(common, args.tls, tuple(args.host))
     print(f"NATS configuration: {done.nats_config}")
     print(f"secrets (one per role, mode 0600): {common.resolved_secrets_dir}")
     if done.tls is not None:

@@ -2,7 +2,9 @@
 
 Everything lives in <state_dir>/tls: ``ca.crt`` (what clients trust), ``ca.key`` and each
 role's ``<role>.crt`` / ``<role>.key`` (keys mode 0600). Each certificate names localhost,
-127.0.0.1, ::1 and this host's name, serves as server and client certificate (mutual TLS
+127.0.0.1, ::1, this host's name and the hosts given (``kvmesh init --tls --host``: a mesh over
+several hosts, each service reached at its host's address), serves as server and client
+certificate (mutual TLS
 between services), and is remade when missing, expiring within a week, or not signed by
 the CA on disk. A cluster brings its own certificates instead (KVMESH_TLS_* settings).
 """
@@ -133,16 +135,26 @@ def _ca(dir: Path, now: dt.datetime) -> tuple[x509.Certificate, ec.EllipticCurve
     return cert, key
 
 
+def _general_name(host: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def _names(cert: Path) -> set[x509.GeneralName]:
+    loaded = x509.load_pem_x509_certificate(cert.read_bytes())
+    return set(loaded.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+
+
 def _leaf(
     files: CertFiles,
     role: str,
     ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
     now: dt.datetime,
+    hosts: tuple[str, ...] = (),
 ) -> None:
     ca_cert, ca_key = ca
-    if _usable(files.cert, ca_cert, now) and files.key.is_file():
-        return
-    key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [
         x509.DNSName("localhost"),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
@@ -151,6 +163,14 @@ def _leaf(
     host = socket.gethostname()
     if host and host != "localhost":
         names.append(x509.DNSName(host))
+    names += [n for n in map(_general_name, hosts) if n not in names]
+    if (
+        _usable(files.cert, ca_cert, now)
+        and files.key.is_file()
+        and set(names) <= _names(files.cert)  # (a host asked for since: made again)
+    ):
+        return
+    key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name(f"kvmesh {role}"))
@@ -176,12 +196,13 @@ def _leaf(
     files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
-def ensure_mesh_tls(dir: Path) -> MeshTls:
-    """The CA and every role's certificate under ``dir``, made or renewed where needed."""
+def ensure_mesh_tls(dir: Path, hosts: tuple[str, ...] = ()) -> MeshTls:
+    """The CA and every role's certificate under ``dir``, made or renewed where needed, each
+    naming ``hosts`` too (addresses or names)."""
     dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     now = dt.datetime.now(dt.UTC)
     ca = _ca(dir, now)
     certs = {role: CertFiles(dir / f"{role}.crt", dir / f"{role}.key") for role in CERT_ROLES}
     for role, files in certs.items():
-        _leaf(files, role, ca, now)
+        _leaf(files, role, ca, now, hosts)
     return MeshTls(dir / "ca.crt", certs)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -138,10 +139,13 @@ def start_service(role: str, env: dict[str, str], log_dir: Path, name: str = "")
     return Proc([sys.executable, "-m", f"services.{role}"], env, log_dir / f"{name}.log")
 
 
-def get_json(url: str, timeout_s: float = 5) -> tuple[int, dict]:
-    """GET a URL; returns (status, JSON body) for 2xx and error statuses alike."""
+def get_json(
+    url: str, timeout_s: float = 5, context: ssl.SSLContext | None = None
+) -> tuple[int, dict]:
+    """GET a URL; returns (status, JSON body) for 2xx and error statuses alike. ``context``:
+    what an https URL is verified with."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())

@@ -1,11 +1,14 @@
-"""The mesh across four hosts (network namespaces on a bridge: tests/hosts.py): a NATS node on
-each of the first three (one cluster, every stream on all three); cachemeta and the router on
-host 0, a prefill worker on host 1, decode workers on hosts 2 and 3; the client beside them,
-through the bridge. Every service binds and advertises its own host's address; the storage
-tier is one directory all hosts see."""
+"""The mesh across four hosts, with TLS everywhere (network namespaces on a bridge:
+tests/hosts.py): a NATS node on each of the first three (one cluster, every stream on all
+three); cachemeta and a router on host 0, a prefill worker and a second router on host 1,
+decode workers on hosts 2 and 3; the client beside them, through the bridge. Every service
+binds and advertises its own host's address; the storage tier is one directory all hosts
+see. The mesh's certificates (``kvmesh init --tls --host``) name each host's address: NATS,
+the KV hand-over and every HTTP server check them."""
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +19,7 @@ import pytest
 
 from kvmesh.natsconf import write_server_config
 from kvmesh.natsserver import Cluster, NatsServer
+from kvmesh.tls import MeshTls, ensure_mesh_tls
 from tests.hosts import Hosts, hosts_or_skip
 from tests.procs import Proc, get_json, secrets_dir, service_env, wait_until
 
@@ -37,20 +41,28 @@ class Mesh:
     dir: Path
     nats: list[NatsServer]
     procs: dict[str, Proc]
+    tls: MeshTls
 
     @property
     def url(self) -> str:
         return self.router_url("router-0")
 
     def router_url(self, sid: str) -> str:
-        return f"http://{self.hosts.addresses[PLACES[sid]]}:{ROUTER_PORT}"
+        return f"https://{self.hosts.addresses[PLACES[sid]]}:{ROUTER_PORT}"
+
+    def verify(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.tls.ca))
 
     def client(self, router: str = "router-0") -> openai.OpenAI:
         base = f"{self.router_url(router)}/v1"
-        return openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+        http = openai.DefaultHttpxClient(verify=self.verify())
+        return openai.OpenAI(base_url=base, api_key="unused", max_retries=0, http_client=http)
+
+    def get(self, url: str) -> dict:
+        return get_json(url, context=self.verify())[1]
 
     def health(self, router: str = "router-0") -> dict[str, dict]:
-        roles = get_json(f"{self.router_url(router)}/health")[1]["roles"]
+        roles = self.get(f"{self.router_url(router)}/health")["roles"]
         return {w["id"]: w for workers in roles.values() for w in workers}
 
 
@@ -60,7 +72,13 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     root = tmp_path_factory.mktemp("hosts")
     with Hosts(4) as hosts:
         addresses = hosts.addresses
-        config = write_server_config(root / "nats.conf", secrets_dir(root / "state"))
+        tls = ensure_mesh_tls(root / "state" / "tls", tuple(addresses))
+        nats_cert = tls.certs["nats"]
+        config = write_server_config(
+            root / "nats.conf",
+            secrets_dir(root / "state"),
+            (tls.ca, nats_cert.cert, nats_cert.key),
+        )
         nats = [
             NatsServer(
                 addresses[i],
@@ -70,6 +88,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
                 config=config,
                 cluster=Cluster("kvmesh", i, (ROUTE_PORT,) * 3, tuple(addresses[:3])),
                 prefix=("ip", "netns", "exec", hosts.namespaces[i]),
+                tls=True,
             )
             for i in range(3)
         ]
@@ -77,7 +96,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         try:
             for server in nats:
                 server.start(timeout_s=20)
-            urls = ",".join(f"nats://{a}:{NATS_PORT}" for a in addresses[:3])
+            urls = ",".join(f"tls://{a}:{NATS_PORT}" for a in addresses[:3])
             for sid, i in PLACES.items():
                 role = sid.split("-")[0]
                 prefix = f"KVMESH_{role.upper()}_"
@@ -94,10 +113,11 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
                         f"{prefix}HTTP_PORT": str(ROUTER_PORT if role == "router" else HTTP_PORT),
                     },
                 )
+                env.update(tls.env(role))
                 if role == "decode":
                     env["KVMESH_DECODE_KV_PORT"] = str(KV_PORT)
                 procs[sid] = hosts.service(i, role, env, root / f"{sid}.log")
-            m = Mesh(hosts, root, nats, procs)
+            m = Mesh(hosts, root, nats, procs, tls)
             wait_until(
                 lambda: (
                     {s: w["status"] for s, w in m.health().items() if s in PLACES}
@@ -117,7 +137,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 def test_every_service_advertises_its_own_hosts_address(mesh: Mesh) -> None:
     health = mesh.health()
     for sid, i in PLACES.items():
-        assert health[sid]["address"].startswith(f"http://{mesh.hosts.addresses[i]}:"), sid
+        assert health[sid]["address"].startswith(f"https://{mesh.hosts.addresses[i]}:"), sid
 
 
 def test_a_request_is_prefilled_on_one_host_and_decoded_on_another(mesh: Mesh) -> None:
@@ -166,7 +186,7 @@ def serving(mesh: Mesh) -> str:
         return [
             sid
             for sid in ("decode-0", "decode-1")
-            if get_json(f"{mesh.health()[sid]['address']}/health")[1]["load"]["inflight"]
+            if mesh.get(f"{mesh.health()[sid]['address']}/health")["load"]["inflight"]
         ]
 
     return wait_until(busy, 30, interval_s=0.01, what="a decode worker serving")[0]
