@@ -31,8 +31,16 @@ def ip(*args: str) -> None:
 
 
 def hosts_or_skip() -> None:
+    """Skips, saying why, where network namespaces cannot be made (not root, no iproute2, a
+    kernel or container that refuses them)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("several hosts need root and iproute2 (network namespaces)")
+    probe = f"kvmesh-probe-{os.getpid()}"
+    try:
+        ip("netns", "add", probe)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
+        pytest.skip(f"network namespaces cannot be made here: {err}")
+    ip("netns", "del", probe)
 
 
 class Hosts:
