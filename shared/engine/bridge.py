@@ -38,6 +38,7 @@ class KvEventBridge:
         self.ours: dict[Any, str] = {}  # the engine's block id → kvmesh's hash
         self.media: dict[Any, set[str]] = {}  # the engine's block id → the media holding it
         self.last_seq = -1
+        self.dropped = 0  # batches the kv_feed fault hook dropped
         self._socket = None
         self._tasks: list[asyncio.Task] = []
         self._applying = asyncio.Lock()
@@ -104,6 +105,7 @@ class KvEventBridge:
         while True:
             _, seq_bytes, payload = await self._socket.recv_multipart()
             if faults.on("kv_feed"):  # (a test: the engine's feed goes quiet)
+                self.dropped += 1
                 continue
             await self.take(int.from_bytes(seq_bytes, "big", signed=True), payload)
 

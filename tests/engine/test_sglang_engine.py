@@ -204,7 +204,10 @@ def test_sglangs_load_fills_the_heartbeat_figures(engine: SglangEngine) -> None:
 
     async def one_read() -> None:
         task = asyncio.create_task(engine._read_load())
-        await asyncio.sleep(0.05)
+        for _ in range(500):  # (until the first read, 5 s at most)
+            if engine._load is not None:
+                break
+            await asyncio.sleep(0.01)
         task.cancel()
 
     asyncio.run(one_read())

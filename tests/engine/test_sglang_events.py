@@ -105,6 +105,19 @@ async def _through_sglangs_publisher(sglang, tmp_path: Path) -> None:
             getattr(recorder, what)(node, medium)
         publisher.publish(kv_events.KVEventBatch(ts=time.time(), events=recorder.take()))
 
+    async def dropped(*record) -> None:  # noqa: ANN002
+        """``record`` sent while the bridge's feed drops batches, once one was dropped."""
+        before = bridge.dropped
+        faults.ACTIVE.add("kv_feed")
+        try:
+            send(*record)
+            deadline = time.monotonic() + 10
+            while bridge.dropped == before and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert bridge.dropped == before + 1, "the batch never reached the bridge"
+        finally:
+            faults.ACTIVE.discard("kv_feed")
+
     async def heard(n: int) -> list[tuple]:
         deadline = time.monotonic() + 10
         while len(said) < n and time.monotonic() < deadline:
@@ -138,10 +151,7 @@ async def _through_sglangs_publisher(sglang, tmp_path: Path) -> None:
         c = nodes(more, sglang_cache_salt(FP, BS, "harbour"), [4])
         send(("record_store", c[0], gpu))
         assert await heard(1) == [("stored", router_hashes(more[:4], "harbour"), "memory")]
-        faults.ACTIVE.add("kv_feed")
-        send(("record_store", c[1], gpu))
-        await asyncio.sleep(0.3)
-        faults.ACTIVE.discard("kv_feed")
+        await dropped(("record_store", c[1], gpu))
         assert said == []
         send(("record_remove", b[0], gpu))
         got = await heard(2)
@@ -151,10 +161,7 @@ async def _through_sglangs_publisher(sglang, tmp_path: Path) -> None:
         assert replayed >= 1  # (the lost batch came again from SGLang's buffer)
 
         # The last batch lost, nothing after it: the poll of SGLang's buffer brings it.
-        faults.ACTIVE.add("kv_feed")
-        send(("record_remove", c[1], gpu))
-        await asyncio.sleep(0.2)
-        faults.ACTIVE.discard("kv_feed")
+        await dropped(("record_remove", c[1], gpu))
         assert await heard(1) == [("removed", next_page, "memory")]
         assert bridge.replayed == replayed + 1
     finally:
