@@ -15,13 +15,21 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import ssl
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
-from tests.procs import Proc
+from kvmesh.natsconf import write_server_config
+from kvmesh.natsserver import Cluster, NatsServer
+from kvmesh.tls import MeshTls, ensure_mesh_tls
+from tests.procs import Proc, get_json, secrets_dir, service_env, wait_until
+from tests.stack import TINY_ENCODER
 
 
 def ip(*args: str) -> None:
@@ -104,3 +112,137 @@ class Hosts:
 
     def heal(self, i: int) -> None:
         ip("link", "set", self._veth(i), "up")
+
+
+@dataclass
+class Mesh:
+    """kvmesh on ``hosts``: each service where ``places`` puts it, on its own port."""
+
+    hosts: Hosts
+    dir: Path
+    nats: list[NatsServer]
+    places: dict[str, int]  # service id → host
+    ports: dict[str, int]  # service id → its HTTP port
+    procs: dict[str, Proc]
+    tls: MeshTls
+
+    def address(self, sid: str) -> str:
+        return self.hosts.addresses[self.places[sid]]
+
+    @property
+    def url(self) -> str:
+        return self.router_url("router-0")
+
+    def router_url(self, sid: str) -> str:
+        return f"https://{self.address(sid)}:{self.ports[sid]}"
+
+    def verify(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.tls.ca))
+
+    def client(self, router: str = "router-0", **options: object) -> openai.OpenAI:
+        base = f"{self.router_url(router)}/v1"
+        http = openai.DefaultHttpxClient(verify=self.verify())
+        options = {"max_retries": 0, **options}
+        return openai.OpenAI(base_url=base, api_key="unused", http_client=http, **options)
+
+    def get(self, url: str) -> dict:
+        return get_json(url, context=self.verify())[1]
+
+    def health(self, router: str = "router-0") -> dict[str, dict]:
+        roles = self.get(f"{self.router_url(router)}/health")["roles"]
+        return {w["id"]: w for workers in roles.values() for w in workers}
+
+    def start(self, sid: str, log: Path | None = None) -> None:
+        """``sid`` started (again) on its host, as it was first."""
+        proc = self.procs[sid]
+        role = sid.split("-")[0]
+        log = log or proc.log_path.with_suffix(".again.log")
+        self.procs[sid] = self.hosts.service(self.places[sid], role, proc.env, log)
+
+    def ready(self, sid: str, timeout_s: float = 60) -> None:
+        wait_until(lambda: self.health().get(sid, {}).get("status") == "ready", timeout_s, what=sid)
+
+
+NATS_PORT, ROUTE_PORT, ROUTER_PORT, HTTP_PORT, KV_PORT = 4222, 6222, 8000, 9100, 50061
+
+
+@contextlib.contextmanager
+def mesh_on(
+    hosts: Hosts,
+    root: Path,
+    places: dict[str, int],
+    nats_hosts: tuple[int, ...] = (0, 1, 2),
+    **settings: str,
+) -> Iterator[Mesh]:
+    """The mesh on ``hosts``, TLS everywhere: a NATS node on each of ``nats_hosts`` (one
+    cluster, every stream on all of them), each service of ``places`` on its host, binding
+    and advertising that host's address; the storage tier one directory all hosts see. The
+    mesh's certificates (``kvmesh init --tls --host``) name every host's address. Ports are
+    apart per service and per NATS node, so several may share a host."""
+    addresses = hosts.addresses
+    tls = ensure_mesh_tls(root / "state" / "tls", tuple(addresses))
+    nats_cert = tls.certs["nats"]
+    config = write_server_config(
+        root / "nats.conf", secrets_dir(root / "state"), (tls.ca, nats_cert.cert, nats_cert.key)
+    )
+    n = len(nats_hosts)
+    nats = [
+        NatsServer(
+            addresses[h],
+            NATS_PORT + i,
+            root / f"nats-{i}",
+            log_file=root / f"nats-{i}.log",
+            config=config,
+            cluster=Cluster(
+                "kvmesh",
+                i,
+                tuple(ROUTE_PORT + j for j in range(n)),
+                tuple(addresses[j] for j in nats_hosts),
+            ),
+            prefix=("ip", "netns", "exec", hosts.namespaces[h]),
+            tls=True,
+        )
+        for i, h in enumerate(nats_hosts)
+    ]
+    ports = {
+        sid: (ROUTER_PORT if sid.startswith("router") else HTTP_PORT) + k
+        for k, sid in enumerate(places)
+    }
+    procs: dict[str, Proc] = {}
+    try:
+        for server in nats:
+            server.start(timeout_s=20)
+        urls = ",".join(f"tls://{addresses[h]}:{NATS_PORT + i}" for i, h in enumerate(nats_hosts))
+        for k, (sid, i) in enumerate(places.items()):
+            role = sid.split("-")[0]
+            prefix = f"KVMESH_{role.upper()}_"
+            env = service_env(
+                urls,
+                root / f"state-{sid}",
+                KVMESH_SECRETS_DIR=str(secrets_dir(root / "state")),
+                KVMESH_KV_STORE_DIR=str(root / "kvstore"),  # (one directory for all hosts)
+                KVMESH_JETSTREAM_REPLICAS=str(min(n, 3)),
+                KVMESH_SERVICE_ID=sid,
+                **TINY_ENCODER,
+                **settings,
+                **{f"{prefix}HTTP_HOST": addresses[i], f"{prefix}HTTP_PORT": str(ports[sid])},
+            )
+            env.update(tls.env(role))
+            if role == "decode":
+                env["KVMESH_DECODE_KV_PORT"] = str(KV_PORT + k)
+            procs[sid] = hosts.service(i, role, env, root / f"{sid}.log")
+        mesh = Mesh(hosts, root, nats, dict(places), ports, procs, tls)
+        wait_until(
+            lambda: (
+                {s: w["status"] for s, w in mesh.health().items() if s in places}
+                == dict.fromkeys(places, "ready")
+            ),
+            120,
+            what="every service on its host ready",
+        )
+        yield mesh
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        for server in nats:
+            server.stop()

@@ -1,29 +1,24 @@
 """The mesh across four hosts, with TLS everywhere (network namespaces on a bridge:
 tests/hosts.py): a NATS node on each of the first three (one cluster, every stream on all
 three); cachemeta and a router on host 0, a prefill worker and a second router on host 1,
-decode workers on hosts 2 and 3; the client beside them, through the bridge. Every service
-binds and advertises its own host's address; the storage tier is one directory all hosts
-see. The mesh's certificates (``kvmesh init --tls --host``) name each host's address: NATS,
-the KV hand-over and every HTTP server check them."""
+decode workers on hosts 2 and 3, the encoder on host 3; the client beside them, through the
+bridge. Every service binds and advertises its own host's address; the storage tier is one
+directory all hosts see. The mesh's certificates (``kvmesh init --tls --host``) name each
+host's address: NATS, the KV hand-over and every HTTP server check them."""
 
 from __future__ import annotations
 
-import ssl
+import io
+import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
-import openai
 import pytest
 
-from kvmesh.natsconf import write_server_config
-from kvmesh.natsserver import Cluster, NatsServer
-from kvmesh.tls import MeshTls, ensure_mesh_tls
-from tests.hosts import Hosts, hosts_or_skip
-from tests.procs import Proc, get_json, secrets_dir, service_env, wait_until
+from tests.hosts import Hosts, Mesh, hosts_or_skip, mesh_on
+from tests.images import ask, data_url, image, png
+from tests.procs import wait_until
 
-NATS_PORT, ROUTE_PORT, HTTP_PORT, ROUTER_PORT, KV_PORT = 4222, 6222, 9100, 8000, 50061
 PLACES = {
     "cachemeta-0": 0,
     "router-0": 0,
@@ -31,107 +26,26 @@ PLACES = {
     "prefill-0": 1,
     "decode-0": 2,
     "decode-1": 3,
+    "encoder-0": 3,
 }
 ANSWER = 1200  # tokens: long enough that a host cut after the first chunks was mid-answer
-
-
-@dataclass
-class Mesh:
-    hosts: Hosts
-    dir: Path
-    nats: list[NatsServer]
-    procs: dict[str, Proc]
-    tls: MeshTls
-
-    @property
-    def url(self) -> str:
-        return self.router_url("router-0")
-
-    def router_url(self, sid: str) -> str:
-        return f"https://{self.hosts.addresses[PLACES[sid]]}:{ROUTER_PORT}"
-
-    def verify(self) -> ssl.SSLContext:
-        return ssl.create_default_context(cafile=str(self.tls.ca))
-
-    def client(self, router: str = "router-0") -> openai.OpenAI:
-        base = f"{self.router_url(router)}/v1"
-        http = openai.DefaultHttpxClient(verify=self.verify())
-        return openai.OpenAI(base_url=base, api_key="unused", max_retries=0, http_client=http)
-
-    def get(self, url: str) -> dict:
-        return get_json(url, context=self.verify())[1]
-
-    def health(self, router: str = "router-0") -> dict[str, dict]:
-        roles = self.get(f"{self.router_url(router)}/health")["roles"]
-        return {w["id"]: w for workers in roles.values() for w in workers}
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     hosts_or_skip()
-    root = tmp_path_factory.mktemp("hosts")
-    with Hosts(4) as hosts:
-        addresses = hosts.addresses
-        tls = ensure_mesh_tls(root / "state" / "tls", tuple(addresses))
-        nats_cert = tls.certs["nats"]
-        config = write_server_config(
-            root / "nats.conf",
-            secrets_dir(root / "state"),
-            (tls.ca, nats_cert.cert, nats_cert.key),
-        )
-        nats = [
-            NatsServer(
-                addresses[i],
-                NATS_PORT,
-                root / f"nats-{i}",
-                log_file=root / f"nats-{i}.log",
-                config=config,
-                cluster=Cluster("kvmesh", i, (ROUTE_PORT,) * 3, tuple(addresses[:3])),
-                prefix=("ip", "netns", "exec", hosts.namespaces[i]),
-                tls=True,
-            )
-            for i in range(3)
-        ]
-        procs: dict[str, Proc] = {}
-        try:
-            for server in nats:
-                server.start(timeout_s=20)
-            urls = ",".join(f"tls://{a}:{NATS_PORT}" for a in addresses[:3])
-            for sid, i in PLACES.items():
-                role = sid.split("-")[0]
-                prefix = f"KVMESH_{role.upper()}_"
-                env = service_env(
-                    urls,
-                    root / f"state-{i}",
-                    KVMESH_SECRETS_DIR=str(secrets_dir(root / "state")),
-                    KVMESH_KV_STORE_DIR=str(root / "kvstore"),  # (one directory for all hosts)
-                    KVMESH_JETSTREAM_REPLICAS="3",
-                    KVMESH_SERVICE_ID=sid,
-                    KVMESH_ROUTER_TOKEN_TIMEOUT_S="3",  # (a worker cut off: moved within 3 s)
-                    **{
-                        f"{prefix}HTTP_HOST": addresses[i],
-                        f"{prefix}HTTP_PORT": str(ROUTER_PORT if role == "router" else HTTP_PORT),
-                    },
-                )
-                env.update(tls.env(role))
-                if role == "decode":
-                    env["KVMESH_DECODE_KV_PORT"] = str(KV_PORT)
-                procs[sid] = hosts.service(i, role, env, root / f"{sid}.log")
-            m = Mesh(hosts, root, nats, procs, tls)
-            wait_until(
-                lambda: (
-                    {s: w["status"] for s, w in m.health().items() if s in PLACES}
-                    == dict.fromkeys(PLACES, "ready")
-                ),
-                120,
-                what="every service on its host ready",
-            )
-            yield m
-        finally:
-            for proc in procs.values():
-                proc.stop()
-            for server in nats:
-                server.stop()
+    with (
+        Hosts(4) as hosts,
+        mesh_on(
+            hosts,
+            tmp_path_factory.mktemp("hosts"),
+            PLACES,
+            KVMESH_ROUTER_TOKEN_TIMEOUT_S="3",  # (a worker cut off: its answers moved within 3 s)
+            KVMESH_ROUTER_ENCODE_TIMEOUT_S="30",
+            KVMESH_ROUTER_BATCH_CONCURRENCY="2",
+        ) as mesh,
+    ):
+        yield mesh
 
 
 def test_every_service_advertises_its_own_hosts_address(mesh: Mesh) -> None:
@@ -169,11 +83,8 @@ def test_a_second_turn_is_read_from_the_storage_tier_by_a_worker_on_another_host
     assert first.model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0
     wait_until(lambda: any((mesh.dir / "kvstore").rglob("*.kvb")), 20, what="blocks in the tier")
     mesh.procs["prefill-0"].stop()
-    env = mesh.procs["prefill-0"].env
-    mesh.procs["prefill-0"] = mesh.hosts.service(1, "prefill", env, mesh.dir / "prefill-0.1.log")
-    wait_until(
-        lambda: mesh.health().get("prefill-0", {}).get("status") == "ready", 60, what="prefill"
-    )
+    mesh.start("prefill-0")
+    mesh.ready("prefill-0")
     again = client.chat.completions.create(model="tiny", messages=turn, max_tokens=4)
     tiers = again.model_extra["kvmesh"]["cached_tokens_by_tier"]
     assert tiers["storage"] >= 256 and tiers["memory"] == 0
@@ -233,8 +144,8 @@ def test_a_host_cut_off_mid_stream_loses_nothing_and_its_worker_comes_back(mesh:
             mesh.hosts.heal(host)
     assert answer == reference
     (host,) = cut
-    (sid,) = [s for s, h in PLACES.items() if h == host]
-    wait_until(lambda: mesh.health().get(sid, {}).get("status") == "ready", 60, what=f"{sid} back")
+    for sid in [s for s, h in PLACES.items() if h == host]:
+        mesh.ready(sid)
 
 
 def test_a_router_on_each_of_two_hosts_shares_one_mesh(mesh: Mesh) -> None:
@@ -258,3 +169,55 @@ def test_a_router_on_each_of_two_hosts_shares_one_mesh(mesh: Mesh) -> None:
         return answer.model_extra["kvmesh"]["prompt_cache_hit_tokens"]
 
     wait_until(lambda: reused() >= 256, 20, what="turn 2 through router-1 finding turn 1's blocks")
+
+
+def test_an_image_is_encoded_on_one_host_and_its_embeddings_prefilled_on_another(
+    mesh: Mesh,
+) -> None:
+    """The encoder on host 3 encodes the image; prefill on host 1 takes its embeddings; the
+    same image again is not encoded again, and its KV is reused."""
+    messages = ask("What is in this picture?", image(data_url(png(7))), "Say it. " * 60)
+    client = mesh.client()
+    first, again = (
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+        for _ in range(2)
+    )
+    images = [r.model_extra["kvmesh"]["images"][0] for r in (first, again)]
+    assert [i["cached"] for i in images] == [False, True]
+    image_end = images[0]["start"] + images[0]["tokens"]
+    assert images[0]["tokens"] > 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= image_end
+
+
+def test_a_batch_sent_to_one_router_is_read_back_through_the_other(mesh: Mesh) -> None:
+    """A batch's files live in JetStream's object store, replicated on the three NATS hosts:
+    created through the router on host 1, run, and its output read through host 0's."""
+    lines = [
+        {
+            "custom_id": f"berth-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": f"Which berth for ship {i}?"}],
+                "max_tokens": 4,
+            },
+        }
+        for i in range(4)
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    sender = mesh.client("router-1")
+    upload = sender.files.create(file=("in.jsonl", io.BytesIO(text.encode())), purpose="batch")
+    batch = sender.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    reader = mesh.client("router-0")
+    done = wait_until(
+        lambda: (b := reader.batches.retrieve(batch.id)).status == "completed" and b,
+        120,
+        what="the batch completed",
+    )
+    assert done.request_counts.completed == 4 and done.request_counts.failed == 0
+    out = [json.loads(x) for x in reader.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == [f"berth-{i}" for i in range(4)]
+    assert all(o["response"]["status_code"] == 200 for o in out)
