@@ -251,6 +251,7 @@ async def _connect_unless_stopped(service: Service, stop: asyncio.Event) -> Bus 
             service.service_id,
             common.nats_connect_timeout_s,
             connect_options(common, service.role),
+            lost_after_s=common.nats_lost_after_s,
         )
     )
     stopping = asyncio.ensure_future(stop.wait())

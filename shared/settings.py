@@ -137,6 +137,14 @@ class CommonSettings(KvmeshSettings):
     nats_connect_timeout_s: float = Field(
         default=30.0, gt=0, le=600, description="how long to wait for NATS at start"
     )
+    nats_lost_after_s: float = Field(
+        default=6.0,
+        ge=1,
+        le=600,
+        description="a NATS node that acknowledges nothing this service sent (or answers none "
+        "of its pings) for this long is taken as lost, and the service moves to another of the "
+        "cluster's: a host cut off leaves its TCP connections open, only silence tells",
+    )
     jetstream_replicas: int = Field(
         default=1,
         ge=1,

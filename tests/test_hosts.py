@@ -1,6 +1,6 @@
 """The mesh across four hosts, with TLS everywhere (network namespaces on a bridge:
-tests/hosts.py): a NATS node on each of the first three (one cluster, every stream on all
-three); cachemeta and a router on host 0, a prefill worker and a second router on host 1,
+tests/hosts.py): a NATS node on each of hosts 1-3 (one cluster, every stream on all three);
+cachemeta and a router on host 0, a prefill worker and a second router on host 1,
 decode workers on hosts 2 and 3, the encoder on host 3; the client beside them, through the
 bridge. Every service binds and advertises its own host's address; the storage tier is one
 directory all hosts see. The mesh's certificates (``kvmesh init --tls --host``) name each
@@ -28,6 +28,7 @@ PLACES = {
     "decode-1": 3,
     "encoder-0": 3,
 }
+NATS_HOSTS = (1, 2, 3)  # (a decode worker's host cut off takes a NATS node with it)
 ANSWER = 1200  # tokens: long enough that a host cut after the first chunks was mid-answer
 
 
@@ -40,6 +41,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             hosts,
             tmp_path_factory.mktemp("hosts"),
             PLACES,
+            NATS_HOSTS,
             KVMESH_ROUTER_TOKEN_TIMEOUT_S="3",  # (a worker cut off: its answers moved within 3 s)
             KVMESH_ROUTER_ENCODE_TIMEOUT_S="30",
             KVMESH_ROUTER_BATCH_CONCURRENCY="2",
@@ -125,9 +127,11 @@ def read(mesh: Mesh, during=None) -> tuple[str, int]:  # noqa: ANN001
 
 
 def test_a_host_cut_off_mid_stream_loses_nothing_and_its_worker_comes_back(mesh: Mesh) -> None:
-    """The host of the decode worker streaming an answer is cut off (its cable pulled): the
-    router hears no more of it, moves the answer to the other decode worker, and the client
-    gets the uninterrupted answer token for token. Back on the network, the worker rejoins."""
+    """The host of the decode worker streaming an answer is cut off (its cable pulled),
+    with the NATS node on it: the router hears no more of the worker, moves the answer to the
+    other decode worker, and the client gets the uninterrupted answer token for token. The
+    services whose NATS node was lost move to another node. Back on the network, the host's
+    services rejoin, as both routers see."""
     reference = read(mesh)
     assert reference[1] == ANSWER
     cut: list[int] = []
@@ -144,8 +148,15 @@ def test_a_host_cut_off_mid_stream_loses_nothing_and_its_worker_comes_back(mesh:
             mesh.hosts.heal(host)
     assert answer == reference
     (host,) = cut
-    for sid in [s for s, h in PLACES.items() if h == host]:
-        mesh.ready(sid)
+    wait_until(
+        lambda: all(
+            {s: w["status"] for s, w in mesh.health(router).items() if s in PLACES}
+            == dict.fromkeys(PLACES, "ready")
+            for router in ("router-0", "router-1")
+        ),
+        60,
+        what=f"host {host}'s services back, as both routers see them",
+    )
 
 
 def test_a_router_on_each_of_two_hosts_shares_one_mesh(mesh: Mesh) -> None:

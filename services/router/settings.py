@@ -158,6 +158,14 @@ class DispatchSettings(Section):
         description="no next token within this: the decode worker is given up on and the "
         "request resumes elsewhere",
     )
+    resume_wait_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=120,
+        description="a request moving mid-answer that finds no worker to resume on waits this "
+        "long for one (a worker whose NATS node was lost is back within seconds); the client "
+        "cannot retry an answer half sent",
+    )
     local_prefill_max_tokens: int = Field(
         default=64,
         ge=0,

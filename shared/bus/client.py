@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 import uuid
 from asyncio import FIRST_COMPLETED
@@ -57,6 +58,7 @@ STORE_UNAVAILABLE = (
 
 DRAIN_TIMEOUT_S = 3.0
 ASK_RESEND_S = 0.5  # an ask not answered in this is sent again (``Bus.ask``)
+DIRECT_READ_WAIT_S = 10.0  # for a new replicated stream's direct reads (``read_last``)
 NO_RESPONDERS_RETRY_S = 0.1  # between asks of a subject nobody subscribes to at the moment
 
 
@@ -85,6 +87,19 @@ def _decoded(raw: Msg, msg_type: type[M], subject: str) -> M | None:
         return None
 
 
+def lose_silent_server(nc: NATS, after_s: float) -> None:
+    """The connection's socket dropped by the kernel once the server has acknowledged
+    nothing sent to it for ``after_s`` (TCP_USER_TIMEOUT); nats-py then moves to another
+    server of the cluster. A host cut off sends no reset: its connections stay open. nats-py's
+    pings cannot tell under steady publishing, as they queue behind its flusher, which waits
+    on the dead socket; they cover a quiet client. (nats-py keeps the socket on its
+    transport; where it is not found, or off Linux, the pings alone.)"""
+    writer = getattr(getattr(nc, "_transport", None), "_bare_io_writer", None)
+    sock = writer.get_extra_info("socket") if writer is not None else None
+    if sock is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(after_s * 1000))
+
+
 class Bus:
     """One NATS connection with typed helpers. Build with ``await Bus.connect(...)``."""
 
@@ -99,12 +114,18 @@ class Bus:
 
     @classmethod
     async def connect(
-        cls, url: str, name: str, timeout_s: float = 30.0, options: dict[str, Any] | None = None
+        cls,
+        url: str,
+        name: str,
+        timeout_s: float = 30.0,
+        options: dict[str, Any] | None = None,
+        lost_after_s: float = 6.0,
     ) -> Bus:
         """Connect, retrying until ``timeout_s`` so services may start before NATS is up.
         ``url``: one server or several, comma-separated (a cluster's). ``options``: nats-py's
         credentials and TLS arguments (``shared.bus.auth.connect_options``). Credentials the
-        server refuses fail at once, not after ``timeout_s``."""
+        server refuses fail at once, not after ``timeout_s``. A server silent for
+        ``lost_after_s`` is left for another of the cluster's (``lose_silent_server``)."""
 
         waiting_logged = False
         refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -117,6 +138,8 @@ class Bus:
 
         async def on_reconnect() -> None:
             log.info("reconnected to NATS at %s", url)
+            if closing:
+                lose_silent_server(closing[0].nc, lost_after_s)
             for listener in closing[0].on_reconnect if closing else ():
                 listener()
 
@@ -145,6 +168,8 @@ class Bus:
                 connect_timeout=2,
                 reconnect_time_wait=0.25,
                 max_reconnect_attempts=-1,
+                ping_interval=lost_after_s / 3,
+                max_outstanding_pings=2,
                 # Closing drains every subscription: bounded, as a handler that waits on a
                 # reply (a stream's ack) whose own subscription drains first would not end.
                 drain_timeout=DRAIN_TIMEOUT_S,
@@ -163,6 +188,7 @@ class Bus:
                 raise BusError(f"NATS at {url} refused this client: {refused.result()}")
             raise BusError(f"cannot reach NATS at {url} within {timeout_s:g} s")
         nc = connecting.result()
+        lose_silent_server(nc, lost_after_s)
         bus = cls(nc)
         closing.append(bus)
         return bus
@@ -458,11 +484,20 @@ class Bus:
         await self._store(subject, bytes(parts[0]), headers, retry_s)
 
     async def read_last(self, stream: str, subject: str) -> tuple[bytes, dict[str, str]] | None:
-        """The message of ``subject`` on a last-per-subject stream; None when there is none."""
-        try:
-            raw = await self.js.get_last_msg(stream, subject, direct=True)
-        except NotFoundError:
-            return None
+        """The message of ``subject`` on a last-per-subject stream; None when there is none.
+        A replicated stream just made answers direct reads only once its replicas are up:
+        until then (``DIRECT_READ_WAIT_S`` at most) the read is asked again."""
+        deadline = time.monotonic() + DIRECT_READ_WAIT_S
+        while True:
+            try:
+                raw = await self.js.get_last_msg(stream, subject, direct=True)
+                break
+            except NotFoundError:
+                return None
+            except nats.errors.NoRespondersError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.25)
         return await self._joined(stream, subject, raw.data or b"", raw.headers)
 
     async def latest(self, stream: str, subject: str) -> list[Msg]:
@@ -496,17 +531,26 @@ class Bus:
         self, stream: str, subject: str, timeout_s: float
     ) -> tuple[bytes, dict[str, str]]:
         """The message of ``subject`` on a last-per-subject stream: at once when it is
-        stored, else the one stored within ``timeout_s`` (BusError after that)."""
-        stored = await self.read_last(stream, subject)
-        if stored is not None:
-            return stored
-        # Not there yet: a consumer starting at the subject's last message gets one stored
-        # in between too, then the next one.
-        sub = await self.js.subscribe(
-            subject, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
-        )
+        stored, else the one stored within ``timeout_s`` (BusError after that). While the
+        cluster's JetStream is briefly unavailable (a node lost or back), asked again."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                stored = await self.read_last(stream, subject)
+                if stored is not None:
+                    return stored
+                # Not there yet: a consumer starting at the subject's last message gets one
+                # stored in between too, then the next one.
+                sub = await self.js.subscribe(
+                    subject, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
+                )
+                break
+            except STORE_UNAVAILABLE as err:
+                if time.monotonic() >= deadline:
+                    raise BusError(f"{subject} unreadable for {timeout_s:g} s: {err}") from None
+                await asyncio.sleep(0.25)
         try:
-            msg = await sub.next_msg(timeout=timeout_s)
+            msg = await sub.next_msg(timeout=max(0.01, deadline - time.monotonic()))
         except nats.errors.TimeoutError:
             raise BusError(f"nothing on {subject} within {timeout_s:g} s") from None
         finally:

@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import signal
+import socket
+import time
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +20,7 @@ from shared.engine.sampling import SamplingParams
 from shared.messages import Message
 from shared.messages.generate import GenerateTask, TaskAck
 from shared.worker import Tasks
-from tests.procs import until
+from tests.procs import free_port, until
 
 
 class Ping(Message):
@@ -109,6 +113,37 @@ async def test_an_ask_unanswered_is_sent_again_and_a_task_is_taken_once(
             await bus.ask("test.nobody", slow, TaskAck, timeout_s=0.3)
     finally:
         await bus.close()
+
+
+async def test_a_nats_node_gone_silent_is_left_within_lost_after_s(tmp_path: Path) -> None:
+    """A NATS node that stops answering (here frozen: a host cut off sends no reset either)
+    is taken as lost within lost_after_s, and the bus is back once a node answers. The
+    socket also has the kernel drop it when what was sent goes unacknowledged that long."""
+    server = NatsServer("127.0.0.1", free_port(), tmp_path / "js")
+    server.start()
+    bus = await Bus.connect(server.url, "t-silent", 10, lost_after_s=1.5)
+    try:
+        writer = bus.nc._transport._bare_io_writer  # (where nats-py keeps its socket)
+        sock = writer.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 1500
+        os.kill(server.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        try:
+            await until(async_value(lambda: not bus.connected), 10, "the node taken as lost")
+            assert time.monotonic() - frozen < 4
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        await until(async_value(lambda: bus.connected), 10, "reconnected")
+    finally:
+        await bus.close()
+        server.stop()
+
+
+def async_value(check):  # noqa: ANN001, ANN201
+    async def value() -> object:
+        return check()
+
+    return value
 
 
 async def test_connect_gives_up_with_a_clear_error() -> None:

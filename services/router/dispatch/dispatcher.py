@@ -107,6 +107,7 @@ class Dispatcher:
                 async with self.replies.expecting(attempt) as waiting:
                     try:
                         await self._send(attempt, moves, span)
+                        waiting.heard_at = max(waiting.heard_at, time.monotonic())  # (sent)
                         if decision is not None and not moves.sent:
                             decision.clear()
                             decision.update(attempt.decision)
@@ -135,12 +136,25 @@ class Dispatcher:
         async with self._starting:
             with trace.use_span(span, end_on_exit=False):
                 try:
-                    chosen, req = self._route(attempt.job, moves.excluded)
+                    chosen, req = await self._route_resuming(attempt.job, moves)
                     await self.sender.send(attempt, chosen, req)
                 except ApiError as err:
                     raise moves.unservable(err) from None
         chosen_id = str(attempt.decision.get("chosen", ""))
         span.set_attributes({"workers": list(attempt.workers), "chosen": chosen_id})
+
+    async def _route_resuming(self, job: Job, moves: Moves) -> tuple[Route, RouteRequest]:
+        """The routing decision; mid-answer, when no worker can take the rest of it now (each
+        one gone or full), it waits up to ``resume_wait_s`` for one to come back or free up,
+        as a client cannot retry an answer half sent."""
+        deadline = time.monotonic() + (self.settings.resume_wait_s if moves.sent else 0.0)
+        while True:
+            try:
+                return self._route(job, moves.left_out(self.registry))
+            except ApiError as err:
+                if err.status not in (429, 503) or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(self.settings.liveness_check_s)
 
     def _route(self, job: Job, excluded: set[str]) -> tuple[Route, RouteRequest]:
         """The routing decision over the workers not left out (503 when there is none)."""
@@ -319,7 +333,7 @@ class Moves:
         self.move = 0
         self.sent: list[int] = []  # answer tokens the client has
         self.offset = 0  # of them, those sent before the current attempt
-        self.excluded: set[str] = set()
+        self.excluded: dict[str, float] = {}  # worker → when it was given up on (monotonic)
         self.failures: list[str] = []
         self.faults = 0  # of the failures, those that were a worker's fault (not busy)
 
@@ -339,7 +353,7 @@ class Moves:
         move is left."""
         self.failures.append(str(failure))
         self.faults += failure.fault
-        self.excluded.update(failure.service_ids)
+        self.excluded.update(dict.fromkeys(failure.service_ids, time.monotonic()))
         if self.move == self.limit:
             raise ApiError(
                 503,
@@ -353,6 +367,15 @@ class Moves:
             f"resuming after {len(self.sent)} tokens" if self.sent else "retrying",
         )
         MOVES.labels("resumed" if self.sent else "retried").inc()
+
+    def left_out(self, registry: WorkerRegistry) -> set[str]:
+        """The workers given up on, but for those registered again since (dropped, then
+        back: a worker whose NATS node was lost reconnects to another within seconds)."""
+        return {
+            sid
+            for sid, at in self.excluded.items()
+            if (record := registry.get(sid)) is None or record.first_seen_at <= at
+        }
 
     def unservable(self, err: ApiError) -> ApiError:
         """No worker is left to move to: the error says why the request had to move (429

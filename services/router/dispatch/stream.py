@@ -231,6 +231,8 @@ class Replies:
         attempt, s = w.attempt, self.settings
         if wall >= attempt.job.deadline:
             return ApiError(504, "request deadline passed", code="timeout")
+        if not attempt.workers:  # not sent yet (a move waiting for a worker)
+            return None
         gone = [w for w in attempt.workers if not self._alive(w)]
         if gone:
             return Failed(f"worker {gone[0]} went away", *gone)

@@ -257,6 +257,58 @@ async def test_a_worker_leaving_the_registry_moves_its_requests(mesh: Mesh) -> N
     mesh.settled()
 
 
+async def test_mid_answer_with_no_worker_left_it_waits_for_one_to_come_back(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """The only prefill worker and the only decode worker go away mid-answer (their NATS
+    node lost, say): the answer, half sent, waits up to resume_wait_s for a worker, and
+    resumes on the first one back (registered again since it was given up on)."""
+    m = Mesh(bus, FAST.model_copy(update={"resume_wait_s": 5.0}), [0.0], tmp_path)
+    await m.dispatcher.start()
+    try:
+        p1 = await m.worker("prefill", "p1", freezing(ANSWER, after=3))
+        d1 = await m.worker("decode", "d1", busy())
+        answer = m.dispatcher.generate(job())
+        got = [await anext(answer)]
+        for w in (p1, d1):
+            m.registry.remove(w.service_id)  # (they stopped heartbeating)
+        rest = asyncio.ensure_future(collect(answer))
+        await asyncio.sleep(0.5)
+        assert not rest.done(), "it waits for a worker rather than failing"
+        for w in (p1, d1):
+            m.registry.observe(w.heartbeat(), time.monotonic())  # back
+        got += await asyncio.wait_for(rest, 5)
+        assert m.tokens(got) == ANSWER and contiguous(got)
+        assert p1.tasks[-1].request_id.endswith("-resume1")
+        m.settled()
+    finally:
+        await m.dispatcher.stop()
+
+
+async def test_mid_answer_with_no_worker_back_within_the_wait_it_fails(
+    bus: Bus, tmp_path: Path
+) -> None:
+    m = Mesh(bus, FAST.model_copy(update={"resume_wait_s": 0.5}), [0.0], tmp_path)
+    await m.dispatcher.start()
+    try:
+        p1 = await m.worker("prefill", "p1", freezing(ANSWER, after=3))
+        await m.worker("decode", "d1", busy())
+        answer = m.dispatcher.generate(job())
+        await anext(answer)
+        m.registry.remove(p1.service_id)
+        started = time.monotonic()
+        with pytest.raises(ApiError) as err:
+            await collect(answer)
+        assert err.value.status == 503 and "no live prefill worker" in err.value.message
+        assert 0.5 <= time.monotonic() - started < 3
+    finally:
+        await m.dispatcher.stop()
+
+
+async def collect(answer: AsyncIterator) -> list:
+    return [e async for e in answer]
+
+
 async def test_leaving_early_cancels_on_the_workers_and_frees_every_count(mesh: Mesh) -> None:
     p1 = await mesh.worker("prefill", "p1", tokens(ANSWER, gap_s=0.05))
     await mesh.worker("decode", "d1", busy())
