@@ -138,7 +138,7 @@ class CommonSettings(KvmeshSettings):
         default=30.0, gt=0, le=600, description="how long to wait for NATS at start"
     )
     nats_lost_after_s: float = Field(
-        default=6.0,
+        default=4.0,
         ge=1,
         le=600,
         description="a NATS node that acknowledges nothing this service sent (or answers none "

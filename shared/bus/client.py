@@ -119,7 +119,7 @@ class Bus:
         name: str,
         timeout_s: float = 30.0,
         options: dict[str, Any] | None = None,
-        lost_after_s: float = 6.0,
+        lost_after_s: float = 4.0,
     ) -> Bus:
         """Connect, retrying until ``timeout_s`` so services may start before NATS is up.
         ``url``: one server or several, comma-separated (a cluster's). ``options``: nats-py's
