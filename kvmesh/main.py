@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvmesh import batch, eplb, init, keys, model, sim, status, trace, up
+from kvmesh import batch, eplb, init, keys, model, plan, sim, status, trace, up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_parser(commands)
     status.add_parser(commands)
     sim.add_parser(commands)
+    plan.add_parser(commands)
     trace.add_parser(commands)
     keys.add_parser(commands)
     init.add_parser(commands)

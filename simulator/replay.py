@@ -92,9 +92,11 @@ class SimResult:
             "ttft_p50_s": _pct(ttft, 50),
             "ttft_p99_s": _pct(ttft, 99),
             "tpot_mean_s": statistics.fmean(self.tpot_s) if self.tpot_s else 0.0,
+            "tpot_p99_s": _pct(sorted(self.tpot_s), 99),
             "load_max_over_mean": max(busy) / mean_busy if mean_busy else 0.0,
             "utilization": sum(busy) / (n_prefill * span),
             "throughput_tok_s": (self.input_tokens + self.output_tokens) / span,
+            "output_tok_s": self.output_tokens / span,
             "requests": len(ttft),
             "estimate_mape": self.estimate_mape,
             "estimate_terms": self.estimate_terms,
@@ -236,7 +238,10 @@ def simulate(
     cfg: SimConfig,
     policy_name: str,
     progress: Callable[[int, int], None] | None = None,
+    earlier: list[TraceRequest] = (),  # type: ignore[assignment]
 ) -> SimResult:
+    """The trace replayed; ``earlier``: requests before it (negative times), whose blocks the
+    storage tier holds when it begins (a mesh running for a while, not a cold one)."""
     ttl = dict(cfg.ttl_s)
     world = cfg.make_world()
     costs = CostDefaults(
@@ -279,6 +284,12 @@ def simulate(
                     retention=retention,
                 )
             )
+
+    for r in earlier:
+        at = r.t / cfg.speed
+        new, evicted = store.put(r.hashes, at)
+        emit("removed", STORE, evicted, at, r.retention)
+        emit("stored", STORE, new, at, r.retention)
 
     def start(p: str, now: float) -> None:
         """The worker takes its next request, and those queued behind it while their uncached

@@ -1,0 +1,150 @@
+"""Capacity planning: the smallest prefill and decode pools that meet a workload's targets,
+found by replaying the workload in the simulator's world (simulator/replay.py).
+
+In that world decode never holds prefill back (a decode worker takes each hand-over at once,
+its sequences sharing its rate), so TTFT depends on the prefill pool alone and TPOT on the
+decode pool: the prefill count is searched first (with one decode worker), then the decode
+count beside it. Each search gallops (1, 2, 4, ...) to a pool that meets its targets, then
+halves the gap to the smallest that does: about 2 log2(N) replays where a sweep needs N².
+``sweep`` is that exhaustive grid, to check the search against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from simulator.replay import SimConfig, simulate
+from simulator.traces import TraceRequest
+
+PREFILL_TARGETS = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s")
+DECODE_TARGETS = ("tpot_p99_s",)
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What the plan must meet (seconds; None: no target)."""
+
+    ttft_mean_s: float | None = None
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    tpot_p99_s: float | None = None
+
+    def given(self, keys: tuple[str, ...]) -> dict[str, float]:
+        return {k: v for k in keys if (v := getattr(self, k)) is not None}
+
+    def met(self, summary: dict, keys: tuple[str, ...]) -> bool:
+        return all(summary[k] <= v for k, v in self.given(keys).items())
+
+    def margin(self, summary: dict, keys: tuple[str, ...]) -> dict[str, float]:
+        """Per target, the share of it left unused (0.2: the figure is 80% of the target)."""
+        return {k: round(1 - summary[k] / v, 4) for k, v in self.given(keys).items()}
+
+
+@dataclass
+class Plan:
+    prefill: int | None  # None: no pool up to the bound meets the targets
+    decode: int | None
+    summary: dict  # the replay at the plan (or, where none meets, where the search stopped)
+    margin: dict[str, float]
+    trials: dict[tuple[int, int], dict] = field(default_factory=dict)  # every replay made
+
+    @property
+    def feasible(self) -> bool:
+        return self.prefill is not None and self.decode is not None
+
+
+class Planner:
+    def __init__(
+        self,
+        requests: list[TraceRequest],
+        block_size: int,
+        cfg: SimConfig,
+        targets: Targets,
+        earlier: list[TraceRequest] = (),  # type: ignore[assignment]
+        policy: str = "ttft",
+        max_workers: int = 512,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if not targets.given(PREFILL_TARGETS + DECODE_TARGETS):
+            raise ValueError("targets: at least one (a TTFT or the TPOT)")
+        self.requests, self.block_size, self.cfg = requests, block_size, cfg
+        self.targets, self.earlier, self.policy = targets, earlier, policy
+        self.max_workers = max_workers
+        self.progress = progress
+        self.trials: dict[tuple[int, int], dict] = {}
+        self.stopped_at = 0  # the pool a search gave up at
+
+    def trial(self, prefill: int, decode: int) -> dict:
+        """The workload replayed on ``prefill`` + ``decode`` workers (once per pair)."""
+        key = (prefill, decode)
+        if key not in self.trials:
+            cfg = replace(self.cfg, prefill=prefill, decode=decode)
+            result = simulate(self.requests, self.block_size, cfg, self.policy, None, self.earlier)
+            summary = result.summary(prefill)
+            summary["decode_utilization"] = summary["output_tok_s"] / (decode * decode_rate(cfg))
+            self.trials[key] = summary
+            if self.progress:
+                self.progress(len(self.trials), 0)
+        return self.trials[key]
+
+    def smallest(
+        self, meets: Callable[[int], bool], figures: Callable[[int], list[float]]
+    ) -> int | None:
+        """The smallest pool in [1, max_workers] that ``meets`` (which grows no worse with
+        more workers): galloping, then bisecting. None when none does: at the bound, or once
+        doubling the pool no longer improves its ``figures`` (the targets are below what any
+        pool can do: a long prompt's own compute, say)."""
+        low, high, before = 0, 1, None  # low fails (0 workers serve nothing); high is next
+        while not meets(high):
+            now = figures(high)
+            plateau = before is not None and all(
+                n >= 0.995 * b for n, b in zip(now, before, strict=True)
+            )
+            if high >= self.max_workers or plateau:
+                self.stopped_at = high
+                return None
+            before, low, high = now, high, min(2 * high, self.max_workers)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if meets(mid) else (mid, high)
+        return high
+
+    def plan(self) -> Plan:
+        t = self.targets
+        ttft, tpot = t.given(PREFILL_TARGETS), t.given(DECODE_TARGETS)
+        prefill = self.smallest(
+            lambda p: t.met(self.trial(p, 1), PREFILL_TARGETS),
+            lambda p: [self.trial(p, 1)[k] for k in ttft],
+        )
+        if prefill is None:
+            return Plan(None, None, self.trial(self.stopped_at, 1), {}, self.trials)
+        decode = self.smallest(
+            lambda d: t.met(self.trial(prefill, d), DECODE_TARGETS),
+            lambda d: [self.trial(prefill, d)[k] for k in tpot],
+        )
+        if decode is None:
+            return Plan(prefill, None, self.trial(prefill, self.stopped_at), {}, self.trials)
+        summary = self.trial(prefill, decode)
+        margin = t.margin(summary, PREFILL_TARGETS + DECODE_TARGETS)
+        return Plan(prefill, decode, summary, margin, self.trials)
+
+    def sweep(self, prefill: range, decode: range) -> tuple[int, int] | None:
+        """Every pair replayed: the cheapest that meets every target (fewest workers, then
+        fewest prefill), or None."""
+        keys = PREFILL_TARGETS + DECODE_TARGETS
+        met = [
+            (p + d, p, d)
+            for p in prefill
+            for d in decode
+            if self.targets.met(self.trial(p, d), keys)
+        ]
+        if not met:
+            return None
+        _, p, d = min(met)
+        return p, d
+
+
+def decode_rate(cfg: SimConfig) -> float:
+    """A decode card's output tokens a second, in the config's world."""
+    return cfg.world.decode_tok_s if cfg.world is not None else cfg.decode_tok_s

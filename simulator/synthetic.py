@@ -1,0 +1,120 @@
+"""A workload described, not recorded: conversations whose every turn sends the whole history
+again (as chat and agent clients do), made into a trace for the simulator.
+
+A conversation opens with one of a few shared system prompts (``system_tokens``); each turn
+adds ``fresh`` tokens no earlier prompt had (the user's or a tool's new text, and the answer
+before it), so turn k's prompt is system + k × fresh. Over T turns the mean prompt is
+system + fresh × (T + 1) / 2, and the share of it an earlier prompt sent (the reuse) is
+1 − fresh / mean. So a mean input and a reuse give fresh = (1 − reuse) × input and
+T = 2 (input − system) / fresh − 1: 77K tokens at 96% reuse are 48 turns of 3.1K fresh
+tokens, of which the answer before is ``output_mean``.
+
+Conversations start as a Poisson process; a turn follows the one before after a think time
+(lognormal, median ``think_s``), except that a share ``come_back`` of them come back days later
+(uniform over ``come_back_days``): those are what a storage tier's retention decides.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from simulator.traces import TraceRequest
+
+DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    rate: float = 2.0  # conversation turns a second (all conversations together)
+    requests: int = 2000  # about: those of ``requests / rate`` seconds
+    input_mean: int = 8192  # tokens per prompt
+    output_mean: int = 256  # tokens per answer
+    reuse: float = 0.9  # share of prompt tokens sent by an earlier turn
+    think_s: float = 30.0  # median time between a turn's answer and the next turn
+    come_back: float = 0.0  # share of turns that come back days later
+    come_back_days: tuple[float, float] = (1.0, 10.0)
+    system_tokens: int = 1024  # each conversation's system prompt (one of ``systems``)
+    systems: int = 4
+    agent_share: float = 0.0  # of conversations, agents' (their retention class)
+    block_size: int = 512
+    seed: int = 0
+
+    def check(self) -> None:
+        """ValueError naming the field and its limit."""
+        limits = (
+            ("rate", self.rate > 0, "above 0"),
+            ("requests", self.requests >= 1, "at least 1"),
+            ("input_mean", self.input_mean >= self.block_size, "at least one block"),
+            ("output_mean", self.output_mean >= 1, "at least 1"),
+            ("reuse", 0 <= self.reuse < 1, "in [0, 1)"),
+            ("think_s", self.think_s > 0, "above 0"),
+            (
+                "output_mean",
+                self.output_mean < self.fresh,
+                f"below a turn's fresh tokens, (1 - reuse) × input_mean = {self.fresh:.0f}",
+            ),
+            ("system_tokens", 0 <= self.system_tokens < self.input_mean, "in [0, input_mean)"),
+            ("come_back", 0 <= self.come_back <= 1, "in [0, 1]"),
+            ("agent_share", 0 <= self.agent_share <= 1, "in [0, 1]"),
+            ("block_size", self.block_size >= 1, "at least 1"),
+        )
+        for name, ok, limit in limits:
+            if not ok:
+                raise ValueError(f"{name}: {limit} (got {getattr(self, name)})")
+
+    @property
+    def fresh(self) -> float:
+        """Tokens each turn adds that no earlier prompt had."""
+        return (1 - self.reuse) * self.input_mean
+
+    @property
+    def turns(self) -> float:
+        """Turns per conversation, for the mean input at the reuse."""
+        return max(1.0, 2 * (self.input_mean - self.system_tokens) / self.fresh - 1)
+
+
+def generate(w: Workload) -> tuple[list[TraceRequest], list[TraceRequest]]:
+    """The workload's requests, by time (the first at 0), and the turns its conversations had
+    before it began (negative times): what the storage tier holds when it starts."""
+    w.check()
+    rng = random.Random(w.seed)
+    bs = w.block_size
+    out: list[tuple[float, TraceRequest]] = []
+    earlier: list[TraceRequest] = []
+    # Conversations start so that turns arrive at ``rate`` on average, from before the trace
+    # begins (it opens in the steady state, not with every conversation at its first turn);
+    # the trace keeps the turns within ``requests / rate`` seconds.
+    start_rate = w.rate / w.turns
+    horizon = w.requests / w.rate
+    t, c, sigma = -w.turns * w.think_s * math.exp(0.5), 0, 0.5
+    own_mean = w.fresh - w.output_mean  # a turn's new text (the answer before is the rest)
+    while t < horizon:
+        t += rng.expovariate(start_rate)
+        system = rng.randrange(w.systems)
+        retention = "agent" if rng.random() < w.agent_share else "chat"
+        turns = int(w.turns) + (rng.random() < w.turns % 1)
+        history = [f"s{system}b{i}" for i in range(w.system_tokens // bs)]
+        tokens, at = w.system_tokens, t
+        for _ in range(turns):
+            tokens += max(1, round(own_mean * math.exp(rng.gauss(-(sigma**2) / 2, sigma))))
+            history = history + [f"c{c}b{i}" for i in range(len(history), tokens // bs)]
+            n_out = max(1, round(rng.expovariate(1 / w.output_mean)))
+            if 0 <= at < horizon:
+                out.append((at, TraceRequest(at, tokens, n_out, history, retention)))
+            elif at < 0:
+                earlier.append(TraceRequest(at, tokens, n_out, history, retention))
+            tokens += n_out  # (the answer is in the next turn's history)
+            if rng.random() < w.come_back:
+                at += rng.uniform(*w.come_back_days) * DAY
+            else:
+                at += w.think_s * math.exp(rng.gauss(0, 1))
+        c += 1
+    out.sort(key=lambda x: x[0])
+    out = out[: w.requests]
+    t0 = out[0][0] if out else 0.0
+    requests = [TraceRequest(at - t0, r.n_in, r.n_out, r.hashes, r.retention) for at, r in out]
+    earlier.sort(key=lambda r: r.t)
+    before = [TraceRequest(r.t - t0, r.n_in, r.n_out, r.hashes, r.retention) for r in earlier]
+    return requests, before
