@@ -2,12 +2,12 @@
 again (as chat and agent clients do), made into a trace for the simulator.
 
 A conversation opens with one of a few shared system prompts (``system_tokens``); each turn
-adds ``fresh`` tokens no earlier prompt had (the user's or a tool's new text, and the answer
-before it), so turn k's prompt is system + k × fresh. Over T turns the mean prompt is
-system + fresh × (T + 1) / 2, and the share of it an earlier prompt sent (the reuse) is
-1 − fresh / mean. So a mean input and a reuse give fresh = (1 − reuse) × input and
-T = 2 (input − system) / fresh − 1: 77K tokens at 96% reuse are 48 turns of 3.1K fresh
-tokens, of which the answer before is ``output_mean``.
+adds ``fresh`` tokens no earlier prompt had (the answer before it, ``output_mean``, and the
+user's or a tool's new text), so turn k's prompt is system + k × fresh − output. Over T turns
+the mean prompt m is system + fresh × (T + 1) / 2 − output, and the share of the prompts an
+earlier one sent (the reuse) is 1 − (T × fresh − output) / (T × m), the system prompts shared.
+Given m and the reuse, these fix fresh and T: 77K tokens at 96% reuse with 1K-token answers
+are 48 turns of 3.1K fresh tokens.
 
 Conversations start as a Poisson process; a turn follows the one before after a think time
 (lognormal, median ``think_s``), except that a share ``come_back`` of them come back days later
@@ -28,7 +28,7 @@ DAY = 86400.0
 @dataclass(frozen=True)
 class Workload:
     rate: float = 2.0  # conversation turns a second (all conversations together)
-    requests: int = 2000  # about: those of ``requests / rate`` seconds
+    requests: int = 2000
     input_mean: int = 8192  # tokens per prompt
     output_mean: int = 256  # tokens per answer
     reuse: float = 0.9  # share of prompt tokens sent by an earlier turn
@@ -65,14 +65,19 @@ class Workload:
                 raise ValueError(f"{name}: {limit} (got {getattr(self, name)})")
 
     @property
-    def fresh(self) -> float:
-        """Tokens each turn adds that no earlier prompt had."""
-        return (1 - self.reuse) * self.input_mean
+    def turns(self) -> float:
+        """Turns per conversation, for the mean input at the reuse (``fresh``'s equations,
+        solved by iterating: they converge in a few steps)."""
+        m, s, o, new = self.input_mean, self.system_tokens, self.output_mean, 1 - self.reuse
+        t = max(1.0, 2 * (m - s + o) / (new * m) - 1)
+        for _ in range(50):
+            t = max(1.0, (2 * (m - s + o) - o * (t + 1) / t) / (new * m) - 1)
+        return t
 
     @property
-    def turns(self) -> float:
-        """Turns per conversation, for the mean input at the reuse."""
-        return max(1.0, 2 * (self.input_mean - self.system_tokens) / self.fresh - 1)
+    def fresh(self) -> float:
+        """Tokens each turn adds that no earlier prompt had."""
+        return (1 - self.reuse) * self.input_mean + self.output_mean / self.turns
 
 
 def generate(w: Workload) -> tuple[list[TraceRequest], list[TraceRequest]]:
@@ -85,9 +90,9 @@ def generate(w: Workload) -> tuple[list[TraceRequest], list[TraceRequest]]:
     earlier: list[TraceRequest] = []
     # Conversations start so that turns arrive at ``rate`` on average, from before the trace
     # begins (it opens in the steady state, not with every conversation at its first turn);
-    # the trace keeps the turns within ``requests / rate`` seconds.
+    # the trace keeps the first ``requests`` turns from 0 on.
     start_rate = w.rate / w.turns
-    horizon = w.requests / w.rate
+    horizon = 1.5 * w.requests / w.rate  # (then cut to ``requests``)
     t, c, sigma = -w.turns * w.think_s * math.exp(0.5), 0, 0.5
     own_mean = w.fresh - w.output_mean  # a turn's new text (the answer before is the rest)
     while t < horizon:

@@ -1,0 +1,77 @@
+"""`kvmesh plan`: a plan as a table, a plot and one JSON line; what-ifs move it; bad flags
+named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.procs import REPO
+
+DESCRIBED = ["--rate", "6", "--requests", "300", "--input-mean", "8192", "--output-mean", "200"]
+
+
+def plan(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvmesh", "plan", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_plan_is_a_table_a_plot_and_one_json_line(tmp_path: Path) -> None:
+    png = tmp_path / "plan.png"
+    run = plan(*DESCRIBED, "--ttft-p99", "1", "--tpot-p99", "0.025", "--png", str(png))
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["feasible"] and out["prefill"] >= 1 and out["decode"] >= 1
+    assert out["ttft_p99_s"] <= 1 and out["tpot_p99_s"] <= 0.025
+    assert 0 <= out["margin"]["ttft_p99_s"] < 1
+    assert out["hit_ratio"] == pytest.approx(out["memory_hit_ratio"] + out["storage_hit_ratio"])
+    assert f"plan: {out['prefill']} prefill + {out['decode']} decode workers" in run.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_slower_cards_need_more_workers() -> None:
+    def workers(*what_if: str) -> tuple[int, int]:
+        run = plan(*DESCRIBED, "--ttft-p99", "1", "--tpot-p99", "0.025", *what_if)
+        out = json.loads(run.stdout.strip().splitlines()[-1])
+        return out["prefill"], out["decode"]
+
+    base = workers()
+    slow_prefill = workers("--prefill-tok-s", "20000")
+    slow_decode = workers("--decode-tok-s", "500")  # (its sequences share less)
+    assert slow_prefill[0] > base[0] and slow_decode[1] > base[1]
+
+
+def test_a_target_no_pool_meets_exits_1_saying_what_more_workers_reach() -> None:
+    run = plan(*DESCRIBED, "--ttft-p99", "0.001")
+    assert run.returncode == 1
+    assert "no prefill pool meets the targets" in run.stdout and "target 0.001 s" in run.stdout
+    assert json.loads(run.stdout.strip().splitlines()[-1])["feasible"] is False
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--ttft-p99", "1"], "--trace FILE, or --rate"),
+        ([*DESCRIBED], "at least one of --ttft-mean"),
+        ([*DESCRIBED, "--ttft-p99", "-1"], "above 0 seconds"),
+        ([*DESCRIBED, "--ttft-p99", "1", "--retention", "chat=soon"], "--retention"),
+        ([*DESCRIBED, "--ttft-p99", "1", "--retention", "video=1d"], "not a class"),
+        ([*DESCRIBED, "--ttft-p99", "1", "--reuse", "1.2"], "--reuse: in [0, 1)"),
+        ([*DESCRIBED, "--ttft-p99", "1", "--output-mean", "9000"], "--output-mean"),
+        ([*DESCRIBED, "--ttft-p99", "1", "--world", "policy", "--store-gb-s", "5"], "profiled"),
+        (["--trace", "/nonexistent.jsonl", "--ttft-p99", "1"], "no such file"),
+        ([*DESCRIBED, "--ttft-p99", "1", "--policy", "fastest"], "--policy: unknown"),
+    ],
+)
+def test_bad_flags_are_named(args: list[str], named: str) -> None:
+    run = plan(*args)
+    assert run.returncode == 2 and named in run.stderr, run.stderr
