@@ -68,6 +68,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     goal.add_argument("--ttft-mean", type=float)
     goal.add_argument("--ttft-p50", type=float)
     goal.add_argument("--ttft-p99", type=float)
+    goal.add_argument("--tpot-mean", type=float)
     goal.add_argument("--tpot-p99", type=float)
     what = p.add_argument_group("what-ifs")
     what.add_argument(
@@ -189,10 +190,12 @@ def workload(args: argparse.Namespace):  # noqa: ANN201
 
 
 def run(args: argparse.Namespace) -> int:
-    targets = Targets(args.ttft_mean, args.ttft_p50, args.ttft_p99, args.tpot_p99)
+    targets = Targets(args.ttft_mean, args.ttft_p50, args.ttft_p99, args.tpot_mean, args.tpot_p99)
     given = targets.given(PREFILL_TARGETS + DECODE_TARGETS)
     if not given:
-        return fail("targets: at least one of --ttft-mean, --ttft-p50, --ttft-p99, --tpot-p99")
+        return fail(
+            "targets: at least one of --ttft-mean, --ttft-p50, --ttft-p99, --tpot-mean, --tpot-p99"
+        )
     if any(v <= 0 for v in given.values()):
         return fail("targets: above 0 seconds")
     if args.max_workers < 1:
@@ -239,6 +242,7 @@ FIGURES = (
     ("ttft_mean_s", "TTFT mean", "s"),
     ("ttft_p50_s", "TTFT p50", "s"),
     ("ttft_p99_s", "TTFT p99", "s"),
+    ("tpot_mean_s", "TPOT mean", "s"),
     ("tpot_p99_s", "TPOT p99", "s"),
     ("hit_ratio", "cache hit ratio", ""),
     ("memory_hit_ratio", "  from memory", ""),

@@ -18,7 +18,7 @@ from simulator.replay import SimConfig, simulate
 from simulator.traces import TraceRequest
 
 PREFILL_TARGETS = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s")
-DECODE_TARGETS = ("tpot_p99_s",)
+DECODE_TARGETS = ("tpot_mean_s", "tpot_p99_s")
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class Targets:
     ttft_mean_s: float | None = None
     ttft_p50_s: float | None = None
     ttft_p99_s: float | None = None
+    tpot_mean_s: float | None = None
     tpot_p99_s: float | None = None
 
     def given(self, keys: tuple[str, ...]) -> dict[str, float]:

@@ -11,14 +11,16 @@ are 48 turns of 3.1K fresh tokens.
 
 Conversations start as a Poisson process; a turn follows the one before after a think time
 (lognormal, median ``think_s``), except that a share ``come_back`` of them come back days later
-(uniform over ``come_back_days``): those are what a storage tier's retention decides.
+(uniform over ``come_back_days``): those are what a storage tier's retention decides. (Such
+a conversation's turns before the gap are placed that much earlier, among those before the
+trace: the trace holds the turns that come back, with their history days old.)
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from simulator.traces import TraceRequest
 
@@ -81,8 +83,8 @@ class Workload:
 
 
 def generate(w: Workload) -> tuple[list[TraceRequest], list[TraceRequest]]:
-    """The workload's requests, by time (the first at 0), and the turns its conversations had
-    before it began (negative times): what the storage tier holds when it starts."""
+    """The workload's requests, by time (the first at 0), and the last turn each conversation
+    had before it began (negative times): what the storage tier holds when it starts."""
     w.check()
     rng = random.Random(w.seed)
     bs = w.block_size
@@ -92,29 +94,34 @@ def generate(w: Workload) -> tuple[list[TraceRequest], list[TraceRequest]]:
     # begins (it opens in the steady state, not with every conversation at its first turn);
     # the trace keeps the first ``requests`` turns from 0 on.
     start_rate = w.rate / w.turns
-    horizon = 1.5 * w.requests / w.rate  # (then cut to ``requests``)
+    horizon = 1.5 * w.requests / w.rate  # (at least: then cut to ``requests``)
     t, c, sigma = -w.turns * w.think_s * math.exp(0.5), 0, 0.5
     own_mean = w.fresh - w.output_mean  # a turn's new text (the answer before is the rest)
-    while t < horizon:
+    while t < horizon or len(out) < w.requests:
         t += rng.expovariate(start_rate)
         system = rng.randrange(w.systems)
         retention = "agent" if rng.random() < w.agent_share else "chat"
         turns = int(w.turns) + (rng.random() < w.turns % 1)
         history = [f"s{system}b{i}" for i in range(w.system_tokens // bs)]
         tokens, at = w.system_tokens, t
+        turns_at: list[tuple[float, TraceRequest]] = []
         for _ in range(turns):
             tokens += max(1, round(own_mean * math.exp(rng.gauss(-(sigma**2) / 2, sigma))))
             history = history + [f"c{c}b{i}" for i in range(len(history), tokens // bs)]
             n_out = max(1, round(rng.expovariate(1 / w.output_mean)))
-            if 0 <= at < horizon:
-                out.append((at, TraceRequest(at, tokens, n_out, history, retention)))
-            elif at < 0:
-                earlier.append(TraceRequest(at, tokens, n_out, history, retention))
+            turns_at.append((at, TraceRequest(at, tokens, n_out, history, retention)))
             tokens += n_out  # (the answer is in the next turn's history)
             if rng.random() < w.come_back:
-                at += rng.uniform(*w.come_back_days) * DAY
-            else:
-                at += w.think_s * math.exp(rng.gauss(0, 1))
+                # Days later: the turns before are moved back by as much, so the conversation
+                # goes on where it was, its history last used days before.
+                gap = rng.uniform(*w.come_back_days) * DAY
+                turns_at = [(when - gap, r) for when, r in turns_at]
+            at += w.think_s * math.exp(rng.gauss(0, 1))
+        out.extend((when, r) for when, r in turns_at if when >= 0)
+        before = [(when, r) for when, r in turns_at if when < 0]
+        if before:  # (its last turn before holds every block the others had)
+            when, r = before[-1]
+            earlier.append(replace(r, t=when))
         c += 1
     out.sort(key=lambda x: x[0])
     out = out[: w.requests]

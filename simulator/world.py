@@ -133,6 +133,9 @@ class WorldSettings:
     decode_tok_s: float = 14_000.0
     min_tpot_s: float = 0.02
     hbm_gb_s: float = 3350.0
+    # Tokens of its context each token attends to, at most, in prefill and in a decode step
+    # (0: all of it; sparse attention picks a fixed number: DeepSeek-V3.2's 2048).
+    attended_tokens: int = 0
     # What every request spends outside the engine's compute (router, bus, lookups, its KV
     # exported), and per prompt token: none in a card's figures; measured on a live mesh
     # (simulator/validate.py).
@@ -206,12 +209,13 @@ class ProfiledWorld(World):
     def compute_s(self, cached: int, uncached: int) -> float:
         """A prompt's uncached tokens computed in chunks of the pass budget, each after the
         context before it (chunked prefill, as SGLang and vLLM do): a long prompt's attention
-        grows with it."""
+        grows with it (up to ``attended_tokens``, where sparse attention stops it)."""
         chunk = self.batch_tokens or uncached
         seconds, done = 0.0, 0
+        attended = self.settings.attended_tokens or cached + uncached
         while done < uncached:
             n = min(chunk, uncached - done)
-            seconds += self.profile.prefill_s(cached + done, n)
+            seconds += self.profile.prefill_s(min(cached + done, attended), n)
             done += n
         return seconds
 
@@ -230,4 +234,6 @@ class ProfiledWorld(World):
     def tpot_s(self, sequences: int, context_tokens: int) -> float:
         s = self.settings
         share = max(s.min_tpot_s, sequences / s.decode_tok_s)
+        if s.attended_tokens:
+            context_tokens = min(context_tokens, sequences * s.attended_tokens)
         return share + context_tokens * s.kv_bytes_per_token / (s.hbm_gb_s * GB)

@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from simulator.plan import Planner, Targets
-from simulator.replay import SimConfig, infinite_cache_hit_ratio, simulate
+from simulator.replay import SimConfig, infinite_cache_tokens, simulate
 from simulator.synthetic import Workload, generate
 from simulator.world import WorldSettings
 
@@ -38,7 +38,8 @@ def test_a_described_workload_has_the_mean_input_and_reuse_it_was_given(w: Workl
     span = requests[-1].t - requests[0].t
     assert len(requests) / span == pytest.approx(w.rate, rel=0.15)
     # Reuse as an infinite cache holding the earlier turns sees it: less a partial block a turn.
-    hit = infinite_cache_hit_ratio(earlier + requests, w.block_size)
+    hits = infinite_cache_tokens(earlier + requests, w.block_size)[len(earlier) :]
+    hit = sum(hits) / sum(r.n_in for r in requests)
     partial = w.block_size / 2 / w.input_mean
     assert hit == pytest.approx(w.reuse - partial, abs=0.04)
 
