@@ -26,13 +26,14 @@ from urllib.parse import urlsplit
 
 import uvloop
 
+from kvmesh.autoscale import Decider, Hysteresis, bounds
 from kvmesh.init import prepare
 from kvmesh.natsserver import Cluster, NatsServer, NatsServerError, die_with_parent, is_nats
 from services.router.settings import RouterSettings
 from shared.bus import Bus, BusError, subjects
 from shared.bus.auth import connect_options
 from shared.logs import setup_logging
-from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot
+from shared.messages.heartbeat import PlanQuery, PlanReply, RegistryQuery, RegistrySnapshot
 from shared.model.catalog import SETTING, ModelError
 from shared.model.text import check_model
 from shared.security.tls import client_context
@@ -71,6 +72,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "(a GGUF file or a Hugging Face directory) serves that checkpoint as NAME. Without "
         "it, the workers serve their KVMESH_PREFILL_MODEL / KVMESH_DECODE_MODEL",
     )
+    p.add_argument(
+        "--autoscale",
+        metavar="MIN:MAX",
+        help="prefill and decode workers follow the routers' plan (/v1/plan) between MIN and "
+        "MAX each: added when it asks for more, drained then stopped when it asks for fewer",
+    )
+    p.add_argument(
+        "--autoscale-every",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between two looks at the plan (growing takes 2 in a row asking for more, "
+        "shrinking 6 asking for fewer; then none for 6 looks)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every service")
     p.add_argument(
         "--tls",
@@ -88,6 +103,11 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)  # its own settings
     proc: asyncio.subprocess.Process | None = None
     pump: asyncio.Task | None = field(default=None, repr=False)
+    draining: bool = False  # told to stop by the autoscaler (its exit is expected)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
 
 
 ROUTE_PORT_OFFSET = 2000  # a cluster node's route port: its client port + this (6222 for 4222)
@@ -104,8 +124,12 @@ class Stack:
         tls: bool = False,
         nats_nodes: int = 1,
         models: list[str] | None = None,
+        autoscale: Decider | None = None,
+        autoscale_every_s: float = 5.0,
     ) -> None:
         self.common = common
+        self.autoscale = autoscale
+        self.autoscale_every_s = autoscale_every_s
         self.prepared = prepare(common, tls)
         scheme = "https" if tls else "http"
         self.children = [Child("cachemeta-0", "cachemeta")]
@@ -284,7 +308,15 @@ class Stack:
                 f"{', '.join(self.api_urls)} (Ctrl-C stops it)",
                 flush=True,
             )
-            await self.watch(stop)
+            scaling = None
+            if self.autoscale is not None:
+                scaling = asyncio.create_task(self.follow_plan(bus, self.autoscale))
+            try:
+                await self.watch(stop)
+            finally:
+                if scaling is not None:
+                    scaling.cancel()
+                    await asyncio.gather(scaling, return_exceptions=True)
             return 0
         except (RuntimeError, BusError) as err:
             log.error("%s", err)
@@ -300,11 +332,71 @@ class Stack:
         reported: set[str] = set()
         while not stop.is_set():
             for child in self.exited():
-                if child.name not in reported:
+                if child.name in reported:
+                    continue
+                reported.add(child.name)
+                if child.draining and child.proc.returncode == 0:
+                    log.info("autoscale: %s drained and stopped", child.name)
+                else:
                     log.error("%s exited with code %s", child.name, child.proc.returncode)
-                    reported.add(child.name)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
+
+    # -- autoscaling ---------------------------------------------------------------------------
+
+    async def follow_plan(self, bus: Bus, decider: Decider) -> None:
+        """Every few seconds, the routers' plan; each pool moved as the decider says."""
+        while True:
+            await asyncio.sleep(self.autoscale_every_s)
+            try:
+                plan = await bus.request(subjects.ROUTER_PLAN, PlanQuery(), PlanReply, 2.0)
+            except BusError as err:
+                log.warning("autoscale: no plan from a router (%s)", err)
+                continue
+            for role in AUTOSCALED:
+                serving = [c for c in self.children if c.role == role and c.running]
+                serving = [c for c in serving if not c.draining]
+                wanted = plan.recommended.get(role, len(serving))
+                size = decider.decide(role, wanted, len(serving), time.monotonic())
+                why = f"the plan asks {wanted} for {plan.requests} requests in {plan.window_s:g} s"
+                if size > len(serving):
+                    added = [self.another(role) for _ in range(size - len(serving))]
+                    for child in added:
+                        await self.spawn(child)
+                    names = ", ".join(c.name for c in added)
+                    log.info(
+                        "autoscale: %s %d → %d (%s): %s started",
+                        role,
+                        len(serving),
+                        size,
+                        why,
+                        names,
+                    )
+                elif size < len(serving):
+                    victim = serving[-1]  # (the newest)
+                    victim.draining = True
+                    with contextlib.suppress(ProcessLookupError):
+                        victim.proc.send_signal(signal.SIGTERM)  # it drains, then stops
+                    log.info(
+                        "autoscale: %s %d → %d (%s): %s draining",
+                        role,
+                        len(serving),
+                        size,
+                        why,
+                        victim.name,
+                    )
+
+    def another(self, role: str) -> Child:
+        """A new worker of ``role``, set up as its first one, with the next free index."""
+        first = next(c for c in self.children if c.role == role)
+        base = first.name.rsplit("-", 1)[0]
+        taken = [int(c.name.rsplit("-", 1)[1]) for c in self.children if c.role == role]
+        child = Child(f"{base}-{max(taken) + 1}", role, dict(first.env))
+        self.children.append(child)
+        return child
+
+
+AUTOSCALED = ("prefill", "decode")
 
 
 def workers(counts: dict[str, int], models: list[str]) -> list[Child]:
@@ -418,8 +510,34 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"kvmesh up: {err}", file=sys.stderr)
         return 2
+    decider = None
+    if args.autoscale is not None:
+        try:
+            low, high = bounds(args.autoscale)
+        except ValueError as err:
+            print(f"kvmesh up: {err}", file=sys.stderr)
+            return 2
+        if len(models) > 1:
+            print("kvmesh up: --autoscale serves one model (the plan is per mesh)", file=sys.stderr)
+            return 2
+        if not args.autoscale_every > 0:
+            print("kvmesh up: --autoscale-every: above 0 seconds", file=sys.stderr)
+            return 2
+        counts["prefill"] = min(high, max(low, counts["prefill"]))
+        counts["decode"] = min(high, max(low, counts["decode"]))
+        cooldown = 6 * args.autoscale_every
+        decider = Decider(low, high, Hysteresis(cooldown_s=cooldown))
     try:
-        stack = Stack(common, router, counts, args.tls, args.nats_cluster, models)
+        stack = Stack(
+            common,
+            router,
+            counts,
+            args.tls,
+            args.nats_cluster,
+            models,
+            decider,
+            args.autoscale_every,
+        )
         return uvloop.run(stack.run(args.timeout))
     except NatsServerError as err:
         print(f"kvmesh up: {err}", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from shared.search import smallest
 from simulator.replay import SimConfig, simulate
 from simulator.traces import TraceRequest
 
@@ -74,7 +75,6 @@ class Planner:
         self.max_workers = max_workers
         self.progress = progress
         self.trials: dict[tuple[int, int], dict] = {}
-        self.stopped_at = 0  # the pool a search gave up at
 
     def trial(self, prefill: int, decode: int) -> dict:
         """The workload replayed on ``prefill`` + ``decode`` workers (once per pair)."""
@@ -89,43 +89,25 @@ class Planner:
                 self.progress(len(self.trials), 0)
         return self.trials[key]
 
-    def smallest(
-        self, meets: Callable[[int], bool], figures: Callable[[int], list[float]]
-    ) -> int | None:
-        """The smallest pool in [1, max_workers] that ``meets`` (which grows no worse with
-        more workers): galloping, then bisecting. None when none does: at the bound, or once
-        doubling the pool no longer improves its ``figures`` (the targets are below what any
-        pool can do: a long prompt's own compute, say)."""
-        low, high, before = 0, 1, None  # low fails (0 workers serve nothing); high is next
-        while not meets(high):
-            now = figures(high)
-            plateau = before is not None and all(
-                n >= 0.995 * b for n, b in zip(now, before, strict=True)
-            )
-            if high >= self.max_workers or plateau:
-                self.stopped_at = high
-                return None
-            before, low, high = now, high, min(2 * high, self.max_workers)
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (low, mid) if meets(mid) else (mid, high)
-        return high
-
     def plan(self) -> Plan:
         t = self.targets
         ttft, tpot = t.given(PREFILL_TARGETS), t.given(DECODE_TARGETS)
-        prefill = self.smallest(
+        prefill = smallest(
             lambda p: t.met(self.trial(p, 1), PREFILL_TARGETS),
             lambda p: [self.trial(p, 1)[k] for k in ttft],
+            self.max_workers,
         )
-        if prefill is None:
-            return Plan(None, None, self.trial(self.stopped_at, 1), {}, self.trials)
-        decode = self.smallest(
+        if prefill is None:  # (the replay where the search stopped)
+            stopped = max(p for p, d in self.trials if d == 1)
+            return Plan(None, None, self.trial(stopped, 1), {}, self.trials)
+        decode = smallest(
             lambda d: t.met(self.trial(prefill, d), DECODE_TARGETS),
             lambda d: [self.trial(prefill, d)[k] for k in tpot],
+            self.max_workers,
         )
         if decode is None:
-            return Plan(prefill, None, self.trial(prefill, self.stopped_at), {}, self.trials)
+            stopped = max(d for p, d in self.trials if p == prefill)
+            return Plan(prefill, None, self.trial(prefill, stopped), {}, self.trials)
         summary = self.trial(prefill, decode)
         margin = t.margin(summary, PREFILL_TARGETS + DECODE_TARGETS)
         return Plan(prefill, decode, summary, margin, self.trials)

@@ -280,3 +280,20 @@ def test_a_moe_decode_worker_shows_its_expert_placement(stack: Stack) -> None:
     finally:
         stack.procs["prefill-moe"].stop()
         stack.procs["decode-moe"].stop()
+
+
+def test_the_plan_and_its_metric_agree(stack: Stack) -> None:
+    """/v1/plan recommends pools from the recent traffic; /metrics carries the same counts as
+    kvmesh_recommended_workers, for an autoscaler."""
+    for i in range(3):
+        stack.client().completions.create(
+            model="tiny", prompt=f"Ship {i} asks for a berth.", max_tokens=4
+        )
+    _, plan = get_json(f"{stack.url}/v1/plan")
+    assert plan["requests"] >= 3 and plan["current"] == {"prefill": 1, "decode": 1}
+    assert set(plan["recommended"]) == {"prefill", "decode"}
+    assert all(1 <= n <= 64 for n in plan["recommended"].values())
+    assert plan["predicted"]["ttft_p99_s"] > 0 and plan["fitted"]["uncached"] > 0
+    scraped = metrics(stack.url)
+    for role, n in plan["recommended"].items():
+        assert scraped[("kvmesh_recommended_workers", (("role", role),))] == n

@@ -60,7 +60,13 @@ class Core:
         if s.cache_explain_bytes:  # why a prompt missed the cache, in its response
             explainer = Explainer(CacheMisses(s.cache_explain_bytes), dispatcher.prompt_hashes)
         answers = Answers(dispatcher, on_last=explainer)
-        recorder = RequestRecorder(router_id, started_at)
+        recorder = RequestRecorder(
+            router_id,
+            started_at,
+            s,  # (the pools the traffic needs: from the pool's fitted rates and the workers)
+            lambda: policy.pool.estimate,
+            lambda role: len(mesh.registry.ready(role)),
+        )
         mesh.on_sweep.append(recorder.stats.tick)  # workers live, minute by minute
         return cls(
             router_id, s, common, bus, mesh, dispatcher, tenancy, preparer, answers, recorder
@@ -72,6 +78,7 @@ class Core:
         await sharing.start(stack)
         await self.dispatcher.start()
         stack.push_async_callback(self.dispatcher.stop)
+        await self.recorder.capacity.serve(self.bus, self.router_id)
 
     async def drained(self) -> None:
         """Until no request is in progress."""

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from services.router.api.server import Servers
 from services.router.core import Core
+from services.router.observe.capacity import RECOMMENDATION
 from services.router.observe.estimates import ESTIMATES
 from services.router.settings import RouterSettings
 from shared.bus import Bus
@@ -47,6 +48,7 @@ class RouterService(Service):
         s = self.settings
         core = self.core = Core.build(self.service_id, self.started_at, s, self.common, bus)
         ESTIMATES.policy = core.dispatcher.policy  # (its estimates' errors on /metrics)
+        RECOMMENDATION.capacity = core.recorder.capacity  # (the pools it needs, too)
         await core.start(stack)
         servers = self.servers = Servers(core, lambda: self.status)
         await servers.start(stack)

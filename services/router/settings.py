@@ -259,6 +259,22 @@ class ObserveSettings(Section):
     )
 
 
+class PlanSettings(Section):
+    """The pools the recent traffic needs (services/router/observe/capacity.py): served at
+    /v1/plan and as kvmesh_recommended_workers, for an autoscaler."""
+
+    plan_window_s: float = Field(
+        default=300.0, gt=0, le=86400, description="the recent traffic the plan is made from"
+    )
+    plan_ttft_p50_s: float = Field(default=1.0, gt=0, description="the TTFT p50 to meet")
+    plan_ttft_p99_s: float = Field(default=5.0, gt=0, description="the TTFT p99 to meet")
+    plan_tpot_mean_s: float = Field(
+        default=0.1, gt=0, description="the mean time per output token to meet"
+    )
+    plan_min_workers: int = Field(default=1, ge=0, description="fewest of a role recommended")
+    plan_max_workers: int = Field(default=64, ge=1, description="most of a role recommended")
+
+
 class BatchSettings(Section):
     """Files and batches (services/router/batch/)."""
 
@@ -292,6 +308,7 @@ class RouterSettings(
     RoutingSettings,
     WorkerSettings,
     ObserveSettings,
+    PlanSettings,
     BatchSettings,
 ):
     model_config = SettingsConfigDict(env_prefix="KVMESH_ROUTER_")

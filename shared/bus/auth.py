@@ -172,6 +172,7 @@ def _permissions(role: str) -> Permissions:
             subjects.SYS_DISCONNECT,  # (imported from the server's system account)
             subjects.reply_all(),
             subjects.ROUTER_REGISTRY,
+            subjects.ROUTER_PLAN,
             subjects.SPANS_QUERY,
         ]
         return Permissions(tuple(publish), tuple(subscribe), responds=True)
@@ -195,10 +196,12 @@ def _permissions(role: str) -> Permissions:
         ]
         subscribe = [subjects.CACHEMETA_LOOKUP, subjects.HEARTBEAT_ALL, subjects.SPANS_QUERY]
         return Permissions(tuple(publish), tuple(subscribe), responds=True)
-    if role == "cli":  # `kvmesh status` and `kvmesh up` ask a router for its registry; tools
-        # ask cachemeta where blocks are
+    if role == "cli":  # `kvmesh status` and `kvmesh up` ask a router for its registry (and
+        # `kvmesh up --autoscale` for its plan); tools ask cachemeta where blocks are
         return Permissions(
-            (subjects.ROUTER_REGISTRY, subjects.CACHEMETA_LOOKUP), (), responds=False
+            (subjects.ROUTER_REGISTRY, subjects.ROUTER_PLAN, subjects.CACHEMETA_LOOKUP),
+            (),
+            responds=False,
         )
     raise ValueError(f"no NATS identity for role {role!r}; roles: {', '.join(ROLES)}")
 

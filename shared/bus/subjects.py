@@ -38,6 +38,8 @@ SYS_DISCONNECT = f"{PREFIX}.sys.disconnect"
 
 # Request/reply: a router's view of the live workers (served by every router, queue group).
 ROUTER_REGISTRY = f"{PREFIX}.router.registry"
+# ...and the pools its recent traffic needs (``kvmesh up --autoscale`` acts on it).
+ROUTER_PLAN = f"{PREFIX}.router.plan"
 ROUTER_QUEUE = "router"
 
 

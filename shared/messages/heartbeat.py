@@ -127,3 +127,15 @@ class RegistrySnapshot(Message):
     workers: list[WorkerEntry]
     index_blocks: int = Field(default=0, description="blocks in the answering router's index")
     index_bytes: int = Field(default=0, description="the memory they take, estimated")
+
+
+class PlanQuery(Message):
+    """Ask a router for the pools its recent traffic needs (``/v1/plan``)."""
+
+
+class PlanReply(Message):
+    router_id: str
+    requests: int = Field(description="requests answered in the window")
+    window_s: float
+    recommended: dict[str, int] = Field(description="workers by role: prefill, decode")
+    current: dict[str, int] = Field(description="ready workers by role now")

@@ -64,6 +64,11 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
         None,
         (401, 403),
     ),
+    "/v1/plan": (
+        "The prefill and decode pools the recent traffic needs for the plan's targets",
+        None,
+        (401, 403),
+    ),
     "/health": ("Each role with its services; 503 while a role has none ready", None, ()),
     "/metrics": ("Prometheus metrics", None, ()),
     "/openapi.json": ("This document", None, ()),

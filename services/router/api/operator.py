@@ -15,6 +15,7 @@ from aiohttp import web
 from services.router.api.middleware import ADMIN, PUBLIC, USER, Route
 from services.router.api.openapi import document
 from services.router.dispatch.mesh import Mesh
+from services.router.observe.capacity import Capacity
 from services.router.observe.stats import RollingStats
 from shared import __version__
 from shared.messages.heartbeat import ROLES
@@ -28,10 +29,12 @@ class OperatorApi:
         stats: RollingStats,
         status: Callable[[], str],
         auth: bool,
+        capacity: Capacity,
     ) -> None:
         self.router_id = router_id
         self.mesh = mesh
         self.stats = stats
+        self.capacity = capacity
         self.status = status  # the router's own: ready, draining, stopped
         self.auth = auth
 
@@ -39,6 +42,7 @@ class OperatorApi:
         return [
             (web.get("/v1/models", self.models), USER),
             (web.get("/v1/stats", self.operator_stats), ADMIN),
+            (web.get("/v1/plan", self.plan), ADMIN),
             (web.get("/openapi.json", self.openapi), PUBLIC),
         ]
 
@@ -86,6 +90,11 @@ class OperatorApi:
             for m, t in sorted(self.mesh.served_models().items())
         ]
         return web.json_response({"object": "list", "data": data})
+
+    async def plan(self, request: web.Request) -> web.Response:
+        """The prefill and decode pools this router's recent traffic needs for the targets,
+        with what the recommendation rests on."""
+        return web.json_response(self.capacity.plan())
 
     async def operator_stats(self, request: web.Request) -> web.Response:
         """The operator's summary, overall and per traffic class and tenant."""

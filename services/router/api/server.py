@@ -27,7 +27,12 @@ class Servers:
         self.http = HttpApi(core.preparer, core.answers, s, s.max_body_bytes)
         self.grpc = GrpcApi(core.preparer, core.answers)
         self.operator = OperatorApi(
-            core.router_id, core.mesh, core.recorder.stats, status, s.keys_file is not None
+            core.router_id,
+            core.mesh,
+            core.recorder.stats,
+            status,
+            s.keys_file is not None,
+            core.recorder.capacity,
         )
         self.dashboard = Dashboard(
             core.router_id, core.mesh, core.recorder.stats, core.recorder.recent, core.bus, s

@@ -23,13 +23,13 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from services.router.dispatch.job import Attempt, Failed, Job
+from services.router.dispatch.moves import Moves
 from services.router.dispatch.plan import BlockLookup, CachePlanner
 from services.router.dispatch.send import InFlight, Sender
 from services.router.dispatch.stream import Replies
@@ -46,7 +46,6 @@ from services.router.routing.route import (
 from services.router.settings import DispatchSettings
 from shared.bus import Bus
 from shared.messages.generate import TokenEvent
-from shared.telemetry.metrics import MOVES
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
@@ -144,16 +143,18 @@ class Dispatcher:
         span.set_attributes({"workers": list(attempt.workers), "chosen": chosen_id})
 
     async def _route_resuming(self, job: Job, moves: Moves) -> tuple[Route, RouteRequest]:
-        """The routing decision; mid-answer, when no worker can take the rest of it now (each
-        one gone or full), it waits up to ``resume_wait_s`` for one to come back or free up,
-        as a client cannot retry an answer half sent."""
+        """The routing decision; mid-answer, with no worker for the rest now (each gone or
+        full), it waits up to ``resume_wait_s`` for one (a client cannot retry half an answer),
+        then trying again those given up on for silence once heard from (``Moves.left_out``)."""
         deadline = time.monotonic() + (self.settings.resume_wait_s if moves.sent else 0.0)
+        waiting = False
         while True:
             try:
-                return self._route(job, moves.left_out(self.registry))
+                return self._route(job, moves.left_out(self.registry, waiting))
             except ApiError as err:
                 if err.status not in (429, 503) or time.monotonic() >= deadline:
                     raise
+            waiting = True
             await asyncio.sleep(self.settings.liveness_check_s)
 
     def _route(self, job: Job, excluded: set[str]) -> tuple[Route, RouteRequest]:
@@ -312,107 +313,3 @@ class Dispatcher:
         hashes of the prompt's full blocks (from the cache of recent prompts' hashes)."""
         bs = self.block_size(job.model)
         return bs, self.plans.hashes(job, bs, self.hash_scheme(job.model))
-
-
-def resumed_event(event: TokenEvent, offset: int) -> TokenEvent:
-    """An event of a resumed request as its client sees it: after the ``offset`` tokens sent
-    before the move; the reuse figures stay the first attempt's."""
-    return event.model_copy(
-        update={"index": event.index + offset, "cached_tokens": None, "cached_by_tier": None}
-    )
-
-
-class Moves:
-    """A request across its attempts: the answer tokens sent so far, the workers given up on,
-    why each move happened, and the job the next attempt sends."""
-
-    def __init__(self, job: Job, limit: int) -> None:
-        self.first = job
-        self.job = job  # the next attempt's
-        self.limit = limit
-        self.move = 0
-        self.sent: list[int] = []  # answer tokens the client has
-        self.offset = 0  # of them, those sent before the current attempt
-        self.excluded: dict[str, float] = {}  # worker → when it was given up on (monotonic)
-        self.failures: list[str] = []
-        self.faults = 0  # of the failures, those that were a worker's fault (not busy)
-
-    def attempt(self) -> Attempt:
-        self.offset = len(self.sent)
-        return Attempt(self.job)
-
-    def continued(self, event: TokenEvent) -> TokenEvent:
-        """An attempt's event as the client's answer goes on with it."""
-        if self.offset:
-            event = resumed_event(event, self.offset)
-        self.sent.extend(event.token_ids)
-        return event
-
-    def failed(self, failure: Failed) -> None:
-        """An attempt failed: its workers are left out from now on; ApiError(503) when no
-        move is left."""
-        self.failures.append(str(failure))
-        self.faults += failure.fault
-        self.excluded.update(dict.fromkeys(failure.service_ids, time.monotonic()))
-        if self.move == self.limit:
-            raise ApiError(
-                503,
-                f"request failed after {self.move} moves: {'; '.join(self.failures)}",
-                code="unavailable",
-            )
-        log.warning(
-            "%s: %s; %s on other workers",
-            self.first.request_id,
-            failure,
-            f"resuming after {len(self.sent)} tokens" if self.sent else "retrying",
-        )
-        MOVES.labels("resumed" if self.sent else "retried").inc()
-
-    def left_out(self, registry: WorkerRegistry) -> set[str]:
-        """The workers given up on, but for those registered again since (dropped, then
-        back: a worker whose NATS node was lost reconnects to another within seconds)."""
-        return {
-            sid
-            for sid, at in self.excluded.items()
-            if (record := registry.get(sid)) is None or record.first_seen_at <= at
-        }
-
-    def unservable(self, err: ApiError) -> ApiError:
-        """No worker is left to move to: the error says why the request had to move (429
-        when every worker tried was only busy: the client retries shortly)."""
-        if not self.failures:
-            return err
-        if err.status == 503 and not self.faults:
-            err = overloaded(err.message.removesuffix("; retry later"))
-        err.message += f" (after: {'; '.join(self.failures)})"
-        return err
-
-    def next_job(self) -> Job:
-        """The request again, for its next move: sent again as it was, or (mid-answer) its
-        prompt plus the answer tokens already sent, the answer's remaining length, the
-        sampler at the next position; its cache plan is made again (``needs_plan``)."""
-        self.move += 1
-        job, sent = self.first, self.sent
-        if not sent:
-            self.job = replace(job, request_id=f"{job.request_id}-retry{self.move}")
-            return self.job
-        sampling = replace(
-            job.sampling,
-            max_tokens=job.sampling.max_tokens - len(sent),
-            answer_offset=job.sampling.answer_offset + len(sent),
-        )
-        self.job = replace(
-            job,
-            request_id=f"{job.request_id}-resume{self.move}",
-            prompt_ids=[*job.prompt_ids, *sent],
-            sampling=sampling,
-            segments=(),
-            block_hashes=[],
-            cached_blocks={},
-        )
-        return self.job
-
-    @property
-    def needs_plan(self) -> bool:
-        """The next job's prompt is not the first's: its blocks are looked up again."""
-        return bool(self.sent)

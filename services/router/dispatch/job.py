@@ -52,9 +52,14 @@ class Attempt:
 
 class Failed(Exception):
     """This attempt failed: the workers named are not tried again for this request, and
-    (unless it was no fault of theirs: busy) their circuit breakers count it."""
+    (unless it was no fault of theirs: busy) their circuit breakers count it. ``silent``:
+    they were not heard from (gone, no answer to the task, no token in time), not that they
+    said they failed."""
 
-    def __init__(self, reason: str, *service_ids: str, fault: bool = True) -> None:
+    def __init__(
+        self, reason: str, *service_ids: str, fault: bool = True, silent: bool = False
+    ) -> None:
         super().__init__(reason)
         self.service_ids = service_ids
         self.fault = fault
+        self.silent = silent

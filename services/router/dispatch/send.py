@@ -126,7 +126,8 @@ class Sender:
                 )
             except BusError as err:
                 self.inflight.put_back(attempt)
-                raise Failed(f"{role} {worker} did not answer: {err}", worker) from None
+                why = f"{role} {worker} did not answer: {err}"
+                raise Failed(why, worker, silent=True) from None
             if ack.accepted:
                 attempt.decision = {**route.decision, "chosen": worker, "decode": decode}
                 return

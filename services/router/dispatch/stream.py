@@ -235,13 +235,14 @@ class Replies:
             return None
         gone = [w for w in attempt.workers if not self._alive(w)]
         if gone:
-            return Failed(f"worker {gone[0]} went away", *gone)
+            return Failed(f"worker {gone[0]} went away", *gone, silent=True)
         bound = s.token_timeout_s if w.started else s.first_token_timeout_s
         if now - w.heard_at < bound:
             return None
         blamed = (attempt.decode,) if w.started else attempt.workers
         which = "next" if w.started else "first"
-        return Failed(f"no {which} token within {bound:g} s from {', '.join(blamed)}", *blamed)
+        why = f"no {which} token within {bound:g} s from {', '.join(blamed)}"
+        return Failed(why, *blamed, silent=True)
 
     def _alive(self, service_id: str) -> bool:
         record = self.registry.get(service_id)

@@ -10,14 +10,17 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from services.router.observe.capacity import Answered, Capacity
 from services.router.observe.stats import RollingStats
 from services.router.request.prepare import Prepared
+from services.router.routing.estimate import Rates
+from services.router.settings import PlanSettings
 from shared.logs import request_scope
 from shared.telemetry.metrics import INPUT_TOKENS, OUTPUT_TOKENS, REQUESTS, TPOT, TTFT
 from shared.telemetry.tracing import REQUEST_ID, current_ids, extract, tracer
@@ -63,9 +66,19 @@ class RecentRequests:
 
 
 class RequestRecorder:
-    def __init__(self, router_id: str, started_at: float) -> None:
+    def __init__(
+        self,
+        router_id: str,
+        started_at: float,
+        plan: PlanSettings,
+        estimate: Callable[[], Rates],
+        ready: Callable[[str], int],
+    ) -> None:
         self.stats = RollingStats(router_id, started_at)  # the mesh's figures (stats.py)
         self.recent = RecentRequests()  # the operator page's list
+        # The pools the recent traffic needs (capacity.py): from the prefill pool's fitted
+        # rates (``estimate``) and the ready workers of a role (``ready``).
+        self.capacity = Capacity.configured(plan, estimate, ready)
 
     @contextlib.contextmanager
     def handling(self, rid: str, endpoint: str, headers: Mapping[str, str]) -> Iterator[Outcome]:
@@ -149,6 +162,7 @@ class RequestRecorder:
             p.tenant,
             memory,
         )
+        self.capacity.record(Answered.of(p.received_at, ttft, generation_s, u, memory))
 
     def _remember(self, outcome: Outcome, endpoint: str, span: trace.Span, rid: str) -> None:
         """The request in the operator page's recent list."""

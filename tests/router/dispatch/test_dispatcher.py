@@ -285,6 +285,29 @@ async def test_mid_answer_with_no_worker_left_it_waits_for_one_to_come_back(
         await m.dispatcher.stop()
 
 
+async def test_mid_answer_a_worker_given_up_on_for_silence_is_tried_again_once_heard(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """The only decode worker goes silent mid-answer (its NATS node lost: tokens and tasks
+    gone, no fault of its own) and is given up on, but stays registered. Once it is heard
+    from again (a heartbeat), the answer waiting for a worker resumes on it."""
+    m = Mesh(bus, FAST.model_copy(update={"resume_wait_s": 5.0}), [0.0], tmp_path)
+    await m.dispatcher.start()
+    try:
+        await m.worker("prefill", "p1", freezing(ANSWER, after=3))
+        d1 = await m.worker("decode", "d1", busy())
+        rest = asyncio.ensure_future(collect(m.dispatcher.generate(job())))
+        await asyncio.sleep(1.0)  # (silent for 0.3 s: given up on; no other: waiting)
+        assert not rest.done(), "it waits rather than failing"
+        beat = m.registry.get(d1.service_id).heartbeat  # (the same process, beating again)
+        m.registry.observe(beat, time.monotonic())
+        got = await asyncio.wait_for(rest, 5)
+        assert m.tokens(got) == ANSWER and contiguous(got)
+        m.settled()
+    finally:
+        await m.dispatcher.stop()
+
+
 async def test_mid_answer_with_no_worker_back_within_the_wait_it_fails(
     bus: Bus, tmp_path: Path
 ) -> None:

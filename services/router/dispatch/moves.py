@@ -1,0 +1,127 @@
+"""A request across its attempts (``Moves``): the answer tokens sent so far, the workers given
+up on and why, and the job each move sends (``dispatcher.py`` runs the attempts)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from services.router.dispatch.job import Attempt, Failed, Job
+from services.router.dispatch.workers import WorkerRegistry
+from services.router.errors import ApiError, overloaded
+from shared.messages.generate import TokenEvent
+from shared.telemetry.metrics import MOVES
+
+log = logging.getLogger("services.router.dispatch.dispatcher")
+
+
+def resumed_event(event: TokenEvent, offset: int) -> TokenEvent:
+    """An event of a resumed request as its client sees it: after the ``offset`` tokens sent
+    before the move; the reuse figures stay the first attempt's."""
+    return event.model_copy(
+        update={"index": event.index + offset, "cached_tokens": None, "cached_by_tier": None}
+    )
+
+
+class Moves:
+    """A request across its attempts: the answer tokens sent so far, the workers given up on,
+    why each move happened, and the job the next attempt sends."""
+
+    def __init__(self, job: Job, limit: int) -> None:
+        self.first = job
+        self.job = job  # the next attempt's
+        self.limit = limit
+        self.move = 0
+        self.sent: list[int] = []  # answer tokens the client has
+        self.offset = 0  # of them, those sent before the current attempt
+        # worker → when it was given up on (monotonic), and whether for its silence
+        self.excluded: dict[str, tuple[float, bool]] = {}
+        self.failures: list[str] = []
+        self.faults = 0  # of the failures, those that were a worker's fault (not busy)
+
+    def attempt(self) -> Attempt:
+        self.offset = len(self.sent)
+        return Attempt(self.job)
+
+    def continued(self, event: TokenEvent) -> TokenEvent:
+        """An attempt's event as the client's answer goes on with it."""
+        if self.offset:
+            event = resumed_event(event, self.offset)
+        self.sent.extend(event.token_ids)
+        return event
+
+    def failed(self, failure: Failed) -> None:
+        """An attempt failed: its workers are left out from now on; ApiError(503) when no
+        move is left."""
+        self.failures.append(str(failure))
+        self.faults += failure.fault
+        given_up = (time.monotonic(), failure.silent)
+        self.excluded.update(dict.fromkeys(failure.service_ids, given_up))
+        if self.move == self.limit:
+            raise ApiError(
+                503,
+                f"request failed after {self.move} moves: {'; '.join(self.failures)}",
+                code="unavailable",
+            )
+        log.warning(
+            "%s: %s; %s on other workers",
+            self.first.request_id,
+            failure,
+            f"resuming after {len(self.sent)} tokens" if self.sent else "retrying",
+        )
+        MOVES.labels("resumed" if self.sent else "retried").inc()
+
+    def left_out(self, registry: WorkerRegistry, heard: bool = False) -> set[str]:
+        """The workers given up on, but for those registered again since (dropped, then back:
+        a worker whose NATS node was lost reconnects to another within seconds) and, with
+        ``heard``, those given up on for their silence that have sent a heartbeat since (their
+        NATS link works again: a task or tokens lost with a NATS node were no fault of theirs)."""
+        out = set()
+        for sid, (at, silent) in self.excluded.items():
+            record = registry.get(sid)
+            back = record is not None and record.first_seen_at > at
+            heard_since = heard and silent and record is not None and record.seen_at > at
+            if not (back or heard_since):
+                out.add(sid)
+        return out
+
+    def unservable(self, err: ApiError) -> ApiError:
+        """No worker is left to move to: the error says why the request had to move (429
+        when every worker tried was only busy: the client retries shortly)."""
+        if not self.failures:
+            return err
+        if err.status == 503 and not self.faults:
+            err = overloaded(err.message.removesuffix("; retry later"))
+        err.message += f" (after: {'; '.join(self.failures)})"
+        return err
+
+    def next_job(self) -> Job:
+        """The request again, for its next move: sent again as it was, or (mid-answer) its
+        prompt plus the answer tokens already sent, the answer's remaining length, the
+        sampler at the next position; its cache plan is made again (``needs_plan``)."""
+        self.move += 1
+        job, sent = self.first, self.sent
+        if not sent:
+            self.job = replace(job, request_id=f"{job.request_id}-retry{self.move}")
+            return self.job
+        sampling = replace(
+            job.sampling,
+            max_tokens=job.sampling.max_tokens - len(sent),
+            answer_offset=job.sampling.answer_offset + len(sent),
+        )
+        self.job = replace(
+            job,
+            request_id=f"{job.request_id}-resume{self.move}",
+            prompt_ids=[*job.prompt_ids, *sent],
+            sampling=sampling,
+            segments=(),
+            block_hashes=[],
+            cached_blocks={},
+        )
+        return self.job
+
+    @property
+    def needs_plan(self) -> bool:
+        """The next job's prompt is not the first's: its blocks are looked up again."""
+        return bool(self.sent)

@@ -1,0 +1,29 @@
+"""The smallest pool that meets a target, found in a few looks: ``kvmesh plan`` over the
+simulator (simulator/plan.py) and the router's recommendation over its recent traffic
+(services/router/observe/capacity.py) both search this way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def smallest(
+    meets: Callable[[int], bool], figures: Callable[[int], list[float]], most: int
+) -> int | None:
+    """The smallest pool in [1, most] that ``meets`` (which grows no worse with more
+    workers): galloping, then bisecting. None when none does: at the bound, or once doubling
+    the pool no longer improves its ``figures`` (the targets are below what any pool can do:
+    a long prompt's own compute, say)."""
+    low, high, before = 0, 1, None  # low fails (0 workers serve nothing); high is next
+    while not meets(high):
+        now = figures(high)
+        plateau = before is not None and all(
+            n >= 0.995 * b for n, b in zip(now, before, strict=True)
+        )
+        if high >= most or plateau:
+            return None
+        before, low, high = now, high, min(2 * high, most)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if meets(mid) else (mid, high)
+    return high
