@@ -327,6 +327,7 @@ class Bus:
         timeout_s: float,
         resend_s: float = ASK_RESEND_S,
         nobody_again: bool = True,
+        blob: bytes | None = None,
     ) -> R:
         """``request``, sent again until answered within ``timeout_s``: every ``resend_s``
         unanswered, and soon after "nobody serves" (unless ``nobody_again`` is False: then
@@ -338,7 +339,8 @@ class Bus:
         while True:
             left = deadline - time.monotonic()
             try:
-                return await self.request(subject, msg, reply_type, max(0.05, min(left, resend_s)))
+                wait = max(0.05, min(left, resend_s))
+                return await self.request(subject, msg, reply_type, wait, blob)
             except NoResponders:
                 if not nobody_again or left <= NO_RESPONDERS_RETRY_S:
                     raise

@@ -23,6 +23,8 @@ from shared.messages.generate import ImageRef, TokenEvent
 from shared.telemetry.metrics import BYTES
 from shared.telemetry.tracing import tracer
 
+ENCODE_RESEND_S = 5.0  # an image's encode unanswered this long is sent again
+
 
 @dataclass(frozen=True)
 class ImageInput:
@@ -135,7 +137,17 @@ async def _encode(bus: Bus, model: str, img: ImageInput, timeout_s: float) -> En
     ) as span:
         BYTES.labels("image", "out").inc(len(img.data))
         try:
-            reply = await bus.request(subjects.ENCODE, req, EncodeReply, timeout_s, blob=img.data)
+            # Sent again if unanswered for a while: a request lost with a NATS node (at most
+            # once) is not waited on to the end; an image encoded twice is the same.
+            reply = await bus.ask(
+                subjects.ENCODE,
+                req,
+                EncodeReply,
+                timeout_s,
+                ENCODE_RESEND_S,
+                nobody_again=False,  # (no encoder at all: 503 at once)
+                blob=img.data,
+            )
         except BusError as err:
             span.set_status(StatusCode.ERROR, str(err))
             raise ApiError(503, f"image encoder: {err}", code="encoder_unavailable") from None
