@@ -81,6 +81,10 @@ def test_the_page_shows_every_role_with_no_console_errors(stack: Stack, browser)
     tab.page.wait_for_selector("#figures tbody tr")
     # A mesh up for minutes says its per-day figures are projected from them, not 24 h.
     assert "extrapolated from them" in tab.page.inner_text("#figures-window")
+    # The plan an autoscaler follows: each pool's recommendation beside its size now.
+    tab.page.wait_for_function("document.querySelector('#plan').textContent.length > 0")
+    plan = tab.page.inner_text("#plan")
+    assert "prefill" in plan and "decode" in plan and "(now 1)" in plan
     tab.shot("mesh")
     assert tab.errors == []
     tab.page.close()

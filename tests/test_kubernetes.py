@@ -246,3 +246,33 @@ def test_the_gpu_overlay_runs_sglang_workers_on_gpus() -> None:
         assert env_of(container)[f"KVMESH_{role.upper()}_ENGINE"] == "sglang"
         assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
         assert len(container["env"]) == len({e["name"] for e in container["env"]})
+
+
+def test_the_autoscale_overlay_scales_each_pool_to_the_routers_plan() -> None:
+    """An HPA per worker pool on the metric the routers serve (kvmesh_recommended_workers,
+    by role), read as the pool's size; the adapter's rule serves that metric."""
+    objects = render(DEPLOY / "kubernetes" / "overlays" / "autoscale")
+    deployments = {o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"}
+    hpas = [o for o in objects if o["kind"] == "HorizontalPodAutoscaler"]
+    assert sorted(h["spec"]["scaleTargetRef"]["name"] for h in hpas) == [
+        "kvmesh-decode",
+        "kvmesh-prefill",
+    ]
+    for hpa in hpas:
+        assert hpa["spec"]["scaleTargetRef"]["name"] in deployments
+        (metric,) = hpa["spec"]["metrics"]
+        role = hpa["spec"]["scaleTargetRef"]["name"].removeprefix("kvmesh-")
+        assert metric["external"]["metric"]["name"] == RECOMMENDED
+        assert metric["external"]["metric"]["selector"]["matchLabels"] == {"role": role}
+        assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+        down = hpa["spec"]["behavior"]["scaleDown"]
+        assert (
+            down["stabilizationWindowSeconds"]
+            > hpa["spec"]["behavior"]["scaleUp"]["stabilizationWindowSeconds"]
+        )
+    (rules,) = [o for o in objects if o["metadata"]["name"] == "kvmesh-prometheus-adapter"]
+    # (the metric the routers serve: tests/test_observability.py reads it on /metrics)
+    assert f"{RECOMMENDED}{{" in rules["data"]["rules.yaml"]
+
+
+RECOMMENDED = "kvmesh_recommended_workers"

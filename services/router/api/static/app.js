@@ -93,6 +93,14 @@ function drawMesh(mesh) {
   fill($("#mesh tbody"), rows);
 }
 
+// What the recent traffic needs (/v1/plan): what an autoscaler moves the pools to.
+function drawPlan(plan) {
+  const pools = ["prefill", "decode"].map(
+    (role) => `${role} ${plan.recommended[role]} (now ${plan.current[role]})`);
+  $("#plan").textContent =
+    `plan: ${pools.join(", ")}, from ${plan.requests} requests in the last ${plan.window_s} s`;
+}
+
 // -- DeepInfer's figures ---------------------------------------------------------------------
 
 function figureRow(name, f) {
@@ -229,7 +237,11 @@ async function refresh(parts) {
   }
 }
 
-const FAST = [["/v1/dashboard/mesh", drawMesh], ["/v1/dashboard/requests", drawRequests]];
+const FAST = [
+  ["/v1/dashboard/mesh", drawMesh],
+  ["/v1/dashboard/requests", drawRequests],
+  ["/v1/plan", drawPlan],
+];
 const SLOW = [["/v1/stats", drawFigures], ["/v1/dashboard/series?minutes=180", drawSeries]];
 
 function loop(parts, every) {
