@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[0] = str(REPO)
 
-from simulator.plan import Planner, Targets  # noqa: E402
+from simulator.plan import Planner, Targets, show_replays  # noqa: E402
 from simulator.replay import SimConfig, simulate  # noqa: E402
 from simulator.synthetic import Workload, generate  # noqa: E402
 from simulator.world import WorldSettings  # noqa: E402
@@ -87,11 +87,8 @@ def main() -> None:
         file=sys.stderr,
     )
 
-    def shown(done: int, _total: int) -> None:
-        print(f"\r  replays: {done}", end="", file=sys.stderr, flush=True)
-
     started = time.monotonic()
-    planner = Planner(requests, workload.block_size, cfg, targets, earlier, progress=shown)
+    planner = Planner(requests, workload.block_size, cfg, targets, earlier, progress=show_replays)
     plan = planner.plan()
     planning_s = time.monotonic() - started
     print(file=sys.stderr)

@@ -30,7 +30,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from services.router.routing.policies import POLICIES
-from simulator.plan import DECODE_TARGETS, PREFILL_TARGETS, Plan, Planner, Targets
+from simulator.plan import (
+    DECODE_TARGETS,
+    PREFILL_TARGETS,
+    Plan,
+    Planner,
+    Targets,
+    show_replays,
+)
 from simulator.replay import SimConfig
 from simulator.synthetic import Workload, generate
 from simulator.traces import TraceError, read_trace
@@ -218,12 +225,9 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
 
-    def shown(done: int, _total: int) -> None:
-        print(f"\r  replays: {done}", end="", file=sys.stderr, flush=True)
-
     started = time.monotonic()
     planner = Planner(
-        requests, block_size, cfg, targets, earlier, args.policy, args.max_workers, shown
+        requests, block_size, cfg, targets, earlier, args.policy, args.max_workers, show_replays
     )
     result = planner.plan()
     planning_s = time.monotonic() - started

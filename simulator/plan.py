@@ -11,6 +11,7 @@ halves the gap to the smallest that does: about 2 log2(N) replays where a sweep 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -126,6 +127,11 @@ class Planner:
             return None
         _, p, d = min(met)
         return p, d
+
+
+def show_replays(done: int, _total: int) -> None:
+    """A planner's progress on stderr: the replays made so far."""
+    print(f"\r  replays: {done}", end="", file=sys.stderr, flush=True)
 
 
 def decode_rate(cfg: SimConfig) -> float:
