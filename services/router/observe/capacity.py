@@ -37,6 +37,9 @@ from shared.bus import Bus, subjects
 from shared.messages.heartbeat import PlanQuery, PlanReply
 from shared.search import smallest
 
+MAX_ANSWERED = 5000  # requests a plan is made from, at most (the latest)
+REUSE_S = 2.0  # a plan this recent is served again
+
 
 @dataclass(frozen=True, slots=True)
 class Answered:
@@ -94,7 +97,11 @@ class Capacity:
         self.bounds = bounds
         self.estimate = estimate
         self.ready = ready
-        self.answered: deque[Answered] = deque()
+        # The window's requests (the latest MAX_ANSWERED of a busier one: a plan stays a few
+        # milliseconds), and the last plan with when it was made (``plan`` reuses it briefly:
+        # every scrape and every open operator's page asks).
+        self.answered: deque[Answered] = deque(maxlen=MAX_ANSWERED)
+        self._last: tuple[float, dict] | None = None
 
     @classmethod
     def configured(
@@ -128,8 +135,18 @@ class Capacity:
             self.answered.popleft()
 
     def plan(self, now: float | None = None) -> dict:
-        """The recommendation, with what it rests on."""
-        self._forget(time.perf_counter() if now is None else now)
+        """The recommendation, with what it rests on (the one made less than REUSE_S ago,
+        unless ``now`` is given)."""
+        if now is None and self._last is not None:
+            made_at, plan = self._last
+            if time.perf_counter() - made_at < REUSE_S:
+                return plan
+        plan = self._plan(time.perf_counter() if now is None else now)
+        self._last = (time.perf_counter(), plan)
+        return plan
+
+    def _plan(self, now: float) -> dict:
+        self._forget(now)
         window = list(self.answered)
         prefill_now, decode_now = self.ready("prefill"), self.ready("decode")
         low, high = self.bounds
