@@ -166,6 +166,8 @@ def workload(args: argparse.Namespace):  # noqa: ANN201
     if (args.trace is None) == (args.rate is None):
         raise ValueError("the workload: --trace FILE, or --rate with the lengths (not both)")
     if args.trace is not None:
+        if args.block_size != Workload.block_size:
+            raise ValueError("--block-size: a trace's blocks are its own (its hashes' size)")
         try:
             requests, block_size = read_trace(args.trace)
         except TraceError as err:

@@ -69,6 +69,7 @@ def test_a_target_no_pool_meets_exits_1_saying_what_more_workers_reach() -> None
         ([*DESCRIBED, "--ttft-p99", "1", "--output-mean", "9000"], "--output-mean"),
         ([*DESCRIBED, "--ttft-p99", "1", "--world", "policy", "--store-gb-s", "5"], "profiled"),
         (["--trace", "/nonexistent.jsonl", "--ttft-p99", "1"], "no such file"),
+        (["--trace", "t.jsonl", "--ttft-p99", "1", "--block-size", "64"], "--block-size"),
         ([*DESCRIBED, "--ttft-p99", "1", "--policy", "fastest"], "--policy: unknown"),
     ],
 )
