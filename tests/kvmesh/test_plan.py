@@ -4,28 +4,36 @@ named."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO
+from kvmesh.main import main
 
 DESCRIBED = ["--rate", "6", "--requests", "300", "--input-mean", "8192", "--output-mean", "200"]
 
 
-def plan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvmesh", "plan", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def test_a_plan_is_a_table_a_plot_and_one_json_line(tmp_path: Path) -> None:
+@pytest.fixture
+def plan(capsys: pytest.CaptureFixture[str]):  # noqa: ANN201
+    """`kvmesh plan ARGS` as the command line runs it (in this process: it only computes)."""
+
+    def run(*args: str) -> Run:
+        code = main(["plan", *args])
+        out = capsys.readouterr()
+        return Run(code, out.out, out.err)
+
+    return run
+
+
+def test_a_plan_is_a_table_a_plot_and_one_json_line(plan, tmp_path: Path) -> None:  # noqa: ANN001
     png = tmp_path / "plan.png"
     run = plan(*DESCRIBED, "--ttft-p99", "1", "--tpot-p99", "0.025", "--png", str(png))
     assert run.returncode == 0, run.stderr
@@ -38,7 +46,7 @@ def test_a_plan_is_a_table_a_plot_and_one_json_line(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_slower_cards_need_more_workers() -> None:
+def test_slower_cards_need_more_workers(plan) -> None:  # noqa: ANN001
     def workers(*what_if: str) -> tuple[int, int]:
         run = plan(*DESCRIBED, "--ttft-p99", "1", "--tpot-p99", "0.025", *what_if)
         out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -50,7 +58,7 @@ def test_slower_cards_need_more_workers() -> None:
     assert slow_prefill[0] > base[0] and slow_decode[1] > base[1]
 
 
-def test_a_target_no_pool_meets_exits_1_saying_what_more_workers_reach() -> None:
+def test_a_target_no_pool_meets_exits_1_saying_what_more_workers_reach(plan) -> None:  # noqa: ANN001
     run = plan(*DESCRIBED, "--ttft-p99", "0.001")
     assert run.returncode == 1
     assert "no prefill pool meets the targets" in run.stdout and "target 0.001 s" in run.stdout
@@ -73,6 +81,6 @@ def test_a_target_no_pool_meets_exits_1_saying_what_more_workers_reach() -> None
         ([*DESCRIBED, "--ttft-p99", "1", "--policy", "fastest"], "--policy: unknown"),
     ],
 )
-def test_bad_flags_are_named(args: list[str], named: str) -> None:
+def test_bad_flags_are_named(plan, args: list[str], named: str) -> None:  # noqa: ANN001
     run = plan(*args)
     assert run.returncode == 2 and named in run.stderr, run.stderr
