@@ -1,9 +1,10 @@
 """`kvmesh plan`: the smallest prefill and decode pools that meet TTFT and TPOT targets for a
 workload, found by replaying it in the simulator (simulator/plan.py).
 
-    kvmesh plan --trace ../shared/traces/synthetic_trace.jsonl --ttft-p99 2 --tpot-p99 0.05
-    kvmesh plan --rate 40 --input-mean 77000 --reuse 0.96 --output-mean 1000 \\
-        --ttft-mean 0.4 --tpot-p99 0.05 --retention chat=3d
+    kvmesh plan --trace ../shared/traces/synthetic_trace.jsonl \\
+        --ttft-p50 0.5 --ttft-p99 8 --tpot-p99 0.03
+    kvmesh plan --rate 4 --input-mean 16000 --reuse 0.9 --output-mean 300 \\
+        --ttft-p99 1 --tpot-p99 0.05 --retention chat=3d --png plan.png
 
 The workload is a trace (Mooncake .jsonl, Azure .csv) or a description (``--rate`` and the
 lengths: simulator/synthetic.py). The world is the profiled one by default (the torch
@@ -238,6 +239,11 @@ def run(args: argparse.Namespace) -> int:
         print_trials(result)
     print_plan(result, targets)
     if args.png:
+        if result.feasible:  # (the curves around the plan, not only the search's points)
+            for n in range(1, min(2 * result.prefill, 16) + 1):
+                planner.trial(n, 1)
+            for n in range(1, min(2 * result.decode, 16) + 1):
+                planner.trial(result.prefill, n)
         write_png(args.png, result, targets)
         print(f"plot written to {args.png}", file=sys.stderr)
     print(json.dumps(as_json(result, planning_s)))
@@ -308,6 +314,7 @@ def write_png(path: Path, plan: Plan, targets: Targets) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     prefill = sorted((p, s) for (p, d), s in plan.trials.items() if d == 1)
@@ -324,6 +331,7 @@ def write_png(path: Path, plan: Plan, targets: Targets) -> None:
     right.set(xlabel="decode workers", ylabel="TPOT p99 (ms)", title="TPOT")
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
