@@ -27,3 +27,13 @@ def smallest(
         mid = (low + high) // 2
         low, high = (low, mid) if meets(mid) else (mid, high)
     return high
+
+
+def enough(meets: Callable[[int], bool], figure: Callable[[int], float], most: int) -> int:
+    """The smallest pool in [1, most] that ``meets``; where none does, the smallest whose
+    ``figure`` is within 5% of what ``most`` workers reach (where more stop helping)."""
+    n = smallest(meets, lambda n: [figure(n)], most)
+    if n is None:
+        floor = figure(most)
+        n = smallest(lambda n: figure(n) <= 1.05 * floor, lambda n: [figure(n)], most)
+    return n or most

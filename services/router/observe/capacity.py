@@ -19,6 +19,7 @@ The smallest pool whose predicted mean TPOT meets the target.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
 import statistics
@@ -35,7 +36,7 @@ from services.router.routing.estimate import Rates, Shape
 from services.router.settings import PlanSettings
 from shared.bus import Bus, subjects
 from shared.messages.heartbeat import PlanQuery, PlanReply
-from shared.search import smallest
+from shared.search import enough
 
 MAX_ANSWERED = 5000  # requests a plan is made from, at most (the latest)
 REUSE_S = 2.0  # a plan this recent is served again
@@ -176,6 +177,7 @@ class Capacity:
         waits_now = replay(arrivals, service, now_pool)
         low, high = self.bounds
 
+        @functools.cache  # (each pool's replay once: the search asks twice)
         def ttfts(c: int) -> list[float]:
             waits = replay(arrivals, service, c)
             return sorted(
@@ -190,14 +192,7 @@ class Capacity:
                 and percentile(t, 99) <= self.targets.ttft_p99_s
             )
 
-        def p99(c: int) -> list[float]:
-            return [percentile(ttfts(c), 99)]
-
-        c = smallest(meets, p99, high)
-        if c is None:  # the targets are below what any pool does: where more stop helping
-            floor = percentile(ttfts(high), 99)
-            c = smallest(lambda c: percentile(ttfts(c), 99) <= 1.05 * floor, p99, high)
-        c = max(low, c or high)
+        c = max(low, enough(meets, lambda c: percentile(ttfts(c), 99), high))
         t = ttfts(c)
         return c, {"ttft_p50_s": percentile(t, 50), "ttft_p99_s": percentile(t, 99)}
 
@@ -218,11 +213,7 @@ class Capacity:
         def tpot(d: int) -> float:
             return statistics.fmean(a + b * x * now_pool / d for x, _ in points)
 
-        d = smallest(lambda d: tpot(d) <= self.targets.tpot_mean_s, lambda d: [tpot(d)], high)
-        if d is None:  # (as for prefill: where more stop helping)
-            floor = tpot(high)
-            d = smallest(lambda d: tpot(d) <= 1.05 * floor, lambda d: [tpot(d)], high)
-        d = max(low, d or high)
+        d = max(low, enough(lambda d: tpot(d) <= self.targets.tpot_mean_s, tpot, high))
         fit = {"tpot_base_s": round(a, 6), "tpot_per_sequence_s": round(b, 6)}
         return d, {"tpot_mean_s": tpot(d)}, fit
 
