@@ -37,17 +37,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[0] = str(REPO)
 
+from shared.search import percentile  # noqa: E402
 from tests.hosts import Hosts, Mesh, mesh_on  # noqa: E402
 
 SPREAD = {"cachemeta-0": 0, "router-0": 0, "prefill-0": 1, "decode-0": 2, "decode-1": 3}
 NATS_HOSTS = (1, 2, 3)
 CUT_HOST, CUT_WORKER = 2, "decode-0"
 TOKEN_TIMEOUT_S = "3"
-
-
-def p(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def stream(mesh: Mesh, prompt: str, max_tokens: int, log: list[float] | None = None) -> dict:
@@ -93,7 +89,7 @@ def latencies(mesh: Mesh, name: str, requests: int) -> dict:
     return {
         "requests": requests,
         "ttft_p50_ms": statistics.median(ttft),
-        "ttft_p99_ms": p(ttft, 0.99),
+        "ttft_p99_ms": percentile(sorted(ttft), 99),
         "total_p50_ms": statistics.median(total),
     }
 

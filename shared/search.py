@@ -1,6 +1,7 @@
 """The smallest pool that meets a target, found in a few looks: ``kvmesh plan`` over the
 simulator (simulator/plan.py) and the router's recommendation over its recent traffic
-(services/router/observe/capacity.py) both search this way."""
+(services/router/observe/capacity.py) both search this way, and check their targets on the
+same percentiles."""
 
 from __future__ import annotations
 
@@ -37,3 +38,10 @@ def enough(meets: Callable[[int], bool], figure: Callable[[int], float], most: i
         floor = figure(most)
         n = smallest(lambda n: figure(n) <= 1.05 * floor, lambda n: [figure(n)], most)
     return n or most
+
+
+def percentile(ordered: list[float], p: float) -> float:
+    """The ``p``-th percentile of values in ascending order (0 for none)."""
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]

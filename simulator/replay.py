@@ -28,6 +28,7 @@ from services.router.routing.route import RouteRequest
 from services.router.routing.ttft import CostDefaults
 from shared.kvindex.index import BlockIndex
 from shared.messages.kvevents import STORE, KvEvent, memory_location
+from shared.search import percentile
 from simulator.traces import TraceRequest
 from simulator.world import Part, PolicyWorld, ProfiledWorld, World, WorldSettings
 
@@ -89,10 +90,10 @@ class SimResult:
             "memory_hit_ratio": self.memory_hit_tokens / max(1, self.input_tokens),
             "storage_hit_ratio": self.storage_hit_tokens / max(1, self.input_tokens),
             "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0,
-            "ttft_p50_s": _pct(ttft, 50),
-            "ttft_p99_s": _pct(ttft, 99),
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p99_s": percentile(ttft, 99),
             "tpot_mean_s": statistics.fmean(self.tpot_s) if self.tpot_s else 0.0,
-            "tpot_p99_s": _pct(sorted(self.tpot_s), 99),
+            "tpot_p99_s": percentile(sorted(self.tpot_s), 99),
             "load_max_over_mean": max(busy) / mean_busy if mean_busy else 0.0,
             "utilization": sum(busy) / (n_prefill * span),
             "throughput_tok_s": (self.input_tokens + self.output_tokens) / span,
@@ -101,12 +102,6 @@ class SimResult:
             "estimate_mape": self.estimate_mape,
             "estimate_terms": self.estimate_terms,
         }
-
-
-def _pct(values: list[float], p: float) -> float:
-    if not values:
-        return 0.0
-    return values[min(len(values) - 1, int(p / 100 * len(values)))]
 
 
 class _Lru:

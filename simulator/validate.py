@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.kvstore.hashing import block_hashes
+from shared.search import percentile
 from simulator.measure import BLOCK, KvRates
 from simulator.profile import EngineProfile
 from simulator.replay import UNBOUNDED, SimConfig, simulate
@@ -109,17 +110,12 @@ def simulated(
     return [result.ttft_of[i] for i in range(len(requests))]
 
 
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
-
-
 def compare(live: list[float], sim: list[float]) -> dict:
     """The simulation's error against the live mesh: per request (mean of |sim − live| ÷ live),
     and of the mean and the p99 TTFT."""
     per = [abs(s - x) / x for s, x in zip(sim, live, strict=True)]
     live_mean, sim_mean = statistics.fmean(live), statistics.fmean(sim)
-    live_p99, sim_p99 = pct(live, 99), pct(sim, 99)
+    live_p99, sim_p99 = percentile(sorted(live), 99), percentile(sorted(sim), 99)
     return {
         "requests": len(live),
         "live_mean_s": live_mean,

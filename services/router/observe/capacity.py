@@ -21,7 +21,6 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
-import math
 import statistics
 import time
 from collections import deque
@@ -36,7 +35,7 @@ from services.router.routing.estimate import Rates, Shape
 from services.router.settings import PlanSettings
 from shared.bus import Bus, subjects
 from shared.messages.heartbeat import PlanQuery, PlanReply
-from shared.search import enough
+from shared.search import enough, percentile
 
 MAX_ANSWERED = 5000  # requests a plan is made from, at most (the latest)
 REUSE_S = 2.0  # a plan this recent is served again
@@ -256,12 +255,6 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     b = sum((x - mx) * (y - my) for x, y in points) / var if var > 0 else 0.0
     b = max(0.0, b)
     return my - b * mx, b
-
-
-def percentile(ordered: list[float], p: float) -> float:
-    if not ordered:
-        return 0.0
-    return ordered[min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
 class RecommendationCollector(Collector):
