@@ -21,15 +21,12 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import openai
@@ -37,24 +34,11 @@ import openai
 REPO = Path(__file__).resolve().parent.parent
 sys.path[0] = str(REPO)
 
+from tests.procs import free_port, get_json  # noqa: E402
+
 WINDOW_S = 12
 TARGET_MS = 20
 PROMPT = " ".join(f"berth{i}" for i in range(150))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str) -> dict:
-    """A JSON body, whatever the status (/health is 503 with no encoder, and says so)."""
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return json.loads(err.read())
 
 
 def main() -> None:
@@ -148,9 +132,9 @@ def main() -> None:
             while time.monotonic() < phase_end:
                 time.sleep(5)
                 now = time.monotonic()
-                roles = get(f"{url}/health")["roles"]
+                roles = get_json(f"{url}/health")[1]["roles"]
                 ready = {r: sum(w["status"] == "ready" for w in roles[r]) for r in roles}
-                plan = get(f"{url}/v1/plan")["recommended"]
+                plan = get_json(f"{url}/v1/plan")[1]["recommended"]
                 recent = [ttft for t, ttft, _ in done if now - 5 <= t <= now]
                 p50 = statistics.median(recent) * 1e3 if recent else 0.0
                 if second_serving is None and any("prefill-1" in w for _, _, w in done):
