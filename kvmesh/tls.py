@@ -4,9 +4,9 @@ Everything lives in <state_dir>/tls: ``ca.crt`` (what clients trust), ``ca.key``
 role's ``<role>.crt`` / ``<role>.key`` (keys mode 0600). Each certificate names localhost,
 127.0.0.1, ::1, this host's name and the hosts given (``kvmesh init --tls --host``: a mesh over
 several hosts, each service reached at its host's address), serves as server and client
-certificate (mutual TLS
-between services), and is remade when missing, expiring within a week, or not signed by
-the CA on disk. A cluster brings its own certificates instead (KVMESH_TLS_* settings).
+certificate (mutual TLS between services), and is remade when missing, expiring within a
+week, not signed by the CA on disk, or not naming a host asked for. A cluster brings its own
+certificates instead (KVMESH_TLS_* settings).
 """
 
 from __future__ import annotations

@@ -354,8 +354,9 @@ class Stack:
                 log.warning("autoscale: no plan from a router (%s)", err)
                 continue
             for role in AUTOSCALED:
-                serving = [c for c in self.children if c.role == role and c.running]
-                serving = [c for c in serving if not c.draining]
+                serving = [
+                    c for c in self.children if c.role == role and c.running and not c.draining
+                ]
                 wanted = plan.recommended.get(role, len(serving))
                 size = decider.decide(role, wanted, len(serving), time.monotonic())
                 why = f"the plan asks {wanted} for {plan.requests} requests in {plan.window_s:g} s"
