@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -57,9 +56,8 @@ def test_every_service_advertises_its_own_hosts_address(mesh: Mesh) -> None:
 
 
 def test_a_request_is_prefilled_on_one_host_and_decoded_on_another(mesh: Mesh) -> None:
-    client = mesh.client()
+    client = mesh.client(timeout=60)
     words = " ".join(f"harbour{i}" for i in range(400))  # past the local-prefill bound
-    started = time.monotonic()
     answer = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": f"{words}. What is the capital of France?"}],
@@ -67,7 +65,6 @@ def test_a_request_is_prefilled_on_one_host_and_decoded_on_another(mesh: Mesh) -
         temperature=0,
     )
     assert answer.choices[0].message.content and answer.usage.completion_tokens == 8
-    assert time.monotonic() - started < 60
     extra = answer.model_extra["kvmesh"]
     # The KV crossed from host 1 to host 2 or 3 over gRPC (1.5 MB of it).
     prefill, decode = extra["workers"]

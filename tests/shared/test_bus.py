@@ -8,7 +8,6 @@ import functools
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -127,10 +126,8 @@ async def test_a_nats_node_gone_silent_is_left_within_lost_after_s(tmp_path: Pat
         sock = writer.get_extra_info("socket")
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 1500
         os.kill(server.pid, signal.SIGSTOP)
-        frozen = time.monotonic()
-        try:
-            await until(async_value(lambda: not bus.connected), 10, "the node taken as lost")
-            assert time.monotonic() - frozen < 4
+        try:  # (within the bound and a little: pings every 0.5 s, two unanswered)
+            await until(async_value(lambda: not bus.connected), 4, "the node taken as lost")
         finally:
             os.kill(server.pid, signal.SIGCONT)
         await until(async_value(lambda: bus.connected), 10, "reconnected")

@@ -273,7 +273,7 @@ async def test_mid_answer_with_no_worker_left_it_waits_for_one_to_come_back(
         for w in (p1, d1):
             m.registry.remove(w.service_id)  # (they stopped heartbeating)
         rest = asyncio.ensure_future(collect(answer))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # (a while with no worker: it must not fail meanwhile)
         assert not rest.done(), "it waits for a worker rather than failing"
         for w in (p1, d1):
             m.registry.observe(w.heartbeat(), time.monotonic())  # back
@@ -297,7 +297,7 @@ async def test_mid_answer_a_worker_given_up_on_for_silence_is_tried_again_once_h
         await m.worker("prefill", "p1", freezing(ANSWER, after=3))
         d1 = await m.worker("decode", "d1", busy())
         rest = asyncio.ensure_future(collect(m.dispatcher.generate(job())))
-        await asyncio.sleep(1.0)  # (silent for 0.3 s: given up on; no other: waiting)
+        await asyncio.sleep(1.0)  # (given up on after 0.3 s; then it must not fail meanwhile)
         assert not rest.done(), "it waits rather than failing"
         beat = m.registry.get(d1.service_id).heartbeat  # (the same process, beating again)
         m.registry.observe(beat, time.monotonic())
@@ -321,9 +321,9 @@ async def test_mid_answer_with_no_worker_back_within_the_wait_it_fails(
         m.registry.remove(p1.service_id)
         started = time.monotonic()
         with pytest.raises(ApiError) as err:
-            await collect(answer)
+            await asyncio.wait_for(collect(answer), 10)
         assert err.value.status == 503 and "no live prefill worker" in err.value.message
-        assert 0.5 <= time.monotonic() - started < 3
+        assert time.monotonic() - started >= 0.5  # (it waited for a worker first)
     finally:
         await m.dispatcher.stop()
 
