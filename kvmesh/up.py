@@ -522,7 +522,10 @@ def run(args: argparse.Namespace) -> int:
             print("kvmesh up: --autoscale serves one model (the plan is per mesh)", file=sys.stderr)
             return 2
         if not args.autoscale_every > 0:
-            print("kvmesh up: --autoscale-every: above 0 seconds", file=sys.stderr)
+            print(
+                f"kvmesh up: --autoscale-every: above 0 seconds (got {args.autoscale_every:g})",
+                file=sys.stderr,
+            )
             return 2
         counts["prefill"] = min(high, max(low, counts["prefill"]))
         counts["decode"] = min(high, max(low, counts["decode"]))
