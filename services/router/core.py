@@ -49,7 +49,7 @@ class Core:
     ) -> Core:
         s, secrets = settings, common.resolved_secrets_dir
         mesh = Mesh(router_id, started_at, s, common)
-        policy = s.policy()
+        policy = s.policy(router_id)
         dispatcher = Dispatcher(
             bus, router_id, mesh.registry, mesh.breakers, mesh.kv, policy, s, secrets
         )

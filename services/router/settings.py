@@ -204,12 +204,13 @@ class RoutingSettings(Section):
             raise ValueError(f"one of {', '.join(POLICIES)}")
         return name
 
-    def policy(self) -> RoutingPolicy:
-        """A new instance of the policy named, starting from the rates set here."""
+    def policy(self, salt: str = "") -> RoutingPolicy:
+        """A new instance of the policy named, starting from the rates set here; ``salt``
+        (the router's id) orders its ties."""
         costs = CostDefaults(
             self.prefill_tok_s, self.load_tok_s, batch_tokens=self.prefill_batch_tokens
         )
-        return POLICIES[self.routing_policy](costs)
+        return POLICIES[self.routing_policy](costs, salt)
 
 
 class WorkerSettings(Section):

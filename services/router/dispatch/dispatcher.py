@@ -175,6 +175,7 @@ class Dispatcher:
                 w.heartbeat.whole,
                 w.heartbeat.load.queued_tokens,
                 w.heartbeat.pd_only,
+                w.heartbeat.load.kv_blocks_used * w.heartbeat.load.kv_block_size,
             )
             for w in decoders
             if w.heartbeat.whole == whole

@@ -4,43 +4,62 @@ learned from what the workers report.
 Two estimates. ``Rates``, the plain one (Mooncake's Conductor keeps it): uncached tokens at a
 compute rate, stored tokens at a load rate, memory-tier hits free; each rate a moving average
 of what the worker reports. ``Fitted`` (the ``ttft`` policy's) fits the terms real engines
-show, online, per worker and per pool:
+show, online, over the whole pool:
 
     service ≈ β₀·pass + β₁·uncached + β₂·uncached × (context + uncached / 2)
               + β₃·loaded + β₄·loaded × (share of the pool loading at once) + β₅·memory
+              + β₆·passes × decoding sequences + β₇·passes × their context
 
 each term in seconds at the configured rates (``Shape.terms``), so β₁ = β₃ = 1 and the rest 0
 is the plain estimate, the prior: a pool that behaves as configured keeps it. The third term
 is attention (each new token reads the context before it), the fifth the storage tier's
-bandwidth shared by the loads running at once, the last a memory-tier hit's copy into the
-engine. A worker's fit is held to its pool's (``POOL_WEIGHT`` reports' worth), which is held to
-the prior (``PRIOR_WEIGHT``); a worker not heard from yet is its measured peers' mean. Least
-squares on relative error (a request's miss counts as a share of its time, as the estimate's
-error is reported), recent reports weighing more, no term below 0.
+bandwidth shared by the loads running at once, the sixth a memory-tier hit's copy into the
+engine, the last two the answers a worker that also decodes (vLLM, SGLang, the torch engine's
+prefill on decode) runs in the same steps as each pass of the prompt: they slow it by their
+number and by the KV they read. Least squares on relative error (a request's miss counts as a
+share of its time, as the estimate's error is reported), recent reports weighing more, held to
+the prior (``PRIOR_WEIGHT``), no term below 0.
+
+A worker is its pool's fit times its own speed, compute and loads apart (``Speed``): two
+factors fitted to its own reports, each shrunk to 1 by how sure they are (positive-part
+James–Stein: a factor within its own noise of 1 is 1). Workers alike are ranked alike, not by
+the luck of their last reports (a worker a few percent "faster" by chance would draw work
+until its queue says otherwise); a worker truly slower, or one whose speed changed, is its own
+within a few dozen reports. A worker not heard from yet is its measured peers' mean speed.
 
 The queue's wait is learned too, one factor per pool: what requests waited against the work
 the router counted ahead of them (a worker's batches and other routers' requests make them
 differ). Every estimate keeps its error, |estimated − measured TTFT| ÷ measured, over all its
 requests and recently (``/metrics``, the routing explanation, `kvmesh sim`'s summary).
 
-Fitting happens when a worker reports (two 6 × 6 solves); ranking only adds up terms, so a
-decision costs what it did.
+Fitting happens when a worker reports (one 8 × 8 solve for the pool, a 2 × 2 for the
+worker); ranking only adds up terms.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-TERMS = ("pass", "uncached", "attention", "loaded", "loaded_shared", "memory")
+TERMS = (
+    "pass",
+    "uncached",
+    "attention",
+    "loaded",
+    "loaded_shared",
+    "memory",
+    "decoding",
+    "decoding_context",
+)
 N = len(TERMS)
-PRIOR = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # the plain estimate
-PASS_S = 0.001  # the pass term's unit (seconds)
+PRIOR = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0)  # the plain estimate
+PASS_S = 0.001  # the pass term's unit (seconds), and a decoding sequence's in each pass
 ATTENTION_CONTEXT = 8192  # the attention term's unit: β₂ = 1 doubles a token's cost there
-WORKER_FORGET = 0.95  # a report's weight after each later one: a worker's fit...
-POOL_FORGET = 0.995  # ...and its pool's, which hears every worker
+WORKER_FORGET = 0.95  # a report's weight after each later one: a worker's speed...
+POOL_FORGET = 0.995  # ...and its pool's fit, which hears every worker
 PRIOR_WEIGHT = 2.0  # the prior counts as this many typical reports...
 Z_FLOOR = 0.1  # ...a term's typical share of a report's time taken as at least this
-POOL_WEIGHT = 10.0  # ...and a worker's pool as this many (workers alike stay alike)
+SPEED_PRIOR = 1.0  # a worker's speed starts as this many reports' worth of its pool's...
+SPEED_SIGMAS = 3.0  # ...and stays its pool's until this many standard errors from it
 RECENT = 0.05  # a request's weight in the recent error
 QUEUE_FACTOR = (0.5, 2.0)  # the wait's factor stays within these
 FLOOR_S = 0.001  # a TTFT below this counts as this in the error (nothing measures finer)
@@ -54,10 +73,19 @@ class Shape:
     loaded: int = 0  # from the storage tier
     memory: int = 0  # in the worker's memory tier (or brought there by requests ahead)
     sharing: float = 0.0  # share of the pool loading from the storage tier meanwhile
+    decoding: int = 0  # sequences the worker decodes meanwhile (a worker that also decodes)
+    decoding_tokens: int = 0  # their context
+    chunk: int = 0  # uncached tokens a pass takes (0: the prompt in one pass)
+
+    @property
+    def passes(self) -> int:
+        u = max(1, self.uncached)
+        return -(-u // self.chunk) if self.chunk else 1
 
     def terms(self, prefill_tok_s: float, load_tok_s: float) -> tuple[float, ...]:
         """Each term in seconds at these rates (the β's units)."""
         u = self.uncached
+        passes = self.passes if self.decoding else 0
         return (
             PASS_S if u else 0.0,
             u / prefill_tok_s,
@@ -65,6 +93,8 @@ class Shape:
             self.loaded / load_tok_s,
             self.loaded * self.sharing / load_tok_s,
             self.memory / load_tok_s,
+            passes * self.decoding * PASS_S,
+            passes * self.decoding_tokens / load_tok_s,
         )
 
 
@@ -153,43 +183,60 @@ class Rates:
         return {"prefill_tok_s": self.prefill_tok_s.value, "load_tok_s": self.load_tok_s.value}
 
 
+COMPUTE_TERMS = (0, 1, 2, 6, 7)  # the terms a worker's compute speed scales; the rest load
+
+
 class Fitted(Rates):
-    """The fitted estimate: a pool's (``pool=None``), or a worker's, held to its pool's."""
+    """The fitted estimate: a pool's (``pool=None``: the terms' fit), or a worker's (its
+    pool's fit at its own ``Speed``)."""
 
     def __init__(self, prefill_tok_s: float, load_tok_s: float, pool: Fitted | None = None):
         super().__init__(prefill_tok_s, load_tok_s, pool)
         self.units = (prefill_tok_s, load_tok_s)  # fixed: the β's units
-        self.fit = (
-            LeastSquares(POOL_FORGET) if pool is None else LeastSquares(WORKER_FORGET, POOL_WEIGHT)
-        )
-        self.own: list[float] | None = None  # β, once reports came
+        self.fit = LeastSquares(POOL_FORGET) if pool is None else None
+        self.own: list[float] | None = None  # (a pool's) β, once reports came
+        self.speed = Speed()  # (a worker's)
         self.queue = Factor()  # (the pool's is used)
-        # (a pool's) its reporting workers' β, and their mean: what a worker not heard from
-        # is taken to be, so it is tried as soon as the measured ones (a pessimistic guess
-        # would keep it from ever being tried; a fit of its own, from the pool's, would not
-        # tie with the measured ones)
-        self.members: dict[int, list[float]] = {}
-        self.mean: list[float] | None = None
+        # (a pool's) its reporting workers' speeds, and their mean: what a worker not heard
+        # from is taken to be, so it is tried as soon as the measured ones are
+        self.members: dict[int, tuple[float, float]] = {}
+        self.mean = (1.0, 1.0)
 
     @property
     def beta(self) -> list[float] | tuple[float, ...]:
-        if self.own is not None:
-            return self.own
+        """The pool's terms (a worker's speed is apart: ``factors``)."""
+        if self.pool is not None:
+            return self.pool.beta
+        return PRIOR if self.own is None else self.own
+
+    @property
+    def factors(self) -> tuple[float, float]:
+        """This worker's compute and load times against its pool's fit."""
         if self.pool is None:
-            return PRIOR
-        return self.pool.mean or self.pool.beta
+            return (1.0, 1.0)
+        return self.speed.factors if self.speed.n else self.pool.mean
 
     @property
     def tok_s(self) -> float:
-        return self.units[0] / max(self.beta[1] + self.beta[2] * 0.5 / ATTENTION_CONTEXT, 1e-9)
+        beta = self.beta
+        per_token = beta[1] + beta[2] * 0.5 / ATTENTION_CONTEXT
+        return self.units[0] / max(per_token * self.factors[0], 1e-9)
+
+    def pool_parts(self, r: Shape) -> tuple[float, float]:
+        """The pool fit's compute terms (pass, uncached, attention, the answers decoded
+        meanwhile) and load terms, each summed."""
+        beta, t = self.beta, r.terms(*self.units)
+        return (
+            beta[0] * t[0] + beta[1] * t[1] + beta[2] * t[2] + beta[6] * t[6] + beta[7] * t[7],
+            beta[3] * t[3] + beta[4] * t[4] + beta[5] * t[5],
+        )
 
     def parts(self, r: Shape) -> tuple[float, float]:
-        """The compute terms (pass, uncached, attention) and the load terms, each summed."""
-        beta, terms = self.beta, r.terms(*self.units)
-        return (
-            beta[0] * terms[0] + beta[1] * terms[1] + beta[2] * terms[2],
-            beta[3] * terms[3] + beta[4] * terms[4] + beta[5] * terms[5],
-        )
+        compute, load = self.pool_parts(r)
+        if self.pool is None:
+            return compute, load
+        fc, fl = self.factors
+        return compute * fc, load * fl
 
     def wait_s(self, ahead_s: float) -> float:
         return ahead_s * (self.pool or self).queue.value
@@ -198,15 +245,16 @@ class Fitted(Rates):
         measured = prefill_s + load_s
         if measured <= 0:
             return
-        terms = r.terms(*self.units)
         pool = self.pool
-        if pool is not None:
-            pool.observe(r, prefill_s, load_s)
-        self.fit.add(terms, measured)
-        self.own = self.fit.solve(PRIOR if pool is None else pool.beta)
-        if pool is not None:
-            pool.members[id(self)] = self.own
-            pool._remean()
+        if pool is None:
+            self.fit.add(r.terms(*self.units), measured)  # type: ignore[union-attr]
+            self.own = self.fit.solve(PRIOR)  # type: ignore[union-attr]
+            return
+        compute, load = pool.pool_parts(r)  # (before the pool hears it: out of sample)
+        pool.observe(r, prefill_s, load_s)
+        self.speed.add(compute / measured, load / measured)
+        pool.members[id(self)] = self.speed.factors
+        pool._remean()
 
     def leave(self) -> None:
         """The worker left its pool."""
@@ -214,9 +262,15 @@ class Fitted(Rates):
             self.pool._remean()
 
     def _remean(self) -> None:
-        """(a pool's) its reporting workers' mean β: none while none has reported."""
-        betas = self.members.values()
-        self.mean = [sum(b[k] for b in betas) / len(betas) for k in range(N)] if betas else None
+        """(a pool's) its reporting workers' mean speed: 1 while none has reported."""
+        speeds = self.members.values()
+        if not speeds:
+            self.mean = (1.0, 1.0)
+            return
+        self.mean = (
+            sum(f[0] for f in speeds) / len(speeds),
+            sum(f[1] for f in speeds) / len(speeds),
+        )
 
     def waited(self, ahead_s: float, waited_s: float) -> None:
         (self.pool or self).queue.add(ahead_s, waited_s)
@@ -224,7 +278,57 @@ class Fitted(Rates):
     def terms(self) -> dict[str, float]:
         out = {t: round(b, 4) for t, b in zip(TERMS, self.beta, strict=True)}
         out["queue"] = round((self.pool or self).queue.value, 4)
+        if self.pool is not None:
+            out["compute_speed"], out["load_speed"] = (round(f, 4) for f in self.factors)
         return out
+
+
+class Speed:
+    """A worker's compute and load times as multiples of its pool's fit: the (c, l)
+    minimizing Σ forgetᵃᵍᵉ (c·z_c + l·z_l − 1)² + ``SPEED_PRIOR``·((c − 1)² + (l − 1)²), where a
+    report's z are the pool's compute and load terms ÷ its measured time; then each shrunk to
+    1 by its own standard error s (positive-part James–Stein at ``SPEED_SIGMAS`` = k: d = c − 1
+    becomes d·max(0, 1 − k²s²/d²)), so chance differences between workers alike, and the
+    reports' own quirks (a request batched with others reports the whole pass), are not taken
+    for speed."""
+
+    __slots__ = ("cc", "cl", "ll", "c1", "l1", "one", "n", "factors")
+
+    def __init__(self) -> None:
+        self.cc = self.cl = self.ll = self.c1 = self.l1 = self.one = self.n = 0.0
+        self.factors = (1.0, 1.0)
+
+    def add(self, zc: float, zl: float) -> None:
+        g = WORKER_FORGET
+        self.cc = g * self.cc + zc * zc
+        self.cl = g * self.cl + zc * zl
+        self.ll = g * self.ll + zl * zl
+        self.c1 = g * self.c1 + zc
+        self.l1 = g * self.l1 + zl
+        self.one = g * self.one + 1.0
+        self.n = g * self.n + 1.0
+        self.factors = self._solve()
+
+    def _solve(self) -> tuple[float, float]:
+        k = SPEED_PRIOR
+        a, b, d = self.cc + k, self.cl, self.ll + k
+        det = a * d - b * b
+        rc, rl = self.c1 + k, self.l1 + k
+        compute = (d * rc - b * rl) / det
+        load = (a * rl - b * rc) / det
+        # residual variance per report, and each factor's variance from the inverse's diagonal
+        sse = self.one - 2 * (compute * self.c1 + load * self.l1)
+        sse += compute * compute * self.cc + 2 * compute * load * self.cl + load * load * self.ll
+        var = max(0.0, sse) / max(1.0, self.n - 2)
+        return _shrunk(compute, var * d / det), _shrunk(load, var * a / det)
+
+
+def _shrunk(x: float, variance: float) -> float:
+    d = x - 1.0
+    doubt = SPEED_SIGMAS**2 * variance
+    if d * d <= doubt:
+        return 1.0
+    return max(0.05, 1.0 + d * (1.0 - doubt / (d * d)))
 
 
 class LeastSquares:
@@ -236,7 +340,7 @@ class LeastSquares:
 
     def __init__(self, forget: float, prior_weight: float = PRIOR_WEIGHT) -> None:
         self.forget = forget
-        self.prior_weight = prior_weight
+        self.prior_weight = prior_weight  # (of the prior)
         self.zz = [[0.0] * N for _ in range(N)]
         self.z1 = [0.0] * N
         self.weight = 0.0  # of all reports, faded

@@ -17,8 +17,8 @@ from services.router.routing.ttft import CostDefaults, StoreView, rank_prefill, 
 class RoundRobin(RoutingPolicy):
     name = "round_robin"
 
-    def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
-        super().__init__(defaults)
+    def __init__(self, defaults: CostDefaults = DEFAULTS, salt: str = "") -> None:
+        super().__init__(defaults, salt)
         self._turn = itertools.count()
 
     def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
@@ -65,7 +65,7 @@ class Mooncake(RoutingPolicy):
             )
             for s, w in states.items()
         ]
-        ranked = rank_prefill(scores, states, self.guard)
+        ranked = rank_prefill(scores, states, self.guard, self.salt)
         return [Ranked(x.service_id, x.explain) for x in ranked]
 
 
@@ -95,8 +95,8 @@ class SglangCacheAware(RoutingPolicy):
     balance_rel_threshold = 1.5
     max_tree_blocks = 1 << 20
 
-    def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
-        super().__init__(defaults)
+    def __init__(self, defaults: CostDefaults = DEFAULTS, salt: str = "") -> None:
+        super().__init__(defaults, salt)
         self.trees: dict[str, OrderedDict[str, None]] = {}
 
     def _tree(self, s: str) -> OrderedDict[str, None]:
@@ -153,8 +153,8 @@ class DynamoKv(RoutingPolicy):
     name = "dynamo"
     kv_overlap_score_weight = 1.0
 
-    def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
-        super().__init__(defaults)
+    def __init__(self, defaults: CostDefaults = DEFAULTS, salt: str = "") -> None:
+        super().__init__(defaults, salt)
         self.active_blocks: dict[str, int] = {}
 
     def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
@@ -202,8 +202,8 @@ class LlmdScorers(RoutingPolicy):
     weights = {"queue": 2.0, "kv_utilization": 2.0, "prefix": 3.0}
     kv_capacity_tokens = 500_000
 
-    def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
-        super().__init__(defaults)
+    def __init__(self, defaults: CostDefaults = DEFAULTS, salt: str = "") -> None:
+        super().__init__(defaults, salt)
         self.active_tokens: dict[str, int] = {}  # prompt tokens of requests in flight there
 
     def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:

@@ -79,8 +79,9 @@ class RoutingPolicy(ABC):
     name: ClassVar[str]
     fitted: ClassVar[bool] = False  # the service-time estimate: fitted terms, or plain rates
 
-    def __init__(self, defaults: CostDefaults = DEFAULTS) -> None:
+    def __init__(self, defaults: CostDefaults = DEFAULTS, salt: str = "") -> None:
         self.defaults = defaults
+        self.salt = salt  # orders ties its own way (a router's id: routers do not herd)
         self.pool = Pool.fresh(defaults, self.fitted)
         self.workers: dict[str, PrefillWorkerState] = {}
         # Blocks that requests in flight are computing: block → (when it is expected in the
@@ -181,9 +182,17 @@ class RoutingPolicy(ABC):
             if c is not None and c[1] == req.request_id:
                 del computing[h]
 
-    def reported(self, service_id: str, queued_tokens: int) -> None:
-        """The worker's own count of what waits there (heartbeats)."""
-        self.state(service_id).reported_tokens = queued_tokens
+    def reported(
+        self, service_id: str, queued_tokens: int, active: int = 0, active_tokens: int = 0
+    ) -> None:
+        """The worker's own count of what waits there (heartbeats); and, for a worker that
+        also decodes, the sequences it holds (``active``, those it is prefilling among them)
+        and the tokens of KV they hold: those past their first token decode in the steps that
+        will compute the next prompt."""
+        w = self.state(service_id)
+        w.reported_tokens = queued_tokens
+        w.decoding = max(0, active - w.inflight)
+        w.decoding_tokens = active_tokens if w.decoding else 0
 
     def forget(self, service_id: str) -> None:
         w = self.workers.pop(service_id, None)
@@ -202,6 +211,7 @@ class DecodeScore:
     whole: bool = False  # it takes whole requests (an engine that owns its KV: vLLM)
     queued_tokens: int = 0  # (whole) prompt tokens its last heartbeat says wait there
     pd_only: bool = False  # (whole) it decodes only what a prefill engine hands it (SGLang P/D)
+    used_tokens: int = 0  # (whole) tokens of KV its sequences hold
 
 
 def rank_decode(scores: list[DecodeScore], needed_blocks: int) -> list[DecodeScore]:
@@ -265,7 +275,7 @@ def route(
     uncached = uncached_on(req, alone[0].service_id) if alone else req.n_prompt
     if alone and alone[0].whole and not prefills:
         for d in alone:
-            policy.reported(d.service_id, d.queued_tokens)
+            policy.reported(d.service_id, d.queued_tokens, d.active, d.used_tokens)
         chosen = policy.rank(req, [d.service_id for d in alone])
         decision = {"policy": policy.name, "candidates": chosen, "prefill": "on decode (whole)"}
         return Route([(r.service_id, r.service_id) for r in chosen], decision, True, True)

@@ -20,11 +20,15 @@ its terms, and each estimate its error, so each decision can be explained.
 from __future__ import annotations
 
 import itertools
+import zlib
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
 
 from services.router.routing.estimate import Fitted, Rates, Shape
+
+TIE_S = 1e-6  # estimated costs closer than this, or than this share of the best, are a tie
+TIE_SHARE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ class Sent:
     at: float = 0.0  # when it was sent
     loads: bool = False  # it loads from the storage tier
     sharing: float = 0.0  # the pool's share loading when it began
+    decoding: int = 0  # sequences the worker was decoding when it was sent...
+    decoding_tokens: int = 0  # ...and their context
 
 
 @dataclass
@@ -88,6 +94,9 @@ class PrefillWorkerState:
     head_s: float = 0.0  # the work of the pass running: the oldest's, and any batched with it
     head_since: float = 0.0  # when the oldest in flight began, as far as the router knows
     reported_tokens: int = 0  # uncached tokens queued there, from its last heartbeat
+    # (a worker that also decodes) the sequences it decodes, and their context, as last told
+    decoding: int = 0
+    decoding_tokens: int = 0
     blocks_routed: int = 0  # blocks of all requests sent to it (how full its cache runs)
     pending: Counter[str] = field(default_factory=Counter)  # block → requests bringing it
 
@@ -139,7 +148,7 @@ class PrefillWorkerState:
         now: float,
         score: PrefillScore | None = None,
     ) -> None:
-        sent = Sent(work_s, at=now)
+        sent = Sent(work_s, at=now, decoding=self.decoding, decoding_tokens=self.decoding_tokens)
         if score is not None:
             sent.uncached = score.uncached_tokens
             sent.ttft_s, sent.ahead_s = score.ttft_s, score.ahead_s
@@ -202,7 +211,15 @@ class PrefillWorkerState:
         if prefill_s + load_s <= 0:
             return  # it failed: nothing measured
         memory = max(0, n_prompt - uncached_tokens - loaded_tokens)
-        shape = Shape(uncached_tokens, loaded_tokens, memory, sent.sharing)
+        shape = Shape(
+            uncached_tokens,
+            loaded_tokens,
+            memory,
+            sent.sharing,
+            sent.decoding,
+            sent.decoding_tokens,
+            self.pool.batch_tokens,
+        )
         self.estimate.observe(shape, prefill_s, load_s)
         if sent.ttft_s:
             ttft = now - sent.at
@@ -254,6 +271,9 @@ class PrefillScore:
     ahead_s: float = 0.0  # the work counted ahead (``queue_s`` before the queue's factor)
     sharing: float = 0.0  # the share of the pool loading now
     error: float = 0.0  # the worker's estimate's recent error (relative)
+    decoding: int = 0  # sequences the worker decodes meanwhile, and their context
+    decoding_tokens: int = 0
+    chunk: int = 0  # the pool's pass budget
 
     @property
     def ttft_s(self) -> float:
@@ -266,7 +286,15 @@ class PrefillScore:
 
     @property
     def shape(self) -> Shape:
-        return Shape(self.uncached_tokens, self.storage_tokens, self.memory_tokens, self.sharing)
+        return Shape(
+            self.uncached_tokens,
+            self.storage_tokens,
+            self.memory_tokens,
+            self.sharing,
+            self.decoding,
+            self.decoding_tokens,
+            self.chunk,
+        )
 
     def explain(self) -> dict:
         return {
@@ -279,6 +307,7 @@ class PrefillScore:
             "ttft_s": round(self.ttft_s, 6),
             "cost_s": round(self.cost_s, 6),
             "estimate_error": round(self.error, 4),
+            **({"decoding": self.decoding} if self.decoding else {}),
         }
 
 
@@ -307,8 +336,15 @@ def score_prefill(
     else:
         free, in_store = min(limit, memory_blocks), store.stored
     stored = min(limit, max(free, in_store)) - free
-    shape = Shape(n_prompt - (free + stored) * block_size, stored * block_size, free * block_size)
-    shape.sharing = worker.pool.sharing
+    shape = Shape(
+        n_prompt - (free + stored) * block_size,
+        stored * block_size,
+        free * block_size,
+        worker.pool.sharing,
+        worker.decoding,
+        worker.decoding_tokens,
+        worker.pool.batch_tokens,
+    )
     compute_s, load_s = estimate.parts(shape)
     return PrefillScore(
         service_id=worker.service_id,
@@ -321,6 +357,9 @@ def score_prefill(
         ahead_s=ahead,
         sharing=shape.sharing,
         error=estimate.error.recent,
+        decoding=worker.decoding,
+        decoding_tokens=worker.decoding_tokens,
+        chunk=worker.pool.batch_tokens,
     )
 
 
@@ -330,7 +369,10 @@ def waiting_per_worker(states: list[PrefillWorkerState]) -> float:
 
 
 def rank_prefill(
-    scores: list[PrefillScore], workers: dict[str, PrefillWorkerState], guard: bool = True
+    scores: list[PrefillScore],
+    workers: dict[str, PrefillWorkerState],
+    guard: bool = True,
+    salt: str = "",
 ) -> list[PrefillScore]:
     """The scores best first, by cost: the estimated TTFT, plus (the overload guard) the
     work the choice adds beyond the least any candidate would add, × the requests waiting
@@ -341,8 +383,11 @@ def rank_prefill(
     should tell cached from uncached, not a worker measured a little faster from a slower
     one: that difference is in the TTFT term already): the pool's estimate.
 
-    Ties (nothing cached anywhere, all idle: a new conversation) go to the worker whose memory
-    tier has been given the least, so conversations spread over the tiers. Sets ``cost_s``."""
+    Costs within ``TIE_S`` or ``TIE_SHARE`` of the best are a tie (nothing measures them
+    apart): a tie goes to the worker that holds the most of the prompt (blocks kept
+    together), then to the one whose memory tier has been given the least (new conversations
+    spread over the tiers), then by ``salt`` (a router's own order of its workers: routers
+    with the same view do not all pick the same one). Sets ``cost_s``."""
     if not scores:
         return scores
     states = [workers[s.service_id] for s in scores]
@@ -356,7 +401,14 @@ def rank_prefill(
     else:
         for s in scores:
             s.cost_s = s.ttft_s
-    return sorted(
-        scores,
-        key=lambda s: (round(s.cost_s, 9), workers[s.service_id].blocks_routed, s.service_id),
-    )
+
+    def tie_order(s: PrefillScore) -> tuple:
+        order = zlib.crc32(f"{salt}/{s.service_id}".encode()) if salt else 0
+        return (-s.memory_tokens, workers[s.service_id].blocks_routed, order, s.service_id)
+
+    ordered = sorted(scores, key=lambda s: (s.cost_s, tie_order(s)))
+    edge = ordered[0].cost_s + max(TIE_S, TIE_SHARE * ordered[0].cost_s)
+    tied = 1
+    while tied < len(ordered) and ordered[tied].cost_s <= edge:
+        tied += 1
+    return sorted(ordered[:tied], key=tie_order) + ordered[tied:]

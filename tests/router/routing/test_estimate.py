@@ -135,5 +135,8 @@ def test_the_last_measured_worker_leaving_leaves_the_pools_fit() -> None:
     only, new = Fitted(*RATES, pool=pool), Fitted(*RATES, pool=pool)
     for r in shapes(50):
         only.observe(r, truth(r), 0.0)
+    r = Shape(1024, 2048, 512)
     only.leave()
-    assert pool.mean is None and new.beta == pool.beta  # no peer left: the pool's own fit
+    # no peer left: the pool's own fit, which still holds what the worker showed
+    assert new.factors == (1.0, 1.0) and new.service_s(r) == pool.service_s(r)
+    assert mape(new, shapes(100, seed=3)) < 0.05
