@@ -102,6 +102,7 @@ class Run:
     world: str = ""  # a world file (simulator/world.py); "": the policies' own estimate
     world_seed: int = 0  # of its variation
     store_scale: float = 1.0  # its storage bandwidth, scaled
+    aggregated: bool = False  # its prefill workers decode their own requests
 
     @property
     def cell(self) -> str:
@@ -111,7 +112,8 @@ class Run:
     def variant(self) -> str:
         if not self.world:
             return "policy world"
-        return f"seed {self.world_seed}, storage ×{self.store_scale:g}"
+        whole = ", aggregated" if self.aggregated else ""
+        return f"seed {self.world_seed}, storage ×{self.store_scale:g}{whole}"
 
 
 @functools.cache
@@ -132,7 +134,10 @@ def world_settings(run: Run) -> WorldSettings | None:
         return None
     w = WorldSettings.named(run.world)
     return replace(
-        w, seed=run.world_seed, store_gb_s_per_worker=w.store_gb_s_per_worker * run.store_scale
+        w,
+        seed=run.world_seed,
+        store_gb_s_per_worker=w.store_gb_s_per_worker * run.store_scale,
+        aggregated=run.aggregated or w.aggregated,
     )
 
 
@@ -291,6 +296,11 @@ def main() -> None:
         "the policies' own estimate",
     )
     ap.add_argument("--seeds", default="0,1,2", help="of the world's variation")
+    ap.add_argument(
+        "--aggregated",
+        action="store_true",
+        help="the prefill workers decode their own requests (whole-request servers)",
+    )
     ap.add_argument("--store-scales", default="1", help="the storage bandwidth, scaled by each")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="replays at once")
     ap.add_argument("--no-decision", action="store_true", help="skip the decision latency")
@@ -307,7 +317,7 @@ def main() -> None:
         else [(0, 1.0)]
     )
     runs = [
-        Run(t, int(n), load, p, args.seed, args.memory_share, world, seed, scale)
+        Run(t, int(n), load, p, args.seed, args.memory_share, world, seed, scale, args.aggregated)
         for t in traces
         for n in floats(args.sizes)
         for load in floats(args.loads)

@@ -91,6 +91,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "storage tier, batching: simulator/worlds/profiled.json) or a world file (JSON: an "
         "engine profile from bench/profile.py and the tier's bandwidths; simulator/world.py)",
     )
+    p.add_argument(
+        "--aggregated",
+        action="store_true",
+        help="(with a profiled --world) each prefill worker decodes its own requests, in the "
+        "same steps as its next prompts, as vLLM's and SGLang's whole-request servers do",
+    )
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     p.add_argument("--png", type=Path, help="write the TTFT CDF of each policy here")
     p.set_defaults(run=run)
@@ -128,6 +134,13 @@ def run(args: argparse.Namespace) -> int:
             ProfiledWorld(world)  # its profile is read now: a bad one fails here, named
         except ValueError as err:
             return fail(f"--world: {err}")
+        if args.aggregated:
+            world = replace(world, aggregated=True)
+    elif args.aggregated:
+        return fail(
+            "--aggregated: a profiled --world (the policies' own world has no decode "
+            "steps to share)"
+        )
     cfg = SimConfig(
         world=world,
         prefill=args.prefill,

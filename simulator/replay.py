@@ -21,7 +21,7 @@ import statistics
 import sys
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.router.routing.policies import POLICIES
 from services.router.routing.route import RouteRequest
@@ -251,8 +251,10 @@ def simulate(
     store = _Lru(cfg.store_blocks)
     queues: dict[str, deque] = {p: deque() for p in prefills}
     running = dict.fromkeys(prefills, 0)  # requests in the worker's pass now (0: it is idle)
-    decode_active = [0] * cfg.decode
-    decode_tokens = [0] * cfg.decode  # the context its sequences hold together
+    # Decode workers: a pool of their own, or (aggregated) the prefill workers themselves.
+    decoders = prefills if world.aggregated else [f"d{k}" for k in range(cfg.decode)]
+    decode_active = dict.fromkeys(decoders, 0)
+    decode_tokens = dict.fromkeys(decoders, 0)  # the context its sequences hold together
     result = SimResult(policy_name, busy_s=dict.fromkeys(prefills, 0.0))
     result.first_arrival = requests[0].t / cfg.speed if requests else 0.0
 
@@ -306,6 +308,12 @@ def simulate(
             if budget <= 0:
                 break
         took, services = world.batch(p, [b[3] for b in batch], now)
+        if world.aggregated and decode_active[p]:  # each pass steps its answers too
+            uncached = sum(b[3].uncached for b in batch)
+            passes = -(-max(1, uncached) // world.batch_tokens) if world.batch_tokens else 1
+            extra = passes * world.decode_step_s(decode_active[p], decode_tokens[p])
+            took += extra
+            services = [replace(sv, compute_s=sv.compute_s + extra) for sv in services]
         result.busy_s[p] += took
         running[p] = len(batch)
         for (i, route, arrived, part), service in zip(batch, services, strict=True):
@@ -319,6 +327,10 @@ def simulate(
             r = requests[i]
             counts = index.lookup(r.hashes, now)  # the blocks found are used now
             route = RouteRequest(str(i), r.n_in, block_size, r.hashes, counts, now)
+            if world.aggregated:  # (what their heartbeats say: the answers they decode)
+                for p in prefills:
+                    held = decode_active[p] + policy.state(p).inflight
+                    policy.reported(p, 0, held, decode_tokens[p])
             chosen = policy.rank(route, prefills)[0].service_id
             policy.dispatched(chosen, route)
             queues[chosen].append((i, route, now))
@@ -343,7 +355,7 @@ def simulate(
             # (what the worker reports: the world's times, not the estimate's)
             compute_s = service.compute_s + service.copy_s  # (a memory hit's copy: not a load)
             policy.prefilled(p, route, now, uncached, loaded, compute_s, service.load_s)
-            d = min(range(cfg.decode), key=lambda k: decode_active[k])
+            d = p if world.aggregated else min(decoders, key=decode_active.__getitem__)
             decode_active[d] += 1
             decode_tokens[d] += r.n_in + r.n_out
             tpot = world.tpot_s(decode_active[d], decode_tokens[d])

@@ -14,7 +14,10 @@ ranks with, fair only between policies that share that estimate. ``ProfiledWorld
 - a memory-tier hit costs a copy into the engine;
 - short prompts queued together share one pass (as a prefill worker batches them): the pass
   costs their compute less the fixed part of a pass that they share (the profile's batches);
-- a decode step reads every sequence's KV: more sequences, and longer ones, slow each other.
+- a decode step reads every sequence's KV: more sequences, and longer ones, slow each other;
+- (``aggregated``) each worker decodes what it prefilled, as vLLM's and SGLang's whole-request
+  servers do: every pass of a prompt also steps the answers the worker is decoding, and takes
+  their tokens' compute and their KV's reads longer.
 
 Each default says where it comes from.
 """
@@ -59,6 +62,7 @@ class Part:
 
 class World(ABC):
     batch_tokens = 0  # uncached tokens one pass may take over several requests (0: one each)
+    aggregated = False  # each prefill worker decodes its own requests (no decode pool)
     overhead_s = 0.0  # every request's time outside the engine's compute, added to its TTFT...
     overhead_s_per_token = 0.0  # ...and per prompt token (hashing, lookups, KV exported)
 
@@ -80,6 +84,12 @@ class World(ABC):
     def tpot_s(self, sequences: int, context_tokens: int) -> float:
         """Seconds per output token on a decode worker holding ``sequences`` of
         ``context_tokens`` tokens together."""
+
+    @abstractmethod
+    def decode_step_s(self, sequences: int, context_tokens: int) -> float:
+        """What ``sequences`` decoding (``context_tokens`` together) add to a prefill pass
+        that steps them too: their tokens' compute and their KV read (the weights are read
+        for the pass anyway)."""
 
 
 class PolicyWorld(World):
@@ -103,6 +113,9 @@ class PolicyWorld(World):
     def tpot_s(self, sequences: int, context_tokens: int) -> float:
         """A card's decode rate shared by its sequences, each at most 1/min_tpot."""
         return max(self.min_tpot_s, sequences / self.decode_tok_s)
+
+    def decode_step_s(self, sequences: int, context_tokens: int) -> float:
+        return sequences / self.decode_tok_s
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,9 @@ class WorldSettings:
     # (simulator/validate.py).
     overhead_s: float = 0.0
     overhead_s_per_token: float = 0.0
+    # Whole-request workers (vLLM or SGLang servers, no P/D): each prefill worker decodes what
+    # it prefilled, in the same steps as its next prompts' passes.
+    aggregated: bool = False
     seed: int = 0
 
     @classmethod
@@ -178,6 +194,7 @@ class ProfiledWorld(World):
         self.profile = base.scaled(settings.prefill_tok_s)
         self.shared_s = self.profile.shared_pass_s()
         self.batch_tokens = settings.batch_tokens
+        self.aggregated = settings.aggregated
         self.overhead_s = settings.overhead_s
         self.overhead_s_per_token = settings.overhead_s_per_token
         self.store_gb_s = settings.store_gb_s_per_worker * workers
@@ -232,8 +249,16 @@ class ProfiledWorld(World):
         return t - now + compute, [Service(s.load_s, s.copy_s, compute) for s in alone]
 
     def tpot_s(self, sequences: int, context_tokens: int) -> float:
+        share = max(self.settings.min_tpot_s, sequences / self.settings.decode_tok_s)
+        return share + self._kv_read_s(sequences, context_tokens)
+
+    def decode_step_s(self, sequences: int, context_tokens: int) -> float:
         s = self.settings
-        share = max(s.min_tpot_s, sequences / s.decode_tok_s)
+        return sequences / s.decode_tok_s + self._kv_read_s(sequences, context_tokens)
+
+    def _kv_read_s(self, sequences: int, context_tokens: int) -> float:
+        """A decode step's read of its sequences' KV from HBM."""
+        s = self.settings
         if s.attended_tokens:
             context_tokens = min(context_tokens, sequences * s.attended_tokens)
-        return share + context_tokens * s.kv_bytes_per_token / (s.hbm_gb_s * GB)
+        return context_tokens * s.kv_bytes_per_token / (s.hbm_gb_s * GB)

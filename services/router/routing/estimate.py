@@ -161,13 +161,23 @@ class Rates:
         compute, load = self.parts(r)
         return compute + load
 
+    def pass_s(self, r: Shape) -> float:
+        """What one pass costs whatever it computes (a request that joins a pass queued there
+        does not pay it again)."""
+        return 0.0
+
     def wait_s(self, ahead_s: float) -> float:
         """How long a request waits behind ``ahead_s`` of estimated work."""
         return ahead_s
 
-    def observe(self, r: Shape, prefill_s: float, load_s: float) -> None:
+    def observe(
+        self, r: Shape, prefill_s: float, load_s: float, others: tuple[Shape, ...] = ()
+    ) -> None:
         """A worker's report: ``prefill_s`` computing (everything, when it does not tell its
-        loads apart), ``load_s`` loading."""
+        loads apart), ``load_s`` loading; ``others``: the requests it was computed with in one
+        pass (the report is the whole pass's; the plain estimate does not tell them apart)."""
+        if others:
+            return
         if prefill_s > 0 and r.uncached:
             self.prefill_tok_s.observe(r.uncached / prefill_s)
         if load_s > 0 and r.loaded:
@@ -222,10 +232,10 @@ class Fitted(Rates):
         per_token = beta[1] + beta[2] * 0.5 / ATTENTION_CONTEXT
         return self.units[0] / max(per_token * self.factors[0], 1e-9)
 
-    def pool_parts(self, r: Shape) -> tuple[float, float]:
+    def pool_parts(self, r: Shape | tuple[float, ...]) -> tuple[float, float]:
         """The pool fit's compute terms (pass, uncached, attention, the answers decoded
-        meanwhile) and load terms, each summed."""
-        beta, t = self.beta, r.terms(*self.units)
+        meanwhile) and load terms, each summed; of a request, or of terms already made."""
+        beta, t = self.beta, r if isinstance(r, tuple) else r.terms(*self.units)
         return (
             beta[0] * t[0] + beta[1] * t[1] + beta[2] * t[2] + beta[6] * t[6] + beta[7] * t[7],
             beta[3] * t[3] + beta[4] * t[4] + beta[5] * t[5],
@@ -238,20 +248,45 @@ class Fitted(Rates):
         fc, fl = self.factors
         return compute * fc, load * fl
 
+    def pass_s(self, r: Shape) -> float:
+        beta, t = self.beta, r.terms(*self.units)
+        if not t[0]:
+            return 0.0
+        each = beta[0] * t[0] + (beta[6] * t[6] + beta[7] * t[7]) / r.passes
+        return each * self.factors[0]
+
     def wait_s(self, ahead_s: float) -> float:
         return ahead_s * (self.pool or self).queue.value
 
-    def observe(self, r: Shape, prefill_s: float, load_s: float) -> None:
+    def pass_terms(self, r: Shape, others: tuple[Shape, ...]) -> tuple[float, ...]:
+        """A pass's terms: ``r``'s, plus the tokens ``others`` computed in it."""
+        terms = r.terms(*self.units)
+        if not others:
+            return terms
+        out = list(terms)
+        for o in others:
+            t = o.terms(*self.units)
+            out[1] += t[1]
+            out[2] += t[2]
+        return tuple(out)
+
+    def observe(
+        self, r: Shape, prefill_s: float, load_s: float, others: tuple[Shape, ...] = ()
+    ) -> None:
+        """A report, of a request's own pass or of one it shared with ``others``: the pass's
+        terms are its own and the others' tokens computed (one pass, one set of answers
+        stepped in it)."""
         measured = prefill_s + load_s
         if measured <= 0:
             return
+        terms = self.pass_terms(r, others)
         pool = self.pool
         if pool is None:
-            self.fit.add(r.terms(*self.units), measured)  # type: ignore[union-attr]
+            self.fit.add(terms, measured)  # type: ignore[union-attr]
             self.own = self.fit.solve(PRIOR)  # type: ignore[union-attr]
             return
-        compute, load = pool.pool_parts(r)  # (before the pool hears it: out of sample)
-        pool.observe(r, prefill_s, load_s)
+        compute, load = pool.pool_parts(terms)  # (before the pool hears it: out of sample)
+        pool.observe(r, prefill_s, load_s, others)
         self.speed.add(compute / measured, load / measured)
         pool.members[id(self)] = self.speed.factors
         pool._remean()

@@ -11,7 +11,14 @@ import itertools
 from collections import OrderedDict
 
 from services.router.routing.route import DEFAULTS, Ranked, RouteRequest, RoutingPolicy
-from services.router.routing.ttft import CostDefaults, StoreView, rank_prefill, score_prefill
+from services.router.routing.ttft import (
+    UNSURE_MAX,
+    UNSURE_Z,
+    CostDefaults,
+    StoreView,
+    rank_prefill,
+    score_prefill,
+)
 
 
 class RoundRobin(RoutingPolicy):
@@ -65,8 +72,13 @@ class Mooncake(RoutingPolicy):
             )
             for s, w in states.items()
         ]
-        ranked = rank_prefill(scores, states, self.guard, self.salt)
+        ranked = rank_prefill(scores, states, self.guard, self.salt, self.unsure())
         return [Ranked(x.service_id, x.explain) for x in ranked]
+
+    def unsure(self) -> float:
+        """How far apart (a share) two estimates must be to be told apart: 0, the estimate
+        taken at its word (Mooncake's)."""
+        return 0.0
 
 
 class Ttft(Mooncake):
@@ -78,6 +90,11 @@ class Ttft(Mooncake):
     look_ahead = True
     guard = True
     fitted = True
+
+    def unsure(self) -> float:
+        """The pool's estimate's recent error (× ``UNSURE_Z``, at most ``UNSURE_MAX``):
+        workers whose estimates differ by less are ranked by the load they hold."""
+        return min(UNSURE_MAX, UNSURE_Z * self.pool.estimate.error.recent)
 
 
 class SglangCacheAware(RoutingPolicy):

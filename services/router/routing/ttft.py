@@ -19,8 +19,8 @@ its terms, and each estimate its error, so each decision can be explained.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
-import zlib
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,6 +29,10 @@ from services.router.routing.estimate import Fitted, Rates, Shape
 
 TIE_S = 1e-6  # estimated costs closer than this, or than this share of the best, are a tie
 TIE_SHARE = 1e-4
+# Costs closer than the estimate's recent error × UNSURE_Z (at most UNSURE_MAX of the best)
+# are not told apart by the estimate: load decides between them (``rank_prefill``).
+UNSURE_Z = 0.5
+UNSURE_MAX = 0.25
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,26 @@ class Sent:
     sharing: float = 0.0  # the pool's share loading when it began
     decoding: int = 0  # sequences the worker was decoding when it was sent...
     decoding_tokens: int = 0  # ...and their context
+    shape: Shape | None = None  # as estimated when it was sent
+    batch: Batch | None = None  # the others in the pass it ran in, when it shared one
+
+
+class Batch:
+    """Requests the router counted in one pass: each reports the whole pass, which is learned
+    once (from the first report), with the others' tokens as estimated when they were sent."""
+
+    __slots__ = ("members", "learned")
+
+    def __init__(self, members: list[Sent]) -> None:
+        self.members = members
+        self.learned = False
+
+    def others(self, sent: Sent) -> tuple[Shape, ...] | None:
+        """The others' shapes, the first time; None after (already learned)."""
+        if self.learned:
+            return None
+        self.learned = True
+        return tuple(m.shape for m in self.members if m is not sent and m.shape is not None)
 
 
 @dataclass
@@ -98,6 +122,8 @@ class PrefillWorkerState:
     decoding: int = 0
     decoding_tokens: int = 0
     blocks_routed: int = 0  # blocks of all requests sent to it (how full its cache runs)
+    uncached_inflight: int = 0  # tokens to compute of the requests in flight
+    tail_room: int = 0  # uncached tokens the pass queued last (not begun) can still take
     pending: Counter[str] = field(default_factory=Counter)  # block → requests bringing it
 
     @classmethod
@@ -128,6 +154,11 @@ class PrefillWorkerState:
         ahead)."""
         return self.estimate.wait_s(self.ahead_s(now))
 
+    def joins(self, uncached: int) -> bool:
+        """A request of these uncached tokens sent now would join the pass queued last (it
+        shares that pass's fixed cost, and the answers decoded in it)."""
+        return 0 < uncached <= self.tail_room
+
     def pending_prefix(self, hashes: list[str]) -> int:
         """Leading blocks of ``hashes`` that requests queued or running here will bring."""
         n, pending = 0, self.pending
@@ -150,13 +181,20 @@ class PrefillWorkerState:
     ) -> None:
         sent = Sent(work_s, at=now, decoding=self.decoding, decoding_tokens=self.decoding_tokens)
         if score is not None:
-            sent.uncached = score.uncached_tokens
+            sent.uncached, sent.shape = score.uncached_tokens, score.shape
             sent.ttft_s, sent.ahead_s = score.ttft_s, score.ahead_s
             sent.loads = score.storage_tokens > 0
         self.work[request_id] = sent
-        if len(self.work) == 1:
+        chunk = self.pool.batch_tokens
+        if len(self.work) == 1:  # idle: it begins now
+            self.tail_room = 0
             self._begins(sent, now)
+        elif self.joins(sent.uncached):
+            self.tail_room -= sent.uncached
+        elif chunk:  # a pass of its own, after the others
+            self.tail_room = max(0, chunk - sent.uncached)
         self.queued_s += work_s
+        self.uncached_inflight += sent.uncached
         self.pending.update(hashes)
         self.blocks_routed += len(hashes)
 
@@ -165,12 +203,20 @@ class PrefillWorkerState:
         their uncached tokens fit the pool's ``batch_tokens`` (as the worker batches)."""
         self.head_since, self.head_s = now, sent.work_s
         budget = self.pool.batch_tokens - sent.uncached
+        batch = [sent]
         if budget > 0 and len(self.work) > 1:
             for other in itertools.islice(self.work.values(), 1, None):
                 if other.uncached > budget:
                     break
                 self.head_s += other.work_s
                 budget -= other.uncached
+                batch.append(other)
+        if len(batch) > 1:  # each will report the whole pass: it is learned once, as a pass
+            shared = Batch(batch)
+            for m in batch:
+                m.batch = shared
+        if len(batch) == len(self.work):  # the pass queued last is the one running now
+            self.tail_room = 0
         sent.sharing = self.pool.sharing
         self.pool.loading += sent.loads
 
@@ -188,13 +234,15 @@ class PrefillWorkerState:
         """A request's prompt is computed here (or it failed): it leaves the queue, the next
         one begins, its blocks are in the memory tier now (the index says so from here on),
         and what it took is learned: ``prefill_s`` computing (all of it, when the worker does
-        not tell loading apart), ``load_s`` loading, of ``n_prompt`` tokens."""
+        not tell loading apart), ``load_s`` loading, of ``n_prompt`` tokens. A request that ran
+        in one pass with others reports the whole pass: the estimate learns its share."""
         work = self.work
         if request_id not in work:
             return
         was_head = next(iter(work)) == request_id
         sent = work.pop(request_id)
         self.queued_s = max(0.0, self.queued_s - sent.work_s)
+        self.uncached_inflight -= sent.uncached
         if was_head:
             self.pool.loading -= sent.loads
         if not work:
@@ -220,7 +268,9 @@ class PrefillWorkerState:
             sent.decoding_tokens,
             self.pool.batch_tokens,
         )
-        self.estimate.observe(shape, prefill_s, load_s)
+        others = sent.batch.others(sent) if sent.batch else ()
+        if others is not None:
+            self.estimate.observe(shape, prefill_s, load_s, others)
         if sent.ttft_s:
             ttft = now - sent.at
             self.estimate.error.add(sent.ttft_s, ttft)
@@ -242,6 +292,7 @@ class PrefillWorkerState:
         if not self.pool.batch_tokens:
             assert self.head_s == (head.work_s if head else 0.0), "the head is not the oldest"
         assert all(n > 0 for n in self.pending.values()), "a pending block with no request"
+        assert self.uncached_inflight == sum(s.uncached for s in self.work.values())
         assert self.work or not self.pending, "pending blocks with nothing in flight"
 
 
@@ -274,6 +325,7 @@ class PrefillScore:
     decoding: int = 0  # sequences the worker decodes meanwhile, and their context
     decoding_tokens: int = 0
     chunk: int = 0  # the pool's pass budget
+    joins: bool = False  # it would join the pass queued last there
 
     @property
     def ttft_s(self) -> float:
@@ -308,6 +360,7 @@ class PrefillScore:
             "cost_s": round(self.cost_s, 6),
             "estimate_error": round(self.error, 4),
             **({"decoding": self.decoding} if self.decoding else {}),
+            **({"joins_pass": True} if self.joins else {}),
         }
 
 
@@ -346,6 +399,9 @@ def score_prefill(
         worker.pool.batch_tokens,
     )
     compute_s, load_s = estimate.parts(shape)
+    joins = worker.joins(shape.uncached)
+    if joins:
+        compute_s = max(0.0, compute_s - estimate.pass_s(shape))
     return PrefillScore(
         service_id=worker.service_id,
         memory_tokens=shape.memory,
@@ -360,6 +416,7 @@ def score_prefill(
         decoding=worker.decoding,
         decoding_tokens=worker.decoding_tokens,
         chunk=worker.pool.batch_tokens,
+        joins=joins,
     )
 
 
@@ -373,6 +430,7 @@ def rank_prefill(
     workers: dict[str, PrefillWorkerState],
     guard: bool = True,
     salt: str = "",
+    unsure: float = 0.0,
 ) -> list[PrefillScore]:
     """The scores best first, by cost: the estimated TTFT, plus (the overload guard) the
     work the choice adds beyond the least any candidate would add, × the requests waiting
@@ -383,11 +441,14 @@ def rank_prefill(
     should tell cached from uncached, not a worker measured a little faster from a slower
     one: that difference is in the TTFT term already): the pool's estimate.
 
-    Costs within ``TIE_S`` or ``TIE_SHARE`` of the best are a tie (nothing measures them
-    apart): a tie goes to the worker that holds the most of the prompt (blocks kept
-    together), then to the one whose memory tier has been given the least (new conversations
-    spread over the tiers), then by ``salt`` (a router's own order of its workers: routers
-    with the same view do not all pick the same one). Sets ``cost_s``."""
+    Costs within ``unsure`` (a share) of the best are not told apart by the estimate (it is
+    that far off, lately): among them the fewest uncached tokens, this request's and those in
+    flight there, go first, as the best balancers count load, with nothing an estimate can
+    get wrong. Costs within ``TIE_S`` or ``TIE_SHARE`` of each other are a tie as well. Equal
+    counts go to the worker that holds the most of the prompt (blocks kept together), then to
+    the one whose memory tier has been given the least (new conversations spread over the
+    tiers), then by ``salt`` (a router's own order of its workers: routers with the same view
+    do not all pick the same one). Sets ``cost_s``."""
     if not scores:
         return scores
     states = [workers[s.service_id] for s in scores]
@@ -403,12 +464,21 @@ def rank_prefill(
             s.cost_s = s.ttft_s
 
     def tie_order(s: PrefillScore) -> tuple:
-        order = zlib.crc32(f"{salt}/{s.service_id}".encode()) if salt else 0
+        order = _salted(salt, s.service_id) if salt else b""
         return (-s.memory_tokens, workers[s.service_id].blocks_routed, order, s.service_id)
 
+    def balance(s: PrefillScore) -> tuple:
+        return (s.uncached_tokens + workers[s.service_id].uncached_inflight, *tie_order(s))
+
     ordered = sorted(scores, key=lambda s: (s.cost_s, tie_order(s)))
-    edge = ordered[0].cost_s + max(TIE_S, TIE_SHARE * ordered[0].cost_s)
-    tied = 1
-    while tied < len(ordered) and ordered[tied].cost_s <= edge:
-        tied += 1
-    return sorted(ordered[:tied], key=tie_order) + ordered[tied:]
+    best = ordered[0].cost_s
+    edge = best + max(TIE_S, (TIE_SHARE + unsure) * best)
+    near = 1
+    while near < len(ordered) and ordered[near].cost_s <= edge:
+        near += 1
+    return sorted(ordered[:near], key=balance if unsure else tie_order) + ordered[near:]
+
+
+def _salted(salt: str, service_id: str) -> bytes:
+    """A worker's place in a router's own order of its ties."""
+    return hashlib.blake2b(f"{salt}/{service_id}".encode(), digest_size=8).digest()

@@ -1,0 +1,123 @@
+"""The default policy where the plain estimate loses: a worker whose reports are noisy does not
+draw work on a lucky streak, a truly slow one is its own; a worker that also decodes is slowed
+by its answers, and the estimate learns by how much as that load changes; routers with the same
+view do not all pick the same worker."""
+
+from __future__ import annotations
+
+import random
+
+from services.router.routing.estimate import Fitted, Shape
+from services.router.routing.policies import POLICIES
+from services.router.routing.route import RouteRequest
+
+RATES = (1000.0, 10_000.0)
+
+
+def truth(r: Shape, slow: float = 1.0) -> float:
+    """A 2 ms pass, 800 tok/s, and each pass also steps the answers decoding there: 10 ms a
+    sequence and their KV read at 100K tok/s (a CPU worker's decode steps are dear)."""
+    compute = 0.002 + r.uncached / 800
+    decode = r.passes * (0.01 * r.decoding + r.decoding_tokens / 100_000) if r.decoding else 0
+    return slow * compute + decode + r.loaded / 10_000
+
+
+def shape(rng: random.Random, decoding: int = 0) -> Shape:
+    seqs = rng.randint(0, decoding) if decoding else 0
+    return Shape(
+        rng.choice((64, 256, 1024, 2048, 4096)),
+        rng.choice((0, 0, 1024)),
+        0,
+        0.0,
+        seqs,
+        seqs * rng.randint(200, 2000),
+        chunk=1024,
+    )
+
+
+def test_a_noisy_worker_stays_its_pools_and_a_slow_one_is_its_own() -> None:
+    rng = random.Random(0)
+    pool = Fitted(*RATES)
+    steady, noisy, slow = (Fitted(*RATES, pool=pool) for _ in range(3))
+    for _ in range(200):
+        for w, factor, noise in ((steady, 1.0, 0.02), (noisy, 1.0, 0.3), (slow, 2.0, 0.02)):
+            r = shape(rng)
+            measured = truth(r, factor) * max(0.2, rng.gauss(1.0, noise))
+            w.observe(r, measured - r.loaded / 10_000, r.loaded / 10_000)
+    # its reports' luck is not speed: it is ranked as its pool (the mean of the three)
+    assert noisy.factors == (1.0, 1.0)
+    assert 1.7 < slow.factors[0] / steady.factors[0] < 2.3
+    r = Shape(2048)
+    assert slow.service_s(r) > 1.5 * noisy.service_s(r) > 1.5 * 0.9 * steady.service_s(r)
+    # a noisy worker on a lucky streak still costs what its pool does
+    for _ in range(5):
+        r = shape(rng)
+        noisy.observe(r, 0.8 * truth(r) - r.loaded / 10_000, r.loaded / 10_000)
+    assert noisy.factors == (1.0, 1.0)
+
+
+def test_the_answers_a_worker_decodes_count_and_are_learned_as_their_load_changes() -> None:
+    rng = random.Random(1)
+    pool = Fitted(*RATES)
+    worker = Fitted(*RATES, pool=pool)
+
+    def error(decoding: int) -> float:
+        cases = [shape(random.Random(7), decoding) for _ in range(100)]
+        return sum(abs(worker.service_s(r) / truth(r) - 1) for r in cases) / len(cases)
+
+    for _ in range(300):  # a few answers decoding meanwhile
+        r = shape(rng, decoding=4)
+        worker.observe(r, truth(r) - r.loaded / 10_000, r.loaded / 10_000)
+    assert error(4) < 0.05
+    terms = worker.terms()
+    assert terms["decoding"] + terms["decoding_context"] > 0.05
+    busy = Shape(4096, chunk=1024, decoding=32, decoding_tokens=32 * 2000)
+    assert worker.service_s(busy) > 1.2 * worker.service_s(Shape(4096, chunk=1024))
+    for _ in range(300):  # then many: the same terms hold
+        r = shape(rng, decoding=48)
+        worker.observe(r, truth(r) - r.loaded / 10_000, r.loaded / 10_000)
+    assert error(48) < 0.05
+
+
+def test_a_worker_decoding_more_gets_the_next_prompt_less_often() -> None:
+    """Two aggregated workers alike, idle but for what they decode: the next prompt goes to
+    the one decoding less, once the fit has seen what decoding costs."""
+    policy = POLICIES["ttft"]()
+    rng = random.Random(2)
+    t = 0.0
+    for i in range(200):
+        w = ("a", "b")[i % 2]
+        seqs = rng.randint(0, 40)
+        policy.reported(w, 0, seqs, seqs * 1500)
+        req = RouteRequest(f"r{i}", 2048, 64, [], {}, t)
+        policy.dispatched(w, req)
+        r = Shape(2048, decoding=seqs, decoding_tokens=seqs * 1500)
+        policy.prefilled(w, req, t + truth(r), 2048, 0, truth(r), 0.0)
+        t += 10.0
+    policy.reported("a", 0, 30, 30 * 1500)
+    policy.reported("b", 0, 2, 2 * 1500)
+    ranked = policy.rank(RouteRequest("x", 2048, 64, [], {}, t), ["a", "b"])
+    assert [r.service_id for r in ranked] == ["b", "a"]
+    assert ranked[1].terms["decoding"] == 30
+
+
+def test_routers_with_the_same_view_spread_their_picks() -> None:
+    """Two routers route a request each at the same moment to the same idle workers: each
+    orders its ties its own way (its id), so they seldom pick the same worker; with no id they
+    always would. A burst through one router spreads over the pool."""
+    workers = [f"p{i}" for i in range(8)]
+    req = RouteRequest("r", 2048, 64, [], {}, 0.0)
+
+    def first(salt: str) -> str:
+        return POLICIES["ttft"](salt=salt).rank(req, workers)[0].service_id
+
+    same = sum(first(f"router-{i}a") == first(f"router-{i}b") for i in range(40))
+    assert same <= 12  # 1 in 8 expected by chance
+    assert all(first("") == first("") for _ in range(3))
+    one = POLICIES["ttft"](salt="router-x")
+    picks = []
+    for i in range(8):
+        burst = RouteRequest(f"b{i}", 2048, 64, [], {}, 0.0)
+        picks.append(one.rank(burst, workers)[0].service_id)
+        one.dispatched(picks[-1], burst)
+    assert sorted(picks) == workers
