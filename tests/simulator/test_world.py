@@ -162,3 +162,39 @@ def test_a_long_prompt_is_computed_in_chunks_each_after_the_last() -> None:
     assert two > 2 * one
     # a prompt wholly cached still computes its last token (for its logits)
     assert w.service("p0", 0, 4096, 0, 0.0).compute_s > 0
+
+
+def test_an_aggregated_worker_is_slowed_by_what_it_decodes_and_the_estimate_learns_it(
+    tmp_path: Path,
+) -> None:
+    """Whole-request workers: every pass of a prompt steps the answers the worker decodes.
+    Halfway, some answers grow long (the decode load rises, unevenly); the default's fit
+    learns what decoding costs a pass, its estimate stays close, and it routes ahead of round
+    robin, which does not see the answers a worker is still decoding."""
+    import random
+
+    rng = random.Random(5)
+    trace, t = [], 0.0
+    for i in range(600):
+        t += rng.expovariate(3.0)
+        answer = 8 if i < 200 or rng.random() < 0.7 else 1500
+        trace.append(TraceRequest(t, 2048, answer, [f"r{i}b{j}" for j in range(32)]))
+    (tmp_path / "profile.json").write_text(measured().to_json())
+    settings = WorldSettings(
+        profile=str(tmp_path / "profile.json"),
+        variation=0.05,
+        batch_tokens=1024,
+        hbm_gb_s=40.0,
+        aggregated=True,
+    )
+    w = ProfiledWorld(settings)
+    # a pass on a worker decoding 20 answers of 3K tokens together is longer by their step
+    assert w.decode_step_s(20, 60_000) == pytest.approx(20 / 14_000 + 60_000 * BYTES / 40e9)
+    cfg = SimConfig(prefill=2, decode=2, world=settings)
+    runs = {p: simulate(trace, 64, cfg, p).summary(2) for p in ("ttft", "round_robin")}
+    ours = runs["ttft"]
+    terms = ours["estimate_terms"]
+    assert terms["decoding"] + terms["decoding_context"] > 0.05, terms
+    assert ours["estimate_mape"] < 0.25
+    assert ours["ttft_mean_s"] < 0.95 * runs["round_robin"]["ttft_mean_s"]
+    assert ours["ttft_p99_s"] < 0.8 * runs["round_robin"]["ttft_p99_s"]

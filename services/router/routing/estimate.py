@@ -61,6 +61,7 @@ Z_FLOOR = 0.1  # ...a term's typical share of a report's time taken as at least 
 SPEED_PRIOR = 1.0  # a worker's speed starts as this many reports' worth of its pool's...
 SPEED_SIGMAS = 3.0  # ...and stays its pool's until this many standard errors from it
 RECENT = 0.05  # a request's weight in the recent error
+KNOWN_MAX = 4096  # shapes whose parts a pool keeps between two fits
 QUEUE_FACTOR = (0.5, 2.0)  # the wait's factor stays within these
 FLOOR_S = 0.001  # a TTFT below this counts as this in the error (nothing measures finer)
 
@@ -143,6 +144,11 @@ class Rates:
         self.error = Error()
 
     @property
+    def alike(self) -> object:
+        """Estimates with the same ``alike`` give the same parts for the same request."""
+        return self
+
+    @property
     def tok_s(self) -> float:
         """Uncached tokens a second (what a worker's reported queue takes)."""
         return self.prefill_tok_s.value
@@ -171,13 +177,16 @@ class Rates:
         return ahead_s
 
     def observe(
-        self, r: Shape, prefill_s: float, load_s: float, others: tuple[Shape, ...] = ()
+        self,
+        r: Shape,
+        prefill_s: float,
+        load_s: float,
+        others: tuple[Shape, ...] | None = (),
     ) -> None:
         """A worker's report: ``prefill_s`` computing (everything, when it does not tell its
         loads apart), ``load_s`` loading; ``others``: the requests it was computed with in one
-        pass (the report is the whole pass's; the plain estimate does not tell them apart)."""
-        if others:
-            return
+        pass (None: a pass whose report was learned already). The report is the whole pass's:
+        the plain estimate takes it as the request's own, as Mooncake's Conductor would."""
         if prefill_s > 0 and r.uncached:
             self.prefill_tok_s.observe(r.uncached / prefill_s)
         if load_s > 0 and r.loaded:
@@ -205,6 +214,7 @@ class Fitted(Rates):
         self.units = (prefill_tok_s, load_tok_s)  # fixed: the β's units
         self.fit = LeastSquares(POOL_FORGET) if pool is None else None
         self.own: list[float] | None = None  # (a pool's) β, once reports came
+        self.known: dict[tuple, tuple[float, float]] = {}  # (a pool's) shape → its parts
         self.speed = Speed()  # (a worker's)
         self.queue = Factor()  # (the pool's is used)
         # (a pool's) its reporting workers' speeds, and their mean: what a worker not heard
@@ -218,6 +228,10 @@ class Fitted(Rates):
         if self.pool is not None:
             return self.pool.beta
         return PRIOR if self.own is None else self.own
+
+    @property
+    def alike(self) -> object:
+        return self.factors  # (a worker is its pool's fit at its speed)
 
     @property
     def factors(self) -> tuple[float, float]:
@@ -235,7 +249,22 @@ class Fitted(Rates):
     def pool_parts(self, r: Shape | tuple[float, ...]) -> tuple[float, float]:
         """The pool fit's compute terms (pass, uncached, attention, the answers decoded
         meanwhile) and load terms, each summed; of a request, or of terms already made."""
-        beta, t = self.beta, r if isinstance(r, tuple) else r.terms(*self.units)
+        if self.pool is not None:
+            return self.pool.pool_parts(r)
+        if isinstance(r, tuple):
+            return self._sum(r)
+        # A decision asks the same of most workers (those that hold none of the prompt):
+        # answers are kept until the fit changes.
+        key = (r.uncached, r.loaded, r.memory, r.sharing, r.decoding, r.decoding_tokens, r.chunk)
+        out = self.known.get(key)
+        if out is None:
+            if len(self.known) >= KNOWN_MAX:
+                self.known.clear()
+            out = self.known[key] = self._sum(r.terms(*self.units))
+        return out
+
+    def _sum(self, t: tuple[float, ...]) -> tuple[float, float]:
+        beta = self.beta
         return (
             beta[0] * t[0] + beta[1] * t[1] + beta[2] * t[2] + beta[6] * t[6] + beta[7] * t[7],
             beta[3] * t[3] + beta[4] * t[4] + beta[5] * t[5],
@@ -258,7 +287,7 @@ class Fitted(Rates):
     def wait_s(self, ahead_s: float) -> float:
         return ahead_s * (self.pool or self).queue.value
 
-    def pass_terms(self, r: Shape, others: tuple[Shape, ...]) -> tuple[float, ...]:
+    def pass_terms(self, r: Shape, others: tuple[Shape, ...] = ()) -> tuple[float, ...]:
         """A pass's terms: ``r``'s, plus the tokens ``others`` computed in it."""
         terms = r.terms(*self.units)
         if not others:
@@ -271,19 +300,24 @@ class Fitted(Rates):
         return tuple(out)
 
     def observe(
-        self, r: Shape, prefill_s: float, load_s: float, others: tuple[Shape, ...] = ()
+        self,
+        r: Shape,
+        prefill_s: float,
+        load_s: float,
+        others: tuple[Shape, ...] | None = (),
     ) -> None:
         """A report, of a request's own pass or of one it shared with ``others``: the pass's
         terms are its own and the others' tokens computed (one pass, one set of answers
-        stepped in it)."""
+        stepped in it); a pass is learned once (``others`` None: it was)."""
         measured = prefill_s + load_s
-        if measured <= 0:
+        if measured <= 0 or others is None:
             return
         terms = self.pass_terms(r, others)
         pool = self.pool
         if pool is None:
             self.fit.add(terms, measured)  # type: ignore[union-attr]
             self.own = self.fit.solve(PRIOR)  # type: ignore[union-attr]
+            self.known.clear()
             return
         compute, load = pool.pool_parts(terms)  # (before the pool hears it: out of sample)
         pool.observe(r, prefill_s, load_s, others)

@@ -59,6 +59,7 @@ class Mooncake(RoutingPolicy):
         states = {s: self.state(s) for s in candidates}
         self.pool_prior(list(states.values()))
         view = self.store_view(req) if self.look_ahead else StoreView(req.store_blocks)
+        known: dict = {}
         scores = [
             score_prefill(
                 w,
@@ -69,6 +70,7 @@ class Mooncake(RoutingPolicy):
                 view,
                 req.at,
                 self.look_ahead,
+                known,
             )
             for s, w in states.items()
         ]

@@ -31,7 +31,7 @@ TIE_S = 1e-6  # estimated costs closer than this, or than this share of the best
 TIE_SHARE = 1e-4
 # Costs closer than the estimate's recent error × UNSURE_Z (at most UNSURE_MAX of the best)
 # are not told apart by the estimate: load decides between them (``rank_prefill``).
-UNSURE_Z = 0.5
+UNSURE_Z = 1.0
 UNSURE_MAX = 0.25
 
 
@@ -123,6 +123,7 @@ class PrefillWorkerState:
     decoding_tokens: int = 0
     blocks_routed: int = 0  # blocks of all requests sent to it (how full its cache runs)
     uncached_inflight: int = 0  # tokens to compute of the requests in flight
+    tie: bytes | None = None  # (tie_key)
     tail_room: int = 0  # uncached tokens the pass queued last (not begun) can still take
     pending: Counter[str] = field(default_factory=Counter)  # block → requests bringing it
 
@@ -153,6 +154,12 @@ class PrefillWorkerState:
         """How long a request arriving at ``now`` waits (the estimate's factor on the work
         ahead)."""
         return self.estimate.wait_s(self.ahead_s(now))
+
+    def tie_key(self, salt: str) -> bytes:
+        """Its place in the order of a router's ties (``salt``: the router's id)."""
+        if self.tie is None:
+            self.tie = _salted(salt, self.service_id) if salt else b""
+        return self.tie
 
     def joins(self, uncached: int) -> bool:
         """A request of these uncached tokens sent now would join the pass queued last (it
@@ -269,8 +276,7 @@ class PrefillWorkerState:
             self.pool.batch_tokens,
         )
         others = sent.batch.others(sent) if sent.batch else ()
-        if others is not None:
-            self.estimate.observe(shape, prefill_s, load_s, others)
+        self.estimate.observe(shape, prefill_s, load_s, others)
         if sent.ttft_s:
             ttft = now - sent.at
             self.estimate.error.add(sent.ttft_s, ttft)
@@ -326,6 +332,7 @@ class PrefillScore:
     decoding_tokens: int = 0
     chunk: int = 0  # the pool's pass budget
     joins: bool = False  # it would join the pass queued last there
+    given: Shape | None = None  # (the shape it was scored from)
 
     @property
     def ttft_s(self) -> float:
@@ -338,6 +345,8 @@ class PrefillScore:
 
     @property
     def shape(self) -> Shape:
+        if self.given is not None:
+            return self.given
         return Shape(
             self.uncached_tokens,
             self.storage_tokens,
@@ -373,10 +382,12 @@ def score_prefill(
     store: StoreView | int,
     now: float = 0.0,
     look_ahead: bool = True,
+    known: dict | None = None,
 ) -> PrefillScore:
     """``memory_blocks``: leading blocks in this worker's memory tier (the index); ``store``:
     leading blocks in the storage tier, now or (a ``StoreView``) as they will be. Without
-    ``look_ahead`` only what the tiers hold now counts."""
+    ``look_ahead`` only what the tiers hold now counts. ``known``: what one decision has
+    estimated so far (most workers hold none of the prompt, and are estimated alike)."""
     ahead = worker.ahead_s(now)
     estimate = worker.estimate
     wait = estimate.wait_s(ahead)
@@ -385,38 +396,46 @@ def score_prefill(
     limit = max(0, (n_prompt - 1) // block_size)  # a prompt keeps one token to compute
     if look_ahead:
         free = min(limit, max(memory_blocks, worker.pending_prefix(hashes)))
-        in_store = store.by(now + wait)
+        in_store = store.by(now + wait) if store.ready_at else store.stored
     else:
         free, in_store = min(limit, memory_blocks), store.stored
     stored = min(limit, max(free, in_store)) - free
-    shape = Shape(
-        n_prompt - (free + stored) * block_size,
-        stored * block_size,
-        free * block_size,
-        worker.pool.sharing,
-        worker.decoding,
-        worker.decoding_tokens,
-        worker.pool.batch_tokens,
-    )
-    compute_s, load_s = estimate.parts(shape)
+    key = (free, stored, worker.decoding, worker.decoding_tokens, estimate.alike)
+    seen = known.get(key) if known is not None else None
+    if seen is None:
+        shape = Shape(
+            n_prompt - (free + stored) * block_size,
+            stored * block_size,
+            free * block_size,
+            worker.pool.sharing,
+            worker.decoding,
+            worker.decoding_tokens,
+            worker.pool.batch_tokens,
+        )
+        seen = (shape, *estimate.parts(shape))
+        if known is not None:
+            known[key] = seen
+    shape, compute_s, load_s = seen
     joins = worker.joins(shape.uncached)
     if joins:
         compute_s = max(0.0, compute_s - estimate.pass_s(shape))
     return PrefillScore(
-        service_id=worker.service_id,
-        memory_tokens=shape.memory,
-        storage_tokens=shape.loaded,
-        uncached_tokens=shape.uncached,
-        queue_s=wait,
-        compute_s=compute_s,
-        load_s=load_s,
-        ahead_s=ahead,
-        sharing=shape.sharing,
-        error=estimate.error.recent,
-        decoding=worker.decoding,
-        decoding_tokens=worker.decoding_tokens,
-        chunk=worker.pool.batch_tokens,
-        joins=joins,
+        worker.service_id,
+        shape.memory,
+        shape.loaded,
+        shape.uncached,
+        wait,
+        compute_s,
+        load_s,
+        0.0,
+        ahead,
+        shape.sharing,
+        estimate.error.recent,
+        shape.decoding,
+        shape.decoding_tokens,
+        shape.chunk,
+        joins,
+        shape,
     )
 
 
@@ -464,8 +483,8 @@ def rank_prefill(
             s.cost_s = s.ttft_s
 
     def tie_order(s: PrefillScore) -> tuple:
-        order = _salted(salt, s.service_id) if salt else b""
-        return (-s.memory_tokens, workers[s.service_id].blocks_routed, order, s.service_id)
+        w = workers[s.service_id]
+        return (-s.memory_tokens, w.blocks_routed, w.tie_key(salt), s.service_id)
 
     def balance(s: PrefillScore) -> tuple:
         return (s.uncached_tokens + workers[s.service_id].uncached_inflight, *tie_order(s))
