@@ -62,6 +62,7 @@ SPEED_PRIOR = 1.0  # a worker's speed starts as this many reports' worth of its 
 SPEED_SIGMAS = 3.0  # ...and stays its pool's until this many standard errors from it
 RECENT = 0.05  # a request's weight in the recent error
 KNOWN_MAX = 4096  # shapes whose parts a pool keeps between two fits
+SOLVE_EVERY = 4  # a pool's fit is solved again after this many reports (each, at first)
 QUEUE_FACTOR = (0.5, 2.0)  # the wait's factor stays within these
 FLOOR_S = 0.001  # a TTFT below this counts as this in the error (nothing measures finer)
 
@@ -220,6 +221,7 @@ class Fitted(Rates):
         # (a pool's) its reporting workers' speeds, and their mean: what a worker not heard
         # from is taken to be, so it is tried as soon as the measured ones are
         self.members: dict[int, tuple[float, float]] = {}
+        self.speed_sum = (0.0, 0.0)
         self.mean = (1.0, 1.0)
 
     @property
@@ -315,31 +317,35 @@ class Fitted(Rates):
         terms = self.pass_terms(r, others)
         pool = self.pool
         if pool is None:
-            self.fit.add(terms, measured)  # type: ignore[union-attr]
-            self.own = self.fit.solve(PRIOR)  # type: ignore[union-attr]
-            self.known.clear()
+            fit = self.fit
+            assert fit is not None, "a pool's estimate fits"
+            fit.add(terms, measured)
+            # Each report moves a fit of hundreds by little: solved at each of the first
+            # reports, then every SOLVE_EVERY (a pool hears every worker's).
+            if fit.reports <= SOLVE_EVERY**3 or fit.unsolved >= SOLVE_EVERY:
+                self.own = fit.solve(PRIOR)
+                self.known.clear()
             return
         compute, load = pool.pool_parts(terms)  # (before the pool hears it: out of sample)
         pool.observe(r, prefill_s, load_s, others)
         self.speed.add(compute / measured, load / measured)
-        pool.members[id(self)] = self.speed.factors
-        pool._remean()
+        pool._member(self, self.speed.factors)
 
     def leave(self) -> None:
         """The worker left its pool."""
-        if self.pool is not None and self.pool.members.pop(id(self), None) is not None:
-            self.pool._remean()
+        if self.pool is not None:
+            self.pool._member(self, None)
 
-    def _remean(self) -> None:
-        """(a pool's) its reporting workers' mean speed: 1 while none has reported."""
-        speeds = self.members.values()
-        if not speeds:
-            self.mean = (1.0, 1.0)
-            return
-        self.mean = (
-            sum(f[0] for f in speeds) / len(speeds),
-            sum(f[1] for f in speeds) / len(speeds),
-        )
+    def _member(self, worker: Fitted, factors: tuple[float, float] | None) -> None:
+        """(a pool's) a reporting worker's speed now (None: it left); the mean follows."""
+        old = self.members.pop(id(worker), None)
+        if old is not None:
+            self.speed_sum = (self.speed_sum[0] - old[0], self.speed_sum[1] - old[1])
+        if factors is not None:
+            self.members[id(worker)] = factors
+            self.speed_sum = (self.speed_sum[0] + factors[0], self.speed_sum[1] + factors[1])
+        n = len(self.members)
+        self.mean = (self.speed_sum[0] / n, self.speed_sum[1] / n) if n else (1.0, 1.0)
 
     def waited(self, ahead_s: float, waited_s: float) -> None:
         (self.pool or self).queue.add(ahead_s, waited_s)
@@ -413,18 +419,26 @@ class LeastSquares:
         self.zz = [[0.0] * N for _ in range(N)]
         self.z1 = [0.0] * N
         self.weight = 0.0  # of all reports, faded
+        self.reports = 0
+        self.unsolved = 0  # reports added since the last solve
 
     def add(self, terms: tuple[float, ...], measured_s: float) -> None:
         g = self.forget
         z = [t / measured_s for t in terms]
         self.weight = g * self.weight + 1.0
-        for i, zi in enumerate(z):
-            self.z1[i] = g * self.z1[i] + zi
-            row = self.zz[i]
-            for j in range(N):
-                row[j] = g * row[j] + zi * z[j]
+        self.reports += 1
+        self.unsolved += 1
+        self.z1 = [g * a + zi for a, zi in zip(self.z1, z, strict=True)]
+        self.zz = [
+            [g * a + zi * zj for a, zj in zip(row, z, strict=True)] if zi else [g * a for a in row]
+            for row, zi in zip(self.zz, z, strict=True)
+        ]
 
     def solve(self, prior: list[float] | tuple[float, ...]) -> list[float]:
+        self.unsolved = 0
+        return self._solve(prior)
+
+    def _solve(self, prior: list[float] | tuple[float, ...]) -> list[float]:
         # (a term that has been a sliver of every report's time is held as one a tenth of
         # it: its β is not for the reports to invent, and a longer prompt would multiply it)
         n = max(self.weight, 1.0)

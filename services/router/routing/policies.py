@@ -75,6 +75,7 @@ class Mooncake(RoutingPolicy):
             for s, w in states.items()
         ]
         ranked = rank_prefill(scores, states, self.guard, self.salt, self.unsure())
+        self.scored = (req.request_id, {x.service_id: x for x in ranked})
         return [Ranked(x.service_id, x.explain) for x in ranked]
 
     def unsure(self) -> float:

@@ -84,6 +84,8 @@ class RoutingPolicy(ABC):
         self.salt = salt  # orders ties its own way (a router's id: routers do not herd)
         self.pool = Pool.fresh(defaults, self.fitted)
         self.workers: dict[str, PrefillWorkerState] = {}
+        # The scores of the request ranked last (its dispatch counts what was decided).
+        self.scored: tuple[str, dict[str, PrefillScore]] = ("", {})
         # Blocks that requests in flight are computing: block → (when it is expected in the
         # storage tier, the request that will bring it there first).
         self.computing: dict[str, tuple[float, str]] = {}
@@ -146,7 +148,9 @@ class RoutingPolicy(ABC):
     # -- what happened to a routed request (every policy tracks in-flight work) --------------
 
     def dispatched(self, service_id: str, req: RouteRequest) -> None:
-        s = self.score(req, service_id)
+        rid, scores = self.scored
+        s = scores.get(service_id) if rid == req.request_id else None
+        s = s or self.score(req, service_id)
         self.state(service_id).dispatched(req.request_id, req.hashes, s.work_s, req.at, s)
         stored_at = req.at + s.ttft_s
         for h in req.hashes[req.store_blocks :]:

@@ -474,7 +474,11 @@ def rank_prefill(
     weight = waiting_per_worker(states) if guard else 0.0
     if weight:
         pool = states[0].pool.estimate
-        added = [pool.service_s(s.shape) for s in scores]
+        alike: dict[int, float] = {}  # (workers alike share their shape: valued once)
+        added = [
+            alike.get(id(s.shape)) or alike.setdefault(id(s.shape), pool.service_s(s.shape))
+            for s in scores
+        ]
         least = min(added)
         for s, a in zip(scores, added, strict=True):
             s.cost_s = s.ttft_s + weight * (a - least)
@@ -489,13 +493,17 @@ def rank_prefill(
     def balance(s: PrefillScore) -> tuple:
         return (s.uncached_tokens + workers[s.service_id].uncached_inflight, *tie_order(s))
 
-    ordered = sorted(scores, key=lambda s: (s.cost_s, tie_order(s)))
+    ordered = sorted(scores, key=_cost)  # (stable: the candidates' order past the best)
     best = ordered[0].cost_s
     edge = best + max(TIE_S, (TIE_SHARE + unsure) * best)
     near = 1
     while near < len(ordered) and ordered[near].cost_s <= edge:
         near += 1
     return sorted(ordered[:near], key=balance if unsure else tie_order) + ordered[near:]
+
+
+def _cost(s: PrefillScore) -> float:
+    return s.cost_s
 
 
 def _salted(salt: str, service_id: str) -> bytes:

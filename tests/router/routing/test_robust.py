@@ -121,3 +121,25 @@ def test_routers_with_the_same_view_spread_their_picks() -> None:
         picks.append(one.rank(burst, workers)[0].service_id)
         one.dispatched(picks[-1], burst)
     assert sorted(picks) == workers
+
+
+def test_a_shared_prompt_being_computed_is_waited_for_when_that_is_cheaper() -> None:
+    """Two sessions open with the same 8K-token system prompt. The second comes 6 s into the
+    first's prefill (1K tok/s): waiting behind it on its worker (2.3 s left, then its own 256
+    tokens) beats computing the prompt again on an idle one (8.3 s); arriving at once, it does
+    not (the idle worker is as quick, and the pool's work is the same)."""
+    from services.router.routing.ttft import CostDefaults
+
+    system = [f"sys{i}" for i in range(128)]  # 128 × 64 = 8,192 tokens
+
+    def opening(name: str, at: float) -> RouteRequest:
+        return RouteRequest(name, 8192 + 256, 64, [*system, f"{name}-own"], {}, at)
+
+    for arrives, expected in ((6.0, "p0"), (0.0, "p1")):
+        policy = POLICIES["ttft"](CostDefaults(prefill_tok_s=1000.0, load_tok_s=10_000.0))
+        first = opening("a", 0.0)
+        policy.dispatched(policy.rank(first, ["p0", "p1"])[0].service_id, first)
+        ranked = policy.rank(opening("b", arrives), ["p0", "p1"])
+        assert ranked[0].service_id == expected, ranked[0].terms
+        if expected == "p0":
+            assert ranked[0].terms["memory_tokens"] == 8192  # brought there by the first
