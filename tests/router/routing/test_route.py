@@ -110,3 +110,22 @@ def test_with_whole_prefill_workers_a_long_prompt_goes_pd_and_a_short_one_stays(
     assert not long.on_decode and long.pairs == [("vp0", "v1")] and long.ranked
     short = route(policy, request(40), {"vp0": 0}, decodes, local_max_tokens=64)
     assert short.on_decode and short.pairs[0] == ("v1", "v1") and not short.ranked
+
+
+def test_a_whole_worker_counts_the_answers_it_decodes_not_those_it_prefills() -> None:
+    """Whole workers say how many sequences they hold and their KV: those past their first
+    token are the answers it steps in every pass of the next prompt (the estimate's terms);
+    those still prefilling are already in the policy's queue."""
+    policy = POLICIES["ttft"]()
+    first = request(640)
+    route(policy, first, {}, [whole("v0"), whole("v1")], 64)
+    policy.dispatched("v0", first)  # prefilling there, as far as the router knows
+    decodes = [
+        DecodeScore("v0", 100, 5, whole=True, used_tokens=4000),
+        DecodeScore("v1", 100, 2, whole=True, used_tokens=900),
+    ]
+    chosen = route(policy, request(640), {}, decodes, 64)
+    assert policy.workers["v0"].decoding == 4 and policy.workers["v0"].decoding_tokens == 4000
+    assert policy.workers["v1"].decoding == 2 and policy.workers["v1"].decoding_tokens == 900
+    terms = {p[0]: r.terms for p, r in zip(chosen.pairs, chosen.decision["candidates"])}
+    assert terms["v0"]["decoding"] == 4 and terms["v1"]["decoding"] == 2
