@@ -127,5 +127,5 @@ def test_a_whole_worker_counts_the_answers_it_decodes_not_those_it_prefills() ->
     chosen = route(policy, request(640), {}, decodes, 64)
     assert policy.workers["v0"].decoding == 4 and policy.workers["v0"].decoding_tokens == 4000
     assert policy.workers["v1"].decoding == 2 and policy.workers["v1"].decoding_tokens == 900
-    terms = {p[0]: r.terms for p, r in zip(chosen.pairs, chosen.decision["candidates"])}
+    terms = {r.service_id: r.terms for r in chosen.decision["candidates"]}
     assert terms["v0"]["decoding"] == 4 and terms["v1"]["decoding"] == 2
