@@ -333,6 +333,7 @@ class PrefillScore:
     chunk: int = 0  # the pool's pass budget
     joins: bool = False  # it would join the pass queued last there
     given: Shape | None = None  # (the shape it was scored from)
+    by_load: bool = False  # within the estimate's error of the best: placed by load
 
     @property
     def ttft_s(self) -> float:
@@ -370,6 +371,7 @@ class PrefillScore:
             "estimate_error": round(self.error, 4),
             **({"decoding": self.decoding} if self.decoding else {}),
             **({"joins_pass": True} if self.joins else {}),
+            **({"ranked_by_load": True} if self.by_load else {}),
         }
 
 
@@ -499,6 +501,9 @@ def rank_prefill(
     near = 1
     while near < len(ordered) and ordered[near].cost_s <= edge:
         near += 1
+    if unsure and near > 1:
+        for s in ordered[:near]:
+            s.by_load = True
     return sorted(ordered[:near], key=balance if unsure else tie_order) + ordered[near:]
 
 

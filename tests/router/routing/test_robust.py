@@ -143,3 +143,28 @@ def test_a_shared_prompt_being_computed_is_waited_for_when_that_is_cheaper() -> 
         assert ranked[0].service_id == expected, ranked[0].terms
         if expected == "p0":
             assert ranked[0].terms["memory_tokens"] == 8192  # brought there by the first
+
+
+def test_what_the_estimate_cannot_tell_apart_load_decides() -> None:
+    """p1's estimate is a little better (its request has run 0.3 s), p0 holds fewer tokens
+    to compute. While the estimate has been right, it decides (p1); once it has been a third
+    off, the two are within its error, and the fewer tokens in flight win (p0), saying so."""
+    from services.router.routing.ttft import CostDefaults
+
+    def pick(misses: float) -> tuple[str, dict]:
+        policy = POLICIES["ttft"](CostDefaults(prefill_tok_s=1000.0, load_tok_s=10_000.0))
+        t = 0.0
+        for i in range(60):  # reports whose TTFT is the estimate × (1 + misses)
+            req = RouteRequest(f"w{i}", 500, 64, [], {}, t)
+            policy.dispatched("p2", req)
+            took = 0.5 * (1 + misses)
+            policy.prefilled("p2", req, t + took, 500, 0, 0.5, 0.0)
+            t += 10.0
+        policy.dispatched("p1", RouteRequest("long", 1200, 64, [], {}, t - 0.3))
+        policy.dispatched("p0", RouteRequest("short", 1000, 64, [], {}, t))
+        best = policy.rank(RouteRequest("x", 640, 64, [], {}, t), ["p0", "p1"])[0]
+        return best.service_id, best.terms
+
+    assert pick(0.0)[0] == "p1"
+    chosen, terms = pick(0.5)
+    assert chosen == "p0" and terms["ranked_by_load"]
