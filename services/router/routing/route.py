@@ -195,8 +195,8 @@ class RoutingPolicy(ABC):
         will compute the next prompt."""
         w = self.state(service_id)
         w.reported_tokens = queued_tokens
-        w.decoding = max(0, active - w.inflight)
-        w.decoding_tokens = active_tokens if w.decoding else 0
+        decoding = max(0, active - w.inflight)
+        w.decodes(decoding, active_tokens if decoding else 0)
 
     def forget(self, service_id: str) -> None:
         w = self.workers.pop(service_id, None)

@@ -53,13 +53,25 @@ class CostDefaults:
 
 @dataclass
 class Pool:
-    """What the router believes of a pool: its estimate (the workers' start from it), and how
-    many of its workers are loading from the storage tier now (their oldest request loads)."""
+    """What the router believes of a pool: its estimate (the workers' start from it), how
+    many of its workers are loading from the storage tier now (their oldest request loads),
+    and (workers that also decode) the answers they decode, all together."""
 
     estimate: Rates
     workers: int = 0
     loading: int = 0
     batch_tokens: int = 0  # (CostDefaults.batch_tokens)
+    decoding: int = 0  # sequences its workers decode, summed...
+    decoding_tokens: int = 0  # ...and their context
+
+    def decodes(self) -> tuple[int, int]:
+        """A worker's share of the answers decoded in the pool, and of their context: what a
+        request is scored with. Each worker's own count is a snapshot that every answer moves
+        (and the next prompt's own answer joins it); a choice between workers made on it
+        chased the snapshot and lost the tail in the aggregated world. So decoding sets the
+        estimate's level, for every worker alike, and the queues and caches the choice."""
+        n = max(1, self.workers)
+        return round(self.decoding / n), round(self.decoding_tokens / n)
 
     @classmethod
     def fresh(cls, d: CostDefaults, fitted: bool) -> Pool:
@@ -283,8 +295,15 @@ class PrefillWorkerState:
             self.pool.estimate.error.add(sent.ttft_s, ttft)
             self.estimate.waited(sent.ahead_s, max(0.0, ttft - prefill_s - load_s))
 
+    def decodes(self, sequences: int, tokens: int) -> None:
+        """What it decodes now (its heartbeat), in its pool's sums."""
+        self.pool.decoding += sequences - self.decoding
+        self.pool.decoding_tokens += tokens - self.decoding_tokens
+        self.decoding, self.decoding_tokens = sequences, tokens
+
     def forgotten(self) -> None:
         """The worker left the pool."""
+        self.decodes(0, 0)
         self.pool.workers -= 1
         self.estimate.leave()
         if self.work:
@@ -328,8 +347,8 @@ class PrefillScore:
     ahead_s: float = 0.0  # the work counted ahead (``queue_s`` before the queue's factor)
     sharing: float = 0.0  # the share of the pool loading now
     error: float = 0.0  # the worker's estimate's recent error (relative)
-    decoding: int = 0  # sequences the worker decodes meanwhile, and their context
-    decoding_tokens: int = 0
+    decoding: int = 0  # sequences the worker decodes meanwhile, and their context (its own;
+    decoding_tokens: int = 0  # its shape has the pool's share: ``Pool.decodes``)
     chunk: int = 0  # the pool's pass budget
     joins: bool = False  # it would join the pass queued last there
     given: Shape | None = None  # (the shape it was scored from)
@@ -402,7 +421,8 @@ def score_prefill(
     else:
         free, in_store = min(limit, memory_blocks), store.stored
     stored = min(limit, max(free, in_store)) - free
-    key = (free, stored, worker.decoding, worker.decoding_tokens, estimate.alike)
+    decoding, decoding_tokens = worker.pool.decodes()
+    key = (free, stored, decoding, decoding_tokens, estimate.alike)
     seen = known.get(key) if known is not None else None
     if seen is None:
         shape = Shape(
@@ -410,8 +430,8 @@ def score_prefill(
             stored * block_size,
             free * block_size,
             worker.pool.sharing,
-            worker.decoding,
-            worker.decoding_tokens,
+            decoding,
+            decoding_tokens,
             worker.pool.batch_tokens,
         )
         seen = (shape, *estimate.parts(shape))
@@ -433,8 +453,8 @@ def score_prefill(
         ahead,
         shape.sharing,
         estimate.error.recent,
-        shape.decoding,
-        shape.decoding_tokens,
+        worker.decoding,
+        worker.decoding_tokens,
         shape.chunk,
         joins,
         shape,

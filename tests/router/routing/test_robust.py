@@ -79,9 +79,11 @@ def test_the_answers_a_worker_decodes_count_and_are_learned_as_their_load_change
     assert error(48) < 0.05
 
 
-def test_a_worker_decoding_more_gets_the_next_prompt_less_often() -> None:
-    """Two aggregated workers alike, idle but for what they decode: the next prompt goes to
-    the one decoding less, once the fit has seen what decoding costs."""
+def test_what_workers_decode_sets_the_estimates_level_and_queues_decide() -> None:
+    """Two aggregated workers alike: once the fit has seen what decoding costs a pass, a
+    prompt's estimate rises with the answers the pool decodes; between the two, their queues
+    decide, not the snapshot of what each decodes (which every answer moves, and the prompt's
+    own answer joins: chasing it lost the tail in the aggregated grid)."""
     policy = POLICIES["ttft"]()
     rng = random.Random(2)
     t = 0.0
@@ -94,11 +96,18 @@ def test_a_worker_decoding_more_gets_the_next_prompt_less_often() -> None:
         r = Shape(2048, decoding=seqs, decoding_tokens=seqs * 1500)
         policy.prefilled(w, req, t + truth(r), 2048, 0, truth(r), 0.0)
         t += 10.0
-    policy.reported("a", 0, 30, 30 * 1500)
-    policy.reported("b", 0, 2, 2 * 1500)
-    ranked = policy.rank(RouteRequest("x", 2048, 64, [], {}, t), ["a", "b"])
-    assert [r.service_id for r in ranked] == ["b", "a"]
-    assert ranked[1].terms["decoding"] == 30
+
+    def estimates(a: int, b: int) -> dict[str, float]:
+        policy.reported("a", 0, a, a * 1500)
+        policy.reported("b", 0, b, b * 1500)
+        ranked = policy.rank(RouteRequest("x", 2048, 64, [], {}, t), ["a", "b"])
+        return {r.service_id: r.terms["ttft_s"] for r in ranked}
+
+    idle, busy = estimates(0, 0), estimates(30, 2)
+    assert busy["a"] == busy["b"] > 1.1 * idle["a"]
+    policy.dispatched("b", RouteRequest("queued", 2048, 64, [], {}, t))
+    ranked = policy.rank(RouteRequest("y", 2048, 64, [], {}, t), ["a", "b"])
+    assert ranked[0].service_id == "a" and ranked[0].terms["decoding"] == 30
 
 
 def test_routers_with_the_same_view_spread_their_picks() -> None:
