@@ -63,6 +63,20 @@ def route_attributes(policy: str, ranked: list[Ranked]) -> dict:
     }
 
 
+def decode_score(w: WorkerRecord, inflight: int) -> DecodeScore:
+    """A decode worker as routing sees it, from its heartbeat and what this router sent it."""
+    load = w.heartbeat.load
+    return DecodeScore(
+        w.service_id,
+        load.kv_blocks_total - load.kv_blocks_used,
+        max(inflight, load.inflight),
+        w.heartbeat.whole,
+        load.queued_tokens,
+        w.heartbeat.pd_only,
+        load.kv_blocks_used * load.kv_block_size,
+    )
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -168,15 +182,7 @@ class Dispatcher:
         whole = any(w.heartbeat.whole for w in decoders)
         peered = any(w.heartbeat.pd_only for w in decoders)
         decodes = [
-            DecodeScore(
-                w.service_id,
-                w.heartbeat.load.kv_blocks_total - w.heartbeat.load.kv_blocks_used,
-                max(self.inflight[w.service_id], w.heartbeat.load.inflight),
-                w.heartbeat.whole,
-                w.heartbeat.load.queued_tokens,
-                w.heartbeat.pd_only,
-                w.heartbeat.load.kv_blocks_used * w.heartbeat.load.kv_block_size,
-            )
+            decode_score(w, self.inflight[w.service_id])
             for w in decoders
             if w.heartbeat.whole == whole
         ]

@@ -11,14 +11,14 @@ import itertools
 from collections import OrderedDict
 
 from services.router.routing.route import DEFAULTS, Ranked, RouteRequest, RoutingPolicy
-from services.router.routing.ttft import (
+from services.router.routing.score import (
     UNSURE_MAX,
     UNSURE_Z,
-    CostDefaults,
     StoreView,
     rank_prefill,
     score_prefill,
 )
+from services.router.routing.ttft import CostDefaults
 
 
 class RoundRobin(RoutingPolicy):

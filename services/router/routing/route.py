@@ -24,14 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from services.router.routing.ttft import (
-    CostDefaults,
-    Pool,
-    PrefillScore,
-    PrefillWorkerState,
-    StoreView,
-    score_prefill,
-)
+from services.router.routing.score import PrefillScore, StoreView, score_prefill
+from services.router.routing.ttft import CostDefaults, Pool, PrefillWorkerState
 from shared.messages.kvevents import STORE, memory_location
 
 DEFAULTS = CostDefaults()

@@ -9,13 +9,8 @@ import pytest
 
 from services.router.routing.policies import POLICIES
 from services.router.routing.route import RouteRequest
-from services.router.routing.ttft import (
-    CostDefaults,
-    PrefillScore,
-    PrefillWorkerState,
-    rank_prefill,
-    score_prefill,
-)
+from services.router.routing.score import PrefillScore, rank_prefill, score_prefill
+from services.router.routing.ttft import CostDefaults, PrefillWorkerState
 
 D = CostDefaults(prefill_tok_s=1000.0, load_tok_s=10_000.0)
 BS = 64
