@@ -8,7 +8,8 @@ more), each request's compute varying by 10%, short prompts sharing passes, the 
 bandwidth shared by the loads running at once (3FS's published figures), memory hits costing a
 copy, decode steps reading their sequences' KV (simulator/world.py). Each cell is replayed with
 ``--seeds`` of the world's variation, and with the storage bandwidth scaled by each of
-``--store-scales``. ``--world policy`` replays in the policies' own estimate instead.
+``--store-scales``. ``--world policy`` replays in the policies' own estimate instead;
+``--aggregated`` in a world of whole-request workers (each decodes what it prefilled).
 
 The grid: Mooncake's synthetic trace and Azure's conversation and code traces (from
 ../shared/traces/), and an agent-like trace (bench/agent_trace.py: 300 sessions for 8 prefill
@@ -32,7 +33,7 @@ replay_ttft_vs_fastest (the default's against the cheapest policy's), decision_p
 variant and cell every policy's ttft_mean_s, ttft_p99_s, hit_ratio.
 
     .venv/bin/python bench/routing.py [--jobs 2] [--traces agent,mooncake] [--sizes 8]
-        [--seeds 0,1,2] [--store-scales 0.5,1,2] [--world policy|FILE]
+        [--seeds 0,1,2] [--store-scales 0.5,1,2] [--world policy|FILE] [--aggregated]
 """
 
 from __future__ import annotations
