@@ -9,7 +9,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 BIN := $(VENV)/bin
 
-.PHONY: run test browser lint format proto lock clean
+.PHONY: run test browser lint format proto lock clean gpu-wheels
 
 VLLM_STAMP := $(VENV)/.installed-vllm
 
@@ -94,6 +94,18 @@ lock:
 	{ echo "# The vllm extra's part of the lock (installed --no-deps beside requirements.txt)."; \
 	  grep -vxF -f requirements.txt .lock-all.txt; } > requirements-vllm.txt
 	rm -rf $(LOCK_VENV) .lock-all.txt *.egg-info
+
+# bench/gpu.py's wheels for the lent GPU machine (CPython 3.12, x86-64): bench/gpu-wheels.txt,
+# into .whl/ (git ignores it); nkeys has no wheel on the registry and is built here (pure Python).
+GPU_PLATFORMS := $(foreach p,manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 \
+	manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64)
+gpu-wheels:
+	mkdir -p .whl
+	grep -v -e '^#' -e '^nkeys' bench/gpu-wheels.txt | xargs python3 -m pip download -q \
+		--disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(GPU_PLATFORMS) -d .whl
+	python3 -m pip wheel -q --disable-pip-version-check --no-deps -w .whl \
+		$$(grep '^nkeys' bench/gpu-wheels.txt)
 
 clean:
 	rm -rf $(VENV) .kvmesh .pytest_cache .ruff_cache *.egg-info

@@ -368,6 +368,18 @@ def hops(trace_dir: Path, results: list[dict]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--skip-real", action="store_true", help="only the tiny model")
+    ap.add_argument(
+        "--stacks",
+        default="tiny,fake,smollm2",
+        help="which stacks, of tiny, fake (the fake-paced engine) and smollm2 (the real model)",
+    )
+    ap.add_argument(
+        "--model",
+        metavar="NAME=PATH",
+        default="",
+        help="the tiny and fake stacks serve this checkpoint's text side instead of the tiny "
+        "model's (where the bundled model is not installed: bench/gpu.py)",
+    )
     ap.add_argument("--requests", type=int, default=3, help="requests per client (tiny model)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument(
@@ -403,10 +415,18 @@ def main() -> None:
         "KVMESH_PREFILL_MEMORY_TIER_BYTES": "0",
         "KVMESH_DECODE_MEMORY_TIER_BYTES": "0",
     }
-    runs = [("tiny", "tiny", {}, args.requests), ("fake", "tiny", fake, args.requests)]
-    if not args.skip_real:
-        runs.append(("smollm2", "smollm2-135m-instruct", {}, 1))
-    runs = [(name, model, {**placement, **extra}, n) for name, model, extra, n in runs]
+    small, models = "tiny", {}
+    if args.model:
+        small, path = args.model.split("=", 1)
+        models = {"KVMESH_MODELS": json.dumps({small: str(Path(path).resolve())})}
+    runs = [("tiny", small, {}, args.requests), ("fake", small, fake, args.requests)]
+    runs.append(("smollm2", "smollm2-135m-instruct", {}, 1))
+    wanted = set(args.stacks.split(",")) - ({"smollm2"} if args.skip_real else set())
+    runs = [
+        (name, model, {**placement, **models, **extra}, n)
+        for name, model, extra, n in runs
+        if name in wanted
+    ]
     rows = []
     summary: dict = {}
     for name, model, extra, per_client in runs:

@@ -105,6 +105,16 @@ class WorkerSettings(ServiceSettings):
     kv_cache_tokens: int = Field(
         default=16384, ge=64, description="KV pool size in tokens (whole blocks)"
     )
+    device: str = Field(
+        default="cpu",
+        pattern=r"^(cpu|cuda(:\d+)?)$",
+        description="where the torch engine computes: cpu, cuda or cuda:N",
+    )
+    dtype: str = Field(
+        default="",
+        description="the torch engine's weights and KV cache: float32, bfloat16 or float16; "
+        "empty: float32 on a CPU, bfloat16 on a GPU",
+    )
     threads: int = Field(default=0, ge=0, le=1024, description="torch threads; 0: all cores")
     cpu_cores: str = Field(
         default="",
@@ -165,7 +175,7 @@ class WorkerSettings(ServiceSettings):
             raise ValueError(f"empty or one of {', '.join(PD_TRANSFERS)}")
         return name
 
-    @field_validator("store_dtype")
+    @field_validator("store_dtype", "dtype")
     @classmethod
     def _known_dtype(cls, name: str) -> str:
         if name and name not in DTYPES:
@@ -183,6 +193,8 @@ class WorkerSettings(ServiceSettings):
         return EngineOptions(
             block_size=self.block_size,
             kv_cache_tokens=self.kv_cache_tokens,
+            dtype=self.dtype,
+            device=self.device,
             threads=self.threads,
             cpu_cores=self.cpu_cores,
             prefill_chunk=self.prefill_chunk,

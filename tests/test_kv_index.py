@@ -191,8 +191,11 @@ def test_a_worker_whose_events_are_cut_is_flagged_routed_by_load_then_resynced(
         what="the feed whole again after a resync",
     )
     assert "KV events resync" in stack.procs[hooked].output()
+    # (the turn routed by load may have put the prefix on another worker too: either may take
+    # the next turn, from memory)
     decision = route(stack, ids + conversation(41, 64))
-    assert decision["chosen"] == hooked and memory(decision)[hooked] >= 512
+    held = memory(decision)
+    assert held[hooked] >= 512 and held[decision["chosen"]] >= 512, decision
     print(f"stopped feed flagged in {flagged_s:.1f} s")
 
 

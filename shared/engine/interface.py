@@ -65,7 +65,9 @@ class Paused(Exception):
 class EngineOptions:
     block_size: int = 64
     kv_cache_tokens: int = 65536  # pool size, in tokens (rounded down to whole blocks)
-    dtype: str = "float32"
+    dtype: str = ""  # the weights' and KV cache's; "": float32 on a CPU, bfloat16 on a GPU
+    device: str = "cpu"  # where the torch engine computes: cpu, cuda, cuda:N
+    cuda_graphs: bool = True  # on a GPU, plain decode steps replayed as CUDA graphs
     threads: int = 0  # 0: leave the backend's default
     cpu_cores: str = ""  # cores its threads are bound to ("1", "0-3,8"); "": the backend's choice
     prefill_chunk: int = 512  # tokens per forward pass in prefill (bounds attention memory)

@@ -104,20 +104,40 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def all_cells(source: bytearray | memoryview) -> tuple[KVHeader, torch.Tensor]:
-    """A blob's header and every cell at once, as one tensor [layers, blocks, 2 (K, V),
-    block_size, G, E] over the blob's own memory (no copy: ``source`` must be writable),
-    every cell's CRC checked first."""
+def checked_cells(source: bytes | bytearray | memoryview | BinaryIO) -> tuple[KVHeader, memoryview]:
+    """A blob's header and its cells' bytes (a view of ``source`` where it is in memory),
+    every cell's CRC checked."""
+    if not isinstance(source, bytes | bytearray | memoryview):
+        source = source.read()
     view = memoryview(source).cast("B")
     header, start = read_header(as_reader(view))
+    return header, checked(header, view[start:])
+
+
+def checked(header: KVHeader, data: memoryview) -> memoryview:
+    """The cells' bytes of a blob whose data starts ``data``, every cell's CRC checked."""
     size, count = header.cell_bytes, len(header.crc32)
-    data = view[start : start + size * count]
+    data = data[: size * count]
     if len(data) < size * count:
         raise KVFormatError(f"KV data truncated: {len(data)} of {size * count} bytes")
     for i, crc in enumerate(header.crc32):
         if zlib.crc32(data[i * size : (i + 1) * size]) != crc:
             layer, block = divmod(i, header.n_blocks)
             raise KVFormatError(f"KV checksum mismatch at layer {layer} block {block}")
+    return data
+
+
+def raw_view(t: torch.Tensor) -> np.ndarray:
+    """A contiguous host tensor's memory as bytes (a writable numpy view)."""
+    return _raw(t).view(np.uint8).reshape(-1)
+
+
+def all_cells(source: bytearray | memoryview) -> tuple[KVHeader, torch.Tensor]:
+    """A blob's header and every cell at once, as one tensor [layers, blocks, 2 (K, V),
+    block_size, G, E] over the blob's own memory (no copy: ``source`` must be writable),
+    every cell's CRC checked first."""
+    header, data = checked_cells(source)
+    count = len(header.crc32)
     shape = (header.n_layers, header.n_blocks, 2, header.block_size, header.n_kv_heads)
     cells = torch.frombuffer(data, dtype=DTYPES[header.dtype]) if count else torch.empty(0)
     return header, cells.view(*shape, header.head_dim)

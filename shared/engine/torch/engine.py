@@ -30,6 +30,7 @@ from shared.engine.interface import (
 )
 from shared.engine.sampling import SamplingParams, stop_string_hit
 from shared.engine.torch.blocks import BlockPool
+from shared.engine.torch.graphs import DecodeGraphs
 from shared.engine.torch.kvio import KvIO
 from shared.engine.torch.loader import LoadedModel, load_model
 from shared.engine.torch.model import KVCache, Segment, Transformer
@@ -52,21 +53,43 @@ from shared.model.grammar import GrammarError, Matcher, vocabulary
 log = logging.getLogger(__name__)
 
 
+def compute_device(name: str) -> torch.device:
+    """The torch device named (``cpu``, ``cuda``, ``cuda:N``), checked to be there."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device: cpu, cuda or cuda:N (got {name!r})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {name} asked, but torch {torch.__version__} sees no GPU")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device: {name}, but there are {torch.cuda.device_count()} GPUs")
+    elif device.type != "cpu":
+        raise ValueError(f"device: cpu, cuda or cuda:N (got {name!r})")
+    return device
+
+
 class TorchEngine(Engine):
     def __init__(self, model: LoadedModel, options: EngineOptions = EngineOptions()) -> None:
         self.config = model.config
         self.options = options
         self.block_size = options.block_size
         self.tokenizer = model.tokenizer
-        self.dtype = kvformat.DTYPES[options.dtype]
-        weights = {k: v.to(self.dtype) for k, v in model.weights.items()}
+        self.device = compute_device(options.device)
+        dtype_name = options.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
+        self.dtype = kvformat.DTYPES[dtype_name]
+        weights = {k: v.to(self.device, self.dtype) for k, v in model.weights.items()}
         self.model = Transformer(model.config, weights)
         n_blocks = options.kv_cache_tokens // options.block_size
         self.pool = BlockPool(n_blocks, options.block_size)
-        self.cache = KVCache(model.config, n_blocks * options.block_size, self.dtype)
+        self.cache = KVCache(model.config, n_blocks * options.block_size, self.dtype, self.device)
         self.seqs: dict[str, Sequence] = {}
         self.running: list[str] = []
-        self.kv = KvIO(model.config, self.pool, self.cache, options.dtype)
+        self.kv = KvIO(model.config, self.pool, self.cache, dtype_name)
+        self.graphs: DecodeGraphs | None = None  # a GPU's plain decode steps (not a MoE's)
+        if self.device.type == "cuda" and options.cuda_graphs and not model.config.moe:
+            scratch = self.pool.allocate(1)[0]  # (what padded rows write and read)
+            self.graphs = DecodeGraphs(self.model, self.cache, scratch * options.block_size)
         self._vocab: LLTokenizer | None = None  # for grammars, built on the first one
         if options.speculative not in MODES:
             raise ValueError(
@@ -121,6 +144,7 @@ class TorchEngine(Engine):
         depends = [
             self.config.fingerprint,
             str(self.dtype),
+            str(self.device),
             torch.get_num_threads(),
             self.options.max_draft,
             self.pool.n_blocks * self.block_size,
@@ -151,11 +175,17 @@ class TorchEngine(Engine):
                     positions = torch.arange(context, context + n)
                     started = time.perf_counter()
                     self.model.logits(self.model.forward(tokens, positions, [seg], self.cache))
+                    self._synchronize()
                     if round_:
                         times[n].append(time.perf_counter() - started)
         finally:
             self.pool.free(blocks)
         return CostCurve({n: statistics.median(t) for n, t in times.items()})
+
+    def _synchronize(self) -> None:
+        """Wait for the device's queued work (a GPU runs it after the call returns)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def cleanup(self) -> None:
         for seq_id in list(self.seqs):
@@ -362,15 +392,19 @@ class TorchEngine(Engine):
         bound = [s for s in seqs if s.matcher is not None]
         masks = self._masker.submit(lambda: [s.matcher.allowed() for s in bound]) if bound else None
         started = time.perf_counter()
-        hidden = self.model.forward(
-            torch.tensor(tokens), torch.tensor(positions), segments, self.cache
-        )
-        logits = self.model.logits(hidden)
+        if self.graphs is not None and row == len(seqs) and self.graphs.fits(row):
+            logits, best = self.graphs.step(tokens, positions, [s.slots for s in segments])
+        else:
+            hidden = self.model.forward(
+                torch.tensor(tokens), torch.tensor(positions), segments, self.cache
+            )
+            logits = self.model.logits(hidden)
+            best = logits.argmax(-1).tolist()  # (every row's greedy token in one call)
         ahead = dict(zip(map(id, bound), masks.result(), strict=True)) if masks else {}
         if self._base_cost is not None:
             self._cost(len(seqs)).observe(len(tokens), time.perf_counter() - started)
         if self.balancer is not None:  # a decode step's expert load; on schedule, a new plan
-            counts = self.model.expert_counts.numpy(), self.model.slot_counts.numpy()
+            counts = self.model.expert_counts.cpu().numpy(), self.model.slot_counts.cpu().numpy()
             if self.balancer.observe(*counts):
                 self.model.place(self.balancer.placement.slot_expert)
         outputs = []
@@ -378,7 +412,8 @@ class TorchEngine(Engine):
             seq.n_cached = seq.n_tokens  # the KV of its last token, and of its drafts
             draft, accepted = proposal.tokens, 0
             for j in range(len(draft) + 1):
-                out = self._append(seq, logits[seg.q_start + j], ahead.pop(id(seq), None))
+                row = seg.q_start + j
+                out = self._append(seq, logits[row], ahead.pop(id(seq), None), best[row])
                 outputs.append(out)
                 if seq.finished or j == len(draft) or out.token_id != draft[j]:
                     break
@@ -438,10 +473,34 @@ class TorchEngine(Engine):
         return self.costs[batch]
 
     def _append(
-        self, seq: Sequence, logits: torch.Tensor, mask: np.ndarray | None = None
+        self,
+        seq: Sequence,
+        logits: torch.Tensor,
+        mask: np.ndarray | None = None,
+        best: int | None = None,
     ) -> StepOutput:
         """The sequence's next token from ``logits``; ``mask``: its grammar's allowed tokens,
-        when they were computed ahead (else they are computed here)."""
+        when they were computed ahead (else they are computed here); ``best``: the logits'
+        argmax, when known (a plain greedy token needs nothing else: a GPU's logits stay
+        there)."""
+        p = seq.params
+        plain = p.greedy and not (p.logit_bias or p.penalized or seq.matcher)
+        token = best if best is not None and plain else None
+        if token is None:
+            token = self._sampled(seq, logits.float().cpu(), mask)
+        logprobs = None if p.logprobs is None else logprobs_of(logits.cpu(), token, p.logprobs)
+        seq.output_ids.append(token)
+        if (token in self.config.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif p.stop and (hit := stop_string_hit(self.tokenizer.decode, seq.output_ids, p.stop)):
+            seq.finish_reason, seq.stop_string = "stop", hit
+        elif len(seq.output_ids) >= p.max_tokens or seq.n_tokens >= self.config.max_context:
+            seq.finish_reason = "length"
+        return StepOutput(seq.seq_id, token, seq.finish_reason, seq.stop_string, logprobs)
+
+    def _sampled(self, seq: Sequence, logits: torch.Tensor, mask: np.ndarray | None) -> int:
+        """A token drawn (or the greedy one) from host ``logits`` with the sequence's bias,
+        penalties and grammar."""
         p = seq.params
         answer: list[int] = []
         if p.penalized:  # the whole answer: a resumed one's earlier tokens end its prompt
@@ -453,15 +512,7 @@ class TorchEngine(Engine):
         token = sample(allowed, p, p.answer_offset + len(seq.output_ids), answer)
         if seq.matcher is not None and token not in self.config.eos_ids:
             seq.matcher.take([token])  # (an end-of-answer token ends it: nothing to take)
-        logprobs = None if p.logprobs is None else logprobs_of(logits, token, p.logprobs)
-        seq.output_ids.append(token)
-        if (token in self.config.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif p.stop and (hit := stop_string_hit(self.tokenizer.decode, seq.output_ids, p.stop)):
-            seq.finish_reason, seq.stop_string = "stop", hit
-        elif len(seq.output_ids) >= p.max_tokens or seq.n_tokens >= self.config.max_context:
-            seq.finish_reason = "length"
-        return StepOutput(seq.seq_id, token, seq.finish_reason, seq.stop_string, logprobs)
+        return token
 
     def _matcher(self, token_ids: list[int], params: SamplingParams) -> Matcher | None:
         """A constrained sequence's matcher, past the answer tokens its prompt ends with (a

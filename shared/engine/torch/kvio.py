@@ -1,10 +1,16 @@
 """KV export and import for the torch engine: a sequence's blocks as kvformat bytes (for a
-handoff, or one blob per block for the storage tiers), and bytes back into pool blocks."""
+handoff, or one blob per block for the storage tiers), and bytes back into pool blocks.
+
+On a GPU the blocks cross between the device and the host in one copy each way: gathered
+(or scattered) on the device by one indexed copy, staged in pinned host memory (the copy
+engine reads and writes it directly, no bounce buffer), and encoded from or decoded into
+that staging buffer, a block a view of it."""
 
 from __future__ import annotations
 
 from typing import BinaryIO
 
+import numpy as np
 import torch
 
 from shared.engine import kvformat
@@ -44,32 +50,53 @@ class KvIO:
         bs = self.block_size
         n_tokens = seq.n_cached if partial else seq.n_cached // bs * bs
         n_blocks = self.pool.blocks_for(n_tokens)
-        slots = seq.slots(bs, n_blocks * bs)
+        slots = seq.slots(bs, n_blocks * bs).to(self.cache.k.device)
         shape = (self.config.n_layers, n_blocks, bs, self.config.n_kv_heads, -1)
-        k = self.cache.k[:, slots].reshape(shape).to(kvformat.DTYPES[dtype])
-        v = self.cache.v[:, slots].reshape(shape).to(kvformat.DTYPES[dtype])
+        k = _host(self.cache.k[:, slots].reshape(shape).to(kvformat.DTYPES[dtype]))
+        v = _host(self.cache.v[:, slots].reshape(shape).to(kvformat.DTYPES[dtype]))
         return kvformat.encode(self._header_fields(n_blocks, n_tokens, dtype), k, v)
 
     def export_blocks(
         self, seq: Sequence, first: int, last: int, dtype: str | None = None
     ) -> list[bytes]:
+        """Blocks ``first``..``last`` of the sequence, a blob each: gathered block-major in one
+        indexed copy (and one copy to the host), each blob encoded from its block's view."""
         bs = self.block_size
         assert last * bs <= seq.n_cached, "only blocks whose KV is computed"
+        if last <= first:
+            return []
         dtype = dtype or self.dtype
-        shape = (self.config.n_layers, 1, bs, self.config.n_kv_heads, -1)
-        blobs = []
-        for b in range(first, last):
-            base = seq.block_table[b] * bs
-            k = self.cache.k[:, base : base + bs].reshape(shape).to(kvformat.DTYPES[dtype])
-            v = self.cache.v[:, base : base + bs].reshape(shape).to(kvformat.DTYPES[dtype])
-            blobs.append(kvformat.encode(self._header_fields(1, bs, dtype), k, v))
-        return blobs
+        n = last - first
+        ids = torch.tensor(seq.block_table[first:last], dtype=torch.int64)
+        slots = (ids.unsqueeze(1) * bs + torch.arange(bs)).flatten().to(self.cache.k.device)
+        shape = (self.config.n_layers, n, bs, self.config.n_kv_heads, -1)
+        # [layers, n, bs, G, E] → [n, layers, 1, bs, G, E]: a block's cells contiguous
+        k, v = (
+            _host(
+                c[:, slots]
+                .reshape(shape)
+                .to(kvformat.DTYPES[dtype])
+                .transpose(0, 1)
+                .unsqueeze(2)
+                .contiguous()
+            )
+            for c in (self.cache.k, self.cache.v)
+        )
+        fields = self._header_fields(1, bs, dtype)
+        return [kvformat.encode(fields, k[b], v[b]) for b in range(n)]
 
     def import_blocks(self, sources: list[bytes | BinaryIO]) -> Prefix:
         """A window layer reads only blocks inside its window."""
         bs = self.block_size
         n_tokens = len(sources) * bs
         blocks = self.pool.allocate(len(sources))
+        if self.cache.k.is_cuda and not any(map(self.config.window, range(self.config.n_layers))):
+            try:
+                self._staged(sources, blocks)
+            except Exception:
+                self.pool.free(blocks)
+                raise
+            return Prefix(tuple(blocks), n_tokens)
         try:
             for i, source in enumerate(sources):
                 f = kvformat.as_reader(source)
@@ -102,9 +129,50 @@ class KvIO:
             raise
         return Prefix(tuple(blocks), header.n_tokens)
 
+    def _staged(self, sources: list[bytes | BinaryIO], blocks: list[int]) -> None:
+        """Whole blocks (no window layers) to a GPU: each blob's cells checked and copied into
+        one pinned staging buffer, which goes to the device in one copy and is scattered into
+        the blocks' slots there."""
+        c, bs = self.config, self.block_size
+        staged: torch.Tensor | None = None
+        dtype = ""
+        for i, source in enumerate(sources):
+            try:
+                header, data = kvformat.checked_cells(source)
+                self.check_header(header)
+                if header.n_blocks != 1 or header.n_tokens != bs:
+                    raise kvformat.KVFormatError("not a single full block")
+            except kvformat.KVFormatError as err:
+                raise kvformat.BadBlock(i, str(err)) from None
+            if staged is None:
+                dtype = header.dtype
+                shape = (len(sources), c.n_layers, 2, bs, c.n_kv_heads, c.head_dim)
+                staged = torch.empty(shape, dtype=kvformat.DTYPES[dtype], pin_memory=True)
+            elif header.dtype != dtype:
+                raise kvformat.BadBlock(i, f"dtype {header.dtype}, the others' is {dtype}")
+            kvformat.raw_view(staged[i])[:] = np.frombuffer(data, dtype=np.uint8)
+        assert staged is not None
+        self._scatter(staged.to(self.cache.k.device, non_blocking=True), blocks)
+
+    def _scatter(self, cells: torch.Tensor, blocks: list[int]) -> None:
+        """``cells`` [n, layers, 2 (K, V), bs, G, E] on the cache's device into ``blocks``, one
+        indexed copy for K and one for V."""
+        c, bs = self.config, self.block_size
+        ids = torch.tensor(blocks, dtype=torch.int64)
+        slots = (ids.unsqueeze(1) * bs + torch.arange(bs)).flatten().to(cells.device)
+        for part, cache in enumerate((self.cache.k, self.cache.v)):
+            # [n, layers, bs, G, E] → [layers, n·bs, G, E]
+            x = cells[:, :, part].transpose(0, 1).reshape(c.n_layers, -1, c.n_kv_heads, c.head_dim)
+            cache[:, slots] = x.to(cache.dtype)
+
     def read_header(self, f: BinaryIO) -> tuple[kvformat.KVHeader, int]:
         """The blob's header, checked against this engine's model and layout."""
         header, data_start = kvformat.read_header(f)
+        self.check_header(header)
+        return header, data_start
+
+    def check_header(self, header: kvformat.KVHeader) -> None:
+        """Raises unless the KV is this engine's model's, in its layout."""
         expected = self._header_fields(header.n_blocks, header.n_tokens, header.dtype)
         for key in ("fingerprint", "block_size", "n_layers", "n_kv_heads", "head_dim", "windows"):
             if getattr(header, key) != expected[key]:
@@ -112,13 +180,22 @@ class KvIO:
                     f"KV is for another model or layout: {key} is {getattr(header, key)!r}, "
                     f"this engine has {expected[key]!r}"
                 )
-        return header, data_start
 
     def write_cells(
         self, f: BinaryIO, header: kvformat.KVHeader, data_start: int, blocks: list[int]
     ) -> None:
         """Every cell a layer needs, from the blob into ``blocks`` (block i of the blob into
-        ``blocks[i]``)."""
+        ``blocks[i]``). To a GPU, whole blocks (no window layers) cross in one copy."""
+        c = self.config
+        if self.cache.k.is_cuda and not any(map(c.window, range(c.n_layers))):
+            f.seek(data_start)
+            data = kvformat.checked(header, memoryview(f.read()).cast("B"))
+            shape = (c.n_layers, header.n_blocks, 2, header.block_size, c.n_kv_heads, c.head_dim)
+            staged = torch.empty(shape, dtype=kvformat.DTYPES[header.dtype], pin_memory=True)
+            kvformat.raw_view(staged)[:] = np.frombuffer(data, dtype=np.uint8)
+            cells = staged.to(self.cache.k.device, non_blocking=True).transpose(0, 1)
+            self._scatter(cells, blocks[: header.n_blocks])
+            return
         for layer in range(header.n_layers):
             for b in range(header.first_needed_block(layer), header.n_blocks):
                 self._put(layer, blocks[b], *kvformat.read_cell(f, header, data_start, layer, b))
@@ -127,3 +204,13 @@ class KvIO:
         base = block * self.block_size
         self.cache.k[layer, base : base + self.block_size] = k.to(self.cache.k.dtype)
         self.cache.v[layer, base : base + self.block_size] = v.to(self.cache.v.dtype)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory: a device tensor copied once into a pinned buffer (the copy engine
+    writes it directly; torch's host allocator keeps such buffers for reuse)."""
+    if not t.is_cuda:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)
+    return out

@@ -8,6 +8,7 @@ in one slot: slot = block_id × block_size + offset in block.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,12 +35,19 @@ class Segment:
 
 
 class KVCache:
-    """K and V for every layer and slot: [layers, S, G, E] each, zero-filled (never NaN)."""
+    """K and V for every layer and slot: [layers, S, G, E] each, zero-filled (never NaN), on
+    the engine's device."""
 
-    def __init__(self, config: ModelConfig, n_slots: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        n_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         shape = (config.n_layers, n_slots, config.n_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -61,7 +69,7 @@ def _project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     from about five rows x times the block's transpose is (the small-N path stops paying)."""
     m = x.shape[0]
     out_dim, in_dim = w.shape
-    if out_dim % PANELS:
+    if out_dim % PANELS or x.is_cuda:  # (a GPU's own kernels split the work themselves)
         return F.linear(x, w)
     blocks = w.view(PANELS, out_dim // PANELS, in_dim)
     if m > SMALL_M:
@@ -116,18 +124,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Transformer:
-    """Forward passes over the paged cache. Weights are plain tensors; no autograd."""
+    """Forward passes over the paged cache. Weights are plain tensors on one device (the
+    model computes where its embedding lives); no autograd."""
 
     def __init__(self, config: ModelConfig, weights: Weights) -> None:
         self.config = config
         self.w = weights
+        self.device = weights["tok_emb"].device
         # Tied embeddings: the output head is the embedding matrix itself, not a copy.
         self.lm_head = weights["tok_emb"] if config.tie_embeddings else weights["lm_head"]
-        self.cos, self.sin = _rope_tables(config)
+        self.cos, self.sin = (t.to(self.device) for t in _rope_tables(config))
         n_moe = len(config.moe.layers) if config.moe else 0
         n_experts = config.moe.n_experts if config.moe else 0
         # Tokens routed to each expert in the last forward pass: [MoE layers, experts].
-        self.expert_counts = torch.zeros(n_moe, n_experts, dtype=torch.int64)
+        self.expert_counts = torch.zeros(n_moe, n_experts, dtype=torch.int64, device=self.device)
         self._turn = 0  # which replica of an expert takes its first token, rotating per pass
         self.place(np.tile(np.arange(n_experts), (n_moe, 1)))
 
@@ -145,20 +155,25 @@ class Transformer:
             for e, where in enumerate(row):
                 assert len(where), f"expert {e} of MoE layer {layer} has no slot"
                 table[layer, e, : len(where)] = torch.from_numpy(where)
-        self._replica_slots = table  # [layers, experts, widest]: slot of each replica
-        self._replicas = torch.tensor([[len(r) for r in row] for row in replicas]).reshape(
-            layers, n_experts
+        self._replica_slots = table.to(self.device)  # [layers, experts, widest]: their slots
+        self._replicas = (
+            torch.tensor([[len(r) for r in row] for row in replicas])
+            .reshape(layers, n_experts)
+            .to(self.device)
         )
-        self.slot_counts = torch.zeros(layers, slots, dtype=torch.int64)
+        self.slot_counts = torch.zeros(layers, slots, dtype=torch.int64, device=self.device)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # (one fused kernel there, not five)
+            normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.norm_eps)
+            return weight * normed.to(x.dtype)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)
         return weight * x32.to(x.dtype)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings [N, D]."""
-        return self.w["tok_emb"][tokens]
+        return self.w["tok_emb"][tokens.to(self.device)]
 
     @torch.inference_mode()
     def forward(
@@ -172,16 +187,62 @@ class Transformer:
         """Hidden states after the final norm, [N, D]. Writes the new tokens' KV to the cache.
 
         ``embeds`` ([N, D]) replaces the token embeddings where given (image placeholders).
+        The inputs may be on the host: they are moved to the model's device once, here.
         """
-        c = self.config
+        dev = self.device
+        if dev.type != "cpu":
+            tokens, positions = tokens.to(dev, non_blocking=True), positions.to(dev)
+            segments = [Segment(s.q_start, s.q_len, s.slots.to(dev)) for s in segments]
+            embeds = embeds.to(dev) if embeds is not None else None
         x = embeds if embeds is not None else self.w["tok_emb"][tokens]
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         new_slots = torch.cat([s.slots[s.ctx_len - s.q_len :] for s in segments])
-        q_dim = c.n_heads * c.head_dim
         if self.expert_counts.numel():
             self.expert_counts.zero_()
             self.slot_counts.zero_()
             self._turn += 1
+        return self._layers(
+            x, positions, new_slots, cache, lambda i, q: self._attention(i, q, segments, cache)
+        )
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        new_slots: torch.Tensor,
+        context: torch.Tensor,
+        lens: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """One new token for each of B sequences, every input on the model's device and of
+        fixed shape (what a CUDA graph replays: no host sync, nothing sized by the values):
+        ``tokens``, ``positions``, ``new_slots`` [B]; ``context`` [B, L] each sequence's
+        slots, padded past ``lens`` [B] (the new token's included). Hidden states [B, D]."""
+        assert not self.expert_counts.numel(), "a MoE pass is sized by its routing: forward()"
+        x = self.w["tok_emb"][tokens]
+        k_pos = torch.arange(context.shape[1], device=context.device).unsqueeze(0)
+        valid = k_pos < lens.unsqueeze(1)  # [B, L]
+
+        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+            window = self.config.window(layer)
+            mask = valid & (k_pos >= (lens - window).unsqueeze(1)) if window else valid
+            return _padded(q, cache.k[layer][context], cache.v[layer][context], mask)
+
+        return self._layers(x, positions, new_slots, cache, attend)
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        new_slots: torch.Tensor,
+        cache: KVCache,
+        attend: Callable[[int, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The decoder's layers over ``x`` [N, D] at ``positions``, the new tokens' KV written
+        to ``new_slots``; ``attend(layer, q)`` their attention ([N, H, E])."""
+        c = self.config
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        q_dim = c.n_heads * c.head_dim
         for i in range(c.n_layers):
             p = f"layers.{i}."
             h = self._norm(x, self.w[p + "attn_norm"])
@@ -196,8 +257,7 @@ class Transformer:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             cache.k[i].index_copy_(0, new_slots, k.to(cache.k.dtype))
             cache.v[i].index_copy_(0, new_slots, v.to(cache.v.dtype))
-            attn = self._attention(i, q, segments, cache)
-            x = x + _project(attn.reshape(-1, q_dim), self.w[p + "wo"])
+            x = x + _project(attend(i, q).reshape(-1, q_dim), self.w[p + "wo"])
             h = self._norm(x, self.w[p + "ffn_norm"])
             x = x + (self._moe(i, h) if c.is_moe(i) else self._mlp(h, p))
         return self._norm(x, self.w["norm"])
@@ -229,13 +289,15 @@ class Transformer:
         counts = torch.bincount(flat, minlength=moe.n_experts)
         starts = torch.cumsum(counts, 0) - counts
         grouped = flat[order]
-        rank = torch.arange(len(flat)) - starts[grouped]  # the i-th token of its expert
+        rank = (
+            torch.arange(len(flat), device=h.device) - starts[grouped]
+        )  # the i-th token of its expert
         replica = (rank + self._turn) % self._replicas[m, grouped]
         slot = self._replica_slots[m, grouped, replica]
         self.expert_counts[m] = counts
         self.slot_counts[m] = torch.bincount(slot, minlength=self.slot_counts.shape[1])
         w13, w2 = self.w[p + "experts_w13"], self.w[p + "experts_w2"]
-        ys = torch.empty(len(flat), h.shape[-1], dtype=h.dtype)
+        ys = torch.empty(len(flat), h.shape[-1], dtype=h.dtype, device=h.device)
         for e in counts.nonzero().flatten().tolist():
             where = order[starts[e] : starts[e] + counts[e]]  # flat positions, token order
             gate, up = F.linear(h[where // moe.top_k], w13[e]).chunk(2, dim=-1)
@@ -255,7 +317,7 @@ class Transformer:
             return self._decode_attention(layer, q, segments, cache, window)
         out = torch.empty_like(q)
         if len(singles) > 1:  # decoding sequences beside verifying ones: those in one call
-            rows = torch.tensor([s.q_start for s in singles])
+            rows = torch.tensor([s.q_start for s in singles], device=q.device)
             out[rows] = self._decode_attention(layer, q[rows], singles, cache, window)
             segments = [s for s in segments if s.q_len > 1]
         for s in segments:
@@ -267,33 +329,63 @@ class Transformer:
             k = cache.k[layer][slots].to(q.dtype).transpose(0, 1)  # [G, keys, E]
             v = cache.v[layer][slots].to(q.dtype).transpose(0, 1)
             qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q_len, E]
-            q_pos = torch.arange(first_q, s.ctx_len).unsqueeze(1)
-            k_pos = torch.arange(k_start, s.ctx_len).unsqueeze(0)
-            mask = k_pos <= q_pos
-            if window:
-                mask &= k_pos > q_pos - window
-            o = F.scaled_dot_product_attention(
-                qs.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=True
-            )
-            out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
+            if q.is_cuda and not window:
+                o = _causal(qs, k, v)
+            else:
+                dev = q.device
+                q_pos = torch.arange(first_q, s.ctx_len, device=dev).unsqueeze(1)
+                k_pos = torch.arange(k_start, s.ctx_len, device=dev).unsqueeze(0)
+                mask = k_pos <= q_pos
+                if window:
+                    mask &= k_pos > q_pos - window
+                o = F.scaled_dot_product_attention(
+                    qs.unsqueeze(0),
+                    k.unsqueeze(0),
+                    v.unsqueeze(0),
+                    attn_mask=mask,
+                    enable_gqa=True,
+                )[0]
+            out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
         return out
 
     def _decode_attention(
         self, layer: int, q: torch.Tensor, segments: list[Segment], cache: KVCache, window: int
     ) -> torch.Tensor:
         """One new token per sequence: gather every context padded to the longest, one call."""
-        lens = torch.tensor([s.ctx_len for s in segments])
-        longest = int(lens.max())
-        slots = torch.zeros(len(segments), longest, dtype=torch.int64)
-        for row, s in enumerate(segments):
-            slots[row, : s.ctx_len] = s.slots
-        k = cache.k[layer][slots].to(q.dtype).transpose(1, 2)  # [B, G, L, E]
-        v = cache.v[layer][slots].to(q.dtype).transpose(1, 2)
-        k_pos = torch.arange(longest).unsqueeze(0)
+        lens = torch.tensor([s.ctx_len for s in segments], device=q.device)
+        slots = torch.nn.utils.rnn.pad_sequence([s.slots for s in segments], batch_first=True)
+        k_pos = torch.arange(slots.shape[1], device=q.device).unsqueeze(0)
         mask = k_pos < lens.unsqueeze(1)  # [B, L]; the new token is the last of each context
         if window:
             mask &= k_pos >= (lens - window).unsqueeze(1)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], enable_gqa=True
-        )  # [B, H, 1, E]
-        return o.squeeze(2)
+        return _padded(q, cache.k[layer][slots], cache.v[layer][slots], mask)
+
+
+def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query per sequence over its padded context: q [B, H, E], k and v [B, L, G, E] (as
+    gathered from the cache), mask [B, L] → [B, H, E]."""
+    k, v = k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2)  # [B, G, L, E]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], enable_gqa=True
+    )  # [B, H, 1, E]
+    return o.squeeze(2)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last ``q_len`` positions of a context over all of it, on a GPU:
+    q [H, q_len, E], k and v [G, keys, E] → [H, q_len, E]. The mask is never built: a whole
+    prompt is the fused kernels' own causal case (flash attention, grouped heads as they
+    are), and new tokens after a cached prefix are the bottom-right-aligned causal case
+    (``causal_lower_right``: the memory-efficient kernel, its heads repeated to the queries')."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    q_len, keys = q.shape[1], k.shape[1]
+    if q_len == keys:
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True, enable_gqa=True
+        )[0]
+    groups = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=causal_lower_right(q_len, keys)
+    )[0]
