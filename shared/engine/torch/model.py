@@ -133,7 +133,9 @@ class Transformer:
         self.device = weights["tok_emb"].device
         # Tied embeddings: the output head is the embedding matrix itself, not a copy.
         self.lm_head = weights["tok_emb"] if config.tie_embeddings else weights["lm_head"]
-        self.cos, self.sin = (t.to(self.device) for t in _rope_tables(config))
+        # (at the weights' dtype, as transformers applies them: a bf16 model rotates in bf16)
+        dtype = weights["tok_emb"].dtype
+        self.cos, self.sin = (t.to(self.device, dtype) for t in _rope_tables(config))
         n_moe = len(config.moe.layers) if config.moe else 0
         n_experts = config.moe.n_experts if config.moe else 0
         # Tokens routed to each expert in the last forward pass: [MoE layers, experts].
