@@ -127,7 +127,8 @@ class Stack:
             except OSError:
                 pass
             if self.proc.poll() is not None:
-                raise SystemExit(f"kvmesh up exited; see {self.dir / 'up.log'}")
+                tail = (self.dir / "up.log").read_text(errors="replace")[-3000:]
+                raise SystemExit(f"kvmesh up exited; {self.dir / 'up.log'} ends:\n{tail}")
             time.sleep(0.2)
         raise SystemExit(f"stack not ready in {timeout_s:g} s; see {self.dir / 'up.log'}")
 
@@ -415,15 +416,15 @@ def main() -> None:
         "KVMESH_PREFILL_MEMORY_TIER_BYTES": "0",
         "KVMESH_DECODE_MEMORY_TIER_BYTES": "0",
     }
-    small, models = "tiny", {}
-    if args.model:
+    small, served = "tiny", ()
+    if args.model:  # (every service of the stack serves it: the router, workers, encoder)
         small, path = args.model.split("=", 1)
-        models = {"KVMESH_MODELS": json.dumps({small: str(Path(path).resolve())})}
+        served = ("--model", f"{small}={Path(path).resolve()}")
     runs = [("tiny", small, {}, args.requests), ("fake", small, fake, args.requests)]
     runs.append(("smollm2", "smollm2-135m-instruct", {}, 1))
     wanted = set(args.stacks.split(",")) - ({"smollm2"} if args.skip_real else set())
     runs = [
-        (name, model, {**placement, **models, **extra}, n)
+        (name, model, {**placement, **extra}, n)
         for name, model, extra, n in runs
         if name in wanted
     ]
@@ -431,7 +432,7 @@ def main() -> None:
     summary: dict = {}
     for name, model, extra, per_client in runs:
         say(f"{name}: a stack on {model} (1 prefill, 1 decode worker; {extra or 'torch'})")
-        stack = Stack(model, 1, extra)
+        stack = Stack(model, 1, extra, args=served if model == small else ())
         try:
             stack.wait_ready()
             for clients in (1, 8, 32):

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
@@ -250,7 +251,7 @@ def engine_part(args: argparse.Namespace, model_dir: Path, state: Path, hf_model
     bw = copy_bandwidth(args.device)
     out["copy_bytes_s"] = bw
     out["bound_tok_s"] = H200_BYTES_S / weights
-    out["bound_measured_tok_s"] = bw / 2 / weights if bw else 0.0
+    out["bound_measured_tok_s"] = bw / weights if bw else 0.0  # (a step reads, only)
     prompt = ids(32, 7)
     ours = greedy_ours(engine, prompt, n_greedy)
     theirs = greedy_hf(hf_model, prompt, n_greedy, args.device)
@@ -297,6 +298,7 @@ def mesh_part(args: argparse.Namespace, model_dir: Path, state: Path) -> dict:
         KVMESH_PREFILL_PREFILL_CHUNK=str(args.chunk),
         # the memory tier holds one conversation: the second evicts the first
         KVMESH_PREFILL_MEMORY_TIER_BYTES=str(int(1.5 * n * kv_bytes_per_token(model_dir, args))),
+        KVMESH_PREFILL_WRITE_QUEUE_BLOCKS=str(4 * n // 64),  # (a whole prompt's blocks)
         KVMESH_LOG_LEVEL="warning",
     )
     log = open(state / "up.log", "wb")  # noqa: SIM115
@@ -311,12 +313,14 @@ def mesh_part(args: argparse.Namespace, model_dir: Path, state: Path) -> dict:
         say(f"mesh: ready in {out['ready_s']:.0f} s")
         first = ids(n, 1000)
         turn = first + ids(int(n * (1 - CACHED)), 1001)
-        complete(url, ids(1024, 999))  # (warm-up: first kernels, connections)
+        complete(url, ids(n, 999))  # (warm-up: first kernels, connections)
+        settled(url)
         out["cold"] = complete(url, first)
-        time.sleep(1.0)  # (a user reads the answer: its blocks reach the memory tier meanwhile)
+        settled(url)  # (a user reads the answer: its blocks reach the tiers meanwhile)
         out["memory"] = complete(url, turn)
+        settled(url)
         complete(url, ids(n, 2000))  # another conversation: the first leaves the memory tier
-        time.sleep(2.0)  # (its blocks written behind to the storage tier)
+        settled(url)
         out["storage"] = complete(url, turn + ids(64, 1002))
         for k in ("cold", "memory", "storage"):
             say(f"  {k}: {out[k]}")
@@ -328,6 +332,25 @@ def mesh_part(args: argparse.Namespace, model_dir: Path, state: Path) -> dict:
             proc.kill()
         log.close()
     return out
+
+
+def settled(url: str, quiet_s: float = 1.5, timeout_s: float = 30) -> None:
+    """Until the router's block index has taken no KV event for ``quiet_s`` (the last
+    request's blocks in the memory tier and written behind to the storage tier)."""
+    last, since = None, time.monotonic()
+    deadline = since + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                body = r.read()
+        except urllib.error.HTTPError as err:  # (503 while degraded: the body is the same)
+            body = err.read()
+        seq = json.loads(body)["kv_index"]["applied_seq"]
+        if seq != last:
+            last, since = seq, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.1)
 
 
 def kv_bytes_per_token(model_dir: Path, args: argparse.Namespace) -> int:

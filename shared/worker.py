@@ -468,8 +468,9 @@ class WorkerService(Service):
         cached = read if read is not None else await self.read_prefix(task)
         while cached.blobs:
             try:
+                trusted = cached.tiers.count(MEMORY)  # (a leading run: memory, then storage)
                 prefix = await self.runner.call(
-                    ops.import_blocks, cached.blobs, priority=task.priority
+                    ops.import_blocks, cached.blobs, trusted, priority=task.priority
                 )
             except BadBlock as bad:
                 await self.tiers.discard(

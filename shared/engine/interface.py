@@ -323,10 +323,12 @@ class Engine(ABC):
         """Load a kvformat blob into fresh blocks and hold them; release with ``release``."""
 
     @abstractmethod
-    def import_blocks(self, sources: list[bytes | BinaryIO]) -> Prefix:
+    def import_blocks(self, sources: list[bytes | BinaryIO], trusted: int = 0) -> Prefix:
         """Load single-block blobs (block i of a prefix from ``sources[i]``) into fresh blocks
-        and hold them, like import_kv. Every cell read is checksummed; a bad block raises
-        BadBlock naming its index (nothing is held then)."""
+        and hold them, like import_kv. Every cell read is checksummed, but for the first
+        ``trusted`` sources: this worker's own memory tier's, bytes its engine encoded that
+        never left the process. A bad block raises BadBlock naming its index (nothing is held
+        then)."""
 
     @abstractmethod
     def release(self, prefix: Prefix) -> None:

@@ -104,27 +104,37 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def checked_cells(source: bytes | bytearray | memoryview | BinaryIO) -> tuple[KVHeader, memoryview]:
+def checked_cells(
+    source: bytes | bytearray | memoryview | BinaryIO, check: bool = True
+) -> tuple[KVHeader, memoryview]:
     """A blob's header and its cells' bytes (a view of ``source`` where it is in memory),
-    every cell's CRC checked."""
+    every cell's CRC checked (unless not ``check``)."""
     if not isinstance(source, bytes | bytearray | memoryview):
         source = source.read()
     view = memoryview(source).cast("B")
     header, start = read_header(as_reader(view))
-    return header, checked(header, view[start:])
+    return header, checked(header, view[start:], check)
 
 
-def checked(header: KVHeader, data: memoryview) -> memoryview:
-    """The cells' bytes of a blob whose data starts ``data``, every cell's CRC checked."""
+def checked(header: KVHeader, data: memoryview, check: bool = True) -> memoryview:
+    """The cells' bytes of a blob whose data starts ``data``, every cell's CRC checked
+    (unless not ``check``: the length is, always)."""
     size, count = header.cell_bytes, len(header.crc32)
     data = data[: size * count]
     if len(data) < size * count:
         raise KVFormatError(f"KV data truncated: {len(data)} of {size * count} bytes")
-    for i, crc in enumerate(header.crc32):
-        if zlib.crc32(data[i * size : (i + 1) * size]) != crc:
+    if check:
+        check_cells(header, data, 0, count)
+    return data
+
+
+def check_cells(header: KVHeader, data: memoryview, first: int, last: int) -> None:
+    """Cells ``first`` .. ``last - 1`` of ``data`` (a blob's cells) against their CRCs."""
+    size = header.cell_bytes
+    for i in range(first, last):
+        if zlib.crc32(data[i * size : (i + 1) * size]) != header.crc32[i]:
             layer, block = divmod(i, header.n_blocks)
             raise KVFormatError(f"KV checksum mismatch at layer {layer} block {block}")
-    return data
 
 
 def raw_view(t: torch.Tensor) -> np.ndarray:
@@ -159,15 +169,16 @@ def read_header(f: BinaryIO) -> tuple[KVHeader, int]:
 
 
 def read_cell(
-    f: BinaryIO, header: KVHeader, data_start: int, layer: int, block: int
+    f: BinaryIO, header: KVHeader, data_start: int, layer: int, block: int, check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's K and V for one block, [block_size, G, E] each; checksum verified."""
+    """One layer's K and V for one block, [block_size, G, E] each; checksum verified (unless
+    not ``check``)."""
     index = header.cell_index(layer, block)
     f.seek(data_start + index * header.cell_bytes)
     cell = f.read(header.cell_bytes)
     if len(cell) != header.cell_bytes:
         raise KVFormatError(f"KV data truncated at layer {layer} block {block}")
-    if zlib.crc32(cell) != header.crc32[index]:
+    if check and zlib.crc32(cell) != header.crc32[index]:
         raise KVFormatError(f"KV checksum mismatch at layer {layer} block {block}")
     shape = (header.block_size, header.n_kv_heads, header.head_dim)
     dtype = DTYPES[header.dtype]

@@ -48,8 +48,8 @@ def release(engine: Engine, prefix: Prefix) -> None:
     engine.release(prefix)
 
 
-def import_blocks(engine: Engine, blobs: list[bytes]) -> Prefix:
-    return engine.import_blocks(blobs)
+def import_blocks(engine: Engine, blobs: list[bytes], trusted: int = 0) -> Prefix:
+    return engine.import_blocks(blobs, trusted)
 
 
 def reserve(engine: Engine, seq_id: str, token_ids: list[int], params: SamplingParams) -> None:

@@ -588,8 +588,8 @@ class TorchEngine(Engine):
     def import_kv(self, source: bytes | BinaryIO) -> Prefix:
         return self.kv.import_kv(source)
 
-    def import_blocks(self, sources: list[bytes | BinaryIO]) -> Prefix:
-        return self.kv.import_blocks(sources)
+    def import_blocks(self, sources: list[bytes | BinaryIO], trusted: int = 0) -> Prefix:
+        return self.kv.import_blocks(sources, trusted)
 
     def release(self, prefix: Prefix) -> None:
         self.pool.free(list(prefix.block_ids))

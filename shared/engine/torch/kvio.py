@@ -8,6 +8,7 @@ that staging buffer, a block a view of it."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 import numpy as np
@@ -20,6 +21,8 @@ from shared.engine.torch.model import KVCache
 from shared.engine.torch.sequence import Sequence
 from shared.model.config import ModelConfig
 
+STAGING_THREADS = 8
+
 
 class KvIO:
     """Reads and writes one engine's cache; holds no state of its own."""
@@ -30,6 +33,7 @@ class KvIO:
         self.block_size = pool.block_size
         self.cache = cache
         self.dtype = dtype  # the cache's, and what is exported unless asked otherwise
+        self._pool: ThreadPoolExecutor | None = None  # (a GPU's staging copies and checks)
 
     def _header_fields(self, n_blocks: int, n_tokens: int, dtype: str) -> dict:
         c = self.config
@@ -85,19 +89,18 @@ class KvIO:
         fields = self._header_fields(1, bs, dtype)
         return [kvformat.encode(fields, k[b], v[b]) for b in range(n)]
 
-    def import_blocks(self, sources: list[bytes | BinaryIO]) -> Prefix:
-        """A window layer reads only blocks inside its window."""
+    def import_blocks(self, sources: list[bytes | BinaryIO], trusted: int = 0) -> Prefix:
+        """A window layer reads only blocks inside its window. The first ``trusted`` sources'
+        checksums are not read (the engine's ``import_blocks``)."""
         bs = self.block_size
         n_tokens = len(sources) * bs
         blocks = self.pool.allocate(len(sources))
-        if self.cache.k.is_cuda and not any(map(self.config.window, range(self.config.n_layers))):
-            try:
-                self._staged(sources, blocks)
-            except Exception:
-                self.pool.free(blocks)
-                raise
-            return Prefix(tuple(blocks), n_tokens)
         try:
+            if self.cache.k.is_cuda and not any(
+                map(self.config.window, range(self.config.n_layers))
+            ):
+                self._staged(sources, blocks, trusted)
+                return Prefix(tuple(blocks), n_tokens)
             for i, source in enumerate(sources):
                 f = kvformat.as_reader(source)
                 try:
@@ -108,9 +111,8 @@ class KvIO:
                         window = self.config.window(layer)
                         if i < kvformat.first_needed_block(window, n_tokens, bs):
                             continue
-                        self._put(
-                            layer, blocks[i], *kvformat.read_cell(f, header, data_start, layer, 0)
-                        )
+                        cell = kvformat.read_cell(f, header, data_start, layer, 0, i >= trusted)
+                        self._put(layer, blocks[i], *cell)
                 except kvformat.KVFormatError as err:
                     raise kvformat.BadBlock(i, str(err)) from None
         except Exception:
@@ -129,30 +131,41 @@ class KvIO:
             raise
         return Prefix(tuple(blocks), header.n_tokens)
 
-    def _staged(self, sources: list[bytes | BinaryIO], blocks: list[int]) -> None:
+    def _staged(self, sources: list[bytes | BinaryIO], blocks: list[int], trusted: int) -> None:
         """Whole blocks (no window layers) to a GPU: each blob's cells checked and copied into
-        one pinned staging buffer, which goes to the device in one copy and is scattered into
-        the blocks' slots there."""
+        one pinned staging buffer (by several threads: zlib and numpy let go of the GIL), which
+        goes to the device in one copy and is scattered into the blocks' slots there."""
         c, bs = self.config, self.block_size
-        staged: torch.Tensor | None = None
-        dtype = ""
+        headers = []
         for i, source in enumerate(sources):
             try:
-                header, data = kvformat.checked_cells(source)
+                header, _ = kvformat.read_header(kvformat.as_reader(source))
                 self.check_header(header)
                 if header.n_blocks != 1 or header.n_tokens != bs:
                     raise kvformat.KVFormatError("not a single full block")
+                if header.dtype != (headers[0].dtype if headers else header.dtype):
+                    raise kvformat.KVFormatError(f"dtype {header.dtype}, not {headers[0].dtype}")
             except kvformat.KVFormatError as err:
                 raise kvformat.BadBlock(i, str(err)) from None
-            if staged is None:
-                dtype = header.dtype
-                shape = (len(sources), c.n_layers, 2, bs, c.n_kv_heads, c.head_dim)
-                staged = torch.empty(shape, dtype=kvformat.DTYPES[dtype], pin_memory=True)
-            elif header.dtype != dtype:
-                raise kvformat.BadBlock(i, f"dtype {header.dtype}, the others' is {dtype}")
+            headers.append(header)
+        shape = (len(sources), c.n_layers, 2, bs, c.n_kv_heads, c.head_dim)
+        staged = torch.empty(shape, dtype=kvformat.DTYPES[headers[0].dtype], pin_memory=True)
+
+        def stage(i: int) -> None:
+            try:
+                _, data = kvformat.checked_cells(sources[i], check=i >= trusted)
+            except kvformat.KVFormatError as err:
+                raise kvformat.BadBlock(i, str(err)) from None
             kvformat.raw_view(staged[i])[:] = np.frombuffer(data, dtype=np.uint8)
-        assert staged is not None
+
+        for done in self._threads().map(stage, range(len(sources))):
+            assert done is None  # (raises the first block's error, in order)
         self._scatter(staged.to(self.cache.k.device, non_blocking=True), blocks)
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(STAGING_THREADS, thread_name_prefix="kv-staging")
+        return self._pool
 
     def _scatter(self, cells: torch.Tensor, blocks: list[int]) -> None:
         """``cells`` [n, layers, 2 (K, V), bs, G, E] on the cache's device into ``blocks``, one
@@ -189,7 +202,13 @@ class KvIO:
         c = self.config
         if self.cache.k.is_cuda and not any(map(c.window, range(c.n_layers))):
             f.seek(data_start)
-            data = kvformat.checked(header, memoryview(f.read()).cast("B"))
+            data = kvformat.checked(header, memoryview(f.read()).cast("B"), check=False)
+            per_layer = header.n_blocks  # (the cells checked a layer a thread)
+            spans = [(n * per_layer, (n + 1) * per_layer) for n in range(header.n_layers)]
+            for done in self._threads().map(
+                lambda r: kvformat.check_cells(header, data, *r), spans
+            ):
+                assert done is None
             shape = (c.n_layers, header.n_blocks, 2, header.block_size, c.n_kv_heads, c.head_dim)
             staged = torch.empty(shape, dtype=kvformat.DTYPES[header.dtype], pin_memory=True)
             kvformat.raw_view(staged)[:] = np.frombuffer(data, dtype=np.uint8)

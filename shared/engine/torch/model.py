@@ -244,19 +244,21 @@ class Transformer:
         to ``new_slots``; ``attend(layer, q)`` their attention ([N, H, E])."""
         c = self.config
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        q_dim = c.n_heads * c.head_dim
+        q_dim, heads = c.n_heads * c.head_dim, c.n_heads + c.n_kv_heads
         for i in range(c.n_layers):
             p = f"layers.{i}."
             h = self._norm(x, self.w[p + "attn_norm"])
             qkv = _project(h, self.w[p + "wqkv"])
             if c.qkv_bias:
                 qkv = qkv + self.w[p + "bqkv"]
-            q = qkv[:, :q_dim].view(-1, c.n_heads, c.head_dim)
-            k = qkv[:, q_dim : q_dim + c.kv_dim].view(-1, c.n_kv_heads, c.head_dim)
             v = qkv[:, q_dim + c.kv_dim :].view(-1, c.n_kv_heads, c.head_dim)
             if c.qk_norm:  # each head's queries and keys normed (over E) before the rotation
-                q, k = self._norm(q, self.w[p + "q_norm"]), self._norm(k, self.w[p + "k_norm"])
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                q = self._norm(qkv[:, :q_dim].view(-1, c.n_heads, c.head_dim), self.w[p + "q_norm"])
+                k = qkv[:, q_dim : q_dim + c.kv_dim].view(-1, c.n_kv_heads, c.head_dim)
+                q, k = _rotate(q, cos, sin), _rotate(self._norm(k, self.w[p + "k_norm"]), cos, sin)
+            else:  # (queries and keys rotated in one pass: fewer kernels)
+                qk = _rotate(qkv[:, : q_dim + c.kv_dim].view(-1, heads, c.head_dim), cos, sin)
+                q, k = qk[:, : c.n_heads], qk[:, c.n_heads :]
             cache.k[i].index_copy_(0, new_slots, k.to(cache.k.dtype))
             cache.v[i].index_copy_(0, new_slots, v.to(cache.v.dtype))
             x = x + _project(attend(i, q).reshape(-1, q_dim), self.w[p + "wo"])
@@ -367,6 +369,12 @@ def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     """One query per sequence over its padded context: q [B, H, E], k and v [B, L, G, E] (as
     gathered from the cache), mask [B, L] → [B, H, E]."""
     k, v = k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2)  # [B, G, L, E]
+    if q.is_cuda:  # a group's query heads as its queries: one fused kernel, nothing repeated
+        b, h, e = q.shape
+        o = F.scaled_dot_product_attention(
+            q.view(b, k.shape[1], h // k.shape[1], e), k, v, attn_mask=mask[:, None, None, :]
+        )  # [B, G, H/G, E]
+        return o.reshape(b, h, e)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], enable_gqa=True
     )  # [B, H, 1, E]
