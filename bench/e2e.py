@@ -383,6 +383,7 @@ def main() -> None:
     )
     ap.add_argument("--requests", type=int, default=3, help="requests per client (tiny model)")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--anchor-rounds", type=int, default=40, help="the anchor's rounds a mode")
     ap.add_argument(
         "--auth",
         action="store_true",
@@ -424,9 +425,7 @@ def main() -> None:
     runs.append(("smollm2", "smollm2-135m-instruct", {}, 1))
     wanted = set(args.stacks.split(",")) - ({"smollm2"} if args.skip_real else set())
     runs = [
-        (name, model, {**placement, **extra}, n)
-        for name, model, extra, n in runs
-        if name in wanted
+        (name, model, {**placement, **extra}, n) for name, model, extra, n in runs if name in wanted
     ]
     rows = []
     summary: dict = {}
@@ -476,7 +475,7 @@ def main() -> None:
         print(f"{'hop':<36}" + "".join(f"{f'{m[:7]} x{c}':>12}" for m, c, _ in shown))
         for name, _, _ in HOPS:
             print(f"{name:<36}" + "".join(f"{f['hops'].get(name, 0):>12.2f}" for *_, f in shown))
-    anchor = measure_anchor(args.max_tokens)
+    anchor = measure_anchor(args.max_tokens, args.anchor_rounds)
     print(
         f"anchor (sglang-router over a fake upstream, {args.max_tokens} chunks), added p50: "
         f"{anchor['anchor_overhead_p50_ms_1']:.2f} ms at 1 client, "

@@ -298,7 +298,6 @@ def mesh_part(args: argparse.Namespace, model_dir: Path, state: Path) -> dict:
         KVMESH_PREFILL_PREFILL_CHUNK=str(args.chunk),
         # the memory tier holds one conversation: the second evicts the first
         KVMESH_PREFILL_MEMORY_TIER_BYTES=str(int(1.5 * n * kv_bytes_per_token(model_dir, args))),
-        KVMESH_PREFILL_WRITE_QUEUE_BLOCKS=str(4 * n // 64),  # (a whole prompt's blocks)
         KVMESH_LOG_LEVEL="warning",
     )
     log = open(state / "up.log", "wb")  # noqa: SIM115
@@ -418,6 +417,7 @@ def e2e_part(args: argparse.Namespace, model_dir: Path) -> dict:
     """bench/e2e.py's fake-paced stack and the Rust anchor, its JSON line."""
     cmd = [sys.executable, str(REPO / "bench" / "e2e.py"), "--stacks", "fake"]
     cmd += ["--model", f"{NAME}={model_dir}", "--requests", str(args.e2e_requests)]
+    cmd += ["--anchor-rounds", str(args.e2e_rounds)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.e2e_timeout)
     if done.returncode:
         raise RuntimeError(f"bench/e2e.py exited {done.returncode}:\n{done.stderr[-3000:]}")
@@ -547,6 +547,7 @@ def main() -> None:
     ap.add_argument("--parts", default="engine,mesh,e2e")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per forward pass")
     ap.add_argument("--e2e-requests", type=int, default=3)
+    ap.add_argument("--e2e-rounds", type=int, default=40, help="the anchor's rounds a mode")
     ap.add_argument("--e2e-timeout", type=float, default=240)
     args = ap.parse_args()
     if args.prepare or not (args.tokenizer / "tokenizer.json").is_file():

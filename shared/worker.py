@@ -129,8 +129,11 @@ class WorkerSettings(ServiceSettings):
         default=1 << 30, ge=0, description="host-memory KV tier of this worker (LRU), bytes"
     )
     kv_store: bool = Field(default=True, description="read and write the shared storage tier")
-    write_queue_blocks: int = Field(
-        default=256, ge=0, description="blocks waiting to be stored; beyond it they are skipped"
+    write_queue_bytes: int = Field(
+        default=2 << 30,
+        ge=0,
+        description="KV blocks waiting to be stored, bytes; beyond it they are skipped (a "
+        "32K-token prompt of a 1B model is 1 GiB of bf16 KV)",
     )
     store_retry_s: float = Field(
         default=30.0,
@@ -328,7 +331,7 @@ class WorkerService(Service):
         store = FileStore(self.common.resolved_kv_store_dir) if s.kv_store else None
         events = await self.start_kv_events(stack, bus)
         self.tiers = KvTiers(
-            bus, events, s.memory_tier_bytes, store, s.write_queue_blocks, s.store_retry_s
+            bus, events, s.memory_tier_bytes, store, s.write_queue_bytes, s.store_retry_s
         )
         await self.tiers.start(stack)
         await bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)

@@ -315,7 +315,7 @@ def test_a_conversation_whose_blocks_expired_is_told_so(small: Stack) -> None:
 
 
 def test_a_full_write_behind_queue_skips_blocks_and_says_so(small: Stack) -> None:
-    small.restart("prefill-0", KVMESH_PREFILL_WRITE_QUEUE_BLOCKS="0")
+    small.restart("prefill-0", KVMESH_PREFILL_WRITE_QUEUE_BYTES="0")
     small.wait_ready(["prefill-0"])
     try:
         ids = prompt_ids(40)

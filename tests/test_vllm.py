@@ -297,6 +297,12 @@ def test_turn_two_on_restarted_workers_comes_from_the_storage_tier(vllm_stack: S
         what="the blocks vLLM wrote, in cachemeta at the storage tier",
     )
 
+    # A block of the ids' damaged on disk now: after the restart neither vLLM process has the
+    # ids in its own cache, so whichever is asked reads the tier (one restart for both checks).
+    damaged = Path(vllm_stack.dir, "kvstore", hashes[1][:2], f"{hashes[1]}.kvb")
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
     for sid in (WORKER, SECOND):  # every vLLM process, at once
         vllm_stack.procs[sid].stop()
     vllm_stack.start(WORKER)
@@ -322,14 +328,6 @@ def test_turn_two_on_restarted_workers_comes_from_the_storage_tier(vllm_stack: S
     assert tiers["storage"] >= 0.9 * turn1_tokens, (tiers, turn1_tokens)
     assert ask("customs").model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0
 
-    damaged = Path(vllm_stack.dir, "kvstore", hashes[1][:2], f"{hashes[1]}.kvb")
-    data = bytearray(damaged.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    damaged.write_bytes(bytes(data))
-    for sid in (WORKER, SECOND):  # neither has the ids in its own cache now: one reads the tier
-        vllm_stack.procs[sid].stop()
-    vllm_stack.start(WORKER)
-    vllm_stack.wait_ready([WORKER], timeout_s=180)
     again = client.completions.create(model=REAL, prompt=ids, max_tokens=2, temperature=0)
     assert again.choices[0].text == plain.choices[0].text
     assert not damaged.exists()  # deleted by the reader, and out of the index

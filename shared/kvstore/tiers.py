@@ -63,7 +63,7 @@ class KvTiers:
         events: KvEventPublisher,
         memory_bytes: int,
         store: FileStore | None,
-        queue_blocks: int,
+        queue_bytes: int,
         retry_s: float = 30.0,
     ) -> None:
         self.bus = bus
@@ -72,7 +72,8 @@ class KvTiers:
         self.memory = MemoryStore(memory_bytes)
         self.store = store
         self._queue: asyncio.Queue[_Write] = asyncio.Queue()
-        self.queue_blocks = queue_blocks
+        self.queue_bytes = queue_bytes  # (bytes, not blocks: one long prompt is never cut
+        self.queued_bytes = 0  # short by a count sized for short ones)
         self.queued_blocks = 0
         self.skipped_blocks = 0  # not stored: the write-behind queue was full
         self.written_blocks = 0
@@ -156,13 +157,18 @@ class KvTiers:
     ) -> int:
         """Queue blocks for both tiers; returns how many were skipped (queue full). Their
         "kv.store" span goes to ``context`` (the current one by default)."""
-        room = max(0, self.queue_blocks - self.queued_blocks)
-        take = min(room, len(hashes))
+        room = max(0, self.queue_bytes - self.queued_bytes)
+        take = size = 0
+        for blob in blobs:
+            if size + len(blob) > room:
+                break
+            take, size = take + 1, size + len(blob)
         if take:
             ctx = context or otel_context.get_current()
             write = _Write(hashes[:take], blobs[:take], retention, ctx, time.time_ns())
             self._queue.put_nowait(write)
             self.queued_blocks += take
+            self.queued_bytes += size
             if self.keep:  # (announced where it is kept: its memory tier first)
                 where = self.location if self.memory.capacity_bytes > 0 else STORE
                 self.events.computed(take, where)
@@ -196,6 +202,7 @@ class KvTiers:
                     log.exception("storing %d KV blocks failed", len(hashes))
                 finally:
                     self.queued_blocks -= len(hashes)
+                    self.queued_bytes -= sum(len(b) for b in blobs)
                 for item in batch:  # one span per request: queued → stored
                     span = tracer.start_span(
                         "kv.store",

@@ -42,7 +42,8 @@ async def test_queueing_never_waits_for_the_disk_and_overflow_is_counted(
         bus = await connect_as(nats_url, "prefill", mesh_secrets)
         stack.push_async_callback(bus.close)
         events = KvEventPublisher(bus, "prefill", "w-0", epoch=1.0)
-        tiers = KvTiers(bus, events, memory_bytes=0, store=store, queue_blocks=6)
+        # (room for six of the blocks below)
+        tiers = KvTiers(bus, events, memory_bytes=0, store=store, queue_bytes=600)
         await tiers.start(stack)
         first, second = keys(4, 1), keys(4, 2)
         # The disk is stuck: queueing returns at once all the same (the first token is sent
@@ -79,7 +80,7 @@ async def test_a_storage_tier_that_fills_or_turns_read_only_degrades_to_memory_o
             bus = await connect_as(nats_url, "prefill", mesh_secrets)
             stack.push_async_callback(bus.close)
             events = KvEventPublisher(bus, "prefill", "w-0", epoch=1.0)
-            tiers = KvTiers(bus, events, 1 << 20, store, queue_blocks=64, retry_s=0.3)
+            tiers = KvTiers(bus, events, 1 << 20, store, queue_bytes=64 << 20, retry_s=0.3)
             await tiers.start(stack)
             blob = os.urandom(12 << 10)
             first = keys(12, 3)
