@@ -5,6 +5,7 @@ model's tokenizer and chat template beside it, and the same weights as a GGUF fi
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -51,16 +52,23 @@ ARCHS = {  # name → (transformers' config class, its model class, what this on
 
 def tokenizer_files(directory: Path) -> None:
     """The bundled model's tokenizer and chat template, as Hugging Face files."""
+    tokenizer, config = _bundled_tokenizer()
+    (directory / "tokenizer.json").write_text(tokenizer)
+    (directory / "tokenizer_config.json").write_text(config)
+
+
+@functools.cache
+def _bundled_tokenizer() -> tuple[str, str]:
+    """tokenizer.json and tokenizer_config.json's texts, built once a run (seconds each)."""
     meta = read_metadata(find_gguf(), "tokenizer.")
     from shared.model.tokenizer import build_from_gguf
 
-    build_from_gguf(meta).save(str(directory / "tokenizer.json"))
     config = {
         "chat_template": meta["tokenizer.chat_template"],
         "bos_token": "<|im_start|>",
         "eos_token": "<|im_end|>",
     }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return build_from_gguf(meta).to_str(), json.dumps(config)
 
 
 def hf_checkpoint(  # noqa: ANN201

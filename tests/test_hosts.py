@@ -186,10 +186,16 @@ def test_an_image_is_encoded_on_one_host_and_its_embeddings_prefilled_on_another
     same image again is not encoded again, and its KV is reused."""
     messages = ask("What is in this picture?", image(data_url(png(7))), "Say it. " * 60)
     client = mesh.client()
-    first, again = (
-        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
-        for _ in range(2)
-    )
+
+    def indexed() -> int:
+        return mesh.get(f"{mesh.url}/health")["kv_index"]["blocks"]
+
+    before = indexed()
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    full = first.usage.prompt_tokens // 64  # (the tiny model's blocks)
+    # The next turn comes once the router knows the first's blocks (KV events cross hosts).
+    wait_until(lambda: indexed() >= before + full, 20, what="the first's blocks indexed")
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
     images = [r.model_extra["kvmesh"]["images"][0] for r in (first, again)]
     assert [i["cached"] for i in images] == [False, True]
     image_end = images[0]["start"] + images[0]["tokens"]

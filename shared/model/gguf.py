@@ -11,6 +11,7 @@ is the torch engine's (``shared/engine/torch/weights.py``).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,15 @@ def find_gguf() -> Path:
 
 
 def reader(path: Path) -> GGUFReader:
+    """The file's reader: made once per version of the file in a process (gguf's reader
+    parses every metadata field up front, a vocabulary's too: seconds for 49K tokens, and a
+    worker's start reads the file for its text side, its checks and its weights)."""
+    st = Path(path).stat()
+    return _reader(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, size: int, mtime_ns: int) -> GGUFReader:
     from gguf import GGUFReader
 
     return GGUFReader(path)

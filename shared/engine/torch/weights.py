@@ -62,12 +62,13 @@ def fused(config: ModelConfig, tensor: Callable[[str], torch.Tensor | None]) -> 
 def read_gguf(path: Path, config: ModelConfig) -> Weights:
     """A GGUF file's weights, dequantized to fp32 (the file's q and k rows back in the
     half-split rope layout where llama.cpp permuted them: its ``llama`` architecture)."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
+
+    from shared.model.gguf import reader
 
     started = time.monotonic()
     raw: dict[str, torch.Tensor] = {}
-    for t in GGUFReader(path).tensors:
+    for t in reader(path).tensors:
         name = hf_name(t.name)
         if name is None:
             continue
