@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from shared.engine.kvformat import BadBlock
 from shared.engine.sampling import SamplingParams
 from shared.engine.torch.engine import compute_device
+from shared.engine.torch.graphs import DecodeGraphs
 from shared.worker import WorkerSettings
 from tests.engine.conftest import make_engine
 
@@ -78,6 +79,18 @@ def test_kv_crosses_between_the_gpu_and_the_tiers_whole(tiny_models) -> None:
     while decoder.running:
         got += [o.token_id for o in decoder.step()]
     assert got == expected
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-swa"])
+def test_the_graphs_padded_step_answers_as_plain_decode(tiny_models, name) -> None:
+    """What a CUDA graph replays (a batch padded to its size, contexts to a power of two,
+    padded rows on a scratch block), run as it is where there is no GPU: the same tokens."""
+    prompts = [prompt(n, s) for s, n in enumerate((5, 40, 77))]
+    plain = make_engine(tiny_models[name])
+    expected = answers(plain, prompts)
+    scratch = plain.pool.allocate(1)[0] * plain.block_size
+    plain.graphs = DecodeGraphs(plain.model, plain.cache, scratch)
+    assert answers(plain, prompts) == expected
 
 
 def test_a_damaged_block_past_the_trusted_ones_is_still_caught(tiny_models) -> None:

@@ -35,7 +35,8 @@ class DecodeGraphs:
         self.cache = cache
         self.scratch = scratch_slot
         self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None  # (the graphs' memory pool, made with the first)
+        self.pin = model.device.type == "cuda"
 
     @staticmethod
     def fits(batch: int) -> bool:
@@ -50,6 +51,9 @@ class DecodeGraphs:
         size = next(n for n in BATCHES if n >= b)
         width = max(MIN_CONTEXT, 1 << (longest - 1).bit_length())
         host = self._inputs(size, width, tokens, positions, contexts)
+        if not self.pin:  # (no GPU: the same padded step, run as it is, for tests)
+            logits = self.model.logits(self.model.decode(*host, self.cache))
+            return logits[:b], logits.argmax(-1)[:b].tolist()
         g = self.graphs.get((size, width))
         if g is None:
             g = self.graphs[(size, width)] = self._record(host)
@@ -70,23 +74,26 @@ class DecodeGraphs:
         """The step's inputs at the graph's shapes, in pinned host memory."""
         b = len(tokens)
         pad = size - b
-        context = torch.full((size, width), self.scratch, dtype=torch.int64, pin_memory=True)
+        context = torch.full((size, width), self.scratch, dtype=torch.int64, pin_memory=self.pin)
         for row, slots in enumerate(contexts):
             context[row, : len(slots)] = slots
         lens = torch.tensor([len(c) for c in contexts] + [1] * pad, dtype=torch.int64)
         new_slots = torch.tensor([int(c[-1]) for c in contexts] + [self.scratch] * pad)
+        pinned = (lambda t: t.pin_memory()) if self.pin else (lambda t: t)
         return (
-            torch.tensor(tokens + [0] * pad, dtype=torch.int64).pin_memory(),
-            torch.tensor(positions + [0] * pad, dtype=torch.int64).pin_memory(),
-            new_slots.pin_memory(),
+            pinned(torch.tensor(tokens + [0] * pad, dtype=torch.int64)),
+            pinned(torch.tensor(positions + [0] * pad, dtype=torch.int64)),
+            pinned(new_slots),
             context,
-            lens.pin_memory(),
+            pinned(lens),
         )
 
     def _record(self, host: tuple[torch.Tensor, ...]) -> _Graph:
         """The step's graph, recorded after two eager runs on a side stream (which also make
         this step's output: the inputs are this step's)."""
         device = self.model.device
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         inputs = tuple(t.to(device) for t in host)
 
         def run() -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,10 @@
 """KV export and import for the torch engine: a sequence's blocks as kvformat bytes (for a
 handoff, or one blob per block for the storage tiers), and bytes back into pool blocks.
 
-On a GPU the blocks cross between the device and the host in one copy each way: gathered
-(or scattered) on the device by one indexed copy, staged in pinned host memory (the copy
-engine reads and writes it directly, no bounce buffer), and encoded from or decoded into
-that staging buffer, a block a view of it."""
+Blocks cross between the cache and the bytes in one copy each way: gathered (or scattered)
+by one indexed copy, staged in one host buffer (pinned on a GPU: the copy engine reads and
+writes it directly, no bounce buffer), and encoded from or decoded into it, a block a view
+of it. A model with window layers loads cell by cell (a window layer skips old blocks)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ class KvIO:
         self.block_size = pool.block_size
         self.cache = cache
         self.dtype = dtype  # the cache's, and what is exported unless asked otherwise
-        self._pool: ThreadPoolExecutor | None = None  # (a GPU's staging copies and checks)
+        self._pool: ThreadPoolExecutor | None = None  # (staging copies and checks)
+        # Whole blocks (no window layer skips any) are staged in one buffer, one copy each way.
+        self.windowed = any(map(config.window, range(config.n_layers)))
 
     def _header_fields(self, n_blocks: int, n_tokens: int, dtype: str) -> dict:
         c = self.config
@@ -96,9 +98,7 @@ class KvIO:
         n_tokens = len(sources) * bs
         blocks = self.pool.allocate(len(sources))
         try:
-            if self.cache.k.is_cuda and not any(
-                map(self.config.window, range(self.config.n_layers))
-            ):
+            if not self.windowed:
                 self._staged(sources, blocks, trusted)
                 return Prefix(tuple(blocks), n_tokens)
             for i, source in enumerate(sources):
@@ -132,10 +132,13 @@ class KvIO:
         return Prefix(tuple(blocks), header.n_tokens)
 
     def _staged(self, sources: list[bytes | BinaryIO], blocks: list[int], trusted: int) -> None:
-        """Whole blocks (no window layers) to a GPU: each blob's cells checked and copied into
-        one pinned staging buffer (by several threads: zlib and numpy let go of the GIL), which
-        goes to the device in one copy and is scattered into the blocks' slots there."""
+        """Whole blocks (no window layers): each blob's cells checked and copied into one
+        staging buffer (by several threads: zlib and numpy let go of the GIL), which goes to
+        the cache's device in one copy and is scattered into the blocks' slots there."""
         c, bs = self.config, self.block_size
+        sources = [
+            s if isinstance(s, bytes | bytearray | memoryview) else s.read() for s in sources
+        ]
         headers = []
         for i, source in enumerate(sources):
             try:
@@ -149,7 +152,7 @@ class KvIO:
                 raise kvformat.BadBlock(i, str(err)) from None
             headers.append(header)
         shape = (len(sources), c.n_layers, 2, bs, c.n_kv_heads, c.head_dim)
-        staged = torch.empty(shape, dtype=kvformat.DTYPES[headers[0].dtype], pin_memory=True)
+        staged = self._host_buffer(shape, kvformat.DTYPES[headers[0].dtype])
 
         def stage(i: int) -> None:
             try:
@@ -161,6 +164,10 @@ class KvIO:
         for done in self._threads().map(stage, range(len(sources))):
             assert done is None  # (raises the first block's error, in order)
         self._scatter(staged.to(self.cache.k.device, non_blocking=True), blocks)
+
+    def _host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Where blocks are staged on the host: pinned when they go on to a GPU."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.cache.k.is_cuda)
 
     def _threads(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -198,9 +205,9 @@ class KvIO:
         self, f: BinaryIO, header: kvformat.KVHeader, data_start: int, blocks: list[int]
     ) -> None:
         """Every cell a layer needs, from the blob into ``blocks`` (block i of the blob into
-        ``blocks[i]``). To a GPU, whole blocks (no window layers) cross in one copy."""
+        ``blocks[i]``). Whole blocks (no window layers) cross in one copy."""
         c = self.config
-        if self.cache.k.is_cuda and not any(map(c.window, range(c.n_layers))):
+        if not self.windowed:
             f.seek(data_start)
             data = kvformat.checked(header, memoryview(f.read()).cast("B"), check=False)
             per_layer = header.n_blocks  # (the cells checked a layer a thread)
@@ -210,7 +217,7 @@ class KvIO:
             ):
                 assert done is None
             shape = (c.n_layers, header.n_blocks, 2, header.block_size, c.n_kv_heads, c.head_dim)
-            staged = torch.empty(shape, dtype=kvformat.DTYPES[header.dtype], pin_memory=True)
+            staged = self._host_buffer(shape, kvformat.DTYPES[header.dtype])
             kvformat.raw_view(staged)[:] = np.frombuffer(data, dtype=np.uint8)
             cells = staged.to(self.cache.k.device, non_blocking=True).transpose(0, 1)
             self._scatter(cells, blocks[: header.n_blocks])
