@@ -20,7 +20,7 @@ Prints a table; the last line is one JSON object with each check's result and fi
 
     .venv/bin/python bench/sglang_gpu.py [--state /tmp/kvmesh-sglang] [--pd --transfer mooncake]
 
-Not run on a GPU by the project yet (these machines have none): see the README.
+Not run on a GPU by the project yet (these machines have none): see docs/engines.md (SGLang).
 """
 
 from __future__ import annotations
