@@ -20,7 +20,7 @@ Each part runs even when one before it failed (its error is in the table). Write
 to ``--out``/gpu.txt and, there and as the last line printed, one JSON object with the figures.
 
     python bench/gpu.py --prepare                 # once, here: the tokenizer (.gpu/tokenizer)
-    python bench/gpu.py --out "$OUT"              # on the GPU machine (docs/engines.md: the torch engine on a GPU)
+    python bench/gpu.py --out "$OUT"              # on the GPU machine (docs/engines.md)
     python bench/gpu.py --device cpu --shape tiny # the dry run (the test suite runs it)
 """
 
