@@ -104,18 +104,6 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def checked_cells(
-    source: bytes | bytearray | memoryview | BinaryIO, check: bool = True
-) -> tuple[KVHeader, memoryview]:
-    """A blob's header and its cells' bytes (a view of ``source`` where it is in memory),
-    every cell's CRC checked (unless not ``check``)."""
-    if not isinstance(source, bytes | bytearray | memoryview):
-        source = source.read()
-    view = memoryview(source).cast("B")
-    header, start = read_header(as_reader(view))
-    return header, checked(header, view[start:], check)
-
-
 def checked(header: KVHeader, data: memoryview, check: bool = True) -> memoryview:
     """The cells' bytes of a blob whose data starts ``data``, every cell's CRC checked
     (unless not ``check``: the length is, always)."""
@@ -146,7 +134,9 @@ def all_cells(source: bytearray | memoryview) -> tuple[KVHeader, torch.Tensor]:
     """A blob's header and every cell at once, as one tensor [layers, blocks, 2 (K, V),
     block_size, G, E] over the blob's own memory (no copy: ``source`` must be writable),
     every cell's CRC checked first."""
-    header, data = checked_cells(source)
+    view = memoryview(source).cast("B")
+    header, start = read_header(as_reader(view))
+    data = checked(header, view[start:])
     count = len(header.crc32)
     shape = (header.n_layers, header.n_blocks, 2, header.block_size, header.n_kv_heads)
     cells = torch.frombuffer(data, dtype=DTYPES[header.dtype]) if count else torch.empty(0)

@@ -73,8 +73,7 @@ class KvIO:
             return []
         dtype = dtype or self.dtype
         n = last - first
-        ids = torch.tensor(seq.block_table[first:last], dtype=torch.int64)
-        slots = (ids.unsqueeze(1) * bs + torch.arange(bs)).flatten().to(self.cache.k.device)
+        slots = self._slots(seq.block_table[first:last])
         shape = (self.config.n_layers, n, bs, self.config.n_kv_heads, -1)
         # [layers, n, bs, G, E] → [n, layers, 1, bs, G, E]: a block's cells contiguous
         k, v = (
@@ -139,10 +138,10 @@ class KvIO:
         sources = [
             s if isinstance(s, bytes | bytearray | memoryview) else s.read() for s in sources
         ]
-        headers = []
+        headers, starts = [], []
         for i, source in enumerate(sources):
             try:
-                header, _ = kvformat.read_header(kvformat.as_reader(source))
+                header, start = kvformat.read_header(kvformat.as_reader(source))
                 self.check_header(header)
                 if header.n_blocks != 1 or header.n_tokens != bs:
                     raise kvformat.KVFormatError("not a single full block")
@@ -151,12 +150,14 @@ class KvIO:
             except kvformat.KVFormatError as err:
                 raise kvformat.BadBlock(i, str(err)) from None
             headers.append(header)
+            starts.append(start)
         shape = (len(sources), c.n_layers, 2, bs, c.n_kv_heads, c.head_dim)
         staged = self._host_buffer(shape, kvformat.DTYPES[headers[0].dtype])
 
         def stage(i: int) -> None:
             try:
-                _, data = kvformat.checked_cells(sources[i], check=i >= trusted)
+                view = memoryview(sources[i]).cast("B")[starts[i] :]
+                data = kvformat.checked(headers[i], view, check=i >= trusted)
             except kvformat.KVFormatError as err:
                 raise kvformat.BadBlock(i, str(err)) from None
             kvformat.raw_view(staged[i])[:] = np.frombuffer(data, dtype=np.uint8)
@@ -177,13 +178,18 @@ class KvIO:
     def _scatter(self, cells: torch.Tensor, blocks: list[int]) -> None:
         """``cells`` [n, layers, 2 (K, V), bs, G, E] on the cache's device into ``blocks``, one
         indexed copy for K and one for V."""
-        c, bs = self.config, self.block_size
-        ids = torch.tensor(blocks, dtype=torch.int64)
-        slots = (ids.unsqueeze(1) * bs + torch.arange(bs)).flatten().to(cells.device)
+        c = self.config
+        slots = self._slots(blocks)
         for part, cache in enumerate((self.cache.k, self.cache.v)):
             # [n, layers, bs, G, E] → [layers, n·bs, G, E]
             x = cells[:, :, part].transpose(0, 1).reshape(c.n_layers, -1, c.n_kv_heads, c.head_dim)
             cache[:, slots] = x.to(cache.dtype)
+
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        """The cache slots of whole ``blocks``, in order, on the cache's device."""
+        ids = torch.tensor(blocks, dtype=torch.int64)
+        slots = ids.unsqueeze(1) * self.block_size + torch.arange(self.block_size)
+        return slots.flatten().to(self.cache.k.device)
 
     def read_header(self, f: BinaryIO) -> tuple[kvformat.KVHeader, int]:
         """The blob's header, checked against this engine's model and layout."""
