@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -47,6 +46,7 @@ sys.path[:] = [str(REPO), *(p for p in sys.path if Path(p or ".").resolve() != R
 
 import torch  # noqa: E402
 
+from bench.e2e import Stack  # noqa: E402
 from shared.engine.interface import EngineOptions, Prefix  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
 
@@ -283,31 +283,28 @@ def mesh_part(args: argparse.Namespace, model_dir: Path, state: Path) -> dict:
     sizes = SHAPES[args.shape][1]
     n = max(sizes)
     kv = 2 * n + 4096
-    port, nats = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    env.update(
-        KVMESH_STATE_DIR=str(state),
-        KVMESH_NATS_URL=f"nats://127.0.0.1:{nats}",
-        KVMESH_ROUTER_HTTP_PORT=str(port),
-        KVMESH_ROUTER_GRPC_PORT="0",
-        KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",
-        KVMESH_PREFILL_DEVICE=args.device,
-        KVMESH_DECODE_DEVICE=args.device,
-        KVMESH_PREFILL_KV_CACHE_TOKENS=str(kv),
-        KVMESH_DECODE_KV_CACHE_TOKENS=str(kv),
-        KVMESH_PREFILL_PREFILL_CHUNK=str(args.chunk),
-        # the memory tier holds one conversation: the second evicts the first
-        KVMESH_PREFILL_MEMORY_TIER_BYTES=str(int(1.5 * n * kv_bytes_per_token(model_dir, args))),
-        KVMESH_LOG_LEVEL="warning",
+    stack = Stack(
+        NAME,
+        0,  # (threads: all cores)
+        dict(
+            KVMESH_STATE_DIR=str(state),  # (the engine part's weights cache: mapped, not built)
+            KVMESH_PREFILL_DEVICE=args.device,
+            KVMESH_DECODE_DEVICE=args.device,
+            KVMESH_PREFILL_KV_CACHE_TOKENS=str(kv),
+            KVMESH_DECODE_KV_CACHE_TOKENS=str(kv),
+            KVMESH_PREFILL_PREFILL_CHUNK=str(args.chunk),
+            # the memory tier holds one conversation: the second evicts the first
+            KVMESH_PREFILL_MEMORY_TIER_BYTES=str(
+                int(1.5 * n * kv_bytes_per_token(model_dir, args))
+            ),
+        ),
+        args=("--model", f"{NAME}={model_dir}"),
     )
-    log = open(state / "up.log", "wb")  # noqa: SIM115
-    cmd = [sys.executable, "-m", "kvmesh", "up", "--model", f"{NAME}={model_dir}"]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = stack.url
     out: dict = {}
     try:
         started = time.perf_counter()
-        wait_ready(url, proc, state / "up.log")
+        stack.wait_ready(timeout_s=180)
         out["ready_s"] = time.perf_counter() - started
         say(f"mesh: ready in {out['ready_s']:.0f} s")
         first = ids(n, 1000)
@@ -324,12 +321,7 @@ def mesh_part(args: argparse.Namespace, model_dir: Path, state: Path) -> dict:
         for k in ("cold", "memory", "storage"):
             say(f"  {k}: {out[k]}")
     finally:
-        proc.send_signal(2)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stack.stop()
     return out
 
 
@@ -358,29 +350,6 @@ def kv_bytes_per_token(model_dir: Path, args: argparse.Namespace) -> int:
     head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     itemsize = 4 if args.device == "cpu" else 2
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head * itemsize
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
-                if json.loads(r.read())["data"]:
-                    return
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvmesh up exited:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    raise RuntimeError(f"the mesh was not ready in {timeout_s:g} s:\n{log.read_text()[-3000:]}")
 
 
 def complete(url: str, prompt: list[int]) -> dict:
@@ -436,7 +405,7 @@ def part(name: str, results: dict, fn: Callable[[], dict]) -> None:
     started = time.perf_counter()
     try:
         results[name] = fn()
-    except Exception as err:  # noqa: BLE001 (a part that fails is reported, the others run)
+    except (Exception, SystemExit) as err:  # noqa: BLE001 (a part that fails is reported)
         results[name] = {"error": f"{type(err).__name__}: {err}"}
         say(traceback.format_exc())
     results[name]["part_s"] = round(time.perf_counter() - started, 1)
