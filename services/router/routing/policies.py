@@ -15,6 +15,8 @@ from services.router.routing.score import (
     UNSURE_MAX,
     UNSURE_Z,
     StoreView,
+    balance_cold,
+    cold,
     rank_prefill,
     score_prefill,
 )
@@ -54,6 +56,7 @@ class Mooncake(RoutingPolicy):
     name = "mooncake"
     look_ahead = False
     guard = False
+    balances_cold = False  # a prompt nothing cached favors: by tokens in flight, not estimate
 
     def rank(self, req: RouteRequest, candidates: list[str]) -> list[Ranked]:
         states = {s: self.state(s) for s in candidates}
@@ -75,6 +78,8 @@ class Mooncake(RoutingPolicy):
             for s, w in states.items()
         ]
         ranked = rank_prefill(scores, states, self.guard, self.salt, self.unsure())
+        if self.balances_cold and len(ranked) > 1 and cold(ranked):
+            ranked = balance_cold(ranked, states, self.salt)
         self.scored = (req.request_id, {x.service_id: x for x in ranked})
         return [Ranked(x.service_id, x.explain) for x in ranked]
 
@@ -93,6 +98,7 @@ class Ttft(Mooncake):
     look_ahead = True
     guard = True
     fitted = True
+    balances_cold = True
 
     def unsure(self) -> float:
         """The pool's estimate's recent error (× ``UNSURE_Z``, at most ``UNSURE_MAX``):
