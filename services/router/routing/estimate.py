@@ -58,7 +58,8 @@ PASS_S = 0.001  # the pass term's unit (seconds), and a decoding sequence's in e
 ATTENTION_CONTEXT = 8192  # the attention term's unit: β₂ = 1 doubles a token's cost there
 RECENT = 0.05  # a request's weight in the recent error
 KNOWN_MAX = 4096  # shapes whose parts a pool keeps between two fits
-SOLVE_EVERY = 4  # a pool's fit is solved again after this many reports (each, at first)
+SOLVE_EVERY = 4  # a pool's fit is solved again after this many reports (each, at first)...
+SOLVE_LATER = 16  # ...and past SOLVE_EVERY³ reports, after this many (~8% of its ~200's window)
 FLOOR_S = 0.001  # a TTFT below this counts as this in the error (nothing measures finer)
 
 
@@ -313,8 +314,8 @@ class Fitted(Rates):
             assert fit is not None, "a pool's estimate fits"
             fit.add(terms, measured)
             # Each report moves a fit of hundreds by little: solved at each of the first
-            # reports, then every SOLVE_EVERY (a pool hears every worker's).
-            if fit.reports <= SOLVE_EVERY**3 or fit.unsolved >= SOLVE_EVERY:
+            # reports, then every SOLVE_LATER (a pool hears every worker's).
+            if fit.reports <= SOLVE_EVERY**3 or fit.unsolved >= SOLVE_LATER:
                 self.own = fit.solve(PRIOR)
                 self.known.clear()
             return

@@ -77,9 +77,10 @@ class Mooncake(RoutingPolicy):
             )
             for s, w in states.items()
         ]
-        ranked = rank_prefill(scores, states, self.guard, self.salt, self.unsure())
-        if self.balances_cold and len(ranked) > 1 and cold(ranked):
-            ranked = balance_cold(ranked, states, self.salt)
+        if self.balances_cold and len(scores) > 1 and cold(scores):
+            ranked = balance_cold(scores, states, self.salt)
+        else:
+            ranked = rank_prefill(scores, states, self.guard, self.salt, self.unsure())
         self.scored = (req.request_id, {x.service_id: x for x in ranked})
         return [Ranked(x.service_id, x.explain) for x in ranked]
 

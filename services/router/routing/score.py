@@ -124,7 +124,12 @@ def score_prefill(
     else:
         free, in_store = min(limit, memory_blocks), store.stored
     stored = min(limit, max(free, in_store)) - free
-    decoding, decoding_tokens = worker.pool.decodes()
+    pool = known.get(None) if known is not None else None  # (alike for every worker)
+    if pool is None:
+        pool = worker.pool.decodes()
+        if known is not None:
+            known[None] = pool
+    decoding, decoding_tokens = pool
     key = (free, stored, decoding, decoding_tokens, estimate.alike)
     seen = known.get(key) if known is not None else None
     if seen is None:
@@ -198,7 +203,7 @@ def rank_prefill(
         return (-s.memory_tokens, w.blocks_routed, w.tie_key(salt), s.service_id)
 
     def balance(s: PrefillScore) -> tuple:
-        return (s.uncached_tokens + workers[s.service_id].uncached_inflight, *tie_order(s))
+        return (s.uncached_tokens + workers[s.service_id].tokens_queued, *tie_order(s))
 
     ordered = sorted(scores, key=_cost)  # (stable: the candidates' order past the best)
     best = ordered[0].cost_s
@@ -234,9 +239,7 @@ def balance_cold(
     (``like_size``): short prompts queue with short ones and long with long, so that a short
     one seldom waits behind a long one (size-interval routing; where prompt sizes vary as on
     Azure's traces, means 5-15% lower at the balancers' tail). Then the ties' order."""
-    tokens = {
-        s.service_id: s.uncached_tokens + workers[s.service_id].uncached_inflight for s in scores
-    }
+    tokens = {s.service_id: s.uncached_tokens + workers[s.service_id].tokens_queued for s in scores}
     edge = min(tokens.values()) * (1 + SIZE_BAND)
 
     def key(s: PrefillScore) -> tuple:
@@ -245,7 +248,7 @@ def balance_cold(
         return (not alike, like_size(s.uncached_tokens, w) if alike else 0.0, n, w.tie_key(salt))
 
     for s in scores:
-        s.by_tokens, s.by_load = True, False
+        s.cost_s, s.by_tokens = s.ttft_s, True
     return sorted(scores, key=key)
 
 

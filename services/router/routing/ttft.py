@@ -159,6 +159,12 @@ class PrefillWorkerState:
     def inflight(self) -> int:
         return len(self.work)
 
+    @property
+    def tokens_queued(self) -> int:
+        """Uncached tokens to compute there: of the requests this router sent, or what the
+        worker says it has queued when that is more (other routers send it work too)."""
+        return max(self.uncached_inflight, self.reported_tokens)
+
     def ahead_s(self, now: float) -> float:
         """Work ahead of a request arriving at ``now``: what this router sent, less what the
         oldest has done since it began; or what the worker says it has queued when that is
