@@ -204,6 +204,20 @@ def test_a_prompt_nothing_cached_favors_goes_by_tokens_then_with_its_own_size() 
     assert policy.rank(RouteRequest("z", 300, 64, [], {}, 0.0), workers)[0].service_id == "long"
 
 
+def test_new_conversations_one_at_a_time_spread_over_idle_workers() -> None:
+    """Each prompt is computed before the next comes: every worker is idle each time, and
+    the next goes to the one whose memory tier has been given the least."""
+    policy = POLICIES["ttft"](salt="r")
+    workers = ["p0", "p1", "p2"]
+    chosen = []
+    for i in range(6):
+        req = RouteRequest(f"c{i}", 1024, 64, [f"c{i}/{k}" for k in range(16)], {}, float(i))
+        chosen.append(policy.rank(req, workers)[0].service_id)
+        policy.dispatched(chosen[-1], req)
+        policy.prefilled(chosen[-1], req, i + 0.5, 1024, 0, 0.5, 0.0)
+    assert sorted(chosen) == sorted(workers * 2)
+
+
 def test_prompts_of_mixed_sizes_with_nothing_shared_wait_less_than_the_balancers_make_them() -> (
     None
 ):
