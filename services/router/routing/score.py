@@ -229,7 +229,10 @@ def cold(scores: list[PrefillScore]) -> bool:
 
 
 def balance_cold(
-    scores: list[PrefillScore], workers: dict[str, PrefillWorkerState], salt: str = ""
+    scores: list[PrefillScore],
+    workers: dict[str, PrefillWorkerState],
+    salt: str = "",
+    band: float = SIZE_BAND,
 ) -> list[PrefillScore]:
     """A prompt nothing cached favors (``cold``) is placed as the best balancers place it,
     by tokens to compute, its own and those in flight there: counted, nothing estimated, so
@@ -242,7 +245,7 @@ def balance_cold(
     whose memory tier has been given the least (new conversations spread over the tiers),
     then by the router's own order."""
     tokens = {s.service_id: s.uncached_tokens + workers[s.service_id].tokens_queued for s in scores}
-    edge = min(tokens.values()) * (1 + SIZE_BAND)
+    edge = min(tokens.values()) * (1 + band)
 
     def key(s: PrefillScore) -> tuple:
         w, n = workers[s.service_id], tokens[s.service_id]
