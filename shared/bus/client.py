@@ -57,9 +57,14 @@ STORE_UNAVAILABLE = (
 
 
 DRAIN_TIMEOUT_S = 3.0
+NO_PEERS = 10005  # JetStream's "no suitable peers for placement": its cluster still forming
 ASK_RESEND_S = 0.5  # an ask not answered in this is sent again (``Bus.ask``)
 DIRECT_READ_WAIT_S = 10.0  # for a new replicated stream's direct reads (``read_last``)
 NO_RESPONDERS_RETRY_S = 0.1  # between asks of a subject nobody subscribes to at the moment
+
+
+class ClusterForming(Exception):
+    """A replicated stream asked of a JetStream cluster that does not know its peers yet."""
 
 
 class BusError(Exception):
@@ -403,6 +408,7 @@ class Bus:
                 nats.errors.NoRespondersError,
                 ServiceUnavailableError,
                 ServerError,
+                ClusterForming,
             ) as err:
                 if time.monotonic() > deadline:
                     raise BusError(f"stream {name}: JetStream not ready: {err!r}") from None
@@ -434,7 +440,9 @@ class Bus:
         except NotFoundError:
             try:
                 await self.js.add_stream(config)
-            except BadRequestError:  # made in between, by another process
+            except BadRequestError as err:  # made in between, by another process...
+                if err.err_code == NO_PEERS:  # ...or the cluster not formed yet
+                    raise ClusterForming(str(err)) from None
                 if not create_only:
                     await self.js.update_stream(config)
         else:
