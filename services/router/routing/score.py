@@ -124,12 +124,12 @@ def score_prefill(
     else:
         free, in_store = min(limit, memory_blocks), store.stored
     stored = min(limit, max(free, in_store)) - free
-    pool = known.get(None) if known is not None else None  # (alike for every worker)
-    if pool is None:
-        pool = worker.pool.decodes()
+    decodes = known.get(None) if known is not None else None  # (the pool's: alike for all)
+    if decodes is None:
+        decodes = worker.pool.decodes()
         if known is not None:
-            known[None] = pool
-    decoding, decoding_tokens = pool
+            known[None] = decodes
+    decoding, decoding_tokens = decodes
     key = (free, stored, decoding, decoding_tokens, estimate.alike)
     seen = known.get(key) if known is not None else None
     if seen is None:
@@ -203,7 +203,7 @@ def rank_prefill(
         return (-s.memory_tokens, w.blocks_routed, w.tie_key(salt), s.service_id)
 
     def balance(s: PrefillScore) -> tuple:
-        return (s.uncached_tokens + workers[s.service_id].tokens_queued, *tie_order(s))
+        return (to_compute(s, workers), *tie_order(s))
 
     ordered = sorted(scores, key=_cost)  # (stable: the candidates' order past the best)
     best = ordered[0].cost_s
@@ -219,6 +219,11 @@ def rank_prefill(
 
 def _cost(s: PrefillScore) -> float:
     return s.cost_s
+
+
+def to_compute(s: PrefillScore, workers: dict[str, PrefillWorkerState]) -> int:
+    """Uncached tokens at the worker once the request is there: its own and those queued."""
+    return s.uncached_tokens + workers[s.service_id].tokens_queued
 
 
 def cold(scores: list[PrefillScore]) -> bool:
@@ -237,14 +242,14 @@ def balance_cold(
     """A prompt nothing cached favors (``cold``) is placed as the best balancers place it,
     by tokens to compute, its own and those in flight there: counted, nothing estimated, so
     nothing to get wrong (ranked by the estimate, a trace of mixed sizes sharing nothing lost
-    its p99 by up to 80% to the balancers). Counts within ``SIZE_BAND`` of the least are alike, and
+    its p99 by up to 80% to the balancers). Counts within ``band`` of the least are alike, and
     between those the prompt goes where the requests in flight are of its own size
     (``like_size``): short prompts queue with short ones and long with long, so that a short
     one seldom waits behind a long one (size-interval routing; where prompt sizes vary as on
     Azure's traces, means 5-15% lower at the balancers' tail). Equal counts go to the worker
     whose memory tier has been given the least (new conversations spread over the tiers),
     then by the router's own order."""
-    tokens = {s.service_id: s.uncached_tokens + workers[s.service_id].tokens_queued for s in scores}
+    tokens = {s.service_id: to_compute(s, workers) for s in scores}
     edge = min(tokens.values()) * (1 + band)
 
     def key(s: PrefillScore) -> tuple:
