@@ -3,16 +3,20 @@
     kvmesh model list
     kvmesh model check NAME
     kvmesh model export smollm2-135m-instruct --to ./smollm2-hf [--dtype float16]
+    kvmesh model vllm-serve smollm2-135m-instruct --port 8001 --events-port 5557 [--kv-store DIR]
 
 ``list`` shows every model name with where its files are (the built-ins, and KVMESH_MODELS /
 ``[models]``); ``check`` reads a model's files as a worker would at start and says what is
 wrong, if anything (exit 2); ``export`` writes a GGUF model (the bundled SmolLM2, or one by
-path) as a Hugging Face directory for the engines that take those.
+path) as a Hugging Face directory for the engines that take those; ``vllm-serve`` prints the
+``vllm serve`` command of a server a kvmesh router can route to by its cache (its model exported
+under the state dir, its KV events on a port, kvmesh's storage tier as its connector).
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -36,6 +40,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     out.add_argument("--to", type=Path, required=True, help="the directory to write")
     out.add_argument("--dtype", default="float32", choices=list(DTYPES))
     out.set_defaults(run=run_export)
+    serve = sub.add_parser(
+        "vllm-serve", help="print the vllm serve command of a server kvmesh routes to by its cache"
+    )
+    serve.add_argument("name", help="a model name (see kvmesh model list)")
+    serve.add_argument("--port", type=int, default=8001, help="its API port")
+    serve.add_argument("--events-port", type=int, default=5557, help="its KV events (and +1)")
+    serve.add_argument(
+        "--kv-store", type=Path, help="kvmesh's storage tier, by its connector (turns move)"
+    )
+    serve.add_argument("--eager", action="store_true", help="no compiled graphs (CPUs)")
+    serve.set_defaults(run=run_vllm_serve)
 
 
 def _common() -> CommonSettings:
@@ -76,4 +91,31 @@ def run_export(args: argparse.Namespace) -> int:
     except (SettingsError, ModelError) as err:
         return _fail(str(err))
     print(f"{args.name} written to {to} (a Hugging Face directory)")
+    return 0
+
+
+def run_vllm_serve(args: argparse.Namespace) -> int:
+    from shared.engine.vllm.serve import serve_command
+    from shared.model.export import hf_directory
+    from shared.model.text import text_of
+
+    try:
+        common = _common()
+        state = Path(common.state_dir)
+        source = check_model(args.name, state, common.models)
+        config = text_of(source, state).config
+        directory = hf_directory(source, config, state).resolve()
+    except (SettingsError, ModelError) as err:
+        return _fail(str(err))
+    store = args.kv_store.resolve() if args.kv_store else None
+    argv = serve_command(
+        directory,
+        args.name,
+        args.port,
+        args.events_port,
+        config.fingerprint,
+        store,
+        eager=args.eager,
+    )
+    print(shlex.join(argv))
     return 0

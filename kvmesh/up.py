@@ -47,7 +47,9 @@ LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("up", help="start a local stack and stream its logs")
     for role in ("prefill", "decode", "encoder"):
-        p.add_argument(f"--{role}", type=int, default=1, metavar="N", help=f"{role} workers")
+        p.add_argument(
+            f"--{role}", type=int, metavar="N", help=f"{role} workers (1; 0 with --upstream)"
+        )
     p.add_argument(
         "--routers",
         type=int,
@@ -71,6 +73,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="serve this model (repeatable): --prefill and --decode workers of its own; PATH "
         "(a GGUF file or a Hugging Face directory) serves that checkpoint as NAME. Without "
         "it, the workers serve their KVMESH_PREFILL_MODEL / KVMESH_DECODE_MODEL",
+    )
+    p.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="[MODEL=]URL",
+        help="route to this server as well (repeatable): an OpenAI-compatible server kvmesh did "
+        "not start (vllm serve, SGLang's server) at http://host:port, or dns://name:port for "
+        "every address of a name; MODEL is the kvmesh model it serves (the bundled one by "
+        "default). With it, no kvmesh workers start unless asked for",
     )
     p.add_argument(
         "--autoscale",
@@ -136,6 +148,8 @@ class Stack:
         self.api_urls = []
         for i in range(counts["router"]):
             env = {"KVMESH_ROUTER_HTTP_PORT": str(router.http_port + i)}
+            if router.upstreams:
+                env["KVMESH_ROUTER_UPSTREAMS"] = json.dumps(router.upstreams)
             if router.grpc_port:
                 env["KVMESH_ROUTER_GRPC_PORT"] = str(router.grpc_port + i)
             self.children.append(Child(f"router-{i}", "router", env))
@@ -482,7 +496,11 @@ def with_models(common: CommonSettings, options: list[str]) -> tuple[CommonSetti
 
 
 def run(args: argparse.Namespace) -> int:
-    counts = {"prefill": args.prefill, "decode": args.decode, "encoder": args.encoder}
+    unset = 0 if args.upstream else 1  # (in front of servers of its own: no workers unasked)
+    counts = {
+        role: unset if n is None else n
+        for role, n in (("prefill", args.prefill), ("decode", args.decode), ("encoder", args.encoder))
+    }
     for role, n in counts.items():
         if not 0 <= n <= 64:
             print(f"kvmesh up: --{role} must be between 0 and 64 (got {n})", file=sys.stderr)
@@ -502,7 +520,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         common = load_settings(CommonSettings)
         router = load_settings(RouterSettings)
-    except SettingsError as err:
+        if args.upstream:
+            router = RouterSettings.model_validate(
+                {**router.model_dump(), "upstreams": [*router.upstreams, *args.upstream]}
+            )
+    except (SettingsError, ValueError) as err:
         print(f"kvmesh up: {err}", file=sys.stderr)
         return 2
     setup_logging(common.log_level)

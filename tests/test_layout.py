@@ -159,7 +159,7 @@ def test_the_simulator_reuses_pure_code_only() -> None:
 ROUTER = REPO / "services" / "router"
 # Each stage imports only the stages after it (and itself): transport → format → request →
 # dispatch → routing, with batch work beside the transports, what is recorded beside the
-# format, tenancy under the request. The root's modules: the composition (service, core)
+# format, tenancy under the request, the servers kvmesh did not start beside dispatch. The root's modules: the composition (service, core)
 # above every stage, the settings and the one error type under them.
 STAGES = (
     "__main__",
@@ -171,6 +171,7 @@ STAGES = (
     "observe",
     "request",
     "tenancy",
+    "upstream",
     "dispatch",
     "settings",
     "routing",

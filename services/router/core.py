@@ -1,5 +1,6 @@
 """The router's request machinery, built from its settings in the order a request meets it from
-the bottom: the mesh it follows (``dispatch/mesh.py``), dispatch and its routing policy,
+the bottom: the mesh it follows (``dispatch/mesh.py``) with the servers it routes to that
+kvmesh did not start (``upstream/``), dispatch and its routing policy,
 tenancy, the request's preparation and answers, and what is recorded. The transports are
 built over it (``api/server.py``); the process around both is ``service.py``.
 """
@@ -15,12 +16,12 @@ from services.router.dispatch.dispatcher import Dispatcher
 from services.router.dispatch.mesh import Mesh
 from services.router.observe.cachemiss import CacheMisses, Explainer
 from services.router.observe.recorder import RequestRecorder
-from services.router.observe.sharing import StatsSharing
 from services.router.request.answer import Answers
 from services.router.request.image_reader import ImageReader
 from services.router.request.prepare import Preparer
 from services.router.settings import RouterSettings
 from services.router.tenancy.admission import Tenancy
+from services.router.upstream.fleet import Upstreams
 from shared.bus import Bus
 from shared.settings import CommonSettings
 
@@ -37,6 +38,7 @@ class Core:
     preparer: Preparer
     answers: Answers
     recorder: RequestRecorder
+    upstreams: Upstreams
 
     @classmethod
     def build(
@@ -50,12 +52,14 @@ class Core:
         s, secrets = settings, common.resolved_secrets_dir
         mesh = Mesh(router_id, started_at, s, common)
         policy = s.policy(router_id)
+        upstreams = Upstreams(s, mesh)
         dispatcher = Dispatcher(
-            bus, router_id, mesh.registry, mesh.breakers, mesh.kv, policy, s, secrets
+            bus, router_id, mesh.registry, mesh.breakers, mesh.kv, policy, s, secrets, upstreams
         )
         tenancy = Tenancy(s, secrets, mesh.lag)
         images = ImageReader(s, common)
         preparer = Preparer(s, images, dispatcher, tenancy, Path(common.state_dir), common.models)
+        upstreams.connect(dispatcher.replies.deliver, preparer.renderer.text_model)
         explainer = None
         if s.cache_explain_bytes:  # why a prompt missed the cache, in its response
             explainer = Explainer(CacheMisses(s.cache_explain_bytes), dispatcher.prompt_hashes)
@@ -69,16 +73,25 @@ class Core:
         )
         mesh.on_sweep.append(recorder.stats.tick)  # workers live, minute by minute
         return cls(
-            router_id, s, common, bus, mesh, dispatcher, tenancy, preparer, answers, recorder
+            router_id,
+            s,
+            common,
+            bus,
+            mesh,
+            dispatcher,
+            tenancy,
+            preparer,
+            answers,
+            recorder,
+            upstreams,
         )
 
     async def start(self, stack: AsyncExitStack) -> None:
         await self.mesh.start(stack, self.bus)
-        sharing = StatsSharing(self.bus, self.router_id, self.recorder.stats, self.settings)
-        await sharing.start(stack)
+        await self.upstreams.start(stack)
+        await self.recorder.start(stack, self.bus, self.settings)
         await self.dispatcher.start()
         stack.push_async_callback(self.dispatcher.stop)
-        await self.recorder.capacity.serve(self.bus, self.router_id)
 
     async def drained(self) -> None:
         """Until no request is in progress."""

@@ -299,6 +299,51 @@ class BatchSettings(Section):
     )
 
 
+class UpstreamSettings(Section):
+    """Servers this router routes to that kvmesh did not start (``services/router/upstream/``)."""
+
+    upstreams: list[str] = Field(
+        default_factory=list,
+        description="OpenAI-compatible servers (vllm serve, SGLang's server) to route to as "
+        "workers, each [MODEL=]URL: MODEL the kvmesh model it serves (the bundled one by "
+        "default), URL http://host:port, or dns://name:port for every A record of a name "
+        "(a Kubernetes headless Service), resolved again every upstream_resolve_s",
+    )
+    upstream_poll_s: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description="how often each server's /metrics is read (its load, its health)",
+    )
+    upstream_resolve_s: float = Field(
+        default=10.0, gt=0, description="how often a dns:// upstream's name is resolved again"
+    )
+    upstream_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="a server that has not answered a request's headers (or a /metrics read) "
+        "within this is taken as failing",
+    )
+    upstream_events: bool = Field(
+        default=True,
+        description="follow each server's KV cache events (as its /kv_event_sources says: "
+        "vllm serve --kv-events-config with a bound tcp://*:PORT endpoint); off, or a server "
+        "without them, is routed by load",
+    )
+
+    @field_validator("upstreams")
+    @classmethod
+    def _upstream_urls(cls, upstreams: list[str]) -> list[str]:
+        for entry in upstreams:
+            url = entry.split("=", 1)[-1]
+            if not url.startswith(("http://", "https://", "dns://")) or ":" not in url[6:]:
+                raise ValueError(
+                    f"upstreams: {entry!r} is not [MODEL=]http://host:port, https://host:port "
+                    "or dns://name:port"
+                )
+        return upstreams
+
+
 class RouterSettings(
     ServiceSettings,
     ApiSettings,
@@ -311,6 +356,7 @@ class RouterSettings(
     ObserveSettings,
     PlanSettings,
     BatchSettings,
+    UpstreamSettings,
 ):
     model_config = SettingsConfigDict(env_prefix="KVMESH_ROUTER_")
     file_table: ClassVar[str] = "router"

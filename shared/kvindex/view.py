@@ -43,12 +43,17 @@ class KvIndex:
         if seq <= self.seq:
             return False
         self.seq = seq
+        self.admit(event)
+        return True
+
+    def admit(self, event: KvEvent) -> None:
+        """Apply an event counted against its source's feed (the stream's, or one its holder
+        follows itself: a server a router routes to that publishes on no stream)."""
         admitted, forget = self.feeds.admit(event)
         if forget:
             self.blocks.drop_location(forget)
         if admitted:
             self.blocks.apply(event)
-        return True
 
     def apply_message(self, data: bytes, seq: int) -> bool:
         """Apply the stream's message ``seq`` as it came; a malformed one is logged and

@@ -1,6 +1,7 @@
 """The operator's endpoints: GET /health (each role with its services, this router's KV index;
 "degraded" while a worker's KV events are stale, a worker is failing, or a worker cannot write
-the storage tier, each named; 503 while a role that serves requests has no ready one),
+the storage tier, each named; 503 while a role that serves requests has no ready one; the
+upstream servers, each with what it is routed by),
 /v1/models (what a ready prefill and decode worker both serve), /v1/stats (the operator's
 summary: services/router/observe/stats.py) and /openapi.json (the HTTP API as it is:
 ``openapi.py``)."""
@@ -17,6 +18,7 @@ from services.router.api.openapi import document
 from services.router.dispatch.mesh import Mesh
 from services.router.observe.capacity import Capacity
 from services.router.observe.stats import RollingStats
+from services.router.upstream.fleet import Upstreams
 from shared import __version__
 from shared.messages.heartbeat import ROLES
 
@@ -30,9 +32,11 @@ class OperatorApi:
         status: Callable[[], str],
         auth: bool,
         capacity: Capacity,
+        upstreams: Upstreams,
     ) -> None:
         self.router_id = router_id
         self.mesh = mesh
+        self.upstreams = upstreams
         self.stats = stats
         self.capacity = capacity
         self.status = status  # the router's own: ready, draining, stopped
@@ -70,8 +74,12 @@ class OperatorApi:
         failing = [s["id"] for s in services if s["status"] == "failing"]
         unwritten = {s["id"]: s["load"]["kv_store_error"] for s in services}
         unwritten = {sid: why for sid, why in unwritten.items() if why}
+        # (in front of servers it did not start, it needs no worker of those roles)
+        optional = {"cachemeta"} | ({"prefill", "encoder"} if self.upstreams else set())
+        needed = set(missing) - optional
+        lacking = needed or "cachemeta" in missing
         body = {
-            "status": "degraded" if missing or index["stale"] or failing or unwritten else "ok",
+            "status": "degraded" if lacking or index["stale"] or failing or unwritten else "ok",
             "service_id": self.router_id,
             "missing": missing,
             "failing": failing,
@@ -79,8 +87,10 @@ class OperatorApi:
             "roles": roles,
             "kv_index": index,
         }
+        if self.upstreams:  # (servers it did not start: each takes whole requests, no images)
+            body["upstreams"] = self.upstreams.report(self.mesh.kv.stale())
         # Cachemeta away is not a router that cannot serve: it routes by its own index.
-        ok = not set(missing) - {"cachemeta"} and self.status() == "ready"
+        ok = not needed and self.status() == "ready"
         return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:

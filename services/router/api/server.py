@@ -33,6 +33,7 @@ class Servers:
             status,
             s.keys_file is not None,
             core.recorder.capacity,
+            core.upstreams,
         )
         self.dashboard = Dashboard(
             core.router_id, core.mesh, core.recorder.stats, core.recorder.recent, core.bus, s

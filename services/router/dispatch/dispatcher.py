@@ -31,7 +31,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from services.router.dispatch.job import Attempt, Failed, Job
 from services.router.dispatch.moves import Moves
 from services.router.dispatch.plan import BlockLookup, CachePlanner
-from services.router.dispatch.send import InFlight, Sender
+from services.router.dispatch.send import Direct, InFlight, NoDirect, Sender
 from services.router.dispatch.stream import Replies
 from services.router.dispatch.workers import Breakers, WorkerRecord, WorkerRegistry
 from services.router.errors import ApiError, overloaded, unavailable
@@ -88,16 +88,18 @@ class Dispatcher:
         policy: RoutingPolicy,
         settings: DispatchSettings,
         secrets_dir: Path,
+        direct: Direct | None = None,
     ) -> None:
         self.bus = bus
         self.registry = registry
+        direct = direct or NoDirect()
         self.breakers = breakers
         self.policy = policy
         self.settings = settings
         self.plans = CachePlanner(kv, settings.prefix_prompts)
         self.inflight = InFlight(policy, breakers)
-        self.sender = Sender(bus, router_id, registry, self.inflight, settings, secrets_dir)
-        self.replies = Replies(bus, router_id, registry, breakers, settings)
+        self.sender = Sender(bus, router_id, registry, self.inflight, settings, secrets_dir, direct)
+        self.replies = Replies(bus, router_id, registry, breakers, settings, direct)
         # A burst of requests takes turns to start: the replies of those already asking
         # (the workers' acks) are not left waiting behind a thousand others.
         self._starting = asyncio.Semaphore(settings.max_starting)

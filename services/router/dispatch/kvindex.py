@@ -29,7 +29,7 @@ from shared.kvindex.publisher import KvEventPublisher
 from shared.kvindex.view import KvIndex
 from shared.kvindex.watch import FeedWatch, IndexCollector, approx_bytes
 from shared.messages.heartbeat import Heartbeat
-from shared.messages.kvevents import STORE, memory_owner
+from shared.messages.kvevents import STORE, KvEvent, memory_owner
 from shared.telemetry.metrics import register_load
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,11 @@ class RouterIndex:
         if longest:
             self.touched.update(dict.fromkeys(hashes[:longest]))
         return counts
+
+    def apply_local(self, event: KvEvent) -> None:
+        """An event that came by no stream: of a server this router follows itself
+        (``services/router/upstream/``), applied to its index only."""
+        self.index.admit(event)
 
     def known(self, worker: str) -> bool:
         """Whether what the index says of the worker's memory tier can be routed by."""

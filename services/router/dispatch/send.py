@@ -8,6 +8,9 @@ an ask or its ack lost with a NATS node, or a worker reconnecting to another nod
 resend, not the request; the worker takes a task sent twice once (``shared.worker.Tasks``).
 A dead worker is given up on when the ack timeout ends.
 
+Servers kvmesh did not start are reached by the router itself, not over NATS (``Direct``:
+``services/router/upstream/``): the task is their call, the ack their answer to it.
+
 What is in flight is counted from the moment a task is sent (requests routed meanwhile see it)
 and undone when the worker refuses it or the attempt ends, however it ends: ``InFlight.held``.
 """
@@ -18,6 +21,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 from services.router.dispatch.job import Attempt, Failed
 from services.router.dispatch.workers import Breakers, WorkerRegistry
@@ -28,6 +32,33 @@ from shared.bus import Bus, BusError, subjects
 from shared.messages.generate import GenerateTask, TaskAck, TokenEvent
 from shared.security.handoff import HANDOFF_SECRET, handoff_token
 from shared.security.secret import load_or_create
+
+
+class Direct(Protocol):
+    """Workers this router calls itself rather than over NATS (servers it did not start)."""
+
+    def owns(self, worker: str) -> bool: ...
+
+    async def ask(self, attempt: Attempt, worker: str) -> TaskAck:
+        """Start the attempt on ``worker``; its ack (BusError when it does not answer)."""
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """The attempt ended unfinished: stop it there."""
+        ...
+
+
+class NoDirect:
+    """A router with no such workers."""
+
+    def owns(self, worker: str) -> bool:
+        return False
+
+    async def ask(self, attempt: Attempt, worker: str) -> TaskAck:
+        raise AssertionError(f"{worker} is not called directly")
+
+    def cancel(self, request_id: str) -> None:
+        pass
 
 
 class InFlight:
@@ -101,8 +132,10 @@ class Sender:
         inflight: InFlight,
         settings: DispatchSettings,
         secrets_dir: Path,
+        direct: Direct,
     ) -> None:
         self.bus = bus
+        self.direct = direct
         self.reply_subject = subjects.replies(router_id)
         self.registry = registry
         self.inflight = inflight
@@ -118,12 +151,15 @@ class Sender:
         for worker, decode in route.pairs:
             self.inflight.take(attempt, worker, decode, req, route.ranked)
             try:
-                ack = await self.bus.ask(
-                    subjects.tasks(role, worker),
-                    self._task(attempt, decode),
-                    TaskAck,
-                    self.settings.ack_timeout_s,
-                )
+                if self.direct.owns(worker):
+                    ack = await self.direct.ask(attempt, worker)
+                else:
+                    ack = await self.bus.ask(
+                        subjects.tasks(role, worker),
+                        self._task(attempt, decode),
+                        TaskAck,
+                        self.settings.ack_timeout_s,
+                    )
             except BusError as err:
                 self.inflight.put_back(attempt)
                 why = f"{role} {worker} did not answer: {err}"

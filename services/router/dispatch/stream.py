@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from services.router.dispatch.job import Attempt, Failed
+from services.router.dispatch.send import Direct
 from services.router.dispatch.workers import Breakers, WorkerRegistry
 from services.router.errors import ApiError
 from services.router.settings import DispatchSettings
@@ -120,8 +121,10 @@ class Replies:
         registry: WorkerRegistry,
         breakers: Breakers,
         settings: DispatchSettings,
+        direct: Direct,
     ) -> None:
         self.bus = bus
+        self.direct = direct
         self.router_id = router_id
         self.registry = registry
         self.breakers = breakers
@@ -140,8 +143,12 @@ class Replies:
             await asyncio.gather(self._watchdog, return_exceptions=True)
 
     async def _on_events(self, message: TokenEvents) -> None:
+        self.deliver(message.events)
+
+    def deliver(self, events: list[TokenEvent]) -> None:
+        """Token events of answers this router waits for (those of others are dropped)."""
         waiting, now = self.waiting, time.monotonic()
-        for event in message.events:
+        for event in events:
             w = waiting.get(event.request_id)
             if w is not None:
                 w.heard_at, w.started = now, True
@@ -171,7 +178,9 @@ class Replies:
             yield waiting
         finally:
             self.waiting.pop(rid, None)
-            if not attempt.finished:
+            if not attempt.finished and self.direct.owns(attempt.decode):
+                self.direct.cancel(rid)
+            elif not attempt.finished:
                 with contextlib.suppress(Exception):
                     await self.bus.publish(subjects.CANCEL, Cancel(request_id=rid))
 

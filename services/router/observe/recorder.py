@@ -11,16 +11,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from services.router.observe.capacity import Answered, Capacity
+from services.router.observe.sharing import StatsSharing
 from services.router.observe.stats import RollingStats
 from services.router.request.prepare import Prepared
 from services.router.routing.estimate import Rates
-from services.router.settings import PlanSettings
+from services.router.settings import ObserveSettings, PlanSettings
+from shared.bus import Bus
 from shared.logs import request_scope
 from shared.telemetry.metrics import INPUT_TOKENS, OUTPUT_TOKENS, REQUESTS, TPOT, TTFT
 from shared.telemetry.tracing import REQUEST_ID, current_ids, extract, tracer
@@ -74,11 +77,18 @@ class RequestRecorder:
         estimate: Callable[[], Rates],
         ready: Callable[[str], int],
     ) -> None:
+        self.router_id = router_id
         self.stats = RollingStats(router_id, started_at)  # the mesh's figures (stats.py)
         self.recent = RecentRequests()  # the operator page's list
         # The pools the recent traffic needs (capacity.py): from the prefill pool's fitted
         # rates (``estimate``) and the ready workers of a role (``ready``).
         self.capacity = Capacity.configured(plan, estimate, ready)
+
+    async def start(self, stack: AsyncExitStack, bus: Bus, settings: ObserveSettings) -> None:
+        """Share this router's figures with the other routers (sharing.py), and answer the
+        plan's queries (capacity.py)."""
+        await StatsSharing(bus, self.router_id, self.stats, settings).start(stack)
+        await self.capacity.serve(bus, self.router_id)
 
     @contextlib.contextmanager
     def handling(self, rid: str, endpoint: str, headers: Mapping[str, str]) -> Iterator[Outcome]:

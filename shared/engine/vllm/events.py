@@ -3,8 +3,9 @@ the blocks' token ids, its hashes and its parent block's hash; each stored block
 **kvmesh's** hash, recomputed from its tokens and chained on its parent's kvmesh hash (the
 first block's chain starts from the model's fingerprint, the block size and the tenant salt
 vLLM carries as the block's ``cache_salt`` extra key), so the router's lookup for a prompt
-finds vLLM's blocks as it finds the torch engine's. vLLM does not replay: a lost batch makes
-the bridge start over.
+finds vLLM's blocks as it finds the torch engine's. A vLLM server's publisher keeps its last
+batches for replay when started with a ``replay_endpoint``: the bridge asks it for what it
+missed.
 
 The storage connector's events (``shared/engine/vllm/connector.py``) come through vLLM's
 publisher too, under a medium of their own; they carry kvmesh's hashes already and are the
@@ -29,14 +30,11 @@ log = logging.getLogger(__name__)
 
 
 class VllmEventBridge(KvEventBridge):
-    def __init__(self, fingerprint: str, block_size: int, publish: BlockEvents) -> None:
-        super().__init__(block_size, publish)
+    def __init__(
+        self, fingerprint: str, block_size: int, publish: BlockEvents, replay_endpoint: str = ""
+    ) -> None:
+        super().__init__(block_size, publish, replay_endpoint)
         self.fingerprint = fingerprint
-
-    def batch_type(self) -> type:
-        from vllm.distributed.kv_events import KVEventBatch
-
-        return KVEventBatch
 
     async def other(self, event: Any) -> bool:
         medium = getattr(event, "medium", None) or ""
