@@ -497,10 +497,8 @@ def with_models(common: CommonSettings, options: list[str]) -> tuple[CommonSetti
 
 def run(args: argparse.Namespace) -> int:
     unset = 0 if args.upstream else 1  # (in front of servers of its own: no workers unasked)
-    counts = {
-        role: unset if n is None else n
-        for role, n in (("prefill", args.prefill), ("decode", args.decode), ("encoder", args.encoder))
-    }
+    asked = {"prefill": args.prefill, "decode": args.decode, "encoder": args.encoder}
+    counts = {role: unset if n is None else n for role, n in asked.items()}
     for role, n in counts.items():
         if not 0 <= n <= 64:
             print(f"kvmesh up: --{role} must be between 0 and 64 (got {n})", file=sys.stderr)

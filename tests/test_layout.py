@@ -159,8 +159,9 @@ def test_the_simulator_reuses_pure_code_only() -> None:
 ROUTER = REPO / "services" / "router"
 # Each stage imports only the stages after it (and itself): transport → format → request →
 # dispatch → routing, with batch work beside the transports, what is recorded beside the
-# format, tenancy under the request, the servers kvmesh did not start beside dispatch. The root's modules: the composition (service, core)
-# above every stage, the settings and the one error type under them.
+# format, tenancy under the request, the servers kvmesh did not start beside dispatch. The
+# root's modules: the composition (service, core) above every stage, the settings and the one
+# error type under them.
 STAGES = (
     "__main__",
     "service",

@@ -5,9 +5,9 @@ vLLM and SGLang publish their cache events the same way, over ZMQ: frames ``(top
 big-endian bytes, msgpack [ts, events, dp_rank])``, the events ``BlockStored`` (the blocks'
 token ids, the engine's ids for them, its id of the block before the first), ``BlockRemoved``
 and ``AllBlocksCleared`` (read alike for both: ``kvwire.py``). Each engine's subclass says how
-its blocks are named in kvmesh's hash space (``chain``): the bridge recomputes each stored block's hash
-from its tokens, chained on its parent's (the engine's ids are not the router's hashes), and
-keeps the engine's id → kvmesh's to translate removals.
+its blocks are named in kvmesh's hash space (``chain``): the bridge recomputes each stored
+block's hash from its tokens, chained on its parent's (the engine's ids are not the router's
+hashes), and keeps the engine's id → kvmesh's to translate removals.
 
 A block may sit in more than one medium of the engine at once (SGLang's GPU and host memory):
 it is held by the worker while any medium holds it, and is reported removed when the last
