@@ -1,15 +1,13 @@
 """One attempt at a request on a server kvmesh did not start: the prompt's token ids and the
-sampling parameters as the server's own API takes them, its streamed answer as token events.
-
-vLLM's server takes them on ``/v1/completions`` with the prompt as token ids; the answer's
-token ids come as its log-probabilities' tokens (``logprobs`` with
-``return_tokens_as_token_ids``: ``token_id:N``; ``return_token_ids`` would send the whole prompt
-back in the first chunk, half a megabyte for a long agent turn), the
-tenant's salt as its ``cache_salt`` (its prefix cache keeps tenants apart, and its KV events
-carry the salt, so the blocks it reports are the router's hashes) and the retention class in
-``vllm_xargs`` (kvmesh's storage connector, where the server runs it, reads it there). The
-call's answer comes back through the same path as a worker's token events (``deliver``): the
+sampling parameters as the server's own API takes them (``protocols.py``), its streamed answer
+as token events. They come back through the same path as a worker's (``deliver``): the
 dispatcher cannot tell an upstream's answer from a worker's.
+
+The first token's event says the prompt tokens the router's index expected the server to reuse
+(its own cache, and the storage tier its connector reads): the routing policy learns the
+prefill from it, and the server says how many it did reuse only with its last (the usage,
+where the server was started with ``--enable-prompt-tokens-details``), which the answer's usage
+reports.
 
 The task is taken (the worker's ack) when the server answers the request's headers with 200;
 429 and 503 are busy (the next server is tried); another 4xx is the client's error, said as the
@@ -31,73 +29,11 @@ import aiohttp
 
 from services.router.dispatch.job import Job
 from services.router.errors import ApiError
+from services.router.upstream.protocols import Protocol
 from shared.bus import BusError
-from shared.messages.generate import Logprobs, TaskAck, TokenEvent
-from shared.model.grammar import lark_of
+from shared.messages.generate import TaskAck, TokenEvent
 
 log = logging.getLogger(__name__)
-
-FINISHES = ("stop", "length", "abort")
-
-
-def completion_body(job: Job, served: str) -> dict:
-    """The request as vLLM's /v1/completions takes it: token ids in, token ids out."""
-    p = job.sampling
-    body: dict = {
-        "model": served,
-        "prompt": job.prompt_ids,
-        "max_tokens": p.max_tokens,
-        "temperature": p.temperature,
-        "top_p": p.top_p,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "logprobs": p.logprobs or 0,
-        "return_tokens_as_token_ids": True,
-        "vllm_xargs": {"kvmesh_retention": job.retention},
-    }
-    optional = {
-        "top_k": p.top_k or None,
-        "seed": p.seed,
-        "stop_token_ids": list(p.stop_token_ids) or None,
-        "stop": list(p.stop) or None,
-        "ignore_eos": p.ignore_eos or None,
-        "logit_bias": {str(t): b for t, b in p.logit_bias} or None,
-        "presence_penalty": p.presence_penalty or None,
-        "frequency_penalty": p.frequency_penalty or None,
-        "cache_salt": job.salt or None,
-    }
-    body.update({k: v for k, v in optional.items() if v is not None})
-    if p.grammar is not None:
-        body["structured_outputs"] = {"grammar": lark_of(p.grammar)}
-    return body
-
-
-def token_id(key: str) -> int:
-    """A token as vLLM's log-probabilities name it with ``return_tokens_as_token_ids``."""
-    return int(key.removeprefix("token_id:"))
-
-
-def tokens_of(choice: dict) -> list[int]:
-    """A chunk's new token ids (its log-probabilities' tokens)."""
-    return [token_id(t) for t in (choice.get("logprobs") or {}).get("tokens") or ()]
-
-
-def logprobs_of(choice: dict, wanted: int | None) -> list[Logprobs] | None:
-    """Each new token's log-probability and the ``wanted`` most likely, from a chunk's."""
-    lp = choice.get("logprobs")
-    if wanted is None or not lp:
-        return None
-    out = []
-    pairs = zip(lp.get("token_logprobs") or [], lp.get("top_logprobs") or [], strict=False)
-    for chosen, top in pairs:
-        ranked = sorted(((token_id(k), v) for k, v in (top or {}).items()), key=lambda x: -x[1])
-        ranked = ranked[:wanted]
-        out.append(
-            Logprobs(
-                logprob=chosen, top_ids=[t for t, _ in ranked], top_logprobs=[v for _, v in ranked]
-            )
-        )
-    return out
 
 
 class Call:
@@ -107,19 +43,23 @@ class Call:
         self,
         session: aiohttp.ClientSession,
         url: str,
+        protocol: Protocol,
         served: str,
         worker_id: str,
         job: Job,
         deliver: Callable[[list[TokenEvent]], None],
         timeout_s: float,
+        reuse: dict[str, int],
     ) -> None:
         self.session = session
         self.url = url
+        self.protocol = protocol
         self.served = served
         self.worker_id = worker_id
         self.job = job
         self.deliver = deliver
         self.timeout_s = timeout_s
+        self.reuse = reuse  # the prompt tokens the router expects it to reuse, by tier
         self.acked: asyncio.Future[TaskAck] = asyncio.get_running_loop().create_future()
         self.task: asyncio.Task | None = None
         self.last: TokenEvent | None = None  # the finishing event, held for the usage after it
@@ -138,8 +78,8 @@ class Call:
         sent = time.monotonic()
         try:
             async with self.session.post(
-                f"{self.url}/v1/completions",
-                json=completion_body(self.job, self.served),
+                f"{self.url}{self.protocol.path}",
+                json=self.protocol.body(self.job, self.served),
                 timeout=aiohttp.ClientTimeout(sock_connect=self.timeout_s),
             ) as response:
                 if not await self._taken(response):
@@ -185,29 +125,30 @@ class Call:
             if "error" in chunk:
                 self._error(rid, f"upstream {self.worker_id}: {message_of(json.dumps(chunk))}")
                 return
-            usage = chunk.get("usage") or {}
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            for choice in chunk.get("choices") or ():
-                ids = tokens_of(choice)
-                finish = choice.get("finish_reason")
-                stop = choice.get("stop_reason")
+            cached = self.protocol.cached(chunk)
+            for piece in self.protocol.pieces(chunk, wanted):
+                ids, finish = piece.token_ids, piece.finish
                 event = TokenEvent(
                     request_id=rid,
                     index=index,
                     token_ids=ids,
-                    logprobs=logprobs_of(choice, wanted),
-                    finish_reason=finish if finish in FINISHES else ("stop" if finish else None),
-                    stop_string=stop if isinstance(stop, str) else None,
+                    logprobs=piece.logprobs,
+                    finish_reason=finish,  # type: ignore[arg-type]
+                    stop_string=piece.stop,
                     prefill_s=time.monotonic() - sent if first else None,
                     worker_id=self.worker_id,
+                    # (what the router expects it reused: the server says only at the end)
+                    cached_tokens=sum(self.reuse.values()) if first and self.reuse else None,
+                    cached_by_tier=self.reuse if first and self.reuse else None,
                 )
                 index, first = index + len(ids), False
                 if finish:
                     self.last = event  # (its usage, with the cached tokens, comes next)
                     continue
                 self.deliver([event])
-            if self.last is not None and usage:
-                self.deliver([self.last.model_copy(update={"cached_tokens": cached})])
+            if self.last is not None and self.protocol.ends(chunk):
+                said = {"cached_tokens": cached, "cached_by_tier": None}  # (the server's own)
+                self.deliver([self.last.model_copy(update=said if cached is not None else {})])
                 return
         if self.last is not None:
             self.deliver([self.last])

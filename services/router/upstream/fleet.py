@@ -23,8 +23,10 @@ import aiohttp
 from services.router.dispatch.job import Attempt
 from services.router.dispatch.mesh import Mesh
 from services.router.errors import ApiError
+from services.router.routing.route import RouteRequest
 from services.router.settings import UpstreamSettings
 from services.router.upstream.call import Call
+from services.router.upstream.protocols import PROTOCOLS
 from services.router.upstream.server import Server
 from shared.messages.generate import TaskAck, TokenEvent
 from shared.model.gguf import REAL_MODEL
@@ -60,7 +62,8 @@ class Upstreams:
         if not self._entries:
             return
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
-        self._session = aiohttp.ClientSession(connector=connector, read_bufsize=1 << 20)
+        # (a chunk is a line: OpenAI's completions echo the prompt's ids in the first)
+        self._session = aiohttp.ClientSession(connector=connector, read_bufsize=4 << 20)
         stack.push_async_callback(self.stop)
         await self._resolve()
         await asyncio.gather(*(self._poll(s) for s in list(self.servers.values())))
@@ -138,11 +141,13 @@ class Upstreams:
         call = Call(
             self._session,
             server.url,
+            PROTOCOLS[server.protocol],
             server.served,
             worker,
             attempt.job,
             self.deliver,
             self.settings.upstream_timeout_s,
+            expected_reuse(attempt.route, worker),
         )
         self.calls[rid] = call
         try:
@@ -175,6 +180,20 @@ class Upstreams:
             said["routed_by"] = f"load only: {why}" if why else "its cache and its load"
             out.append(said)
         return out
+
+
+def expected_reuse(route: RouteRequest | None, worker: str) -> dict[str, int]:
+    """The prompt tokens the router's index says the server will reuse, by tier: its own
+    cache's (memory), and what its connector loads from the storage tier beyond them. The
+    server says how many it reused only with the answer's end; the policy learns the prefill
+    from the first token, so it is told these meanwhile."""
+    if route is None:
+        return {}
+    size = max(1, route.block_size)
+    usable = (route.n_prompt - 1) // size * size  # (the last token is always computed)
+    memory = min(usable, route.memory_blocks(worker) * size)
+    storage = max(memory, min(usable, route.store_blocks * size)) - memory
+    return {"memory": memory, "storage": storage}
 
 
 def _entry(entry: str) -> tuple[str, str]:

@@ -6,9 +6,8 @@ over)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-
-from prometheus_client.parser import text_string_to_metric_families
 
 # Each figure's name in each engine's metrics (vLLM's first).
 NAMES = {
@@ -21,7 +20,15 @@ NAMES = {
     "kv_tokens": ("", "sglang:max_total_num_tokens"),
     "started_at": ("process_start_time_seconds",),
 }
-FIGURES = {name: figure for figure, names in NAMES.items() for name in names if name}
+# Each figure's sample names: a counter's samples end in _total.
+COUNTERS = ("prompt_tokens", "cached_tokens")
+SAMPLES = {
+    f"{name}_total" if figure in COUNTERS else name: figure
+    for figure, names in NAMES.items()
+    for name in names
+    if name
+}
+LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 @dataclass(frozen=True)
@@ -43,23 +50,28 @@ class ServerMetrics:
 
 
 def parse(text: str) -> ServerMetrics:
-    """The figures from a /metrics page (ValueError when it is neither engine's)."""
+    """The figures from a /metrics page (ValueError when it is neither engine's). A line scan,
+    not a full exposition parser: the page is read every poll of every server, and only a few
+    of its hundreds of samples are wanted."""
     values: dict[str, float] = {}
     info: dict[str, str] = {}
     engine = "sglang"
-    for family in text_string_to_metric_families(text):
-        figure = FIGURES.get(family.name)
-        if family.name == "vllm:cache_config_info":
-            info = family.samples[0].labels if family.samples else {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        head, _, value = line.rpartition(" ")
+        name = head.split("{", 1)[0]
+        if name == "vllm:cache_config_info":
+            info = dict(LABEL.findall(head))
+            continue
+        figure = SAMPLES.get(name)
         if figure is None:
             continue
-        engine = "vllm" if family.name.startswith("vllm:") else engine
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
-            # (summed over a server's engines; its share of KV used, the largest)
-            was = values.get(figure, 0.0)
-            values[figure] = max(was, sample.value) if figure == "kv_usage" else was + sample.value
+        engine = "vllm" if name.startswith("vllm:") else engine
+        number = float(value)
+        # (summed over a server's engines; its share of KV used, the largest)
+        was = values.get(figure, 0.0)
+        values[figure] = max(was, number) if figure == "kv_usage" else was + number
     if "running" not in values:
         raise ValueError("no running-requests figure: not a vLLM or SGLang metrics page")
     block_size = int(info.get("block_size", 0) or values.get("block_size", 0))

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from services.router.upstream.metrics import ServerMetrics, parse
+from services.router.upstream.protocols import PROTOCOLS
 from shared.engine.bridge import KvEventBridge
 from shared.kvstore.tiers import MEMORY
 from shared.messages.heartbeat import Heartbeat, Load
@@ -50,6 +51,7 @@ class Server:
         self.fingerprint = fingerprint
         self.apply = apply
         self.served = ""  # the model's name at the server (its /v1/models)
+        self.protocol = ""  # how requests are put to it (protocols.py)
         self.metrics: ServerMetrics | None = None
         self.first_seen = time.time()
         self.bridge: KvEventBridge | None = None
@@ -76,6 +78,7 @@ class Server:
                 metrics = parse(await response.text())
             if not self.served:
                 self.served = await self._served(session, timeout)
+                self.protocol = await self._protocol(session, timeout, metrics.engine)
             restarted = self.metrics is not None and metrics.started_at != self.metrics.started_at
             self.metrics = metrics
             if events and (not self.events or restarted):
@@ -98,15 +101,51 @@ class Server:
             models = (await response.json())["data"]
         return str(models[0]["id"])
 
+    async def _protocol(
+        self, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout, engine: str
+    ) -> str:
+        """SGLang's own; for vLLM, its token-in-token-out endpoint where it is on (a server
+        started with --enable-scale-out refuses an empty prompt; one without, any request),
+        else OpenAI's completions."""
+        if engine == "sglang":
+            return "sglang"
+        probe = {"token_ids": []}
+        async with session.post(
+            f"{self.url}{PROTOCOLS['generate'].path}", json=probe, timeout=timeout
+        ) as response:
+            on = response.status in (400, 422)
+        log.info("upstream %s: vLLM, requests by %s", self.url, "generate" if on else "completions")
+        return "generate" if on else "completions"
+
+    async def _events_config(
+        self, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout
+    ) -> dict | None:
+        """Where the server publishes its KV events, as it says: vLLM's /kv_event_sources,
+        SGLang's /server_info (its first data-parallel rank's; None: it publishes none)."""
+        assert self.metrics is not None
+        if self.metrics.engine == "sglang":  # (its /server_info's kv_events descriptor)
+            async with session.get(f"{self.url}/server_info", timeout=timeout) as response:
+                info = await response.json() if response.status == 200 else {}
+            said = info.get("kv_events") if isinstance(info, dict) else None
+            if not isinstance(said, dict) or said.get("publisher") != "zmq":
+                return None
+            replay = said.get("replay_endpoint_port_base")
+            return {
+                "enable_kv_cache_events": True,
+                "endpoint": f"tcp://*:{said['endpoint_port_base']}",
+                "replay_endpoint": f"tcp://*:{replay}" if replay else "",
+            }
+        async with session.get(f"{self.url}/kv_event_sources", timeout=timeout) as response:
+            sources = await response.json() if response.status == 200 else {}
+        return next(iter(sources.values()), None) if isinstance(sources, dict) else None
+
     async def _follow(self, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout) -> None:
-        """Follow its KV events, where its /kv_event_sources says they are published."""
+        """Follow its KV events, where the server says they are published."""
         await self.stop()
         self.epoch, self.made = self.started_at, 0
         self.computed_at_event = self.metrics.computed_tokens if self.metrics else 0
-        async with session.get(f"{self.url}/kv_event_sources", timeout=timeout) as response:
-            sources = await response.json() if response.status == 200 else {}
-        config = next(iter(sources.values()), None) if isinstance(sources, dict) else None
-        if not config or not config.get("enable_kv_cache_events"):
+        config = await self._events_config(session, timeout)
+        if not config or not config.get("enable_kv_cache_events") or "endpoint" not in config:
             self.events = "none: the server publishes no KV events (--kv-events-config)"
             return
         host = urlsplit(self.url).hostname or "127.0.0.1"

@@ -42,13 +42,13 @@ from shared.engine.interface import (
     OwningEngine,
     Peer,
 )
-from shared.engine.sampling import SamplingParams, TokenLogprobs, stop_string_hit
+from shared.engine.sampling import SamplingParams, stop_string_hit
+from shared.engine.sglang.params import logprobs_of, sglang_params
 from shared.kvstore.hashing import SGLANG, pack_tokens, packed_sglang_hashes, sglang_cache_salt
 from shared.kvstore.tiers import STORAGE
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 from shared.model.export import hf_directory
-from shared.model.grammar import lark_of
 from shared.model.text import text_of
 from shared.orphans import spawned_children_die_with_us
 
@@ -354,41 +354,3 @@ async def pieces(
     finally:
         with contextlib.suppress(Exception):
             await stream.aclose()  # type: ignore[attr-defined]
-
-
-def sglang_params(p: SamplingParams) -> dict:
-    """kvmesh's sampling parameters as SGLang's (its ``SamplingParams`` fields)."""
-    out: dict[str, Any] = {
-        "max_new_tokens": p.max_tokens,
-        "temperature": p.temperature,
-        "top_p": p.top_p,
-        "top_k": p.top_k if p.top_k > 0 else -1,
-        "frequency_penalty": p.frequency_penalty,
-        "presence_penalty": p.presence_penalty,
-        "ignore_eos": p.ignore_eos,
-        "no_stop_trim": True,  # the router trims stop strings from the text it sends
-    }
-    if p.stop_token_ids:
-        out["stop_token_ids"] = list(p.stop_token_ids)
-    if p.seed is not None:
-        out["sampling_seed"] = p.seed
-    if p.logit_bias:
-        out["logit_bias"] = {str(t): b for t, b in p.logit_bias}
-    if p.grammar is not None:
-        out["ebnf"] = lark_of(p.grammar)  # llguidance reads it as Lark
-    return out
-
-
-def logprobs_of(meta: dict, n: int, wanted: int | None) -> list[TokenLogprobs] | None:
-    """The last ``n`` tokens' log-probabilities and ``wanted`` most likely (id, logprob), from
-    SGLang's ``output_token_logprobs`` / ``output_top_logprobs`` ((logprob, id, text) each)."""
-    if wanted is None or not n:
-        return None
-    chosen = (meta.get("output_token_logprobs") or [])[-n:]
-    tops = (meta.get("output_top_logprobs") or [])[-n:]
-    out = []
-    for i, (logprob, _token, *_) in enumerate(chosen):
-        ranked = tops[i] if i < len(tops) and tops[i] else []
-        top = tuple((int(t), float(lp)) for lp, t, *_ in ranked[:wanted])
-        out.append(TokenLogprobs(float(logprob), top))
-    return out

@@ -29,10 +29,10 @@ from shared.engine.interface import (
 )
 from shared.engine.sampling import SamplingParams, TokenLogprobs
 from shared.engine.vllm.events import VllmEventBridge
+from shared.engine.vllm.params import sampling_fields
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 from shared.model.export import hf_directory
-from shared.model.grammar import lark_of
 from shared.model.text import text_of
 from shared.orphans import spawned_children_die_with_us
 
@@ -211,30 +211,14 @@ class VllmEngine(OwningEngine):
 def vllm_params(p: SamplingParams):  # noqa: ANN201 (vllm's SamplingParams)
     """kvmesh's sampling parameters as vLLM's (answers streamed as deltas)."""
     from vllm import SamplingParams as Params
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-    structured = None
-    if p.grammar is not None:
-        from vllm.sampling_params import StructuredOutputsParams
-
-        structured = StructuredOutputsParams(grammar=lark_of(p.grammar))
-    return Params(
-        n=1,
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k if p.top_k > 0 else 0,
-        seed=p.seed,
-        stop_token_ids=list(p.stop_token_ids),
-        stop=list(p.stop),
-        ignore_eos=p.ignore_eos,
-        logit_bias=dict(p.logit_bias) or None,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        logprobs=p.logprobs,
-        output_kind=RequestOutputKind.DELTA,
-        structured_outputs=structured,
-    )
+    fields = sampling_fields(p)
+    if "logit_bias" in fields:
+        fields["logit_bias"] = {int(t): b for t, b in fields["logit_bias"].items()}
+    if "structured_outputs" in fields:
+        fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
+    return Params(n=1, output_kind=RequestOutputKind.DELTA, **fields)
 
 
 def logprobs_of(piece, wanted: int | None) -> list[TokenLogprobs] | None:  # noqa: ANN001

@@ -2,7 +2,9 @@
 routes its own workers (``services/router/upstream/``): the model as kvmesh exports it (so the
 server's tokenizer and chat template are the router's), kvmesh's block size (one hash per
 block), its KV cache events published on a bound port with a replay socket beside it (the
-router follows them over the network), and, with a storage tier, kvmesh's connector by module
+router follows them over the network), its token-in-token-out endpoint on (the router sends
+token ids and reads token ids, no text made on the server), the cached prompt tokens in its
+usage, and, with a storage tier, kvmesh's connector by module
 path (turns move between servers through the tier, and the tier's blocks are announced on the
 same events). ``kvmesh model vllm-serve`` prints it; the upstream tests start their servers
 with it.
@@ -58,6 +60,7 @@ def serve_command(
         str(BLOCK_SIZE),
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
+        "--enable-scale-out",
         "--kv-events-config",
         json.dumps(events),
     ]
