@@ -9,6 +9,7 @@ facing clients."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import kubernetes_validate
@@ -68,9 +69,9 @@ def render(root: Path) -> list[dict]:
         meta = {"name": gen["name"], **({"labels": labels} if labels else {})}
         objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
     for patch in k.get("patches", []):
-        doc = yaml.safe_load((root / patch["path"]).read_text())
-        (target,) = [o for o in objects if same_object(o, doc)]
-        merge(target, doc)
+        for doc in yaml.safe_load_all((root / patch["path"]).read_text()):
+            (target,) = [o for o in objects if same_object(o, doc)]
+            merge(target, doc)
     for image in k.get("images", []):
         for spec in pod_specs(objects):
             for c in spec.get("containers", []) + spec.get("initContainers", []):
@@ -276,3 +277,31 @@ def test_the_autoscale_overlay_scales_each_pool_to_the_routers_plan() -> None:
 
 
 RECOMMENDED = "kvmesh_recommended_workers"
+
+
+def test_the_upstream_overlay_puts_the_routers_in_front_of_vllm_servers() -> None:
+    """The routers' upstreams are every address of a headless Service over the vLLM pods, at
+    the port the servers serve; the servers publish their KV events on the ports the Service
+    names and run with the flags the router reads; kvmesh's own worker pools are empty."""
+    objects = render(DEPLOY / "kubernetes" / "overlays" / "upstream")
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    router = by["Deployment", "kvmesh-router"]["spec"]["template"]["spec"]["containers"][0]
+    (entry,) = json.loads(env_of(router)["KVMESH_ROUTER_UPSTREAMS"])
+    RouterSettings(upstreams=[entry])  # (the router takes it)
+    model, url = entry.split("=", 1)
+    host, port = url.removeprefix("dns://").split(":")
+    service = by["Service", host.split(".")[0]]
+    assert service["spec"]["clusterIP"] == "None"  # headless: one record per ready pod
+    vllm = by["Deployment", service["metadata"]["name"]]
+    pod = vllm["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (server,) = pod["spec"]["containers"]
+    args = dict(a.removeprefix("--").split("=", 1) for a in server["args"] if "=" in a)
+    assert args["port"] == port and args["served-model-name"] == model
+    assert {"--enable-prompt-tokens-details", "--enable-scale-out"} <= set(server["args"])
+    events = json.loads(args["kv-events-config"])
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    assert events["endpoint"] == f"tcp://*:{ports['kv-events']}"
+    assert events["replay_endpoint"] == f"tcp://*:{ports['kv-replay']}"
+    for role in ("prefill", "decode", "encoder"):
+        assert by["Deployment", f"kvmesh-{role}"]["spec"]["replicas"] == 0

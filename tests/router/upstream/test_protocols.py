@@ -138,3 +138,14 @@ def test_sglangs_stream_reads_its_meta_info() -> None:
     assert read.ends(chunk) and read.cached(chunk) == 64
     length = {"output_ids": [9], "meta_info": {"finish_reason": {"type": "length", "length": 3}}}
     assert read.pieces(length, None)[0].finish == "length"
+
+
+def test_sglangs_server_info_says_where_its_kv_events_are_as_the_router_reads_it() -> None:
+    """The router follows an SGLang server's events where its /server_info's ``kv_events``
+    descriptor says (server.py): the keys it reads are the release's."""
+    load()
+    http = (ROOT / "sglang/srt/entrypoints/http_server.py").read_text()
+    assert '@app.get("/server_info")' in http
+    context = (ROOT / "sglang/srt/runtime_context.py").read_text()
+    for key in ("endpoint_port_base", "replay_endpoint_port_base", "publisher"):
+        assert f'"{key}"' in context, key
