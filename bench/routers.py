@@ -9,7 +9,7 @@ then two workloads through the official OpenAI client, streamed chats:
 
 - agent sessions: a system prompt every session shares, each turn re-sending the growing
   history (the agent's own answers and a new tool result), ``--clients`` sessions at a time;
-- a chat mix with no sharing: new conversations of mixed lengths, ``--clients`` at a time.
+- a chat mix with no sharing: new conversations of mixed lengths, ``--mix-clients`` at a time.
 
 Per router and workload: TTFT mean, p50, p99; end-to-end latency mean; the servers' own prefix
 cache hit ratio (their /metrics, before and after); requests per second; the router's CPU
@@ -330,7 +330,7 @@ async def agent(base: str, args: argparse.Namespace) -> Result:
 
 
 async def mix(base: str, args: argparse.Namespace) -> Result:
-    """New conversations of mixed lengths (nothing shared), ``clients`` at a time."""
+    """New conversations of mixed lengths (nothing shared), ``mix_clients`` at a time."""
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
     rng = random.Random(args.seed + 1)
     prompts = [text(rng, rng.randint(60, args.chat_words)) for _ in range(args.chats)]
@@ -344,7 +344,7 @@ async def mix(base: str, args: argparse.Namespace) -> Result:
             result.asked.append(asked)
 
     start = time.perf_counter()
-    await asyncio.gather(*(run() for _ in range(args.clients)))
+    await asyncio.gather(*(run() for _ in range(args.mix_clients)))
     result.wall_s = time.perf_counter() - start
     await client.close()
     return result
@@ -408,7 +408,8 @@ def main() -> None:
     p.add_argument("--tool-words", type=int, default=120, help="each turn's tool result")
     p.add_argument("--chats", type=int, default=24, help="new conversations in the mix")
     p.add_argument("--chat-words", type=int, default=900, help="the longest of them")
-    p.add_argument("--clients", type=int, default=4, help="sessions or chats at a time")
+    p.add_argument("--clients", type=int, default=4, help="agent sessions at a time")
+    p.add_argument("--mix-clients", type=int, default=2, help="new chats at a time")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peers", type=Path, default=REPO / ".bench" / "peers", help="their venv")

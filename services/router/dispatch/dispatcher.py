@@ -260,7 +260,7 @@ class Dispatcher:
         needs no prefill worker)."""
         decoders = self.candidates("decode", model, set())
         whole = any(w.heartbeat.whole and not w.heartbeat.pd_only for w in decoders)
-        for role in ("decode",) if whole else ("prefill", "decode"):
+        for role in ("decode",) if whole else ("decode", "prefill"):
             if self.candidates(role, model, set()):
                 continue
             if self.candidates(role, model, set(), breakers=False):

@@ -44,6 +44,8 @@ class Upstreams:
         self.deliver: Callable[[list[TokenEvent]], None] = lambda events: None
         self.text_model: Callable[[str], Awaitable[TextModel]] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._pollers: dict[str, asyncio.Task] = {}  # by worker id
+        self._polled = False
         self._entries = [_entry(e) for e in settings.upstreams]
 
     def __bool__(self) -> bool:
@@ -67,13 +69,17 @@ class Upstreams:
         stack.push_async_callback(self.stop)
         await self._resolve()
         await asyncio.gather(*(self._poll(s) for s in list(self.servers.values())))
-        for loop in (self._resolving, self._polling):
-            task = asyncio.create_task(loop())
-            stack.callback(task.cancel)
+        for server in self.servers.values():
+            self._pollers[server.id] = asyncio.create_task(self._polling(server))
+        self._polled = True
+        resolving = asyncio.create_task(self._resolving())
+        stack.callback(resolving.cancel)
 
     async def stop(self) -> None:
         for call in list(self.calls.values()):
             call.cancel()
+        for poller in self._pollers.values():
+            poller.cancel()
         for server in self.servers.values():
             await server.stop()
         if self._session is not None:
@@ -89,37 +95,48 @@ class Upstreams:
     async def _resolve(self) -> None:
         """The servers as the settings name them now (dns:// names resolved again): new ones
         added, those gone dropped."""
-        wanted: dict[str, str] = {}  # server URL → its model
+        wanted: dict[str, tuple[str, str]] = {}  # server URL → its model, and its entry
         for model, entry in self._entries:
             found = await _addresses(entry)
             if found is None:  # (not resolved now: its servers stay as they were)
                 found = [s.url for s in self.servers.values() if s.entry == entry]
-            wanted.update(dict.fromkeys(found, model))
-        for url, model in wanted.items():
+            wanted.update(dict.fromkeys(found, (model, entry)))
+        for url, (model, entry) in wanted.items():
             assert self.text_model is not None, "connect() first"
             fingerprint = (await self.text_model(model)).config.fingerprint
-            server = Server(url, model, fingerprint, self.mesh.kv.apply_local)
+            server = Server(url, model, fingerprint, self.mesh.kv.apply_local, entry)
             if server.id not in self.servers:
                 log.info("upstream %s (%s) added", url, model)
-                server.entry = next(e for m, e in self._entries if m == model)
                 self.servers[server.id] = server
+                if self._polled:  # (at start, each is read once first, then followed)
+                    self._pollers[server.id] = asyncio.create_task(self._polling(server))
         for sid, server in list(self.servers.items()):
             if server.url not in wanted:
                 log.info("upstream %s gone from its name's records", server.url)
                 del self.servers[sid]
+                poller = self._pollers.pop(sid, None)
+                if poller is not None:
+                    poller.cancel()
                 await server.stop()
                 self.mesh.drop(sid, "no longer among its name's addresses")
 
-    async def _polling(self) -> None:
+    async def _polling(self, server: Server) -> None:
+        """Each server read on its own schedule: a slow one delays no other."""
         while True:
             await asyncio.sleep(self.settings.upstream_poll_s)
-            await asyncio.gather(*(self._poll(s) for s in list(self.servers.values())))
+            await self._poll(server)
 
     async def _poll(self, server: Server) -> None:
+        """A read of the server's metrics as its heartbeat. A busy server may answer late: its
+        beats' interval allows a read's timeout, and it is dropped when it refuses the
+        connection (gone), not when it is slow; its calls in flight fail by themselves."""
         assert self._session is not None
         s = self.settings
         if await server.poll(self._session, s.upstream_timeout_s, s.upstream_events):
-            await self.mesh.on_heartbeat(server.heartbeat(s.upstream_poll_s))
+            interval = s.upstream_poll_s + s.upstream_timeout_s
+            await self.mesh.on_heartbeat(server.heartbeat(interval))
+        elif server.refused and self.mesh.registry.get(server.id) is not None:
+            self.mesh.drop(server.id, f"its server refuses connections ({server.error})")
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -43,9 +43,11 @@ def server_id(url: str) -> str:
 
 
 class Server:
-    def __init__(self, url: str, model: str, fingerprint: str, apply: Apply) -> None:
+    def __init__(
+        self, url: str, model: str, fingerprint: str, apply: Apply, entry: str = ""
+    ) -> None:
         self.url = url.rstrip("/")
-        self.entry = url  # the settings' entry that names it (a dns:// name's records)
+        self.entry = entry or url  # the settings' entry that names it (a dns:// name's)
         self.id = server_id(url)
         self.model = model
         self.fingerprint = fingerprint
@@ -64,6 +66,7 @@ class Server:
         self.computed_at_event = 0
         self.waiting_since: float | None = None
         self.failures = 0  # reads of its metrics failed in a row
+        self.refused = False  # the last one's connection was refused (gone, not slow)
         self.error = ""
 
     # -- reading it -------------------------------------------------------------------------
@@ -85,13 +88,14 @@ class Server:
                 await self._follow(session, timeout)
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as err:
             self.failures += 1
+            self.refused = isinstance(err, aiohttp.ClientConnectorError)
             self.error = f"{type(err).__name__}: {err}"
             if self.failures == 1:
                 log.warning("upstream %s did not answer: %s", self.url, self.error)
             return False
         if self.failures:
             log.info("upstream %s answers again", self.url)
-        self.failures, self.error = 0, ""
+        self.failures, self.refused, self.error = 0, False, ""
         self._watch_feed(time.monotonic())
         return True
 
