@@ -310,7 +310,7 @@ class UpstreamSettings(Section):
         "(a Kubernetes headless Service), resolved again every upstream_resolve_s",
     )
     upstream_poll_s: float = Field(
-        default=0.5,
+        default=1.0,
         gt=0,
         le=60,
         description="how often each server's /metrics is read (its load, its health)",
