@@ -18,7 +18,8 @@ into a venv of this bench's own (``--peers``, made when missing), never the proj
 
     .venv/bin/python bench/routers.py [--servers 2] [--sessions 8] [--turns 5] [--chats 24]
 
-Prints a table, then as its last line one JSON object with those figures.
+``--runs N`` goes over every router N times, in rounds; the table shows each figure's median.
+Prints a table, then as its last line one JSON object with those figures (and every run's).
 """
 
 from __future__ import annotations
@@ -414,24 +415,48 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peers", type=Path, default=REPO / ".bench" / "peers", help="their venv")
     p.add_argument("--work", type=Path, help="keep the servers' and routers' logs here")
+    p.add_argument(
+        "--runs", type=int, default=1, help="rounds over every router (the table: medians)"
+    )
     args = p.parse_args()
     peers = peers_venv(args.peers)
-    results = {}
+    names = args.routers.split(",")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="kvmesh-routers-") as tmp:
-        for name in args.routers.split(","):
-            say(f"[{len(results) + 1}/{len(args.routers.split(','))}] {name}")
-            work = (args.work or Path(tmp)) / name
-            work.mkdir(parents=True, exist_ok=True)
-            try:
-                results[name] = measure(name, work, args, peers)
-            except SystemExit as err:  # (a router that cannot run here: why, and go on)
-                say(f"  {name} could not run: {err}")
-                logs = sorted(work.glob(f"{name}*.log"))
-                tail = logs[0].read_text(errors="replace")[-1500:] if logs else ""
-                results[name] = {"error": f"{err}: {tail}"}
+        for n in range(args.runs):  # (rounds, not one router's runs in a row: drift hits all)
+            for i, name in enumerate(names):
+                say(f"[round {n + 1}/{args.runs}, {i + 1}/{len(names)}] {name}")
+                work = (args.work or Path(tmp)) / f"{name}-{n}"
+                work.mkdir(parents=True, exist_ok=True)
+                runs[name].append(attempt(name, work, args, peers))
+    results = {name: medians(done) for name, done in runs.items()}
     print_table(results)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    print(json.dumps({"routers": results, "settings": settings}))
+    print(json.dumps({"routers": results, "runs": runs, "settings": settings}))
+
+
+def attempt(name: str, work: Path, args: argparse.Namespace, peers: Path) -> dict:
+    """One run of a router's workloads, or why it could not run here."""
+    try:
+        return measure(name, work, args, peers)
+    except SystemExit as err:  # (a router that cannot run here: why, and go on)
+        say(f"  {name} could not run: {err}")
+        logs = sorted(work.glob(f"{name}*.log"))
+        tail = logs[0].read_text(errors="replace")[-1500:] if logs else ""
+        return {"error": f"{err}: {tail}"}
+
+
+def medians(done: list[dict]) -> dict:
+    """Each workload's figures, the median of the runs that ran (an error when none did)."""
+    ran = [d for d in done if "error" not in d]
+    if not ran:
+        return done[-1]
+    return {
+        workload: {
+            k: round(statistics.median(d[workload][k] for d in ran), 3) for k in ran[0][workload]
+        }
+        for workload in ran[0]
+    }
 
 
 def print_table(results: dict) -> None:
