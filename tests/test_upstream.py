@@ -12,6 +12,7 @@ load. The tests run in order: the later ones kill and restart a server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -84,7 +85,8 @@ class VllmServer:
 
     def kill(self) -> None:
         assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # (already gone)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
     def log(self) -> str:
@@ -114,27 +116,24 @@ def mesh(stacks, tmp_path_factory) -> tuple[Stack, dict[str, VllmServer]]:
         )
         server = VllmServer(f"vllm-{i}", dir, argv, str(i))
         servers[f"up-127.0.0.1-{server.port}"] = server
-    try:
+    try:  # (the servers go with the module, however it ends: they would eat the CPU)
         for server in servers.values():
             server.wait_ready()
-    except AssertionError:
+        upstreams = [f"{REAL}={s.url}" for s in servers.values()]
+        stack = stacks(
+            ("cachemeta-0", "router-0"),  # (as `kvmesh up --upstream` starts them)
+            own_nats=True,
+            KVMESH_ROUTER_UPSTREAMS=json.dumps(upstreams),
+        )
+        wait_until(
+            lambda: set(stack.ready_ids().get("decode", [])) == set(servers),
+            60,
+            what="both servers registered as workers",
+        )
+        yield stack, servers
+    finally:
         for server in servers.values():
             server.kill()
-        raise
-    upstreams = [f"{REAL}={s.url}" for s in servers.values()]
-    stack = stacks(
-        ("cachemeta-0", "router-0"),  # (as `kvmesh up --upstream` starts them)
-        own_nats=True,
-        KVMESH_ROUTER_UPSTREAMS=json.dumps(upstreams),
-    )
-    wait_until(
-        lambda: set(stack.ready_ids().get("decode", [])) == set(servers),
-        60,
-        what="both servers registered as workers",
-    )
-    yield stack, servers
-    for server in servers.values():
-        server.kill()
 
 
 def complete(stack: Stack, prompt: str, tenant: str = "harbour", **options):
