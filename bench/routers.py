@@ -31,7 +31,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Run as a script, this file's folder leads the path, where it would shadow vLLM itself.
 sys.path[:] = [str(REPO), *(p for p in sys.path if Path(p or ".").resolve() != REPO / "bench")]
 
+from bench.vllm import free_port, say, wait_http  # noqa: E402
 from shared.engine.vllm.serve import REPLAY_OFFSET, serve_command  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -62,31 +62,6 @@ WORDS = " ".join(
         "chain fender bollard gantry reefer pallet invoice tariff broker agent clerk port",
     )
 ).split()
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if proc.poll() is not None:
-            raise SystemExit(f"{' '.join(map(str, proc.args[:4]))} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} not up within {timeout_s} s")
 
 
 def started(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

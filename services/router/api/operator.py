@@ -75,9 +75,8 @@ class OperatorApi:
         unwritten = {s["id"]: s["load"]["kv_store_error"] for s in services}
         unwritten = {sid: why for sid, why in unwritten.items() if why}
         # (in front of servers it did not start, it needs no worker of those roles)
-        optional = {"cachemeta"} | ({"prefill", "encoder"} if self.upstreams else set())
-        needed = set(missing) - optional
-        lacking = needed or "cachemeta" in missing
+        lacking = set(missing) - ({"prefill", "encoder"} if self.upstreams else set())
+        needed = lacking - {"cachemeta"}
         body = {
             "status": "degraded" if lacking or index["stale"] or failing or unwritten else "ok",
             "service_id": self.router_id,

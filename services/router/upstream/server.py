@@ -33,6 +33,8 @@ from shared.messages.kvevents import STORE, KvEvent, memory_location
 log = logging.getLogger(__name__)
 
 Apply = Callable[[KvEvent], None]
+# A bound endpoint's wildcard host: the server's own address is dialed instead.
+WILDCARD = re.compile(r"//(\*|0\.0\.0\.0|\[::\])")
 
 
 def server_id(url: str) -> str:
@@ -153,9 +155,8 @@ class Server:
             self.events = "none: the server publishes no KV events (--kv-events-config)"
             return
         host = urlsplit(self.url).hostname or "127.0.0.1"
-        endpoint = re.sub(r"//(\*|0\.0\.0\.0|\[::\])", f"//{host}", config["endpoint"])
-        replay = config.get("replay_endpoint") or ""
-        replay = re.sub(r"//(\*|0\.0\.0\.0|\[::\])", f"//{host}", replay)
+        endpoint = WILDCARD.sub(f"//{host}", config["endpoint"])
+        replay = WILDCARD.sub(f"//{host}", config.get("replay_endpoint") or "")
         if self.metrics.engine == "sglang":
             from shared.engine.sglang.events import SglangEventBridge
 
