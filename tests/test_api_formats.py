@@ -384,7 +384,13 @@ def test_logit_bias_and_penalties_reach_the_engine(stack: Stack) -> None:
         ("reasoning_effort", "high", "reasoning_effort"),
         ("modalities", ["text", "audio"], "modalities"),
         ("service_tier", "priority", "service_tier"),
-        ("min_p", 0.1, "min_p"),  # not an OpenAI field at all
+        ("min_p", 1.5, "min_p"),
+        ("repetition_penalty", 0, "repetition_penalty"),
+        ("min_tokens", -1, "min_tokens"),
+        ("min_tokens", 3, "min_tokens"),  # more than max_tokens
+        ("stop_token_ids", [10**8], "stop_token_ids"),
+        ("stream_options", {"continuous_usage": True}, "stream_options.continuous_usage"),
+        ("mini_p", 0.1, "mini_p"),  # not a field at all: a typo is not ignored
     ],
 )
 def test_chat_refuses_what_it_does_not_serve_naming_it(
@@ -434,6 +440,74 @@ def test_identifiers_and_cache_hints_are_accepted(stack: Stack) -> None:
         },
     )
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 2
+
+
+def eos_id(stack: Stack) -> int:
+    return text_of(resolve("tiny", {}), stack.dir).config.eos_ids[0]
+
+
+def test_ignore_eos_min_tokens_and_stop_token_ids_decide_where_the_answer_ends(
+    stack: Stack,
+) -> None:
+    """Every token steered to the end of the answer: it ends at once; with ignore_eos it runs
+    to max_tokens; with min_tokens it ends right after that many; a stop token id ends it."""
+    oai = stack.client()
+    ask = {"model": "tiny", "prompt": "The harbour master said", "max_tokens": 9, "temperature": 0}
+    to_end = {str(eos_id(stack)): 100}
+
+    def run(**extra) -> tuple[int, str]:
+        out = oai.completions.create(**ask, logit_bias=to_end, extra_body=extra)
+        return out.usage.completion_tokens, out.choices[0].finish_reason
+
+    assert run() == (1, "stop")
+    assert run(ignore_eos=True) == (9, "length")
+    assert run(min_tokens=4) == (5, "stop")  # four tokens, then the end-of-answer token
+    steered = oai.completions.create(
+        **ask, logit_bias={"77": 100}, extra_body={"stop_token_ids": [77]}
+    )
+    assert steered.usage.completion_tokens == 1 and steered.choices[0].finish_reason == "stop"
+
+
+def test_repetition_penalty_and_min_p_reach_the_engine(stack: Stack) -> None:
+    oai = stack.client()
+    prompt = list(range(100, 130))  # token ids: 77 is not among them
+
+    def answer(**asked) -> str:
+        return (
+            oai.completions.create(model="tiny", prompt=prompt, max_tokens=12, **asked)
+            .choices[0]
+            .text
+        )
+
+    steered = {"77": 100}
+    forced = answer(temperature=0, logit_bias=steered)
+    assert len(set(forced)) == 1  # one character, every token
+    # Once in the answer, 77's logit is divided by 10: the model's own choices come back.
+    penalized = answer(temperature=0, logit_bias=steered, extra_body={"repetition_penalty": 10})
+    assert penalized[0] == forced[0] and forced[0] not in penalized[1:]
+    # min_p 1 keeps only the likeliest token: a seeded draw is the greedy answer.
+    greedy = answer(temperature=0)
+    assert answer(temperature=1, seed=5) != greedy
+    assert answer(temperature=1, seed=5, extra_body={"min_p": 1.0}) == greedy
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(stack: Stack) -> None:
+    chunks = list(
+        stack.client().chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Count the cranes."}],
+            max_tokens=10,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 10
+    assert len(set(counts)) >= 5  # it grows as the answer does
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
 
 
 def stream_lines(url: str, body: dict) -> list[str]:

@@ -210,6 +210,17 @@ def test_grpc_unary_and_streaming_generate(stack, client) -> None:
     assert whole.text == http.choices[0].message.content == "".join(c.text for c in chunks)
     assert whole.finish_reason == chunks[-1].finish_reason == "length"
     assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 10
+    # The sampling extensions travel too: min_p 1 (or top_k 1) makes a seeded draw greedy.
+    with grpc.insecure_channel(stack.grpc) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        seeded = {"model": "tiny", "messages": msgs, "max_tokens": 10, "temperature": 1, "seed": 3}
+        drawn = stub.Generate(api_pb2.GenerateRequest(**seeded), timeout=30)
+        kept = stub.Generate(api_pb2.GenerateRequest(**seeded, min_p=1.0), timeout=30)
+        top = stub.Generate(api_pb2.GenerateRequest(**seeded, top_k=1), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(api_pb2.GenerateRequest(**seeded, min_tokens=11))
+    assert drawn.text != whole.text and kept.text == top.text == whole.text
+    assert "min_tokens" in err.value.details()
 
 
 def test_concurrent_requests_spread_over_both_pools_and_all_complete(client) -> None:

@@ -13,6 +13,8 @@ import openai
 import pytest
 
 from shared.messages.kvevents import STORE, memory_location
+from shared.model.catalog import resolve
+from shared.model.text import text_of
 from tests.conftest import REAL
 from tests.procs import get_json, wait_until
 from tests.stack import Stack
@@ -158,6 +160,33 @@ def test_seeds_logprobs_and_stop_strings(vllm_stack: Stack) -> None:
     cut = ask(temperature=0, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == reference[: reference.index(stop)]
+
+
+def test_the_sampling_extensions_are_applied_by_vllm(vllm_stack: Stack) -> None:
+    """ignore_eos, min_tokens, stop_token_ids, repetition_penalty and min_p, as vLLM's own
+    sampler applies them."""
+    client = vllm_stack.client()
+    eos = text_of(resolve(REAL, {}), Path(vllm_stack.dir)).config.eos_ids[0]
+
+    def ask(**options):
+        out = client.completions.create(
+            model=REAL, prompt=PROMPT, max_tokens=8, **{"temperature": 0, **options}
+        )
+        return out.choices[0], out.usage.completion_tokens
+
+    to_end = {str(eos): 100}
+    assert ask(logit_bias=to_end)[0].finish_reason == "stop"
+    held, count = ask(logit_bias=to_end, extra_body={"ignore_eos": True})
+    assert (held.finish_reason, count) == ("length", 8)
+    least, count = ask(logit_bias=to_end, extra_body={"min_tokens": 3})
+    assert least.finish_reason == "stop" and 3 <= count <= 4  # (vLLM counts its end token)
+    stopped, count = ask(logit_bias={"77": 100}, extra_body={"stop_token_ids": [77]})
+    assert stopped.finish_reason == "stop" and count == 1
+    forced = ask(logit_bias={"77": 100})[0].text
+    penalized = ask(logit_bias={"77": 100}, extra_body={"repetition_penalty": 10})[0].text
+    assert len(set(forced)) == 1 and penalized[0] == forced[0] and forced[0] not in penalized[1:]
+    greedy = ask()[0].text
+    assert ask(temperature=1, seed=5, extra_body={"min_p": 1.0})[0].text == greedy
 
 
 def test_vllms_cache_is_in_cachemeta_under_kvmeshs_hashes_and_tenants_stay_apart(

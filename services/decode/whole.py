@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AsyncExitStack
-from dataclasses import replace
 
 from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
@@ -78,11 +77,7 @@ class WholeRequests(OwningWorker):
         prompt, params = task.token_ids, task.sampling
         if sent:
             prompt = [*task.token_ids, *sent]
-            params = replace(
-                params,
-                max_tokens=params.max_tokens - len(sent),
-                answer_offset=params.answer_offset + len(sent),
-            )
+            params = params.resumed(len(sent))
         boot = handover.bootstrap if handover is not None else None
         peer = (boot.host, boot.port, boot.room) if boot is not None else None
         try:

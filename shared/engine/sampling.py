@@ -1,5 +1,6 @@
-"""Per-request sampling parameters: greedy, temperature, top-k, top-p, seed, stop tokens and
-strings, logit bias, presence and frequency penalties, log-probabilities asked for. Plain
+"""Per-request sampling parameters: greedy, temperature, top-k, top-p, min-p, seed, stop tokens
+and strings, a least answer length, logit bias, presence, frequency and repetition penalties,
+log-probabilities asked for. Plain
 values, checked here, so they travel as they are: one object from the API's adapter (the
 router's ``Conversation``) through the task on the wire (``shared/messages/generate.py``,
 checked again as it is read) to the engine's sampler. A new parameter is a field here and its
@@ -9,9 +10,10 @@ adapters carry those over by name)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_TOP_LOGPROBS = 20
+MAX_REPETITION = 10.0
 
 
 @dataclass(frozen=True)
@@ -33,12 +35,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # The answer's least length: no end-of-answer token, stop token or stop string ends it
+    # before this many tokens (vLLM's ``min_tokens``).
+    min_tokens: int = 0
+    min_p: float = 0.0  # tokens less likely than this share of the likeliest are not drawn
     # Answer tokens produced before this engine's first (a request resumed on another worker
     # after a failure): its first token is answer token #answer_offset for the seeded sampler.
     answer_offset: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     presence_penalty: float = 0.0  # subtracted from a token's logit once it is in the answer
     frequency_penalty: float = 0.0  # ... times the number of times it is in the answer
+    # A token already in the prompt or the answer: its logit divided by this when positive,
+    # multiplied when negative (vLLM's and Hugging Face's ``repetition_penalty``; 1 for none).
+    repetition_penalty: float = 1.0
     # Log-probabilities with each token: None for none, else the chosen token's and this
     # many of the most likely ones (0 to MAX_TOP_LOGPROBS).
     logprobs: int | None = None
@@ -51,11 +60,14 @@ class SamplingParams:
             ("temperature", 0.0 <= self.temperature <= 2.0, "must be between 0 and 2"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be 0 (no limit) or more"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be between 0 and 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be 0 or more"),
             ("stop", len(self.stop) <= 4 and all(self.stop), "at most 4 non-empty strings"),
             ("answer_offset", self.answer_offset >= 0, "must be 0 or more"),
             ("logit_bias", all(-100 <= b <= 100 for _, b in self.logit_bias), "in [-100, 100]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= MAX_REPETITION, "in (0, 10]"),
             (
                 "logprobs",
                 self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
@@ -68,7 +80,24 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
+        """Presence or frequency penalties: they count the answer's tokens."""
         return bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def reshaped(self) -> bool:
+        """Whether the logits are changed before a token is chosen (not only the greedy
+        token's argmax): a bias or a penalty."""
+        return bool(self.logit_bias) or self.penalized or self.repetition_penalty != 1.0
+
+    def resumed(self, sent: int) -> SamplingParams:
+        """The sampling of the rest of the answer once ``sent`` of its tokens are out (they
+        end the prompt where it goes on): the lengths left, the sampler at the next position."""
+        return replace(
+            self,
+            max_tokens=self.max_tokens - sent,
+            min_tokens=max(0, self.min_tokens - sent),
+            answer_offset=self.answer_offset + sent,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -86,11 +115,12 @@ class SamplingParams:
 def stop_string_hit(
     decode: Callable[[list[int]], str], output_ids: list[int], stops: Sequence[str]
 ) -> str | None:
-    """A stop string the answer's text ends with now, its newest token just added (a stop may
-    span several tokens; those that do not include the newest text were checked before).
-    ``decode``: the model's tokenizer's, token ids to text."""
+    """A stop string that ends in the newest token's text, just added (a stop may span
+    several tokens; one that ends earlier was checked before, or came before the answer's
+    least length). ``decode``: the model's tokenizer's, token ids to text."""
     longest = max(len(s) for s in stops)
     tail = decode(output_ids[-(longest + 4) :])
     new = decode(output_ids[-1:])
     recent = tail[-(longest + len(new)) :]
-    return next((s for s in stops if s in recent), None)
+    old = len(recent) - len(new)  # characters before the newest text
+    return next((s for s in stops if recent.find(s, max(0, old - len(s) + 1)) >= 0), None)

@@ -1,14 +1,15 @@
-"""Logit bias, presence/frequency penalties, top_p at its edge and log-probabilities, in the
-engine."""
+"""Logit bias, presence, frequency and repetition penalties, min-p, top_p at its edge, the
+answer's least length and ignore_eos, and log-probabilities, in the engine."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from shared.engine.sampling import SamplingParams
-from shared.engine.torch.sampler import adjusted, sample
+from shared.engine.torch.sampler import adjusted, distribution, sample
 from tests.engine.conftest import make_engine
 from tests.engine.test_prefix_reuse import prompt
 
@@ -91,3 +92,64 @@ def test_logprobs_are_the_models_and_name_the_most_likely(tiny_models) -> None:
     sampled = answer(model, SamplingParams(max_tokens=5, temperature=1.5, seed=3, logprobs=0))
     assert all(o.logprobs.top == () and o.logprobs.logprob <= 0 for o in sampled)
     assert answer(model, SamplingParams(max_tokens=2))[0].logprobs is None
+
+
+def reference_distribution(logits: list[float], temperature: float, min_p: float) -> list[float]:
+    """min-p as vLLM defines it, written out: softmax at the temperature, tokens below min_p ×
+    the likeliest's probability dropped, the rest renormalized."""
+    scaled = [x / temperature for x in logits]
+    top = max(scaled)
+    weights = [math.exp(x - top) for x in scaled]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    kept = [p if p >= min_p * max(probs) else 0.0 for p in probs]
+    return [p / sum(kept) for p in kept]
+
+
+def test_min_p_drops_unlikely_tokens_as_the_reference_does() -> None:
+    logits = [2.0, 1.5, 0.0, -1.0, 3.0, -4.0]
+    for temperature, min_p in ((1.0, 0.1), (0.7, 0.3), (1.5, 0.05), (1.0, 0.0)):
+        got = distribution(
+            torch.tensor(logits), SamplingParams(temperature=temperature, min_p=min_p)
+        )
+        want = reference_distribution(logits, temperature, min_p)
+        assert got.tolist() == pytest.approx(want, abs=1e-6)
+    params = SamplingParams(temperature=1.0, min_p=0.3, seed=1)
+    drawn = {sample(torch.tensor(logits), params, i) for i in range(200)}
+    assert drawn == {0, 4}  # only tokens at least 0.3 as likely as the likeliest (e^-1)
+
+
+def test_repetition_penalty_divides_positive_logits_and_multiplies_negative_ones() -> None:
+    """vLLM's and Hugging Face's definition: every token of the prompt or the answer, once
+    however often it occurs."""
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    params = SamplingParams(repetition_penalty=2.0)
+    out = adjusted(logits, params, answer=[1], seen=[0, 1, 1, 1, 4])
+    assert out.tolist() == [1.0, -2.0, 0.5, 3.0, -4.0]
+    assert adjusted(logits, SamplingParams(repetition_penalty=0.5), [], [3]).tolist()[3] == 6.0
+    # Greedy: the penalty turns the choice away from a token already there.
+    assert sample(logits, SamplingParams(temperature=0), 0) == 3
+    hit = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert sample(logits, hit, 0, seen=[3]) == 0
+
+
+def test_ignore_eos_and_min_tokens_hold_the_end_of_the_answer_back(tiny_models) -> None:
+    """With every token steered to the end-of-answer token: it ends the answer at once; with
+    ignore_eos the answer runs to max_tokens; with min_tokens it ends right after them."""
+    model = tiny_models["tiny"]
+    eos = model.config.eos_ids[0]
+    to_end = ((eos, 100.0),)
+
+    def run(**asked) -> list:
+        params = SamplingParams(max_tokens=12, temperature=0, logit_bias=to_end, **asked)
+        return answer(model, params)
+
+    ended = run()
+    assert [o.token_id for o in ended] == [eos] and ended[-1].finish_reason == "stop"
+    held = run(ignore_eos=True)
+    assert len(held) == 12 and held[-1].finish_reason == "length"
+    least = run(min_tokens=5)
+    assert [o.token_id == eos for o in least] == [False] * 5 + [True]
+    assert least[-1].finish_reason == "stop"
+    sampled = answer(model, SamplingParams(max_tokens=12, seed=3, logit_bias=to_end, min_tokens=7))
+    assert len(sampled) == 8 and sampled[-1].token_id == eos

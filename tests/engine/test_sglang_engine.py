@@ -128,6 +128,9 @@ def test_sampling_parameters_are_sglangs() -> None:
         stop_token_ids=(7,),
         logit_bias=((42, -3.0),),
         grammar=grammar,
+        min_tokens=2,
+        min_p=0.05,
+        repetition_penalty=1.1,
     )
     asked = sglang_params(p)
     assert asked == {
@@ -138,6 +141,9 @@ def test_sampling_parameters_are_sglangs() -> None:
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
         "ignore_eos": False,
+        "min_new_tokens": 2,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
         "no_stop_trim": True,
         "stop_token_ids": [7],
         "sampling_seed": 5,

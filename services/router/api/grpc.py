@@ -52,14 +52,25 @@ def _parts(parts) -> list[dict]:  # noqa: ANN001 (repeated ContentPart)
     return out
 
 
+# The request's optional scalars, carried into the body under the same names when set.
+OPTIONAL_FIELDS = (
+    *("max_tokens", "temperature", "top_p", "seed", "n", "top_k", "min_p"),
+    *("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens"),
+)
+
+
 def as_body(req: api_pb2.GenerateRequest) -> tuple[bytes, bool]:
     """The request as the OpenAI JSON body it mirrors, and whether it is a chat."""
     body: dict = {"model": req.model, "stop": list(req.stop)}
     if req.user:
         body["user"] = req.user
-    for name in ("max_tokens", "temperature", "top_p", "seed", "n"):
+    for name in OPTIONAL_FIELDS:
         if req.HasField(name):
             body[name] = getattr(req, name)
+    if req.ignore_eos:
+        body["ignore_eos"] = True
+    if req.stop_token_ids:
+        body["stop_token_ids"] = list(req.stop_token_ids)
     chat = len(req.messages) > 0
     if chat == req.HasField("prompt"):
         raise ApiError(400, "messages or prompt: give exactly one of them", param="messages")

@@ -105,11 +105,7 @@ class Moves:
         if not sent:
             self.job = replace(job, request_id=f"{job.request_id}-retry{self.move}")
             return self.job
-        sampling = replace(
-            job.sampling,
-            max_tokens=job.sampling.max_tokens - len(sent),
-            answer_offset=job.sampling.answer_offset + len(sent),
-        )
+        sampling = job.sampling.resumed(len(sent))
         self.job = replace(
             job,
             request_id=f"{job.request_id}-resume{self.move}",

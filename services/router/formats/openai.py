@@ -24,7 +24,7 @@ from services.router.formats.wire import (
 )
 from services.router.formats.wire import StrictBody as _Body
 from services.router.request import conversation as conv
-from shared.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from shared.engine.sampling import MAX_REPETITION, MAX_TOP_LOGPROBS, SamplingParams
 
 
 class TextPart(_Body):
@@ -141,6 +141,9 @@ class NamedToolChoice(_Body):
 class StreamOptions(_Body):
     include_usage: bool = False
     include_obfuscation: Literal[False] = False
+    continuous_usage_stats: bool = Field(
+        default=False, description="vLLM's: the usage so far on every chunk"
+    )
 
 
 class JsonSchema(_Body):
@@ -211,6 +214,18 @@ class _Sampling(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: LogitBias | None = None
     user: str | None = Field(default=None, max_length=256)
+    # vLLM's and SGLang's sampling extensions, named as vLLM names them.
+    min_p: float | None = Field(default=None, ge=0, le=1, description="vLLM's: 0 for none")
+    repetition_penalty: float | None = Field(
+        default=None, gt=0, le=MAX_REPETITION, description="vLLM's: 1 for none"
+    )
+    ignore_eos: bool = Field(default=False, description="vLLM's: go on past end-of-answer")
+    min_tokens: integer(ge=0) | None = Field(
+        default=None, description="vLLM's: no end before this many answer tokens"
+    )
+    stop_token_ids: Annotated[list[integer(ge=0)], Field(max_length=64)] | None = Field(
+        default=None, description="vLLM's: token ids that end the answer"
+    )
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -263,9 +278,11 @@ def conversation(body: bytes, chat: bool) -> conv.Conversation:
     """A Chat Completions (``chat``) or Completions body as the conversation it carries."""
     req = parse_body(body, ChatRequest if chat else CompletionRequest)
     assert isinstance(req, _Sampling)
+    options = req.stream_options or StreamOptions()
     common = {
         "stream": req.stream,
-        "include_usage": bool(req.stream_options and req.stream_options.include_usage),
+        "include_usage": options.include_usage,
+        "usage_every_chunk": options.continuous_usage_stats,
     }
     if isinstance(req, ChatRequest):
         return _chat(req, common)
@@ -320,6 +337,7 @@ def _sampling(req: _Sampling, logprobs: int | None) -> SamplingParams:
     return sampling_of(
         req,
         stop=tuple(req.stop_list()),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
         logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
         logprobs=logprobs,
     )

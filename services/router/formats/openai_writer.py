@@ -64,7 +64,9 @@ class OpenAIWriter:
     def __init__(self, p: Prepared) -> None:
         self.p, self.kvmesh = p, p.kvmesh
         self.bodies = ResponseBodies(p.conversation.chat, response_id(p), p.job.model)
-        self.usage_field = p.conversation.include_usage  # chunks then carry "usage": null
+        conv = p.conversation
+        self.usage_field = conv.include_usage  # chunks then carry "usage": null
+        self.usage_always = conv.include_usage and conv.usage_every_chunk  # ... or the usage
         self.with_logprobs = p.job.sampling.logprobs is not None
         self.names = TokenNames(p.text.tokenizer)
         self.text_offset = 0  # Completions' text_offset: characters of answer before a token
@@ -93,17 +95,14 @@ class OpenAIWriter:
     def start(self) -> list[bytes]:
         if not self.bodies.chat:
             return []
-        return [wire.data(self.bodies.chunk("", first=True, with_usage_field=self.usage_field))]
+        return [wire.data(self._chunk("", first=True))]
 
     def text(self, delta: Delta) -> list[bytes]:
         out = []
         if delta.text and not self.with_logprobs:
             out.append(self._text_chunk(delta.text))
         elif delta.text:
-            chunk = self.bodies.chunk(
-                delta.text, with_usage_field=self.usage_field, logprobs=self._logprobs(delta)
-            )
-            out.append(wire.data(chunk))
+            out.append(wire.data(self._chunk(delta.text, logprobs=self._logprobs(delta))))
         for e in delta.calls:
             self.called = True
             piece: dict = {"index": e.index}
@@ -114,16 +113,18 @@ class OpenAIWriter:
                 piece["function"] = {"arguments": e.arguments}
             else:
                 continue  # its end: nothing to say in this format
-            chunk = self.bodies.chunk(None, with_usage_field=self.usage_field, tool_calls=[piece])
-            out.append(wire.data(chunk))
+            out.append(wire.data(self._chunk(None, tool_calls=[piece])))
         return out
 
     def _text_chunk(self, text: str) -> bytes:
         """The chunk of a text alone (most of a stream's): its bytes around the text are
-        made once, from the chunk of a marker text, and only the text is encoded each time."""
+        made once, from the chunk of a marker text, and only the text is encoded each time
+        (unless each chunk says the usage so far)."""
+        if self.usage_always:
+            return wire.data(self._chunk(text))
         if self._around_text is None:
             marker = "\x00text\x00"
-            whole = wire.data(self.bodies.chunk(marker, with_usage_field=self.usage_field))
+            whole = wire.data(self._chunk(marker))
             head, tail = whole.split(json.dumps(marker).encode())
             self._around_text = (head, tail)
         head, tail = self._around_text
@@ -134,10 +135,15 @@ class OpenAIWriter:
         # that came with it but made no text of its own (end of answer) goes here.
         logprobs = self._logprobs(last) if not last.text else None
         finish = self._finish(last.finish_reason or "stop")
-        chunk = self.bodies.chunk(
-            None, finish, with_usage_field=self.usage_field, logprobs=logprobs
-        )
+        chunk = self._chunk(None, finish, logprobs=logprobs)
         return [wire.data(chunk), *self._closing()]
+
+    def _chunk(self, text: str | None, finish: str | None = None, **parts) -> dict:  # noqa: ANN003
+        """A chunk, with the usage field as asked: none, null, or the usage so far."""
+        usage = usage_body(self.p.usage) if self.usage_always else None
+        return self.bodies.chunk(
+            text, finish, with_usage_field=self.usage_field, usage=usage, **parts
+        )
 
     def ping(self) -> bytes:
         return wire.COMMENT_PING
@@ -253,11 +259,12 @@ class ResponseBodies:
         with_usage_field: bool = False,
         logprobs: dict | None = None,
         tool_calls: list[dict] | None = None,
+        usage: dict | None = None,
     ) -> dict:
         choice = self._choice(text, finish, True, first, logprobs, tool_calls)
         out = {**self._envelope(chunk=True), "choices": [choice]}
-        if with_usage_field:  # with include_usage, every chunk carries "usage": null
-            out["usage"] = None
+        if with_usage_field:  # with include_usage, every chunk carries "usage": null (or,
+            out["usage"] = usage  # with continuous_usage_stats, the usage so far)
         return out
 
     def usage_chunk(self, usage: Usage, timing: dict) -> dict:

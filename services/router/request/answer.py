@@ -114,7 +114,7 @@ class Answers:
         With images, the answer starts only once every image is encoded, and a failed encode
         ends it."""
         job, usage, timing, encodes = p.job, p.usage, p.timing, p.encodes
-        detok = Detokenizer(p.text.tokenizer, job.sampling.stop)
+        detok = Detokenizer(p.text.tokenizer, job.sampling.stop, job.sampling.min_tokens)
         logprobs: list[tuple[int, Logprobs]] = []  # the tokens' not yet sent with a text
         events = self.dispatcher.generate(job, timing.route)
         if encodes is not None:
@@ -150,7 +150,13 @@ class Answers:
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | tuple[str, ...] = ()) -> None:
+    """An answer's tokens as text released as it becomes safe to send. ``min_tokens``: a stop
+    string counts only once it ends in the text of the answer's ``min_tokens``-th token or a
+    later one (as the engines count it)."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, stop: list[str] | tuple[str, ...] = (), min_tokens: int = 0
+    ) -> None:
         self.pieces = token_pieces(tokenizer)
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.stop = list(stop)
@@ -158,14 +164,26 @@ class Detokenizer:
         self.sent = 0  # characters of self.text released so far
         self.stopped = False
         self.stop_hit: str | None = None  # the stop string that ended the answer
+        self.tokens = 0
+        self.min_tokens = min_tokens
+        # A stop string counts once it ends past this many characters (None: not yet known).
+        self.floor: int | None = 0 if min_tokens <= 1 else None
 
     def add(self, token_ids: list[int]) -> str:
         """Take new tokens; returns the text that is now safe to send (maybe empty)."""
         if self.stopped:
             return ""
         pieces, n = self.pieces, len(self.pieces)
+        if self.floor is None:  # the text before the least length's last token is known
+            early = token_ids[: self.min_tokens - 1 - self.tokens]
+            self.text += self.utf8.decode(b"".join([pieces[t] for t in early if 0 <= t < n]))
+            self.tokens += len(early)
+            token_ids = token_ids[len(early) :]
+            if self.tokens == self.min_tokens - 1:
+                self.floor = len(self.text)
         raw = b"".join([pieces[t] for t in token_ids if 0 <= t < n])
         self.text += self.utf8.decode(raw)
+        self.tokens += len(token_ids)
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -195,8 +213,12 @@ class Detokenizer:
 
     def _stop_at(self) -> tuple[int, str] | None:
         """Where the earliest stop string begins in the text, and which, if one does."""
+        if self.floor is None:
+            return None  # (the answer ended before its least length: no stop counts)
         hits = [
-            (i, s) for s in self.stop if (i := self.text.find(s, max(0, self.sent - len(s)))) >= 0
+            (i, s)
+            for s in self.stop
+            if (i := self.text.find(s, max(0, self.sent - len(s), self.floor - len(s) + 1))) >= 0
         ]
         return min(hits) if hits else None
 

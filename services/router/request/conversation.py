@@ -105,6 +105,7 @@ class Conversation:
     json: JsonAnswer | None = None  # the answer is constrained to JSON (response_format, ...)
     stream: bool = False
     include_usage: bool = False  # (OpenAI's stream_options.include_usage)
+    usage_every_chunk: bool = False  # (and vLLM's continuous_usage_stats: the usage so far)
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
 

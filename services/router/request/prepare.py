@@ -226,7 +226,9 @@ class Preparer:
             request_id=rid,
             model=conv.model,
             prompt_ids=ids,
-            sampling=replace(conv.sampling, max_tokens=max_tokens, grammar=checked(conv, text)),
+            sampling=replace(
+                conv.sampling, max_tokens=max_tokens, grammar=checked(conv, text, max_tokens)
+            ),
             deadline=time.time() + self.settings.request_timeout_s,
             retention=kv.retention,
             salt=salt,
@@ -288,14 +290,22 @@ def answer_length(conv: Conversation, n_prompt: int, context: int, default: int)
     return max_tokens
 
 
-def checked(conv: Conversation, text: TextModel) -> str | None:
-    """The conversation's sampling checked against the model (400 for a logit bias outside
-    its vocabulary); the grammar its answer must match (``answer_grammar``)."""
-    vocab_size = text.config.vocab_size
-    bad = next((t for t, _ in conv.sampling.logit_bias if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        why = f"logit_bias: token id {bad} is outside the vocabulary ({vocab_size})"
-        raise ApiError(400, why, param="logit_bias")
+def checked(conv: Conversation, text: TextModel, max_tokens: int) -> str | None:
+    """The conversation's sampling checked against the model and the answer's length (400
+    for a token id outside its vocabulary, a least length past the most); the grammar its
+    answer must match (``answer_grammar``)."""
+    vocab_size, sampling = text.config.vocab_size, conv.sampling
+    for name, ids in (
+        ("logit_bias", [t for t, _ in sampling.logit_bias]),
+        ("stop_token_ids", sampling.stop_token_ids),
+    ):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            why = f"{name}: token id {bad} is outside the vocabulary ({vocab_size})"
+            raise ApiError(400, why, param=name)
+    if sampling.min_tokens > max_tokens:
+        why = f"min_tokens: at most {conv.max_tokens_field} ({max_tokens})"
+        raise ApiError(400, why, param="min_tokens")
     return answer_grammar(conv, text)
 
 

@@ -328,6 +328,8 @@ async def pieces(
             if params.stop and new:
                 for i in range(len(new)):  # (a piece may hold several tokens)
                     answer.append(new[i])
+                    if len(answer) < params.min_tokens:
+                        continue  # (stop strings end the answer from its least length on)
                     if hit := stop_string_hit(tokenizer.decode, answer, params.stop):
                         new, stop, reason = new[: i + 1], hit, "stop"
                         break

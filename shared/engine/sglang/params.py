@@ -21,6 +21,9 @@ def sglang_params(p: SamplingParams) -> dict:
         "frequency_penalty": p.frequency_penalty,
         "presence_penalty": p.presence_penalty,
         "ignore_eos": p.ignore_eos,
+        "min_new_tokens": p.min_tokens,
+        "min_p": p.min_p,
+        "repetition_penalty": p.repetition_penalty,
         "no_stop_trim": True,  # the router trims stop strings from the text it sends
     }
     if p.stop_token_ids:

@@ -34,7 +34,7 @@ from shared.engine.torch.graphs import DecodeGraphs
 from shared.engine.torch.kvio import KvIO
 from shared.engine.torch.loader import LoadedModel, load_model
 from shared.engine.torch.model import KVCache, Segment, Transformer
-from shared.engine.torch.sampler import logprobs_of, sample
+from shared.engine.torch.sampler import held_back, logprobs_of, sample
 from shared.engine.torch.sequence import Sequence
 from shared.engine.torch.speculate import (
     MODES,
@@ -484,15 +484,22 @@ class TorchEngine(Engine):
         argmax, when known (a plain greedy token needs nothing else: a GPU's logits stay
         there)."""
         p = seq.params
-        plain = p.greedy and not (p.logit_bias or p.penalized or seq.matcher)
+        early = len(seq.output_ids) < p.min_tokens  # (nothing may end the answer yet)
+        plain = p.greedy and not (p.reshaped or early or seq.matcher)
         token = best if best is not None and plain else None
         if token is None:
             token = self._sampled(seq, logits.float().cpu(), mask)
         logprobs = None if p.logprobs is None else logprobs_of(logits.cpu(), token, p.logprobs)
         seq.output_ids.append(token)
-        if (token in self.config.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        stops = len(seq.output_ids) >= p.min_tokens  # (before: its stop tokens held back)
+        ends = token in self.config.eos_ids and not p.ignore_eos or token in p.stop_token_ids
+        if stops and ends:
             seq.finish_reason = "stop"
-        elif p.stop and (hit := stop_string_hit(self.tokenizer.decode, seq.output_ids, p.stop)):
+        elif (
+            stops
+            and p.stop
+            and (hit := stop_string_hit(self.tokenizer.decode, seq.output_ids, p.stop))
+        ):
             seq.finish_reason, seq.stop_string = "stop", hit
         elif len(seq.output_ids) >= p.max_tokens or seq.n_tokens >= self.config.max_context:
             seq.finish_reason = "length"
@@ -500,16 +507,19 @@ class TorchEngine(Engine):
 
     def _sampled(self, seq: Sequence, logits: torch.Tensor, mask: np.ndarray | None) -> int:
         """A token drawn (or the greedy one) from host ``logits`` with the sequence's bias,
-        penalties and grammar."""
+        penalties, least length and grammar."""
         p = seq.params
         answer: list[int] = []
         if p.penalized:  # the whole answer: a resumed one's earlier tokens end its prompt
             earlier = seq.prompt_ids[len(seq.prompt_ids) - p.answer_offset :]
             answer = earlier + seq.output_ids
+        seen = seq.tokens if p.repetition_penalty != 1.0 else ()  # (prompt and answer)
         allowed = logits
         if seq.matcher is not None:
             allowed = self._constrained(logits, mask if mask is not None else seq.matcher.allowed())
-        token = sample(allowed, p, p.answer_offset + len(seq.output_ids), answer)
+        elif len(seq.output_ids) < p.min_tokens:  # (a grammar decides its own ending)
+            allowed = held_back(logits, (*self.config.eos_ids, *p.stop_token_ids))
+        token = sample(allowed, p, p.answer_offset + len(seq.output_ids), answer, seen)
         if seq.matcher is not None and token not in self.config.eos_ids:
             seq.matcher.take([token])  # (an end-of-answer token ends it: nothing to take)
         return token

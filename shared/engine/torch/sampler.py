@@ -1,7 +1,8 @@
 """Sampling a token from logits, with a sequence's parameters; its log-probabilities.
 
-Logit bias and presence/frequency penalties (OpenAI's definitions) change the logits first;
-temperature, top-k and top-p then shape the distribution drawn from. Log-probabilities are
+Logit bias and presence/frequency penalties (OpenAI's definitions) and the repetition penalty
+(vLLM's and Hugging Face's) change the logits first; temperature, min-p, top-k and top-p then
+shape the distribution drawn from (``distribution``). Log-probabilities are
 the model's own (log-softmax of the unchanged logits), as vLLM reports them by default.
 
 A seeded answer's randomness is a function of (seed, position in the answer) alone: each
@@ -11,6 +12,8 @@ sampler state carried over.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -27,12 +30,22 @@ def position_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def adjusted(logits: torch.Tensor, params: SamplingParams, answer: list[int]) -> torch.Tensor:
-    """The logits with the request's bias and penalties; ``answer``: its tokens so far."""
+def adjusted(
+    logits: torch.Tensor, params: SamplingParams, answer: list[int], seen: Sequence[int] = ()
+) -> torch.Tensor:
+    """The logits with the request's bias, then its penalties (vLLM's order); ``answer``: its
+    tokens so far; ``seen``: the prompt's and the answer's (for the repetition penalty)."""
     if params.logit_bias:
         logits = logits.clone()
         ids, bias = zip(*params.logit_bias, strict=True)
         logits[torch.tensor(ids)] += torch.tensor(bias, dtype=logits.dtype)
+    if params.repetition_penalty != 1.0 and seen:
+        ids = torch.tensor(sorted(set(seen)), dtype=torch.long)
+        ids = ids[ids < logits.numel()]
+        picked = logits[ids]
+        penalty = params.repetition_penalty
+        logits = logits.clone()
+        logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
     if params.penalized and answer:
         counts = torch.bincount(torch.tensor(answer), minlength=logits.numel())[: logits.numel()]
         counts = counts.to(logits.dtype)
@@ -54,16 +67,43 @@ def logprobs_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     return TokenLogprobs(float(logp[token]), best)
 
 
+def held_back(logits: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+    """The logits with tokens ``ids`` never drawn (an answer's stop tokens before its least
+    length)."""
+    ids = [t for t in ids if 0 <= t < logits.numel()]
+    return logits.index_fill(0, torch.tensor(ids, dtype=torch.long), float("-inf"))
+
+
 def sample(
-    logits: torch.Tensor, params: SamplingParams, position: int, answer: list[int] = ()
+    logits: torch.Tensor,
+    params: SamplingParams,
+    position: int,
+    answer: Sequence[int] = (),
+    seen: Sequence[int] = (),
 ) -> int:
     """One token id from fp32 logits [V], as answer token ``position`` (0: the first);
-    ``answer``: the tokens before it (for the penalties)."""
-    if params.logit_bias or params.penalized:
-        logits = adjusted(logits, params, list(answer))
+    ``answer``: the tokens before it (for the penalties), ``seen``: the prompt's and the
+    answer's (for the repetition penalty)."""
+    if params.reshaped:
+        logits = adjusted(logits, params, list(answer), seen)
     if params.greedy:
         return int(logits.argmax())
+    probs = distribution(logits, params)
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator().manual_seed(position_seed(params.seed, position))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The probabilities a token is drawn with, from the (adjusted) logits: scaled by the
+    temperature; then no token less likely than ``min_p`` × the likeliest's probability, none
+    outside the ``top_k`` likeliest, none outside the smallest set whose mass reaches
+    ``top_p`` (renormalized: vLLM's order)."""
     logits = logits / params.temperature
+    if params.min_p:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k:
         kth = logits.topk(min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -75,7 +115,5 @@ def sample(
         outside[0] = False  # (a top_p too small for fp32 compares as 0: the best stays)
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    generator = None
-    if params.seed is not None:
-        generator = torch.Generator().manual_seed(position_seed(params.seed, position))
-    return int(torch.multinomial(probs, 1, generator=generator))
+        probs /= probs.sum()
+    return probs

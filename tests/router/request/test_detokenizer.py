@@ -15,12 +15,15 @@ def tokenizer(real_text: TextModel):
     return real_text.tokenizer
 
 
-def stream(tokenizer, text: str, stop: list[str]) -> tuple[list[str], str]:
-    """Feed the text's tokens one at a time; returns the pieces sent and the whole."""
-    detok = Detokenizer(tokenizer, stop)
+def stream(
+    tokenizer, text: str, stop: list[str], min_tokens: int = 0, at_once: int = 1
+) -> tuple[list[str], str]:
+    """Feed the text's tokens ``at_once`` at a time; returns the pieces sent and the whole."""
+    detok = Detokenizer(tokenizer, stop, min_tokens)
     pieces = []
-    for token in tokenizer.encode(text, add_special_tokens=False).ids:
-        pieces.append(detok.add([token]))
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    for i in range(0, len(ids), at_once):
+        pieces.append(detok.add(ids[i : i + at_once]))
         if detok.stopped:
             break
     else:
@@ -52,6 +55,23 @@ def test_text_that_only_looks_like_a_stop_is_released_at_the_end(tokenizer) -> N
 def test_earliest_of_several_stops_wins(tokenizer) -> None:
     _, whole = stream(tokenizer, "one two three four", ["four", "two"])
     assert whole == "one "
+
+
+@pytest.mark.parametrize("at_once", [1, 3, 100])
+def test_a_stop_string_counts_only_once_it_ends_at_or_past_the_least_length(
+    tokenizer, at_once: int
+) -> None:
+    """As the engines count it: a stop string ending in the text of the answer's
+    min_tokens-th token or later ends the answer; one that ended before does not."""
+    text = "stop here, then go on, stop again and more"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    first_stop = next(i for i in range(len(ids)) if "stop" in tokenizer.decode(ids[: i + 1]))
+    _, whole = stream(tokenizer, text, ["stop"], first_stop + 1, at_once)
+    assert whole == ""  # its min_tokens-th token completes the first "stop": it counts
+    _, whole = stream(tokenizer, text, ["stop"], first_stop + 2, at_once)
+    assert whole == "stop here, then go on, "  # the first ended too early; the second ends it
+    _, whole = stream(tokenizer, text, ["stop"], len(ids) + 5, at_once)
+    assert whole == text  # the answer ended before its least length: nothing cut
 
 
 def test_streamed_text_is_the_tokenizers_own_decode_of_any_tokens(tokenizer) -> None:

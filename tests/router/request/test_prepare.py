@@ -50,22 +50,29 @@ def test_the_answer_length_is_asked_or_the_default_within_the_context() -> None:
 
 def test_the_sampling_is_checked_against_the_model(real_text: TextModel) -> None:
     vocab = real_text.config.vocab_size
-    assert checked(chat(logit_bias={"5": 1}), real_text) is None  # a free answer: no grammar
+    assert checked(chat(logit_bias={"5": 1}), real_text, 16) is None  # a free answer: no grammar
     with pytest.raises(ApiError) as err:
-        checked(chat(logit_bias={str(vocab): 1}), real_text)
+        checked(chat(logit_bias={str(vocab): 1}), real_text, 16)
     assert err.value.param == "logit_bias" and str(vocab) in err.value.message
-    grammar = checked(chat(response_format={"type": "json_object"}), real_text)
+    grammar = checked(chat(response_format={"type": "json_object"}), real_text, 16)
     assert grammar and "object" in grammar.lower()
     tool = {"type": "function", "function": {"name": "berth", "parameters": {"type": "object"}}}
-    forced = checked(chat(tools=[tool], tool_choice="required"), real_text)
+    forced = checked(chat(tools=[tool], tool_choice="required"), real_text, 16)
     assert forced and "berth" in forced
+    with pytest.raises(ApiError) as err:
+        checked(chat(stop_token_ids=[2, vocab + 3]), real_text, 16)
+    assert err.value.param == "stop_token_ids" and str(vocab + 3) in err.value.message
+    assert checked(chat(min_tokens=16), real_text, 16) is None
+    with pytest.raises(ApiError) as err:
+        checked(chat(min_tokens=17), real_text, 16)
+    assert err.value.param == "min_tokens" and "16" in err.value.message
 
 
 def test_a_schema_the_grammar_library_cannot_use_is_named(real_text: TextModel) -> None:
     bad = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "b", "schema": bad}}
     with pytest.raises(ApiError) as err:
-        checked(chat(response_format=fmt), real_text)
+        checked(chat(response_format=fmt), real_text, 16)
     assert err.value.param == "response_format.json_schema.schema"
     assert "cannot be used" in err.value.message
 
@@ -73,6 +80,12 @@ def test_a_schema_the_grammar_library_cannot_use_is_named(real_text: TextModel) 
 def test_the_conversations_sampling_travels_to_the_job_as_it_is() -> None:
     conv = chat(temperature=0.2, seed=3, stop=["END"])
     assert conv.sampling == SamplingParams(temperature=0.2, seed=3, stop=("END",))
+    extended = chat(
+        min_p=0.05, repetition_penalty=1.2, ignore_eos=True, min_tokens=3, stop_token_ids=[7]
+    )
+    assert extended.sampling == SamplingParams(
+        min_p=0.05, repetition_penalty=1.2, ignore_eos=True, min_tokens=3, stop_token_ids=(7,)
+    )
 
 
 def route(n: int) -> dict:

@@ -24,6 +24,9 @@ EVERY = SamplingParams(
     stop_token_ids=(2,),
     stop=("END",),
     ignore_eos=True,
+    min_tokens=2,
+    min_p=0.05,
+    repetition_penalty=1.1,
     logit_bias=((11, 1.5),),
     presence_penalty=0.1,
     frequency_penalty=0.2,
@@ -54,6 +57,7 @@ def test_vllms_generate_and_completions_bodies_are_fields_vllm_takes() -> None:
     assert set(generate["sampling_params"]) <= set(VllmParams.__struct_fields__)
     sampling = parsed.sampling_params
     assert (sampling.max_tokens, sampling.top_k, sampling.seed, sampling.logprobs) == (7, 20, 3, 2)
+    assert (sampling.min_tokens, sampling.min_p, sampling.repetition_penalty) == (2, 0.05, 1.1)
     assert sampling.extra_args == {"kvmesh_retention": "agent"} and sampling.stop == ["END"]
     completions = PROTOCOLS["completions"].body(JOB, "served")
     request = CompletionRequest.model_validate(completions)
