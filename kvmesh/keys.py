@@ -1,6 +1,7 @@
 """`kvmesh keys`: make, list and revoke API keys in the keys file the router reads.
 
     kvmesh keys add --tenant acme [--admin] [--rpm 600] [--tpm 2000000] [--concurrency 32]
+                    [--choices 4]
     kvmesh keys list
     kvmesh keys revoke key_3f9a0c1d
 
@@ -16,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from shared.security.keys import KeysFile, KeysFileError, new_key
+from shared.security.keys import LIMITS, KeysFile, KeysFileError, new_key
 from shared.settings import CommonSettings
 
 
@@ -36,6 +37,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         ("rpm", "requests per minute"),
         ("tpm", "input tokens per minute"),
         ("concurrency", "requests in progress at once"),
+        ("choices", "answers per prompt (n, best_of; 0: the router's max_choices)"),
     ):
         add.add_argument(f"--{name}", type=int, default=0, help=f"{what} at most (0: no limit)")
     sub.add_parser("list", help="the keys, without secrets")
@@ -49,16 +51,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         keys = KeysFile.read(path)
         if args.action == "add":
-            for name in ("rpm", "tpm", "concurrency"):
+            for name in LIMITS:
                 if getattr(args, name) < 0:
                     raise KeysFileError(f"--{name}: at least 0")
-            key, entry = new_key(
-                args.tenant,
-                "admin" if args.admin else "user",
-                rpm=args.rpm,
-                tpm=args.tpm,
-                concurrency=args.concurrency,
-            )
+            limits = {name: getattr(args, name) for name in LIMITS}
+            key, entry = new_key(args.tenant, "admin" if args.admin else "user", **limits)
             keys.add(entry)
             keys.write(path)
             print(key)

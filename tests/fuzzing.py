@@ -38,6 +38,9 @@ RULES = re.compile(
             r"the prompt is empty",  # messages whose content renders to nothing
             r"image",  # an image part's bytes or address
             r"completion_window: 24h, or a shorter time",  # within 24 h (the pattern: a time)
+            r"at most \d+ answers per prompt",  # n, best_of: the key's or the router's limit
+            r"at most \d+ prompts in one request",  # a batch of prompts: the router's limit
+            r"min_tokens: at most",  # the least answer length within the most (max_tokens)
         ]
     )
 )

@@ -17,6 +17,7 @@ import pytest
 from shared.model.catalog import resolve
 from shared.model.text import text_of
 from tests.images import data_url, png
+from tests.procs import metrics
 from tests.stack import TINY_ENCODER, Stack
 
 SYSTEM = "You are a careful assistant for a harbour office. Answer plainly. " * 8
@@ -379,7 +380,7 @@ def test_logit_bias_and_penalties_reach_the_engine(stack: Stack) -> None:
         ("logit_bias", {"999999": 5}, "logit_bias"),
         ("logit_bias", {"77": 500}, "logit_bias"),
         ("frequency_penalty", 3, "frequency_penalty"),
-        ("n", 2, "n"),
+        ("n", 0, "n"),
         ("store", True, "store"),
         ("reasoning_effort", "high", "reasoning_effort"),
         ("modalities", ["text", "audio"], "modalities"),
@@ -408,9 +409,7 @@ def test_chat_refuses_what_it_does_not_serve_naming_it(
     assert says in err.value.body["message"] and err.value.body["param"].startswith(field)
 
 
-@pytest.mark.parametrize(
-    "field, value", [("echo", True), ("suffix", "end"), ("best_of", 3), ("logprobs", 6)]
-)
+@pytest.mark.parametrize("field, value", [("echo", True), ("suffix", "end"), ("logprobs", 6)])
 def test_completions_refuse_what_they_do_not_serve_naming_it(
     stack: Stack, field: str, value: object
 ) -> None:
@@ -807,3 +806,124 @@ def test_a_stream_is_byte_for_byte_its_formats_writer(
     ours += writer.end(Delta("", "length"))
     ours = sse_frames(b"".join(ours))
     assert [steady(f) for f in ours] == [steady(f) for f in live]
+
+
+# -- Several answers: n, best_of, batched prompts ----------------------------------------------
+
+
+def prefill_computed(stack: Stack) -> float:
+    """Prompt tokens computed, on every worker (decode prefills a prompt it holds most of)."""
+    health = stack.health()
+    key = ("kvmesh_prefill_tokens_total", (("kind", "computed"),))
+    return sum(metrics(health[w]["address"]).get(key, 0.0) for w in ("prefill-0", "decode-0"))
+
+
+def test_n_answers_share_one_prefill_of_the_prompt(stack: Stack) -> None:
+    """n=3 seeded: three different answers, numbered, the prompt counted and prefilled once
+    (the other two compute only its last, partial block); the same request, the same three."""
+    oai = stack.client()
+    ask = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": f"{uuid.uuid4()} " + "Tide and berth. " * 60}],
+        "max_tokens": 12,
+        "temperature": 1,
+        "seed": 7,
+        "n": 3,
+    }
+    before = prefill_computed(stack)
+    out = oai.chat.completions.create(**ask)
+    computed = prefill_computed(stack) - before
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    texts = [c.message.content for c in out.choices]
+    assert len(set(texts)) == 3
+    prompt = out.usage.prompt_tokens
+    assert prompt < computed <= prompt + 2 * 64  # (blocks of 64 tokens here)
+    assert 3 <= out.usage.completion_tokens <= 36  # every answer's tokens
+    again = oai.chat.completions.create(**ask)
+    assert [c.message.content for c in again.choices] == texts
+    assert again.usage.prompt_tokens_details.cached_tokens >= prompt // 64 * 64 - 64
+
+
+def test_greedy_n_answers_are_the_same_whole_and_streamed(stack: Stack) -> None:
+    oai = stack.client()
+    ask = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Name the harbour's cranes."}],
+        "max_tokens": 10,
+        "temperature": 0,
+        "n": 2,
+    }
+    whole = oai.chat.completions.create(**ask)
+    one = oai.chat.completions.create(**{**ask, "n": 1}).choices[0].message.content
+    assert [c.message.content for c in whole.choices] == [one, one]
+    streamed: dict[int, str] = {0: "", 1: ""}
+    finishes, usages = {}, []
+    for chunk in oai.chat.completions.create(
+        **ask, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert streamed == {0: one, 1: one} and finishes == {0: "length", 1: "length"}
+    (usage,) = usages  # once, at the end: both answers' tokens, the prompt once
+    assert usage.completion_tokens == 20 and usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_batched_prompts_are_answered_in_order_each_from_its_own_cache(stack: Stack) -> None:
+    oai = stack.client()
+    warm = f"{uuid.uuid4()} " + "The quay's cranes lift containers. " * 30
+    cold = f"{uuid.uuid4()} " + "Pilots board ships at the breakwater. " * 30
+    first = oai.completions.create(model="tiny", prompt=warm, max_tokens=6, temperature=0)
+    alone = oai.completions.create(model="tiny", prompt="Short one.", max_tokens=6, temperature=0)
+    batch = oai.completions.create(
+        model="tiny", prompt=[warm, cold, "Short one."], max_tokens=6, temperature=0, n=2
+    )
+    assert [c.index for c in batch.choices] == list(range(6))
+    texts = [c.text for c in batch.choices]
+    assert texts[0] == texts[1] == first.choices[0].text
+    assert texts[4] == texts[5] == alone.choices[0].text
+    usage = batch.usage
+    after = oai.completions.create(model="tiny", prompt=cold, max_tokens=6, temperature=0)
+    assert texts[2] == texts[3] == after.choices[0].text
+    sizes = [r.usage.prompt_tokens for r in (first, after, alone)]
+    assert usage.prompt_tokens == sum(sizes)  # each prompt once, whatever its n
+    # The warm prompt's full blocks (all but one token's) came from the cache; the cold one
+    # and the short one (under a block) were computed.
+    assert usage.prompt_tokens_details.cached_tokens == (sizes[0] - 1) // 64 * 64
+    assert usage.completion_tokens == 6 * 6
+
+
+def test_best_of_returns_the_likeliest_candidates(stack: Stack) -> None:
+    """best_of=3, n=1: of the three seeded candidates (what n=3 with the same seed answers),
+    the one whose tokens' log-probabilities sum highest; its logprobs only when asked."""
+    oai = stack.client()
+    ask = {"model": "tiny", "prompt": "The harbour at dawn", "max_tokens": 8, "temperature": 1}
+    every = oai.completions.create(**ask, seed=11, n=3, logprobs=0)
+    scores = [sum(c.logprobs.token_logprobs) for c in every.choices]
+    likeliest = every.choices[scores.index(max(scores))].text
+    best = oai.completions.create(**ask, seed=11, best_of=3)
+    (choice,) = best.choices
+    assert choice.text == likeliest and choice.logprobs is None
+    assert best.usage.completion_tokens == 24  # every candidate's tokens were computed
+    two = oai.completions.create(**ask, seed=11, n=2, best_of=3, logprobs=1)
+    ranked = sorted(scores, reverse=True)[:2]
+    # (the same tokens, computed in other batches: equal to float32's rounding)
+    assert [sum(c.logprobs.token_logprobs) for c in two.choices] == pytest.approx(ranked, abs=1e-3)
+
+
+def test_too_many_answers_or_prompts_are_refused_naming_the_field(stack: Stack) -> None:
+    import openai
+
+    oai = stack.client()
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model="tiny", prompt="hi", max_tokens=2, n=17)
+    assert err.value.body["param"] == "n" and "at most 16" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model="tiny", prompt="hi", max_tokens=2, best_of=17)
+    assert err.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model="tiny", prompt=["hi"] * 65, max_tokens=2)
+    assert err.value.body["param"] == "prompt" and "64" in err.value.body["message"]

@@ -298,7 +298,7 @@ BAD_CHAT = [
         400,
         "max_tokens",
     ),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n"),
     (
         {
             "model": "tiny",

@@ -88,6 +88,15 @@ class RequestSettings(Section):
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="a request still unanswered after this fails (504)"
     )
+    max_choices: int = Field(
+        default=16,
+        ge=1,
+        le=128,
+        description="answers per prompt at most (n, best_of), unless a key says fewer",
+    )
+    max_prompts: int = Field(
+        default=64, ge=1, le=1024, description="prompts in one Completions request at most"
+    )
 
 
 class ImageSettings(Section):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 MAX_TOP_LOGPROBS = 20
 MAX_REPETITION = 10.0
+SEED_STEP = 0x9E3779B97F4A7C15  # candidate j's seed: the request's + j × this (mod 2^63)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,13 @@ class SamplingParams:
         """Whether the logits are changed before a token is chosen (not only the greedy
         token's argmax): a bias or a penalty."""
         return bool(self.logit_bias) or self.penalized or self.repetition_penalty != 1.0
+
+    def candidate(self, j: int) -> SamplingParams:
+        """Candidate ``j`` of several answers to one prompt (``n``, ``best_of``): its own seed,
+        from the request's (the first keeps it)."""
+        if self.seed is None or not j:
+            return self
+        return replace(self, seed=(self.seed + j * SEED_STEP) % (1 << 63))
 
     def resumed(self, sent: int) -> SamplingParams:
         """The sampling of the rest of the answer once ``sent`` of its tokens are out (they

@@ -2,11 +2,12 @@
 
 Each entry holds a key's SHA-256 (never the key: a key is 32 random bytes, so a plain hash is
 enough to keep it from being recovered), the tenant it speaks for, its role (``user`` or
-``admin``) and its limits (requests and input tokens per minute, requests at once; 0: none).
+``admin``) and its limits (requests and input tokens per minute, requests at once, answers
+per prompt; 0: none, or the router's).
 JSON, or TOML when the file's name ends in ``.toml``:
 
     {"keys": [{"id": "key_3f9a0c1d", "sha256": "…", "tenant": "acme", "role": "user",
-               "rpm": 600, "tpm": 2000000, "concurrency": 32, "revoked": false,
+               "rpm": 600, "tpm": 2000000, "concurrency": 32, "choices": 4, "revoked": false,
                "created_at": "2026-12-01T10:00:00Z"}]}
 
 A key is shown once, when it is made; its id (from its hash) names it afterwards.
@@ -38,6 +39,9 @@ def key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+LIMITS = ("rpm", "tpm", "concurrency", "choices")  # a key's limits: whole numbers, 0 for none
+
+
 @dataclass(frozen=True)
 class ApiKey:
     id: str
@@ -47,6 +51,7 @@ class ApiKey:
     rpm: int = 0  # requests per minute (0: no limit)
     tpm: int = 0  # input tokens per minute
     concurrency: int = 0  # requests in progress at once
+    choices: int = 0  # answers per prompt (n, best_of) at most (0: the router's max_choices)
     revoked: bool = False
     created_at: str = ""
 
@@ -59,7 +64,7 @@ class ApiKey:
             raise KeysFileError(f"key {self.id}: role must be one of {', '.join(ROLES)}")
         if not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
             raise KeysFileError(f"key {self.id}: sha256 must be 64 hex digits")
-        for name in ("rpm", "tpm", "concurrency"):
+        for name in LIMITS:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise KeysFileError(f"key {self.id}: {name} must be a whole number ≥ 0")

@@ -85,10 +85,11 @@ def as_body(req: api_pb2.GenerateRequest) -> tuple[bytes, bool]:
 
 
 def _usage(p: Prepared) -> api_pb2.Usage:
+    usage = p.answer_usage()
     return api_pb2.Usage(
-        prompt_tokens=p.usage.prompt_tokens,
-        completion_tokens=p.usage.completion_tokens,
-        cached_tokens=p.usage.cached_tokens,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
     )
 
 
@@ -166,28 +167,35 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
             await deltas.aclose()
 
     async def Generate(self, request, context):  # noqa: ANN001, ANN201, N802
-        parts, finish = [], "stop"
+        parts: dict[int, list[Delta]] = {}
         async with self._answering(request) as (p, deltas):
             async for delta in deltas:
-                parts.append(delta.text)
-                finish = delta.finish_reason or finish
+                parts.setdefault(delta.index, []).append(delta)
+        choices = [
+            api_pb2.Choice(index=i, text=a.text, finish_reason=a.finish_reason or "stop")
+            for i in sorted(parts)
+            for a in [Delta.joined(parts[i])]
+        ]
         return api_pb2.GenerateResponse(
             id=response_id(p),
             model=p.job.model,
-            text="".join(parts),
-            finish_reason=finish,
+            text=choices[0].text,
+            finish_reason=choices[0].finish_reason,
             usage=_usage(p),
+            choices=choices,
         )
 
     async def GenerateStream(self, request, context):  # noqa: ANN001, ANN201, N802
         async with self._answering(request) as (p, deltas):
+            left = p.choices
             async for delta in deltas:
-                last = delta.finish_reason is not None
+                left -= delta.finish_reason is not None
                 yield api_pb2.GenerateChunk(
                     id=response_id(p),
                     text=delta.text,
                     finish_reason=delta.finish_reason or "",
-                    usage=_usage(p) if last else None,
+                    usage=_usage(p) if not left else None,
+                    index=delta.index,
                 )
 
 

@@ -97,12 +97,15 @@ class HttpApi:
 
     async def _whole_body(self, p: Prepared, writer: Writer) -> dict:
         deltas = self.answers.deltas(p)
+        choices: dict[int, list[Delta]] = {}
         try:
-            answer = Delta.joined([delta async for delta in deltas])
+            async for delta in deltas:
+                choices.setdefault(delta.index, []).append(delta)
         finally:
             await deltas.aclose()  # on a disconnect: cancels the request on its workers
-        assert answer.finish_reason
-        return writer.whole(answer)
+        answers = [Delta.joined(choices[i]) for i in sorted(choices)]
+        assert all(a.finish_reason for a in answers)
+        return writer.whole(answers)
 
     async def _whole(self, p: Prepared, writer: Writer) -> web.Response:
         body = await self._whole_body(p, writer)
@@ -146,18 +149,17 @@ class HttpApi:
     @staticmethod
     async def _rest(resp: web.StreamResponse, delta: Delta, deltas, writer: Writer) -> list[bytes]:  # noqa: ANN001
         """Write the answer from ``delta`` on; what is left to write last (its end, or an
-        error that came mid-stream)."""
-        out: list[bytes] = []
+        error that came mid-stream). An answer of several choices ends when each has."""
         while True:
-            if delta.text or delta.calls:
-                out += writer.text(delta)
+            out = writer.text(delta) if delta.text or delta.calls else []
             if delta.finish_reason:
-                return out + writer.end(delta)
+                out += writer.end(delta)
             for chunk in out:
                 await resp.write(chunk)
-            out = []
             try:
                 delta = await anext(deltas)
+            except StopAsyncIteration:
+                return []
             except ApiError as err:  # mid-stream: the error goes in the stream
                 return writer.error(err)
 

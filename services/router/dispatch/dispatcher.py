@@ -77,6 +77,9 @@ def decode_score(w: WorkerRecord, inflight: int) -> DecodeScore:
     )
 
 
+CACHED_POLL_S = 0.005  # how often ``cached`` looks at the index again
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -142,9 +145,7 @@ class Dispatcher:
     async def plan(self, job: Job) -> Job:
         """The job with its cache plan: block hashes, and where this router's index says
         they are."""
-        return await self.plans.planned(
-            job, self.block_size(job.model), self.hash_scheme(job.model)
-        )
+        return await self.plans.planned(job, *self.kv_format(job.model))
 
     async def _send(self, attempt: Attempt, moves: Moves, span: Span) -> None:
         """Route the attempt and queue its task (the span current meanwhile)."""
@@ -301,24 +302,31 @@ class Dispatcher:
 
     def block_size(self, model: str) -> int:
         """The KV block size of the workers serving the model (0 when none says)."""
-        for role in ("prefill", "decode"):
-            for w in self.candidates(role, model, set()):
-                if w.heartbeat.load.kv_block_size:
-                    return w.heartbeat.load.kv_block_size
-        return 0
+        return self.kv_format(model)[0]
 
-    def hash_scheme(self, model: str) -> str:
-        """How the KV blocks of the workers serving the model are named (their engine's hash
-        scheme: shared/kvstore/hashing.py), as their heartbeats say ("" while none says its
-        block size: nothing is hashed then)."""
+    def kv_format(self, model: str) -> tuple[int, str]:
+        """The KV block size of the workers serving the model and how their blocks are named
+        (their engine's hash scheme: shared/kvstore/hashing.py), as their heartbeats say;
+        (0, "") while none says (nothing is hashed then)."""
         for role in ("prefill", "decode"):
             for w in self.candidates(role, model, set()):
                 if w.heartbeat.load.kv_block_size:
-                    return w.heartbeat.load.kv_hash
-        return ""
+                    return w.heartbeat.load.kv_block_size, w.heartbeat.load.kv_hash
+        return 0, ""
+
+    async def cached(self, job: Job, timeout_s: float) -> int:
+        """Wait (``timeout_s`` at most) until one place holds the prompt's reusable blocks."""
+        size, hashes = self.prompt_hashes(job)
+        wanted = min(len(hashes), (len(job.prompt_ids) - 1) // size) if size else 0
+        deadline = time.monotonic() + timeout_s
+        while (held := max(self.plans.lookup(hashes[:wanted]).values(), default=0)) < wanted:
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(CACHED_POLL_S)
+        return held
 
     def prompt_hashes(self, job: Job) -> tuple[int, list[str]]:
         """The block size of the job's model (0 while no worker of it is known) and the
         hashes of the prompt's full blocks (from the cache of recent prompts' hashes)."""
-        bs = self.block_size(job.model)
-        return bs, self.plans.hashes(job, bs, self.hash_scheme(job.model))
+        bs, scheme = self.kv_format(job.model)
+        return bs, self.plans.hashes(job, bs, scheme)

@@ -97,7 +97,8 @@ class MessageWriter:
         u = self.p.usage
         return usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens, self.block_size)
 
-    def whole(self, answer: Delta) -> dict:
+    def whole(self, answers: list[Delta]) -> dict:
+        (answer,) = answers  # (one choice: the format has no n)
         content = [{"type": "text", "text": answer.text}] if answer.text else []
         content += [tool_use(c.id, c.name, c.arguments) for c in calls_of(answer.calls)]
         if not content:

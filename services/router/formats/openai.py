@@ -179,6 +179,8 @@ ResponseFormat = Annotated[
     TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
 ]
 MAX_LOGIT_BIAS = 300
+MAX_N = 128  # (the router's max_choices and a key's own limit are checked when prepared)
+MAX_PROMPTS = 1024  # (and the router's max_prompts)
 TOKEN_ID = r"^[0-9]{1,9}$"
 # Token id → bias. Its schema by hand: pydantic states the keys' pattern as patternProperties,
 # which lets any other key through.
@@ -209,7 +211,9 @@ class _Sampling(_Body):
     )
     seed: integer() | None = None
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = None
-    n: integer(ge=1, le=1) = Field(default=1, description="only one choice per request")
+    n: integer(ge=1, le=MAX_N) = Field(
+        default=1, description="answers to the prompt (at most the key's or router's max_choices)"
+    )
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: LogitBias | None = None
@@ -260,16 +264,21 @@ class ChatRequest(_Sampling):
     verbosity: Unserved = unserved("the models served do not take a verbosity")
 
 
+TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
     prompt: (
         NonEmpty
-        | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
-        | Annotated[list[integer(ge=0)], Field(min_length=1)]
-    )
+        | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    ) = Field(description="a prompt, or several (each answered as a request of its own)")
     logprobs: integer(ge=0, le=5) | None = None
     echo: Literal[False] = Field(default=False, description="the prompt is not echoed")
-    best_of: integer(ge=1, le=1) | None = Field(
-        default=None, description="one candidate per request"
+    best_of: integer(ge=1, le=MAX_N) | None = Field(
+        default=None,
+        description="candidates per prompt, the n likeliest returned (not with stream)",
     )
     suffix: Unserved = unserved("insertion (a suffix) is not served")
 
@@ -283,23 +292,36 @@ def conversation(body: bytes, chat: bool) -> conv.Conversation:
         "stream": req.stream,
         "include_usage": options.include_usage,
         "usage_every_chunk": options.continuous_usage_stats,
+        "n": req.n,
     }
     if isinstance(req, ChatRequest):
         return _chat(req, common)
     assert isinstance(req, CompletionRequest)
     refuse_unserved(req)
-    prompt: str | tuple[int, ...]
-    if isinstance(req.prompt, list) and isinstance(req.prompt[0], str):
-        prompt = req.prompt[0]  # (one prompt per request)
-    else:
-        prompt = req.prompt if isinstance(req.prompt, str) else tuple(req.prompt)  # type: ignore[arg-type]
+    best_of = req.best_of or req.n
+    if best_of < req.n:
+        raise ApiError(400, f"best_of: at least n ({req.n})", param="best_of")
+    if best_of > req.n and req.stream:
+        raise ApiError(400, "best_of: more than n cannot stream", param="best_of")
+    prompts = _prompts(req.prompt)
     return conv.Conversation(
         req.model,
-        prompt=prompt,
+        prompt=prompts[0],
         sampling=_sampling(req, req.logprobs),
         max_tokens=req.max_tokens,
+        best_of=best_of,
+        batch=prompts if len(prompts) > 1 else (),
         **common,
     )
+
+
+def _prompts(prompt: str | list) -> tuple[str | tuple[int, ...], ...]:
+    """A Completions prompt as the prompts it holds: text or token ids, each."""
+    if isinstance(prompt, str):
+        return (prompt,)
+    if isinstance(prompt[0], int):
+        return (tuple(prompt),)
+    return tuple(p if isinstance(p, str) else tuple(p) for p in prompt)
 
 
 def _chat(req: ChatRequest, common: dict) -> conv.Conversation:
@@ -329,6 +351,7 @@ def _chat(req: ChatRequest, common: dict) -> conv.Conversation:
         json=req.response_format.answer() if req.response_format is not None else None,
         tools=tools,
         tool_choice=conv.ToolChoice.of(choice if isinstance(choice, str) else None, named),
+        best_of=req.n,
         **common,
     )
 

@@ -59,7 +59,8 @@ class TokenNames:
 
 
 class OpenAIWriter:
-    """The answer as a Chat Completions or Completions body, or as their chunks."""
+    """The answer as a Chat Completions or Completions body, or as their chunks; an answer
+    of several choices (n, best_of, several prompts) numbered by each delta's index."""
 
     def __init__(self, p: Prepared) -> None:
         self.p, self.kvmesh = p, p.kvmesh
@@ -67,13 +68,21 @@ class OpenAIWriter:
         conv = p.conversation
         self.usage_field = conv.include_usage  # chunks then carry "usage": null
         self.usage_always = conv.include_usage and conv.usage_every_chunk  # ... or the usage
-        self.with_logprobs = p.job.sampling.logprobs is not None
+        self.with_logprobs = conv.sampling.logprobs is not None  # (as asked: not to rank)
         self.names = TokenNames(p.text.tokenizer)
-        self.text_offset = 0  # Completions' text_offset: characters of answer before a token
-        self.called = False  # the answer made a tool call (its finish is "tool_calls")
-        self._around_text: tuple[bytes, bytes] | None = None  # a text chunk's bytes, but its text
+        self.choices = p.choices
+        self.open = self.choices  # choices not yet ended
+        # Per choice: Completions' text_offset (characters of answer before a token); whether
+        # it made a tool call (its finish is then "tool_calls").
+        self.text_offset = [0] * self.choices
+        self.called = [False] * self.choices
+        self._around_text: dict[int, tuple[bytes, bytes]] = {}  # a text chunk's bytes, but text
 
-    def whole(self, answer: Delta) -> dict:
+    def whole(self, answers: list[Delta]) -> dict:
+        choices = [self._whole_choice(a) for a in answers]
+        return self.bodies.response(choices, self.p.answer_usage(), self.kvmesh())
+
+    def _whole_choice(self, answer: Delta) -> dict:
         calls = [
             {
                 "id": f"call_{c.id}",
@@ -82,29 +91,28 @@ class OpenAIWriter:
             }
             for c in calls_of(answer.calls)
         ]
-        self.called = bool(calls)
-        finish = self._finish(answer.finish_reason or "stop")
+        self.called[answer.index] = bool(calls)
+        finish = self._finish(answer.finish_reason or "stop", answer.index)
         logprobs = self._logprobs(answer)
         text = answer.text if answer.text or not calls else None
-        usage, kvmesh = self.p.usage, self.kvmesh()
-        return self.bodies.response(text, finish, usage, kvmesh, logprobs, calls or None)
+        return self.bodies.choice(answer.index, text, finish, logprobs, calls or None)
 
-    def _finish(self, finish: str) -> str:
-        return "tool_calls" if self.called and finish == "stop" else finish
+    def _finish(self, finish: str, index: int) -> str:
+        return "tool_calls" if self.called[index] and finish == "stop" else finish
 
     def start(self) -> list[bytes]:
         if not self.bodies.chat:
             return []
-        return [wire.data(self._chunk("", first=True))]
+        return [wire.data(self._chunk(i, "", first=True)) for i in range(self.choices)]
 
     def text(self, delta: Delta) -> list[bytes]:
-        out = []
+        out, i = [], delta.index
         if delta.text and not self.with_logprobs:
-            out.append(self._text_chunk(delta.text))
+            out.append(self._text_chunk(i, delta.text))
         elif delta.text:
-            out.append(wire.data(self._chunk(delta.text, logprobs=self._logprobs(delta))))
+            out.append(wire.data(self._chunk(i, delta.text, logprobs=self._logprobs(delta))))
         for e in delta.calls:
-            self.called = True
+            self.called[i] = True
             piece: dict = {"index": e.index}
             if e.name:  # a call's first piece: its id, type and name
                 piece.update(id=f"call_{e.id}", type="function")
@@ -113,36 +121,39 @@ class OpenAIWriter:
                 piece["function"] = {"arguments": e.arguments}
             else:
                 continue  # its end: nothing to say in this format
-            out.append(wire.data(self._chunk(None, tool_calls=[piece])))
+            out.append(wire.data(self._chunk(i, None, tool_calls=[piece])))
         return out
 
-    def _text_chunk(self, text: str) -> bytes:
+    def _text_chunk(self, index: int, text: str) -> bytes:
         """The chunk of a text alone (most of a stream's): its bytes around the text are
         made once, from the chunk of a marker text, and only the text is encoded each time
         (unless each chunk says the usage so far)."""
         if self.usage_always:
-            return wire.data(self._chunk(text))
-        if self._around_text is None:
+            return wire.data(self._chunk(index, text))
+        if index not in self._around_text:
             marker = "\x00text\x00"
-            whole = wire.data(self._chunk(marker))
+            whole = wire.data(self._chunk(index, marker))
             head, tail = whole.split(json.dumps(marker).encode())
-            self._around_text = (head, tail)
-        head, tail = self._around_text
+            self._around_text[index] = (head, tail)
+        head, tail = self._around_text[index]
         return b"".join((head, json.dumps(text).encode(), tail))
 
     def end(self, last: Delta) -> list[bytes]:
+        """A choice's end; after the last choice's, the stream's."""
         # The last delta's text went out already (text() is called before end()); a token
         # that came with it but made no text of its own (end of answer) goes here.
         logprobs = self._logprobs(last) if not last.text else None
-        finish = self._finish(last.finish_reason or "stop")
-        chunk = self._chunk(None, finish, logprobs=logprobs)
-        return [wire.data(chunk), *self._closing()]
+        finish = self._finish(last.finish_reason or "stop", last.index)
+        self.open -= 1
+        chunk = wire.data(self._chunk(last.index, None, finish, logprobs=logprobs))
+        return [chunk, *self._closing()] if not self.open else [chunk]
 
-    def _chunk(self, text: str | None, finish: str | None = None, **parts) -> dict:  # noqa: ANN003
-        """A chunk, with the usage field as asked: none, null, or the usage so far."""
-        usage = usage_body(self.p.usage) if self.usage_always else None
+    def _chunk(self, index: int, text: str | None, finish: str | None = None, **parts) -> dict:  # noqa: ANN003
+        """A chunk of choice ``index``, with the usage field as asked: none, null, or the
+        usage so far."""
+        usage = usage_body(self.p.answer_usage()) if self.usage_always else None
         return self.bodies.chunk(
-            text, finish, with_usage_field=self.usage_field, usage=usage, **parts
+            text, finish, with_usage_field=self.usage_field, usage=usage, index=index, **parts
         )
 
     def ping(self) -> bytes:
@@ -155,7 +166,8 @@ class OpenAIWriter:
     def _closing(self) -> list[bytes]:
         out = []
         if self.usage_field:
-            out.append(wire.data(self.bodies.usage_chunk(self.p.usage, self.kvmesh())))
+            usage = self.bodies.usage_chunk(self.p.answer_usage(), self.kvmesh())
+            out.append(wire.data(usage))
         return [*out, wire.data("[DONE]")]
 
     def _logprobs(self, delta: Delta) -> dict | None:
@@ -168,8 +180,8 @@ class OpenAIWriter:
         for t, _ in delta.logprobs:
             text = self.names(t)[0]
             tokens.append(text)
-            offsets.append(self.text_offset)
-            self.text_offset += len(text)
+            offsets.append(self.text_offset[delta.index])
+            self.text_offset[delta.index] += len(text)
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for _, lp in delta.logprobs],
@@ -213,6 +225,7 @@ class ResponseBodies:
 
     def _choice(
         self,
+        index: int,
         text: str | None,
         finish: str | None,
         chunk: bool,
@@ -222,31 +235,34 @@ class ResponseBodies:
     ) -> dict:
         end = {"logprobs": logprobs, "finish_reason": finish}
         if not self.chat:
-            return {"index": 0, "text": text or "", **end}
+            return {"index": index, "text": text or "", **end}
         if chunk:
             delta: dict = {"role": "assistant", "content": text or ""} if first else {}
             if text and not first:
                 delta["content"] = text
             if tool_calls:
                 delta["tool_calls"] = tool_calls
-            return {"index": 0, "delta": delta, **end}
+            return {"index": index, "delta": delta, **end}
         message: dict = {"role": "assistant", "content": text}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        return {"index": 0, "message": message, **end}
+        return {"index": index, "message": message, **end}
 
-    def response(
+    def choice(
         self,
+        index: int,
         text: str | None,
         finish: str,
-        usage: Usage,
-        timing: dict,
         logprobs: dict | None = None,
         tool_calls: list[dict] | None = None,
     ) -> dict:
+        """A whole answer's choice."""
+        return self._choice(index, text, finish, False, False, logprobs, tool_calls)
+
+    def response(self, choices: list[dict], usage: Usage, timing: dict) -> dict:
         return {
             **self._envelope(chunk=False),
-            "choices": [self._choice(text, finish, False, False, logprobs, tool_calls)],
+            "choices": choices,
             "usage": usage_body(usage),
             "kvmesh": timing,
         }
@@ -260,8 +276,9 @@ class ResponseBodies:
         logprobs: dict | None = None,
         tool_calls: list[dict] | None = None,
         usage: dict | None = None,
+        index: int = 0,
     ) -> dict:
-        choice = self._choice(text, finish, True, first, logprobs, tool_calls)
+        choice = self._choice(index, text, finish, True, first, logprobs, tool_calls)
         out = {**self._envelope(chunk=True), "choices": [choice]}
         if with_usage_field:  # with include_usage, every chunk carries "usage": null (or,
             out["usage"] = usage  # with continuous_usage_stats, the usage so far)

@@ -90,7 +90,8 @@ class ResponseWriter:
         body = response(self.resp_id, self.p.job.model, output, finish, self.p.usage)
         return {**body, "kvmesh": self.kvmesh()}
 
-    def whole(self, answer: Delta) -> dict:
+    def whole(self, answers: list[Delta]) -> dict:
+        (answer,) = answers  # (one choice: the format has no n)
         output = [message_item(self.resp_id, answer.text, "completed")] if answer.text else []
         output += [
             call_item(c.id, c.name, c.arguments, "completed") for c in calls_of(answer.calls)

@@ -128,16 +128,16 @@ class RequestRecorder:
         if p is None:
             log.info("%s %d", endpoint, outcome.status)
             return
+        t, u = p.timing, p.answer_usage()  # (every choice's: n, best_of, several prompts)
         log.info(
             "%s %d: %d prompt tokens (%d cached), %d generated, %.1f ms",
             endpoint,
             outcome.status,
-            p.usage.prompt_tokens,
-            p.usage.cached_tokens,
-            p.usage.completion_tokens,
+            u.prompt_tokens,
+            u.cached_tokens,
+            u.completion_tokens,
             (time.perf_counter() - p.received_at) * 1e3,
         )
-        t, u = p.timing, p.usage
         cached = u.cached_tokens
         span.set_attributes(
             {
@@ -154,8 +154,8 @@ class RequestRecorder:
         generation_s = t.last_token_at - t.first_token_at
         span.set_attribute("ttft_ms", round(ttft * 1e3, 3))
         TTFT.observe(ttft)
-        if u.completion_tokens > 1:
-            TPOT.observe(generation_s / (u.completion_tokens - 1))
+        if p.usage.completion_tokens > 1:  # (the first choice's pace)
+            TPOT.observe(generation_s / (p.usage.completion_tokens - 1))
         memory = min(cached, t.cached_tokens_by_tier.get("memory", 0))  # (the rest: storage)
         INPUT_TOKENS.labels("computed").inc(max(0, u.prompt_tokens - cached))
         INPUT_TOKENS.labels("memory").inc(memory)
@@ -179,6 +179,7 @@ class RequestRecorder:
         ctx = span.get_span_context()
         p = outcome.prepared
         t = p.timing if p is not None else None
+        usage = p.answer_usage() if p is not None else None
         ttft = (t.first_token_at - p.received_at) if p is not None and t.first_token_at else None
         self.recent.add(
             {
@@ -189,9 +190,9 @@ class RequestRecorder:
                 "status": outcome.status,
                 "tenant": p.tenant if p is not None else "",
                 "model": p.job.model if p is not None else "",
-                "prompt_tokens": p.usage.prompt_tokens if p is not None else None,
-                "cached_tokens": p.usage.cached_tokens if p is not None else None,
-                "completion_tokens": p.usage.completion_tokens if p is not None else None,
+                "prompt_tokens": usage.prompt_tokens if usage is not None else None,
+                "cached_tokens": usage.cached_tokens if usage is not None else None,
+                "completion_tokens": usage.completion_tokens if usage is not None else None,
                 "ttft_ms": round(ttft * 1e3, 3) if ttft is not None else None,
                 "route": t.decision(every=True) if t is not None else {},
                 "workers": t.workers if t is not None else [],

@@ -15,9 +15,10 @@ never sent.
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -30,13 +31,17 @@ from services.router.request.toolcalls import CallEvent, call_parser
 from shared.messages.generate import Logprobs
 from shared.model.tokenizer import token_pieces
 
+# A prompt's other candidates wait this long at most, once its first has a token, for the
+# prompt's blocks to be stored (so each computes only the prompt's last block).
+PROMPT_STORED_S = 2.0
+
 
 class Writer(Protocol):
     """How a format writes an answer back: a whole body, or its stream as server-sent events
     (what comes before the first text, each text, the end, an error mid-stream)."""
 
-    def whole(self, answer: Delta) -> dict:
-        """The body of the whole answer (all its deltas in one)."""
+    def whole(self, answers: list[Delta]) -> dict:
+        """The body of the whole answer: each choice's deltas in one, in index order."""
         ...
 
     def start(self) -> list[bytes]: ...
@@ -60,6 +65,7 @@ class Delta:
     # When asked for: (token id, its log-probabilities) of the tokens this text came from.
     logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
     calls: list[CallEvent] = field(default_factory=list)  # tool calls' pieces (toolcalls.py)
+    index: int = 0  # the choice it belongs to (an answer of several: ``request/prepare.py``)
 
     @classmethod
     def joined(cls, deltas: list[Delta]) -> Delta:
@@ -71,7 +77,13 @@ class Delta:
             last.stop_sequence,
             [lp for d in deltas for lp in d.logprobs],
             [c for d in deltas for c in d.calls],
+            last.index,
         )
+
+    @property
+    def logprob(self) -> float:
+        """Its tokens' cumulative log-probability."""
+        return sum(lp.logprob for _, lp in self.logprobs)
 
 
 class Answers:
@@ -84,10 +96,61 @@ class Answers:
         self.dispatcher = dispatcher
         self.on_last = on_last
 
-    async def deltas(self, p: Prepared) -> AsyncIterator[Delta]:
-        """The answer's deltas; the last has finish_reason. Closing them early cancels the
-        request on its workers."""
-        inner = self.text(p)
+    def deltas(self, p: Prepared) -> AsyncIterator[Delta]:
+        """The answer's deltas; each choice's last has finish_reason. Closing them early
+        cancels the request on its workers."""
+        return self._choices(p) if p.siblings else self._answer(p)
+
+    async def _choices(self, p: Prepared) -> AsyncIterator[Delta]:
+        """An answer of several choices (``request/prepare.py``): every candidate's deltas as
+        they come, each with its choice's index; a prompt's other candidates start once its
+        first has a token and its blocks are stored. Ranked candidates (best_of) are all read
+        first, and the likeliest of each prompt's given. Any candidate's error is the
+        answer's."""
+        every, queue = [p, *p.siblings], asyncio.Queue()
+        started: dict[int, asyncio.Event] = {}  # per prompt: its first candidate has a token
+        for i, c in enumerate(every):
+            started[i] = started[i - 1] if c.candidate else asyncio.Event()
+
+        async def run(index: int, c: Prepared) -> None:
+            first = started[index]
+            try:
+                if c.candidate:  # its prompt's first candidate's blocks: reused, not computed
+                    await first.wait()
+                    await self.dispatcher.cached(c.job, PROMPT_STORED_S)
+                async for delta in self._answer(c, None if c.candidate else first):
+                    queue.put_nowait(replace(delta, index=index))
+            except Exception as err:  # (the answer's: the first error ends it)
+                queue.put_nowait(err)
+            finally:
+                first.set()
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(run(i, c)) for i, c in enumerate(every)]
+        ranked: dict[int, list[Delta]] | None = (
+            {} if p.conversation.best_of > p.conversation.n else None
+        )
+        try:
+            for _ in tasks:
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, Exception):
+                        raise item
+                    if ranked is None:
+                        yield item
+                    else:
+                        ranked.setdefault(item.index, []).append(item)
+            for delta in likeliest(p, ranked or {}):
+                yield delta
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _answer(
+        self, p: Prepared, started: asyncio.Event | None = None
+    ) -> AsyncIterator[Delta]:
+        """One candidate's deltas (``started`` set at its first token)."""
+        inner = self.text(p, started)
         conv = p.conversation
         calls = None
         if conv.calls_tools:  # forced calls stream as they come
@@ -102,13 +165,13 @@ class Answers:
                     if not (text or events or delta.finish_reason):
                         continue
                     delta = replace(delta, text=text, calls=events)
-                if delta.finish_reason and self.on_last is not None:
+                if delta.finish_reason and self.on_last is not None and not p.candidate:
                     self.on_last(p)
                 yield delta
         finally:
             await inner.aclose()
 
-    async def text(self, p: Prepared) -> AsyncIterator[Delta]:
+    async def text(self, p: Prepared, started: asyncio.Event | None = None) -> AsyncIterator[Delta]:
         """Text deltas of the answer; the last has finish_reason. ``p.usage`` and
         ``p.timing`` are filled in as events arrive (complete once the last delta is out).
         With images, the answer starts only once every image is encoded, and a failed encode
@@ -127,6 +190,8 @@ class Answers:
                     usage.cached_tokens = event.cached_tokens
                 timing.add(event)
                 usage.completion_tokens += len(event.token_ids)
+                if started is not None and event.token_ids:
+                    started.set()
                 if event.logprobs:
                     logprobs += zip(event.token_ids, event.logprobs, strict=True)
                 text = detok.add(event.token_ids)
@@ -147,6 +212,19 @@ class Answers:
                     logprobs = []
         finally:
             await events.aclose()  # a stop string: the rest is cancelled on the workers now
+
+
+def likeliest(p: Prepared, candidates: dict[int, list[Delta]]) -> Iterator[Delta]:
+    """Each prompt's ``n`` candidates of the highest cumulative log-probability, numbered in
+    that order, prompt by prompt (``candidates``: each candidate's deltas, by its place);
+    their log-probabilities only where the request asked for them."""
+    n, best_of = p.conversation.n, p.conversation.best_of
+    asked = p.conversation.sampling.logprobs is not None
+    for k in range(len(candidates) // best_of):
+        answers = [Delta.joined(candidates[k * best_of + j]) for j in range(best_of)]
+        best = sorted(answers, key=lambda a: -a.logprob)[:n]
+        for rank, answer in enumerate(best):
+            yield replace(answer, index=k * n + rank, logprobs=answer.logprobs if asked else [])
 
 
 class Detokenizer:

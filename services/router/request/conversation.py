@@ -10,7 +10,7 @@ tokens whatever format carried it. How to sample the answer travels as the engin
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.router.errors import ApiError
 from shared.engine.sampling import SamplingParams
@@ -108,6 +108,18 @@ class Conversation:
     usage_every_chunk: bool = False  # (and vLLM's continuous_usage_stats: the usage so far)
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
+    # Several answers (OpenAI's ``n``), chosen from ``best_of`` candidates by cumulative
+    # log-probability; ``batch``: a Completions request's prompts when it sends several (each
+    # answered as a request of its own, its answers in order: ``request/prepare.py``).
+    n: int = 1
+    best_of: int = 1
+    batch: tuple[str | tuple[int, ...], ...] = ()
+
+    def prompts(self) -> list[Conversation]:
+        """The conversation once per prompt it carries (a batch's, in order)."""
+        if not self.batch:
+            return [self]
+        return [replace(self, prompt=p, batch=()) for p in self.batch]
 
     @property
     def calls_tools(self) -> bool:

@@ -5,15 +5,23 @@ conversation, its usage and timing as they fill in).
 
 Images are read first (a 400 names a bad one before anything else is done) and, unless
 KVMESH_ROUTER_ENCODE_AHEAD is off, sent to the encoders at once, so encoding overlaps the
-rendering and routing that follow. A tool's schema, or a JSON answer's, is checked against
-the model's vocabulary here: a 400 names the field whose schema cannot be used.
+rendering and routing that follow. The conversation's checks are ``checks.py``'s.
+
+An answer of several choices (``n`` answers to a prompt, the ``n`` likeliest of ``best_of``
+candidates, a Completions request's prompts) is a request per candidate through the mesh
+(routed, cached and retried as any), each with its own id and seed from the request's; the
+first of each prompt is prepared (rendered, charged) once and the others are its copies
+(``fan_out``). The first candidate of the answer is its ``Prepared``, every other its
+sibling, in choice order. A prompt is prefilled once: its first candidate goes first, the
+others once it has its first token and its blocks are stored (``answer.Answers``), so each
+computes only the prompt's last, partial block (as SGLang's server does its own ``n``: the
+prompt first, then the copies). Greedy candidates are the same answer.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -21,23 +29,15 @@ from services.router.dispatch.dispatcher import Dispatcher
 from services.router.dispatch.encodes import Encodes, ImageInput, check_encoders
 from services.router.dispatch.job import Job
 from services.router.errors import ApiError
-from services.router.request.conversation import Conversation, ToolError
+from services.router.request.checks import answer_length, check_choices, check_model, checked
+from services.router.request.conversation import Conversation
 from services.router.request.image_reader import ImageReader
 from services.router.request.render import Renderer
 from services.router.settings import RequestSettings
 from services.router.tenancy.admission import PLAIN, KvOptions, Tenancy
 from shared.messages.generate import Priority, TokenEvent
-from shared.model.grammar import (
-    ANY_OBJECT,
-    GrammarError,
-    check,
-    json_grammar,
-    tool_call_grammar,
-    vocabulary,
-)
 from shared.model.text import TextModel
 
-_CHECKED_SCHEMAS: set[str] = set()  # tool schemas the library compiled (agents resend them)
 EXPLAINED = 4  # candidates listed in a response (all with the header x-kvmesh-explain: all)
 
 
@@ -135,6 +135,41 @@ class Prepared:
     block_size: int = 0  # the model's KV block size (0 while no worker has said)
     tenant: str = ""  # whose request (the key's tenant, or the tenant header with auth off)
     delivered: bool = False  # a stream's last event written (the client has the answer)
+    # An answer of several choices (``choices.py``): the first's siblings, in choice order;
+    # a candidate's place among its prompt's (0: the first, which the prompt is counted by).
+    siblings: list[Prepared] = field(default_factory=list)
+    candidate: int = 0
+
+    def sibling(self, job: Job, candidate: int) -> Prepared:
+        """Another candidate of this prompt's answers (``job``: its own id and sampling), its
+        usage and timing its own."""
+        return replace(
+            self,
+            job=job,
+            usage=Usage(self.usage.prompt_tokens),
+            timing=Timing(explain_all=self.timing.explain_all),
+            received_at=self.received_at,
+            candidate=candidate,
+        )
+
+    @property
+    def choices(self) -> int:
+        """The answer's choices: ``n`` per prompt."""
+        conv = self.conversation
+        return (1 + len(self.siblings)) // conv.best_of * conv.n
+
+    def answer_usage(self) -> Usage:
+        """The whole answer's usage: each prompt's tokens and cached tokens once (its first
+        candidate's), every candidate's answer tokens (all were computed)."""
+        if not self.siblings:
+            return self.usage
+        every = [self, *self.siblings]
+        heads = [c for c in every if not c.candidate]
+        return Usage(
+            prompt_tokens=sum(h.usage.prompt_tokens for h in heads),
+            completion_tokens=sum(c.usage.completion_tokens for c in every),
+            cached_tokens=sum(h.usage.cached_tokens for h in heads),
+        )
 
     def kvmesh(self) -> dict:
         """The `kvmesh` extension of a response: where the time went, and the prompt's cache
@@ -172,7 +207,21 @@ class Preparer:
     ) -> Prepared:
         """A conversation (from any format's adapter) checked, rendered and ready to run
         (``kv``: whose it is and how its blocks are kept; ``priority``: batch work waits for
-        online requests in the workers' queues)."""
+        online requests in the workers' queues). Several prompts or answers: each prompt
+        prepared once, every candidate the first's sibling (``choices.fan_out``)."""
+        settings = self.settings
+        check_choices(conv, kv, settings.max_choices, settings.max_prompts)
+        heads = [
+            await self._prompt(c, f"{rid}-p{k}" if k else rid, kv, priority)
+            for k, c in enumerate(conv.prompts())
+        ]
+        if len(heads) == 1 and conv.best_of == 1:
+            return heads[0]
+        return fan_out(heads, conv.best_of)
+
+    async def _prompt(
+        self, conv: Conversation, rid: str, kv: KvOptions, priority: Priority
+    ) -> Prepared:
         check_model(conv, self.renderer.names)
         self.dispatcher.check_servable(conv.model)
         salt = self.tenancy.salt(kv.tenant)
@@ -258,84 +307,23 @@ class Preparer:
         return await self.images.read_all(conv, salt, self.dispatcher.bus.nc.max_payload)
 
 
-def check_model(conv: Conversation, models: Collection[str]) -> None:
-    """404 for a model this mesh does not know (not in ``models``); 400 for tools that do
-    not fit together."""
-    if conv.model not in models:
-        raise ApiError(
-            404, f"model {conv.model!r} does not exist", param="model", code="model_not_found"
-        )
-    try:
-        conv.check_tools()
-    except ToolError as err:
-        raise ApiError(400, str(err), param=err.param) from None
-
-
-def answer_length(conv: Conversation, n_prompt: int, context: int, default: int) -> int:
-    """The answer's most tokens: what the request asked for, or ``default`` within the
-    context; 400 when the prompt and the answer exceed the context."""
-    room = context - n_prompt
-    max_tokens = conv.max_tokens
-    if max_tokens is None:
-        max_tokens = min(default, room)
-    if room < 1 or n_prompt + max_tokens > context:
-        prompt_field, max_field = conv.prompt_field, conv.max_tokens_field
-        raise ApiError(
-            400,
-            f"{prompt_field} ({n_prompt} tokens) plus {max_field} ({max_tokens}) exceeds "
-            f"the model's context of {context} tokens",
-            param=max_field if room >= 1 else prompt_field,
-            code="context_length_exceeded",
-        )
-    return max_tokens
-
-
-def checked(conv: Conversation, text: TextModel, max_tokens: int) -> str | None:
-    """The conversation's sampling checked against the model and the answer's length (400
-    for a token id outside its vocabulary, a least length past the most); the grammar its
-    answer must match (``answer_grammar``)."""
-    vocab_size, sampling = text.config.vocab_size, conv.sampling
-    for name, ids in (
-        ("logit_bias", [t for t, _ in sampling.logit_bias]),
-        ("stop_token_ids", sampling.stop_token_ids),
-    ):
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            why = f"{name}: token id {bad} is outside the vocabulary ({vocab_size})"
-            raise ApiError(400, why, param=name)
-    if sampling.min_tokens > max_tokens:
-        why = f"min_tokens: at most {conv.max_tokens_field} ({max_tokens})"
-        raise ApiError(400, why, param="min_tokens")
-    return answer_grammar(conv, text)
-
-
-def answer_grammar(conv: Conversation, text: TextModel) -> str | None:
-    """The grammar the answer must match (a forced tool call, or JSON), checked against the
-    model's vocabulary: a 400 naming the field whose schema the library cannot use. None for
-    a free answer."""
-    vocab = vocabulary(text.tokenizer, tuple(text.config.eos_ids))
-    for tool in conv.tools:  # every tool's schema, forced or not: a bad one is the client's
-        key = json.dumps(tool.parameters, sort_keys=True)
-        if key not in _CHECKED_SCHEMAS:
-            _checked(lambda t=tool: json_grammar(t.parameters), vocab, tool.param)
-            if len(_CHECKED_SCHEMAS) >= 4096:
-                _CHECKED_SCHEMAS.clear()
-            _CHECKED_SCHEMAS.add(key)
-    forced = conv.forced_tools
-    if forced:
-        syntax = text.chat_template.tool_syntax
-        return tool_call_grammar([(t.name, t.parameters) for t in forced], syntax, text.tokenizer)
-    wanted = conv.json
-    if wanted is None:
-        return None
-    schema = wanted.schema if wanted.schema is not None else ANY_OBJECT
-    return _checked(lambda: json_grammar(schema), vocab, wanted.param)
-
-
-def _checked(make: Callable[[], str], vocab: object, param: str) -> str:
-    try:
-        grammar = make()
-        check(grammar, vocab)
-    except GrammarError as err:
-        raise ApiError(400, f"{param}: this schema cannot be used: {err}", param=param) from None
-    return grammar
+def fan_out(heads: list[Prepared], best_of: int) -> Prepared:
+    """Each prompt's candidates (``heads``: each prompt prepared once, in order); the answer's
+    first, with every other as its siblings."""
+    ranked = best_of > heads[0].conversation.n
+    every: list[Prepared] = []
+    for head in heads:
+        rid = head.job.request_id
+        for j in range(best_of):
+            sampling = head.job.sampling.candidate(j)
+            if ranked and sampling.logprobs is None:  # (ranked by them)
+                sampling = replace(sampling, logprobs=0)
+            job = replace(head.job, request_id=f"{rid}-{j}" if j else rid, sampling=sampling)
+            if j:
+                every.append(head.sibling(job, j))
+            else:
+                head.job = job
+                every.append(head)
+    first = every[0]
+    first.siblings = every[1:]
+    return first

@@ -20,6 +20,7 @@ import torch
 from shared.engine.sampling import SamplingParams, TokenLogprobs
 
 _MASK = (1 << 64) - 1
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -100,7 +101,9 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     temperature; then no token less likely than ``min_p`` × the likeliest's probability, none
     outside the ``top_k`` likeliest, none outside the smallest set whose mass reaches
     ``top_p`` (renormalized: vLLM's order)."""
-    logits = logits / params.temperature
+    # (A temperature or a repetition penalty near 0 can scale logits past float32's range:
+    # the likeliest stay the likeliest, none becomes NaN.)
+    logits = torch.nan_to_num(logits / params.temperature, nan=-torch.inf, posinf=FLOAT32_MAX)
     if params.min_p:
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))

@@ -111,7 +111,7 @@ def test_tools_their_calls_and_results_become_the_conversations() -> None:
     [
         ({"temperature": 3}, "temperature", "less than or equal to 2"),
         ({"temperature": "0.5"}, "temperature", "valid number"),
-        ({"n": 2}, "n", "less than or equal to 1"),
+        ({"n": 129}, "n", "less than or equal to 128"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"logit_bias": {"x": 1}}, "logit_bias.x", "should match pattern '^[0-9]{1,9}$'"),
         ({"logit_bias": {"7": 101}}, "logit_bias.7", "less than or equal to 100"),
@@ -137,13 +137,23 @@ def test_a_message_without_what_it_needs_is_named_by_its_place() -> None:
     refused(lambda b: openai.conversation(b, chat=True), b"[]", None, "a JSON object")
 
 
-def test_a_completion_takes_one_prompt_as_text_or_token_ids() -> None:
+def test_a_completion_takes_prompts_as_text_or_token_ids() -> None:
     text = openai.conversation(body(model="tiny", prompt=["Once"], logprobs=3), chat=False)
     assert text.prompt == "Once" and not text.chat and text.sampling.logprobs == 3
+    assert text.batch == () and [c.prompt for c in text.prompts()] == ["Once"]
     ids = openai.conversation(body(model="tiny", prompt=[5, 6, 7]), chat=False)
     assert ids.prompt == (5, 6, 7) and ids.prompt_field == "prompt"
-    raw = body(model="tiny", prompt=["a", "b"])
-    refused(lambda b: openai.conversation(b, chat=False), raw, "prompt", "at most 1 item")
+    several = openai.conversation(body(model="tiny", prompt=["a", "b"], n=2), chat=False)
+    assert [c.prompt for c in several.prompts()] == ["a", "b"] and several.n == 2
+    lists = openai.conversation(body(model="tiny", prompt=[[5], [6, 7]]), chat=False)
+    assert [c.prompt for c in lists.prompts()] == [(5,), (6, 7)]
+    ranked = openai.conversation(body(model="tiny", prompt="a", n=2, best_of=3), chat=False)
+    assert (ranked.n, ranked.best_of) == (2, 3)
+    completion = lambda b: openai.conversation(b, chat=False)  # noqa: E731
+    refused(completion, body(model="tiny", prompt=[[5], []]), "prompt[1]", "at least 1")
+    refused(completion, body(model="tiny", prompt="a", n=3, best_of=2), "best_of", "at least n")
+    streamed = body(model="tiny", prompt="a", best_of=2, stream=True)
+    refused(completion, streamed, "best_of", "cannot stream")
     refused(
         lambda b: openai.conversation(b, chat=False),
         body(model="tiny", prompt="a", suffix="z"),
@@ -261,7 +271,7 @@ BODIES = {
 @pytest.mark.parametrize("path", list(BODIES))
 def test_a_whole_answer_in_each_format(path: str, real_text: TextModel) -> None:
     writer = ENDPOINTS[path].writer(prepared(path, real_text, BODIES[path]))
-    out = writer.whole(Delta("Berth four.", "length"))
+    out = writer.whole([Delta("Berth four.", "length")])
     text = {
         "/v1/chat/completions": lambda b: b["choices"][0]["message"]["content"],
         "/v1/completions": lambda b: b["choices"][0]["text"],

@@ -10,8 +10,9 @@ import pytest
 
 from services.router.errors import ApiError
 from services.router.formats import openai
+from services.router.request.checks import answer_length, check_model, checked
 from services.router.request.conversation import Conversation, Tool, ToolChoice
-from services.router.request.prepare import EXPLAINED, Timing, answer_length, check_model, checked
+from services.router.request.prepare import EXPLAINED, Timing
 from services.router.routing.route import Ranked
 from shared.engine.sampling import SamplingParams
 from shared.model.text import TextModel
