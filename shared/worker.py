@@ -440,6 +440,8 @@ class WorkerService(Service):
         is held in the engine yet."""
         assert self.tiers is not None
         limit = (len(task.token_ids) - 1) // self.engine.block_size  # leave a token to compute
+        if task.sampling.prompt_logprobs is not None:
+            limit = 0  # (its prompt's logits are wanted: a cached block has none)
         return await self.tiers.read_prefix(task.block_hashes[:limit])
 
     async def load_prefix(
@@ -539,6 +541,9 @@ class WorkerService(Service):
             index=0,
             token_ids=[out.token_id],
             logprobs=None if out.logprobs is None else [Logprobs.of(out.logprobs)],
+            prompt_logprobs=(
+                None if out.prompt_logprobs is None else list(map(Logprobs.of, out.prompt_logprobs))
+            ),
             finish_reason=out.finish_reason,
             stop_string=out.stop_string,
             cached_tokens=len(cached.blobs) * bs,

@@ -12,8 +12,10 @@ import uuid
 
 import anthropic
 import jsonschema
+import openai
 import pytest
 
+from shared.engine.sampling import SamplingParams
 from shared.model.catalog import resolve
 from shared.model.text import text_of
 from tests.images import data_url, png
@@ -409,7 +411,9 @@ def test_chat_refuses_what_it_does_not_serve_naming_it(
     assert says in err.value.body["message"] and err.value.body["param"].startswith(field)
 
 
-@pytest.mark.parametrize("field, value", [("echo", True), ("suffix", "end"), ("logprobs", 6)])
+@pytest.mark.parametrize(
+    "field, value", [("suffix", "end"), ("logprobs", 6), ("prompt_logprobs", 21)]
+)
 def test_completions_refuse_what_they_do_not_serve_naming_it(
     stack: Stack, field: str, value: object
 ) -> None:
@@ -927,3 +931,73 @@ def test_too_many_answers_or_prompts_are_refused_naming_the_field(stack: Stack) 
     with pytest.raises(openai.BadRequestError) as err:
         oai.completions.create(model="tiny", prompt=["hi"] * 65, max_tokens=2)
     assert err.value.body["param"] == "prompt" and "64" in err.value.body["message"]
+
+
+# -- The prompt scored: echo, max_tokens 0, prompt_logprobs ----------------------------------
+
+
+def reference_scores(stack: Stack, ids: list[int]) -> list[float]:
+    """The prompt's tokens' log-probabilities from the tiny model in this process: one pass,
+    nothing cached."""
+    from shared.engine.torch.loader import load_model
+    from tests.engine.conftest import make_engine
+
+    engine = make_engine(load_model("tiny", stack.dir), block_size=64, prefill_chunk=4096)
+    out = engine.prefill("ref", ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    return [s.logprob for s in out.prompt_logprobs]
+
+
+def test_echo_with_logprobs_scores_the_prompt_cached_or_not(stack: Stack) -> None:
+    """lm-evaluation-harness's request: echo, logprobs, max_tokens 0. The prompt back with
+    its tokens' log-probabilities (the first has none), equal to a run with no cache, again
+    once the prompt is cached (a cached block has no logits: the prompt is computed whole)."""
+    oai = stack.client()
+    prompt = f"{uuid.uuid4()} The pilot boards at the breakwater and takes the ship in. " * 6
+    ask = {"model": "tiny", "prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0}
+    scored = oai.completions.create(**ask, max_tokens=0)
+    (choice,) = scored.choices
+    lp = choice.logprobs
+    assert choice.text == prompt and "".join(lp.tokens) == prompt
+    assert scored.usage.completion_tokens == 0 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    ids = text_of(resolve("tiny", {}), stack.dir).tokenizer.encode(prompt).ids
+    assert len(ids) == len(lp.tokens) == scored.usage.prompt_tokens
+    assert lp.token_logprobs[1:] == pytest.approx(reference_scores(stack, ids), abs=1e-4)
+    again = oai.completions.create(**ask, max_tokens=0)  # the prompt now cached
+    assert again.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs)
+    answered = oai.completions.create(**ask, max_tokens=4)
+    both = answered.choices[0].logprobs
+    assert answered.choices[0].text.startswith(prompt) and len(both.tokens) == len(lp.tokens) + 4
+    assert both.token_logprobs[: len(lp.tokens)] == pytest.approx(lp.token_logprobs)
+    streamed = list(oai.completions.create(**ask, max_tokens=3, stream=True))
+    assert streamed[0].choices[0].text == prompt
+    assert streamed[0].choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(**{**ask, "echo": False}, max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"
+
+
+def test_vllms_prompt_logprobs_in_chat_and_completions(stack: Stack) -> None:
+    oai = stack.client()
+    chat = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Score the harbour's prompt."}],
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 2},
+    )
+    scores = chat.choices[0].model_extra["prompt_logprobs"]
+    assert len(scores) == chat.usage.prompt_tokens and scores[0] is None
+    for entry in scores[1:]:
+        ranked = sorted((v for v in entry.values() if "rank" in v), key=lambda v: v["rank"])
+        assert [v["rank"] for v in ranked] == [1, 2]
+        assert ranked[0]["logprob"] >= ranked[1]["logprob"]
+        assert all(v["logprob"] <= ranked[0]["logprob"] + 1e-6 for v in entry.values())
+    text = "The tide tables say"
+    echoed = oai.completions.create(model="tiny", prompt=text, max_tokens=0, echo=True, logprobs=0)
+    plain = oai.completions.create(
+        model="tiny", prompt=text, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    (entries,) = [c.model_extra["prompt_logprobs"] for c in plain.choices]
+    values = [next(iter(e.values()))["logprob"] for e in entries[1:]]
+    assert values == pytest.approx(echoed.choices[0].logprobs.token_logprobs[1:])

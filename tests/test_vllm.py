@@ -189,6 +189,35 @@ def test_the_sampling_extensions_are_applied_by_vllm(vllm_stack: Stack) -> None:
     assert ask(temperature=1, seed=5, extra_body={"min_p": 1.0})[0].text == greedy
 
 
+def test_several_answers_and_the_prompt_scored_through_vllm(vllm_stack: Stack) -> None:
+    """n and batched prompts (each candidate a request of its own, vLLM's prefix cache
+    sharing the prompt), echo with logprobs and max_tokens 0 (vLLM computes the prompt's
+    scores, its cache skipped for them), and vLLM's prompt_logprobs."""
+    client = vllm_stack.client()
+    ask = {"model": REAL, "max_tokens": 6, "temperature": 0}
+    one = client.completions.create(prompt=PROMPT, **ask).choices[0].text
+    other = client.completions.create(prompt="The harbour at dawn", **ask).choices[0].text
+    both = client.completions.create(prompt=[PROMPT, PROMPT[:20]], n=2, **ask)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert both.choices[0].text == both.choices[1].text == one
+    batch = client.completions.create(prompt=["The harbour at dawn", "x"], **ask)
+    assert batch.choices[0].text == other
+    scored = client.completions.create(
+        model=REAL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1
+    ).choices[0]
+    values = scored.logprobs.token_logprobs
+    assert values[0] is None and len(values) == len(PROMPT)
+    assert all(v <= 0 for v in values[1:]) and scored.logprobs.tokens
+    listed = client.completions.create(
+        prompt=PROMPT, extra_body={"prompt_logprobs": 0}, **ask
+    ).choices[0]
+    entries = listed.model_extra["prompt_logprobs"]
+    assert entries[0] is None
+    assert [entries[i][str(PROMPT[i])]["logprob"] for i in range(1, len(PROMPT))] == (
+        pytest.approx(values[1:], abs=1e-3)
+    )
+
+
 def test_vllms_cache_is_in_cachemeta_under_kvmeshs_hashes_and_tenants_stay_apart(
     vllm_stack: Stack,
 ) -> None:

@@ -108,6 +108,9 @@ class WholeRequests(OwningWorker):
                     logprobs=None
                     if piece.logprobs is None
                     else [Logprobs.of(lp) for lp in piece.logprobs],
+                    prompt_logprobs=None
+                    if piece.prompt_logprobs is None
+                    else [Logprobs.of(lp) for lp in piece.prompt_logprobs],
                     finish_reason=piece.finish_reason,
                     stop_string=piece.stop_string,
                     worker_id=self.service_id,

@@ -175,6 +175,9 @@ class WholePrefill(OwningWorker):
             index=0,
             token_ids=tokens,
             logprobs=None if logprobs is None or not keep else [Logprobs.of(lp) for lp in logprobs],
+            prompt_logprobs=None
+            if first.prompt_logprobs is None
+            else [Logprobs.of(lp) for lp in first.prompt_logprobs],
             finish_reason=last.finish_reason if ended else None,
             stop_string=last.stop_string if ended else None,
             cached_tokens=first.cached_tokens,

@@ -131,6 +131,8 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     stop_string: str | None = None
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    # On its first token, when asked for: the prompt's tokens' (each but the first).
+    prompt_logprobs: list[TokenLogprobs] | None = None
     # On a sequence's last token: the drafted tokens verified over its answer (speculation),
     # and how many were accepted.
     drafted: int = 0
@@ -347,6 +349,7 @@ class Generated:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_string: str | None = None  # the stop string that ended it, when one did
+    prompt_logprobs: list[TokenLogprobs] | None = None  # (first piece) when asked for
     cached_tokens: int = 0  # (first piece) prompt tokens with KV at hand, of all tiers
     cached_by_tier: dict[str, int] | None = None  # (last piece) those tokens by tier
     # (last piece) kvmesh's hashes of the blocks its storage connector writes for it (they

@@ -52,6 +52,10 @@ class SamplingParams:
     # Log-probabilities with each token: None for none, else the chosen token's and this
     # many of the most likely ones (0 to MAX_TOP_LOGPROBS).
     logprobs: int | None = None
+    # The prompt's tokens' log-probabilities too (each but the first, under the tokens before
+    # it), with this many of the most likely: None for none. A cached prefix has no logits:
+    # a request asking for these computes its whole prompt (as vLLM's does).
+    prompt_logprobs: int | None = None
     # What the answer must match (shared/model/grammar.py: llguidance's grammar text), or None.
     grammar: str | None = None
 
@@ -72,6 +76,11 @@ class SamplingParams:
             (
                 "logprobs",
                 self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                f"None or 0 to {MAX_TOP_LOGPROBS}",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
                 f"None or 0 to {MAX_TOP_LOGPROBS}",
             ),
         ]
@@ -99,12 +108,14 @@ class SamplingParams:
 
     def resumed(self, sent: int) -> SamplingParams:
         """The sampling of the rest of the answer once ``sent`` of its tokens are out (they
-        end the prompt where it goes on): the lengths left, the sampler at the next position."""
+        end the prompt where it goes on): the lengths left, the sampler at the next position,
+        the prompt's scores not again (they went with the first token)."""
         return replace(
             self,
             max_tokens=self.max_tokens - sent,
             min_tokens=max(0, self.min_tokens - sent),
             answer_offset=self.answer_offset + sent,
+            prompt_logprobs=None,
         )
 
     @property

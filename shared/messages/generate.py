@@ -118,6 +118,8 @@ class TokenEvent(Message):
     index: int
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[Logprobs] | None = None  # one per token, when the request asked for them
+    # On the first event, when asked for: the prompt's tokens' (each but the first).
+    prompt_logprobs: list[Logprobs] | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_string: str | None = None
     cached_tokens: int | None = None  # on the first event: prompt tokens whose KV was reused

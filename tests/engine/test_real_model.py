@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.engine.interface import PrefillRequest
 from shared.engine.sampling import SamplingParams
 from shared.model.gguf import find_gguf
 from tests.engine.conftest import make_engine
@@ -109,3 +110,31 @@ def test_speculation_gives_the_real_models_greedy_answer_token_for_token(
     spec, accepted = answers(speculative=mode, fixed_draft=4)
     assert spec == plain
     assert accepted > 10  # the copying prompts' drafts were taken
+
+
+def test_prompt_logprobs_are_transformers_log_softmax_chunked_and_batched(real_model) -> None:
+    """Each prompt token's log-probability under the tokens before it, with the two most
+    likely: transformers' log-softmax of its own logits, whether the prompt is computed in
+    chunks or in a batch with another."""
+    from transformers import AutoModelForCausalLM
+
+    path = find_gguf()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    ids = real_model.tokenizer.encode("Ships dock at the quay; cranes unload them. " * 5).ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    want = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    chunked = make_engine(real_model, block_size=16, prefill_chunk=16)
+    out = chunked.prefill("x", ids, params)
+    batched = make_engine(real_model, block_size=16)
+    other = PrefillRequest("y", ids[:9], SamplingParams(max_tokens=1))
+    first, _ = batched.prefill_batch([PrefillRequest("x", ids, params), other])
+    for got in (out.prompt_logprobs, first.prompt_logprobs):
+        assert len(got) == len(ids) - 1
+        assert torch.tensor([g.logprob for g in got]) == pytest.approx(want, abs=1e-3)
+        tops = ref.topk(2)
+        assert [[t for t, _ in g.top] for g in got] == tops.indices.tolist()
+    assert batched.prefill("z", ids, SamplingParams(max_tokens=1)).prompt_logprobs is None

@@ -19,8 +19,9 @@ from types import SimpleNamespace
 import pytest
 
 from shared.engine.interface import EngineOptions
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling import SamplingParams, TokenLogprobs
 from shared.engine.sglang.engine import SglangEngine, sglang_params
+from shared.engine.sglang.params import logprob_fields, prompt_logprobs_of
 from shared.kvstore.hashing import pack_tokens, packed_sglang_hashes, sglang_cache_salt
 from shared.model.config import ModelConfig
 from shared.model.grammar import lark_of
@@ -155,6 +156,19 @@ def test_sampling_parameters_are_sglangs() -> None:
     from sglang.srt.sampling.sampling_params import SamplingParams as Theirs
 
     Theirs(**asked)  # every key one of SGLang's
+
+
+def test_the_prompts_scores_are_read_from_sglangs_input_logprobs() -> None:
+    asked = logprob_fields(SamplingParams(prompt_logprobs=2))
+    assert asked == {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
+    assert "logprob_start_len" not in logprob_fields(SamplingParams(logprobs=1))
+    meta = {
+        "input_token_logprobs": [(None, 5, None), (-1.5, 6, None), (-0.25, 7, None)],
+        "input_top_logprobs": [None, [(-1.0, 9, None), (-1.5, 6, None)], [(-0.25, 7, None)]],
+    }
+    got = prompt_logprobs_of(meta, 2)
+    assert got == [TokenLogprobs(-1.5, ((9, -1.0), (6, -1.5))), TokenLogprobs(-0.25, ((7, -0.25),))]
+    assert prompt_logprobs_of(meta, None) is None  # (the fields' names: test_protocols.py)
 
 
 async def _answer(engine: SglangEngine, params: SamplingParams, salt: str = "") -> list:

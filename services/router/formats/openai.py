@@ -230,6 +230,11 @@ class _Sampling(_Body):
     stop_token_ids: Annotated[list[integer(ge=0)], Field(max_length=64)] | None = Field(
         default=None, description="vLLM's: token ids that end the answer"
     )
+    prompt_logprobs: integer(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+        default=None,
+        description="vLLM's: each prompt token's log-probability, with this many of the "
+        "likeliest (the prompt is computed whole: a cached block has no logits)",
+    )
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -274,8 +279,13 @@ class CompletionRequest(_Sampling):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     ) = Field(description="a prompt, or several (each answered as a request of its own)")
+    max_tokens: integer(ge=0) | None = Field(
+        default=None, description="0 (with echo): the prompt scored, no answer"
+    )
     logprobs: integer(ge=0, le=5) | None = None
-    echo: Literal[False] = Field(default=False, description="the prompt is not echoed")
+    echo: bool = Field(
+        default=False, description="the prompt before the answer (with logprobs: scored)"
+    )
     best_of: integer(ge=1, le=MAX_N) | None = Field(
         default=None,
         description="candidates per prompt, the n likeliest returned (not with stream)",
@@ -293,24 +303,29 @@ def conversation(body: bytes, chat: bool) -> conv.Conversation:
         "include_usage": options.include_usage,
         "usage_every_chunk": options.continuous_usage_stats,
         "n": req.n,
+        "prompt_scores": req.prompt_logprobs is not None,
     }
     if isinstance(req, ChatRequest):
         return _chat(req, common)
     assert isinstance(req, CompletionRequest)
     refuse_unserved(req)
     best_of = req.best_of or req.n
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError(400, "max_tokens: 0 only with echo (the prompt scored)", param="max_tokens")
     if best_of < req.n:
         raise ApiError(400, f"best_of: at least n ({req.n})", param="best_of")
     if best_of > req.n and req.stream:
         raise ApiError(400, "best_of: more than n cannot stream", param="best_of")
     prompts = _prompts(req.prompt)
+    scored = req.logprobs if req.echo else None  # (echo with logprobs: the prompt's too)
     return conv.Conversation(
         req.model,
         prompt=prompts[0],
-        sampling=_sampling(req, req.logprobs),
+        sampling=_sampling(req, req.logprobs, scored),
         max_tokens=req.max_tokens,
         best_of=best_of,
         batch=prompts if len(prompts) > 1 else (),
+        echo=req.echo,
         **common,
     )
 
@@ -356,11 +371,14 @@ def _chat(req: ChatRequest, common: dict) -> conv.Conversation:
     )
 
 
-def _sampling(req: _Sampling, logprobs: int | None) -> SamplingParams:
+def _sampling(req: _Sampling, logprobs: int | None, scored: int | None = None) -> SamplingParams:
+    """The body's sampling; ``scored``: the prompt's log-probabilities echo asks for."""
+    wanted = [n for n in (req.prompt_logprobs, scored) if n is not None]
     return sampling_of(
         req,
         stop=tuple(req.stop_list()),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
         logprobs=logprobs,
+        prompt_logprobs=max(wanted) if wanted else None,
     )

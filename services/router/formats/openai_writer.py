@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from services.router.errors import ApiError
 from services.router.formats import wire
+from services.router.formats.prompt_scores import PromptScores
 from services.router.request.answer import Delta
 from services.router.request.prepare import Prepared, Usage
 from services.router.request.toolcalls import calls_of
@@ -77,6 +78,10 @@ class OpenAIWriter:
         self.text_offset = [0] * self.choices
         self.called = [False] * self.choices
         self._around_text: dict[int, tuple[bytes, bytes]] = {}  # a text chunk's bytes, but text
+        # The prompt shown back (echo, prompt_logprobs), once per choice, before its answer.
+        self.echo, self.show_scores = conv.echo, conv.prompt_scores
+        self.prompts = PromptScores(p, self.names) if self.echo or self.show_scores else None
+        self.opened = [self.prompts is None] * self.choices
 
     def whole(self, answers: list[Delta]) -> dict:
         choices = [self._whole_choice(a) for a in answers]
@@ -93,9 +98,38 @@ class OpenAIWriter:
         ]
         self.called[answer.index] = bool(calls)
         finish = self._finish(answer.finish_reason or "stop", answer.index)
-        logprobs = self._logprobs(answer)
-        text = answer.text if answer.text or not calls else None
-        return self.bodies.choice(answer.index, text, finish, logprobs, calls or None)
+        echoed, scored, extra = self._prompt_parts(answer)
+        logprobs = _joined(scored, self._logprobs(answer))
+        text = echoed + answer.text if answer.text or echoed or not calls else None
+        return self.bodies.choice(answer.index, text, finish, logprobs, calls or None, extra)
+
+    def _prompt_parts(self, delta: Delta) -> tuple[str, dict | None, dict]:
+        """What a choice shows of its prompt before its answer, once: the echo's text, its
+        tokens' logprobs (Completions' lists), vLLM's prompt_logprobs field."""
+        i = delta.index
+        if self.opened[i]:
+            return "", None, {}
+        self.opened[i] = True
+        assert self.prompts is not None
+        text, scored, extra = "", None, {}
+        if self.echo:
+            text = self.prompts.text(i)
+            if self.with_logprobs:
+                scored = self.prompts.completion_logprobs(i, delta.prompt_logprobs)
+                scored["text_offset"] = offsets = []
+                for token in scored["tokens"]:
+                    offsets.append(self.text_offset[i])
+                    self.text_offset[i] += len(token)
+        if self.show_scores:
+            extra["prompt_logprobs"] = self.prompts.vllm(i, delta.prompt_logprobs)
+        return text, scored, extra
+
+    def _opening(self, delta: Delta) -> list[bytes]:
+        """A stream's chunk of the prompt shown back, before the choice's first text."""
+        if self.opened[delta.index]:
+            return []
+        text, scored, extra = self._prompt_parts(delta)
+        return [wire.data(self._chunk(delta.index, text, logprobs=scored, extra=extra))]
 
     def _finish(self, finish: str, index: int) -> str:
         return "tool_calls" if self.called[index] and finish == "stop" else finish
@@ -106,7 +140,7 @@ class OpenAIWriter:
         return [wire.data(self._chunk(i, "", first=True)) for i in range(self.choices)]
 
     def text(self, delta: Delta) -> list[bytes]:
-        out, i = [], delta.index
+        out, i = self._opening(delta), delta.index
         if delta.text and not self.with_logprobs:
             out.append(self._text_chunk(i, delta.text))
         elif delta.text:
@@ -142,11 +176,12 @@ class OpenAIWriter:
         """A choice's end; after the last choice's, the stream's."""
         # The last delta's text went out already (text() is called before end()); a token
         # that came with it but made no text of its own (end of answer) goes here.
+        opening = self._opening(last)  # (a prompt scored alone: max_tokens 0)
         logprobs = self._logprobs(last) if not last.text else None
         finish = self._finish(last.finish_reason or "stop", last.index)
         self.open -= 1
         chunk = wire.data(self._chunk(last.index, None, finish, logprobs=logprobs))
-        return [chunk, *self._closing()] if not self.open else [chunk]
+        return [*opening, chunk, *self._closing()] if not self.open else [*opening, chunk]
 
     def _chunk(self, index: int, text: str | None, finish: str | None = None, **parts) -> dict:  # noqa: ANN003
         """A chunk of choice ``index``, with the usage field as asked: none, null, or the
@@ -232,8 +267,9 @@ class ResponseBodies:
         first: bool,
         logprobs: dict | None,
         tool_calls: list[dict] | None = None,
+        extra: dict | None = None,
     ) -> dict:
-        end = {"logprobs": logprobs, "finish_reason": finish}
+        end = {"logprobs": logprobs, "finish_reason": finish, **(extra or {})}
         if not self.chat:
             return {"index": index, "text": text or "", **end}
         if chunk:
@@ -255,9 +291,10 @@ class ResponseBodies:
         finish: str,
         logprobs: dict | None = None,
         tool_calls: list[dict] | None = None,
+        extra: dict | None = None,
     ) -> dict:
-        """A whole answer's choice."""
-        return self._choice(index, text, finish, False, False, logprobs, tool_calls)
+        """A whole answer's choice (``extra``: fields of kvmesh's own, vLLM's)."""
+        return self._choice(index, text, finish, False, False, logprobs, tool_calls, extra)
 
     def response(self, choices: list[dict], usage: Usage, timing: dict) -> dict:
         return {
@@ -277,8 +314,9 @@ class ResponseBodies:
         tool_calls: list[dict] | None = None,
         usage: dict | None = None,
         index: int = 0,
+        extra: dict | None = None,
     ) -> dict:
-        choice = self._choice(index, text, finish, True, first, logprobs, tool_calls)
+        choice = self._choice(index, text, finish, True, first, logprobs, tool_calls, extra)
         out = {**self._envelope(chunk=True), "choices": [choice]}
         if with_usage_field:  # with include_usage, every chunk carries "usage": null (or,
             out["usage"] = usage  # with continuous_usage_stats, the usage so far)
@@ -291,3 +329,10 @@ class ResponseBodies:
             "usage": usage_body(usage),
             "kvmesh": timing,
         }
+
+
+def _joined(first: dict | None, then: dict | None) -> dict | None:
+    """Two Completions logprobs objects as one (each list the first's, then the other's)."""
+    if first is None or then is None:
+        return then if first is None else first
+    return {key: first[key] + then[key] for key in first}

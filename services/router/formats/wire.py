@@ -154,7 +154,9 @@ def _inert(value: object) -> bool:
 
 # Sampling fields a body names as the engine does, but shapes otherwise: each format's
 # adapter converts these itself; every other field of the same name is carried over as it is.
-CONVERTED = frozenset({"max_tokens", "stop", "stop_token_ids", "logit_bias", "logprobs"})
+CONVERTED = frozenset(
+    {"max_tokens", "stop", "stop_token_ids", "logit_bias", "logprobs", "prompt_logprobs"}
+)
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 

@@ -66,6 +66,8 @@ class Delta:
     logprobs: list[tuple[int, Logprobs]] = field(default_factory=list)
     calls: list[CallEvent] = field(default_factory=list)  # tool calls' pieces (toolcalls.py)
     index: int = 0  # the choice it belongs to (an answer of several: ``request/prepare.py``)
+    # On the first delta, when asked for: the prompt's tokens' (each but the first).
+    prompt_logprobs: list[Logprobs] | None = None
 
     @classmethod
     def joined(cls, deltas: list[Delta]) -> Delta:
@@ -78,6 +80,7 @@ class Delta:
             [lp for d in deltas for lp in d.logprobs],
             [c for d in deltas for c in d.calls],
             last.index,
+            next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
         )
 
     @property
@@ -179,6 +182,7 @@ class Answers:
         job, usage, timing, encodes = p.job, p.usage, p.timing, p.encodes
         detok = Detokenizer(p.text.tokenizer, job.sampling.stop, job.sampling.min_tokens)
         logprobs: list[tuple[int, Logprobs]] = []  # the tokens' not yet sent with a text
+        scored: list[Logprobs] | None = None  # the prompt's, until they go with a delta
         events = self.dispatcher.generate(job, timing.route)
         if encodes is not None:
             events = encodes.guard(events)
@@ -189,14 +193,18 @@ class Answers:
                 if event.cached_tokens is not None:
                     usage.cached_tokens = event.cached_tokens
                 timing.add(event)
-                usage.completion_tokens += len(event.token_ids)
                 if started is not None and event.token_ids:
                     started.set()
+                scored = event.prompt_logprobs if event.prompt_logprobs is not None else scored
+                if p.conversation.scores_only and event.token_ids:  # the prompt's scores alone
+                    yield Delta("", "length", prompt_logprobs=scored)
+                    return
+                usage.completion_tokens += len(event.token_ids)
                 if event.logprobs:
                     logprobs += zip(event.token_ids, event.logprobs, strict=True)
                 text = detok.add(event.token_ids)
                 if detok.stopped:  # the answer ends here (its events are closed below)
-                    yield Delta(text, "stop", detok.stop_hit, logprobs)
+                    yield Delta(text, "stop", detok.stop_hit, logprobs, prompt_logprobs=scored)
                     return
                 if event.finish_reason == "abort":
                     if time.time() >= job.deadline:  # decode stops a request at its deadline
@@ -205,11 +213,12 @@ class Answers:
                 if event.finish_reason:
                     text += detok.finish()
                     finish = "stop" if event.finish_reason == "stop" else "length"
-                    yield Delta(text, finish, detok.stop_hit or event.stop_string, logprobs)
+                    stop = detok.stop_hit or event.stop_string
+                    yield Delta(text, finish, stop, logprobs, prompt_logprobs=scored)
                     return
-                if text:
-                    yield Delta(text, logprobs=logprobs)
-                    logprobs = []
+                if text or scored is not None:
+                    yield Delta(text, logprobs=logprobs, prompt_logprobs=scored)
+                    logprobs, scored = [], None
         finally:
             await events.aclose()  # a stop string: the rest is cancelled on the workers now
 

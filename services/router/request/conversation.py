@@ -114,6 +114,13 @@ class Conversation:
     n: int = 1
     best_of: int = 1
     batch: tuple[str | tuple[int, ...], ...] = ()
+    echo: bool = False  # (Completions) the prompt before the answer; max_tokens 0: it alone
+    prompt_scores: bool = False  # vLLM's prompt_logprobs asked for: shown in each choice
+
+    @property
+    def scores_only(self) -> bool:
+        """The prompt is scored (echoed with its log-probabilities), no answer made."""
+        return self.max_tokens == 0
 
     def prompts(self) -> list[Conversation]:
         """The conversation once per prompt it carries (a batch's, in order)."""

@@ -268,6 +268,8 @@ class Preparer:
         max_tokens = answer_length(
             conv, len(ids), text.config.max_context, self.settings.default_max_tokens
         )
+        if conv.scores_only:
+            max_tokens = 1  # (a token is computed with the prompt's scores; none is answered)
         if encodes is not None and not self.images.settings.encode_ahead:
             self._encode(encodes, conv.model)  # head start off (for comparison): encode now,
             await encodes.wait()  # and only then route

@@ -36,6 +36,11 @@ from shared.messages.generate import TaskAck, TokenEvent
 log = logging.getLogger(__name__)
 
 
+NO_PROMPT_SCORES = (
+    "prompt_logprobs (or echo with logprobs): not served by the servers behind this router "
+    "(their streamed answers carry no prompt log-probabilities)"
+)
+
 class Call:
     """The request's attempt on one server, streaming until its last token (a task)."""
 
@@ -66,6 +71,8 @@ class Call:
 
     async def start(self) -> TaskAck:
         """Send it; the server's answer to it as a worker's ack (BusError: no answer)."""
+        if self.job.sampling.prompt_logprobs is not None:
+            raise ApiError(400, NO_PROMPT_SCORES, param="prompt_logprobs")
         self.task = asyncio.create_task(self._run())
         return await self.acked
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol as Kind
 
 from services.router.dispatch.job import Job
-from shared.engine.sglang.params import logprobs_of, sglang_params
+from shared.engine.sglang.params import logprob_fields, logprobs_of, sglang_params
 from shared.engine.vllm.params import sampling_fields
 from shared.kvstore.hashing import sglang_cache_salt
 from shared.messages.generate import Logprobs
@@ -209,8 +209,7 @@ class Sglang:
             "input_ids": job.prompt_ids,
             "sampling_params": sampling,
             "stream": True,
-            "return_logprob": p.logprobs is not None,
-            "top_logprobs_num": p.logprobs or 0,
+            **logprob_fields(p),
             "cache_salt": sglang_cache_salt(job.fingerprint, job.block_size, job.salt),
         }
 

@@ -43,7 +43,12 @@ from shared.engine.interface import (
     Peer,
 )
 from shared.engine.sampling import SamplingParams, stop_string_hit
-from shared.engine.sglang.params import logprobs_of, sglang_params
+from shared.engine.sglang.params import (
+    logprob_fields,
+    logprobs_of,
+    prompt_logprobs_of,
+    sglang_params,
+)
 from shared.kvstore.hashing import SGLANG, pack_tokens, packed_sglang_hashes, sglang_cache_salt
 from shared.kvstore.tiers import STORAGE
 from shared.model.catalog import ModelSource
@@ -261,8 +266,7 @@ class SglangEngine(OwningEngine):
             stream=True,
             rid=seq_id,
             cache_salt=sglang_cache_salt(self.config.fingerprint, self.block_size, salt),
-            return_logprob=params.logprobs is not None,
-            top_logprobs_num=params.logprobs or 0,
+            **logprob_fields(params),
             **where,
         )
         async for piece in pieces(stream, params, self.tokenizer, seq_id, self.abort):
@@ -343,6 +347,7 @@ async def pieces(
             yield Generated(
                 token_ids=new,
                 logprobs=logprobs_of(meta, len(new), params.logprobs),
+                prompt_logprobs=prompt_logprobs_of(meta, params.prompt_logprobs) if first else None,
                 finish_reason=reason,  # type: ignore[arg-type]
                 stop_string=stop,
                 cached_tokens=cached,

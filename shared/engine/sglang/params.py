@@ -50,3 +50,31 @@ def logprobs_of(meta: dict, n: int, wanted: int | None) -> list[TokenLogprobs] |
         top = tuple((int(t), float(lp)) for lp, t, *_ in ranked[:wanted])
         out.append(TokenLogprobs(float(logprob), top))
     return out
+
+
+def logprob_fields(p: SamplingParams) -> dict:
+    """A request's log-probability fields in SGLang's request (not its sampling parameters):
+    the answer's, and from the prompt's first token on when the prompt's are asked for too
+    (SGLang then computes the prompt past its cached prefix)."""
+    scored = p.prompt_logprobs is not None
+    return {
+        "return_logprob": p.logprobs is not None or scored,
+        "top_logprobs_num": max(p.logprobs or 0, p.prompt_logprobs or 0),
+        **({"logprob_start_len": 0} if scored else {}),
+    }
+
+
+def prompt_logprobs_of(meta: dict, wanted: int | None) -> list[TokenLogprobs] | None:
+    """The prompt's tokens' scores (each but the first) and ``wanted`` most likely, from
+    SGLang's ``input_token_logprobs`` / ``input_top_logprobs`` ((logprob, id, text) each; the
+    first token's logprob is None)."""
+    if wanted is None or "input_token_logprobs" not in meta:
+        return None
+    chosen = meta.get("input_token_logprobs") or []
+    tops = meta.get("input_top_logprobs") or []
+    out = []
+    for i, (logprob, _token, *_) in enumerate(chosen[1:], 1):
+        ranked = tops[i] if i < len(tops) and tops[i] else []
+        top = tuple((int(t), float(lp)) for lp, t, *_ in ranked[:wanted])
+        out.append(TokenLogprobs(float(logprob), top))
+    return out

@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -28,7 +29,7 @@ from shared.engine.interface import (
     Prefix,
     StepOutput,
 )
-from shared.engine.sampling import SamplingParams, stop_string_hit
+from shared.engine.sampling import SamplingParams, TokenLogprobs, stop_string_hit
 from shared.engine.torch.blocks import BlockPool
 from shared.engine.torch.graphs import DecodeGraphs
 from shared.engine.torch.kvio import KvIO
@@ -50,6 +51,7 @@ from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 from shared.model.grammar import GrammarError, Matcher, vocabulary
 
+SCORE_ROWS = 256  # prompt rows whose logits are made at once (prompt_logprobs)
 log = logging.getLogger(__name__)
 
 
@@ -259,6 +261,8 @@ class TorchEngine(Engine):
                 self.cache,
                 self._embeds(tokens, start, images),
             )
+            if params.prompt_logprobs is not None:
+                self._score_prompt(seq, hidden, start)
         seq.n_cached = n
         assert hidden is not None
         return self._first_token(seq, self.model.logits(hidden[-1:])[0], handoff)
@@ -302,6 +306,10 @@ class TorchEngine(Engine):
         )
         last_rows = torch.tensor([seg.q_start + seg.q_len - 1 for seg in segments])
         logits = self.model.logits(hidden[last_rows])
+        for seg, (_, seq, req) in zip(segments, admitted, strict=True):
+            if req.params.prompt_logprobs is not None:
+                rows = hidden[seg.q_start : seg.q_start + seg.q_len]
+                self._score_prompt(seq, rows, len(req.token_ids) - seg.q_len)
         for j, (i, seq, req) in enumerate(admitted):
             seq.n_cached = len(req.token_ids)
             results[i] = self._first_token(seq, logits[j], req.handoff)
@@ -339,9 +347,30 @@ class TorchEngine(Engine):
         self.seqs[req.seq_id] = seq
         return seq
 
+    def _score_prompt(self, seq: Sequence, hidden: torch.Tensor, start: int) -> None:
+        """The log-probabilities of the prompt's tokens after ``start``, from the hidden rows
+        of its tokens from ``start`` on (a chunk): each under the tokens before it, with the
+        most likely (``prompt_logprobs`` of them), kept on the sequence; logits made a few
+        hundred rows at a time (a row is the vocabulary's size)."""
+        top = seq.params.prompt_logprobs or 0
+        targets = seq.prompt_ids[start + 1 : start + 1 + len(hidden)]  # (none past the prompt)
+        for at in range(0, len(targets), SCORE_ROWS):
+            wanted = torch.tensor(targets[at : at + SCORE_ROWS])
+            logp = torch.log_softmax(self.model.logits(hidden[at : at + len(wanted)]).float(), -1)
+            chosen = logp.gather(1, wanted[:, None])[:, 0].tolist()
+            ranked = logp.topk(top) if top else None
+            for i, value in enumerate(chosen):
+                best = ()
+                if ranked is not None:
+                    pairs = zip(ranked.indices[i].tolist(), ranked.values[i].tolist(), strict=True)
+                    best = tuple(pairs)
+                seq.prompt_logprobs.append(TokenLogprobs(value, best))
+
     def _first_token(self, seq: Sequence, logits: torch.Tensor, handoff: bool) -> StepOutput:
         seq.last_logits = logits
         out = self._append(seq, logits)
+        if seq.params.prompt_logprobs is not None:
+            out = replace(out, prompt_logprobs=list(seq.prompt_logprobs))
         if not seq.finished and not handoff:
             self.running.append(seq.seq_id)
         return out

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.interface import FinishReason
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling import SamplingParams, TokenLogprobs
 from shared.engine.torch.speculate import Acceptance, NgramIndex
 from shared.model.grammar import Matcher
 
@@ -28,6 +28,7 @@ class Sequence:
     acceptance: Acceptance = field(default_factory=Acceptance)
     drafted: int = 0  # drafted tokens verified, and accepted, over its answer
     accepted: int = 0
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # (when asked for)
 
     @property
     def tokens(self) -> list[int]:

@@ -173,9 +173,13 @@ class VllmEngine(OwningEngine):
                     storage = transfer.get(STORAGE_TOKENS, 0)
                     tiers = {"memory": max(0, cached - storage), "storage": storage}
                     stored = list(transfer.get(STORED, ()))
+                scores = None
+                if first and params.prompt_logprobs is not None:
+                    scores = prompt_logprobs_of(token_ids, out.prompt_logprobs, params)
                 yield Generated(
                     token_ids=list(piece.token_ids),
                     logprobs=logprobs_of(piece, params.logprobs),
+                    prompt_logprobs=scores,
                     finish_reason=finish if finish in ("stop", "length", "abort") else None,
                     stop_string=stop,
                     cached_tokens=cached if first else 0,
@@ -225,14 +229,27 @@ def logprobs_of(piece, wanted: int | None) -> list[TokenLogprobs] | None:  # noq
     """Each new token's log-probability and the ``wanted`` most likely (id, log-probability)."""
     if wanted is None or piece.logprobs is None:
         return None
-    out = []
-    for token, ranked in zip(piece.token_ids, piece.logprobs, strict=False):
-        top = sorted(
-            ((t, lp.logprob) for t, lp in ranked.items() if lp.rank and lp.rank <= wanted),
-            key=lambda x: -x[1],
-        )
-        out.append(TokenLogprobs(ranked[token].logprob, tuple(top[:wanted])))
-    return out
+    pairs = zip(piece.token_ids, piece.logprobs, strict=False)
+    return [_scored(t, ranked, wanted) for t, ranked in pairs]
+
+
+def prompt_logprobs_of(
+    token_ids: list[int], entries: list | None, params: SamplingParams
+) -> list[TokenLogprobs]:
+    """The prompt's tokens' scores from vLLM's ``prompt_logprobs`` (None for the first)."""
+    wanted = params.prompt_logprobs or 0
+    pairs = zip(token_ids[1:], (entries or [None])[1:], strict=False)
+    return [_scored(t, ranked, wanted) for t, ranked in pairs if ranked is not None]
+
+
+def _scored(token: int, ranked: dict, wanted: int) -> TokenLogprobs:
+    """vLLM's {token id: Logprob} of one position as the chosen token's score and the
+    ``wanted`` likeliest."""
+    top = sorted(
+        ((t, lp.logprob) for t, lp in ranked.items() if lp.rank and lp.rank <= wanted),
+        key=lambda x: -x[1],
+    )
+    return TokenLogprobs(ranked[token].logprob, tuple(top[:wanted]))
 
 
 class _Stats:

@@ -26,6 +26,7 @@ def sampling_fields(p: SamplingParams) -> dict:
         "presence_penalty": p.presence_penalty or None,
         "frequency_penalty": p.frequency_penalty or None,
         "logprobs": p.logprobs,
+        "prompt_logprobs": p.prompt_logprobs,
     }
     out.update({k: v for k, v in optional.items() if v is not None})
     if p.grammar is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import aiohttp
 import pytest
@@ -45,7 +46,7 @@ async def serve(handler) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def attempt(handler, reuse: dict[str, int] | None = None):
+async def attempt(handler, reuse: dict[str, int] | None = None, job: Job = JOB):
     """Run one call against ``handler``: (its ack or the error it raised, the events)."""
     runner, url = await serve(handler)
     events = []
@@ -57,7 +58,7 @@ async def attempt(handler, reuse: dict[str, int] | None = None):
                 PROTOCOLS["generate"],
                 "m",
                 "up-x",
-                JOB,
+                job,
                 events.extend,
                 5.0,
                 reuse or {},
@@ -157,3 +158,18 @@ def test_entries_name_their_model_and_dns_names_their_addresses() -> None:
     assert asyncio.run(_addresses("dns://no-such-name.invalid:1")) is None
     with pytest.raises(ValueError, match="upstreams: 'vllm:8000' is not"):
         UpstreamSettings(upstreams=["vllm:8000"])
+
+
+def test_prompt_scores_are_refused_before_the_server_is_asked() -> None:
+    """Servers stream their answers, and vLLM's and SGLang's streams carry no prompt
+    log-probabilities: a 400 naming the field, nothing sent."""
+    asked = []
+
+    async def handler(request: web.Request) -> web.Response:
+        asked.append(request)
+        return web.json_response({})
+
+    scored = replace(JOB, sampling=replace(JOB.sampling, prompt_logprobs=1))
+    err, events = asyncio.run(attempt(handler, job=scored))
+    assert isinstance(err, ApiError) and err.status == 400 and err.param == "prompt_logprobs"
+    assert not asked and not events

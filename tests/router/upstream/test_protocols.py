@@ -31,6 +31,7 @@ EVERY = SamplingParams(
     presence_penalty=0.1,
     frequency_penalty=0.2,
     logprobs=2,
+    prompt_logprobs=0,  # (refused before a server is asked: its fields' names checked here)
 )
 JOB = Job(
     "r1",
