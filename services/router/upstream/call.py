@@ -41,6 +41,7 @@ NO_PROMPT_SCORES = (
     "(their streamed answers carry no prompt log-probabilities)"
 )
 
+
 class Call:
     """The request's attempt on one server, streaming until its last token (a task)."""
 
