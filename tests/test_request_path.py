@@ -221,6 +221,18 @@ def test_grpc_unary_and_streaming_generate(stack, client) -> None:
             stub.Generate(api_pb2.GenerateRequest(**seeded, min_tokens=11))
     assert drawn.text != whole.text and kept.text == top.text == whole.text
     assert "min_tokens" in err.value.details()
+    # Several answers: each choice by its index, whole and streamed.
+    with grpc.insecure_channel(stack.grpc) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        two = api_pb2.GenerateRequest(
+            model="tiny", messages=msgs, max_tokens=10, temperature=0, n=2
+        )
+        both = stub.Generate(two, timeout=30)
+        streamed: dict[int, str] = {0: "", 1: ""}
+        for chunk in stub.GenerateStream(two, timeout=30):
+            streamed[chunk.index] += chunk.text
+    assert [(c.index, c.text) for c in both.choices] == [(0, whole.text), (1, whole.text)]
+    assert streamed == {0: whole.text, 1: whole.text} and both.usage.completion_tokens == 20
 
 
 def test_concurrent_requests_spread_over_both_pools_and_all_complete(client) -> None:

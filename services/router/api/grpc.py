@@ -55,7 +55,7 @@ def _parts(parts) -> list[dict]:  # noqa: ANN001 (repeated ContentPart)
 # The request's optional scalars, carried into the body under the same names when set.
 OPTIONAL_FIELDS = (
     *("max_tokens", "temperature", "top_p", "seed", "n", "top_k", "min_p"),
-    *("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens"),
+    *("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "best_of"),
 )
 
 

@@ -27,6 +27,7 @@ def test_every_sampling_field_is_carried_into_the_body() -> None:
         stop_token_ids=[5, 6],
         stop=["END"],
         n=1,
+        best_of=2,
     )
     body, chat = as_body(req)
     assert not chat
@@ -47,6 +48,7 @@ def test_every_sampling_field_is_carried_into_the_body() -> None:
         "stop_token_ids": [5, 6],
         "stop": ["END"],
         "n": 1,
+        "best_of": 2,
     }
     plain, _ = as_body(api_pb2.GenerateRequest(model="tiny", prompt="x"))
     assert json.loads(plain) == {"model": "tiny", "stop": [], "prompt": "x"}
