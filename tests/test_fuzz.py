@@ -66,6 +66,14 @@ LIKELY = {  # a served model, a short answer, a real role: cases that get past t
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0.05, 1),
     "stop": st.just("\n\n"),
+    "top_k": st.integers(0, 50),
+    "min_p": st.floats(0, 1),
+    "repetition_penalty": st.floats(0.5, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "min_tokens": st.integers(0, 1),
+    "stop_token_ids": st.integers(0, 1000),
+    "best_of": st.just(1),
 }
 ANSWERED = api_pb2.GenerateRequest(
     model="tiny",

@@ -70,13 +70,20 @@ class VllmServer:
 
     def wait_ready(self, timeout_s: float = 240) -> None:
         def answers() -> bool:
-            assert self.proc is not None and self.proc.poll() is None, self.log()[-3000:]
+            assert self.proc is not None and self.proc.poll() is None, self.why()
             try:
                 return get_json(f"{self.url}/v1/models")[0] == 200
             except OSError:
                 return False
 
         wait_until(answers, timeout_s, interval_s=0.5, what=f"{self.name} serving")
+
+    def why(self) -> str:
+        """Why it exited: the log's error lines (the engine core's root cause comes before
+        the traceback that ends the log), then its end."""
+        text = self.log()
+        errors = [line for line in text.splitlines() if "ERROR" in line or "Error:" in line]
+        return "\n".join(errors[:20]) + "\n...\n" + text[-2000:]
 
     def running(self) -> float:
         return sum(

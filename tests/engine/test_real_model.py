@@ -62,13 +62,18 @@ def test_greedy_answer_names_paris(real_model) -> None:
     assert engine.sequence("q").finish_reason == "stop"  # it ended with <|im_end|>
 
 
-def test_logits_match_transformers(real_model) -> None:
+@pytest.fixture(scope="module")
+def hf():
+    """transformers' own implementation of the same GGUF (loaded once: it takes a while)."""
     from transformers import AutoModelForCausalLM
 
     path = find_gguf()
-    hf = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
+
+
+def test_logits_match_transformers(real_model, hf) -> None:
     ids = real_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6).ids
     engine = make_engine(real_model, block_size=64)
     engine.prefill("x", ids, SamplingParams(max_tokens=1))
@@ -112,16 +117,10 @@ def test_speculation_gives_the_real_models_greedy_answer_token_for_token(
     assert accepted > 10  # the copying prompts' drafts were taken
 
 
-def test_prompt_logprobs_are_transformers_log_softmax_chunked_and_batched(real_model) -> None:
+def test_prompt_logprobs_are_transformers_log_softmax_chunked_and_batched(real_model, hf) -> None:
     """Each prompt token's log-probability under the tokens before it, with the two most
     likely: transformers' log-softmax of its own logits, whether the prompt is computed in
     chunks or in a batch with another."""
-    from transformers import AutoModelForCausalLM
-
-    path = find_gguf()
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
     ids = real_model.tokenizer.encode("Ships dock at the quay; cranes unload them. " * 5).ids
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)

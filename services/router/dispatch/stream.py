@@ -88,6 +88,7 @@ def merged(run: list[TokenEvent]) -> TokenEvent:
         index=first.index,
         token_ids=[t for e in run for t in e.token_ids],
         logprobs=None if first.logprobs is None else [lp for e in run for lp in e.logprobs or ()],
+        prompt_logprobs=next((e.prompt_logprobs for e in run if e.prompt_logprobs), None),
         finish_reason=last.finish_reason,
         stop_string=last.stop_string,
         cached_tokens=cached[-1].cached_tokens if cached else None,

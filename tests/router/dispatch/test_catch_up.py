@@ -4,7 +4,7 @@ worker already in the router's queue go out as one, with nothing lost or reorder
 from __future__ import annotations
 
 from services.router.dispatch.stream import continues, merged
-from shared.messages.generate import TokenEvent
+from shared.messages.generate import Logprobs, TokenEvent
 
 
 def event(index: int, tokens: list[int], **fields) -> TokenEvent:  # noqa: ANN003
@@ -29,3 +29,31 @@ def test_an_error_a_gap_or_another_worker_is_never_joined() -> None:
     assert not continues(first, event(2, [], error="boom", error_code="internal"))
     assert not continues(first, event(3, [7]))  # index 2 is missing
     assert not continues(first, first.model_copy(update={"index": 2, "worker_id": "d2"}))
+
+
+def test_every_field_an_event_can_carry_survives_the_join() -> None:
+    """A field added to TokenEvent is joined too (the prompt's scores were once dropped when a
+    stream fell behind)."""
+    lp = Logprobs(logprob=-1.0, top_ids=[3], top_logprobs=[-1.0])
+    first = event(
+        0,
+        [5],
+        logprobs=[lp],
+        prompt_logprobs=[lp, lp],
+        cached_tokens=64,
+        cached_by_tier={"memory": 64},
+        prefill_s=0.1,
+        kv_bytes=10,
+        kv_transfer_s=0.01,
+    )
+    last = event(1, [6], logprobs=[lp], finish_reason="stop", stop_string="x", decode_s=0.2)
+    both = merged([first, last])
+    unset = {"error", "error_code"}  # (an error is never joined: the test above)
+    for name in TokenEvent.model_fields.keys() - unset:
+        carried = (
+            getattr(first, name) != TokenEvent.model_fields[name].default
+            or getattr(last, name) != TokenEvent.model_fields[name].default
+        )
+        if carried:
+            assert getattr(both, name) not in (None, [], {}), name
+    assert both.prompt_logprobs == [lp, lp] and both.logprobs == [lp, lp]
