@@ -32,8 +32,9 @@ from shared.messages.generate import Logprobs
 from shared.model.tokenizer import token_pieces
 
 # A prompt's other candidates wait this long at most, once its first has a token, for the
-# prompt's blocks to be stored (so each computes only the prompt's last block).
-PROMPT_STORED_S = 2.0
+# prompt's blocks to be in the index (so each computes only the prompt's last block); a
+# worker that publishes no KV events (a server without them) costs them this wait.
+PROMPT_STORED_S = 1.0
 
 
 class Writer(Protocol):
