@@ -42,6 +42,7 @@ RULES = re.compile(
             r"at most \d+ prompts in one request",  # a batch of prompts: the router's limit
             r"min_tokens: at most",  # the least answer length within the most (max_tokens)
             r"only with echo|best_of: at least n|more than n cannot stream",  # two fields
+            r"do not fit one message",  # a prompt's scores, by its length (tokens, not bytes)
         ]
     )
 )

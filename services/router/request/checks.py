@@ -120,3 +120,26 @@ def check_choices(conv: Conversation, kv: KvOptions, most: int, prompts: int) ->
         raise ApiError(400, f"{field}: at most {most} answers per prompt", param=field)
     if len(conv.batch) > prompts:
         raise ApiError(400, f"prompt: at most {prompts} prompts in one request", param="prompt")
+
+
+# A prompt token's scores on the wire, at most: the field names and the chosen token's
+# log-probability, then each likeliest token's id and log-probability (JSON, full floats).
+SCORE_BYTES, SCORE_TOP_BYTES = 64, 32
+
+
+def check_prompt_scores(conv: Conversation, n_prompt: int, max_payload: int) -> None:
+    """400 naming prompt_logprobs when the prompt's scores would not fit the one message
+    that carries them from the worker (the bus's largest)."""
+    top = conv.sampling.prompt_logprobs
+    if top is None:
+        return
+    size = n_prompt * (SCORE_BYTES + SCORE_TOP_BYTES * top)
+    if size > max_payload:
+        field = "prompt_logprobs" if conv.prompt_scores else "logprobs"
+        most = max_payload // (SCORE_BYTES + SCORE_TOP_BYTES * top)
+        raise ApiError(
+            400,
+            f"{field}: the scores of {n_prompt} prompt tokens with {top} likeliest each do not "
+            f"fit one message; at most {most} prompt tokens with {top}",
+            param=field,
+        )

@@ -29,7 +29,13 @@ from services.router.dispatch.dispatcher import Dispatcher
 from services.router.dispatch.encodes import Encodes, ImageInput, check_encoders
 from services.router.dispatch.job import Job
 from services.router.errors import ApiError
-from services.router.request.checks import answer_length, check_choices, check_model, checked
+from services.router.request.checks import (
+    answer_length,
+    check_choices,
+    check_model,
+    check_prompt_scores,
+    checked,
+)
 from services.router.request.conversation import Conversation
 from services.router.request.image_reader import ImageReader
 from services.router.request.render import Renderer
@@ -264,6 +270,7 @@ class Preparer:
         if not ids:
             field = conv.prompt_field
             raise ApiError(400, f"{field}: the prompt is empty", param=field)
+        check_prompt_scores(conv, len(ids), self.dispatcher.bus.nc.max_payload)
         self.tenancy.charge_tokens(kv.caller, len(ids))
         max_tokens = answer_length(
             conv, len(ids), text.config.max_context, self.settings.default_max_tokens

@@ -10,7 +10,12 @@ import pytest
 
 from services.router.errors import ApiError
 from services.router.formats import openai
-from services.router.request.checks import answer_length, check_model, checked
+from services.router.request.checks import (
+    answer_length,
+    check_model,
+    check_prompt_scores,
+    checked,
+)
 from services.router.request.conversation import Conversation, Tool, ToolChoice
 from services.router.request.prepare import EXPLAINED, Timing
 from services.router.routing.route import Ranked
@@ -110,3 +115,24 @@ def test_all_candidates_when_asked() -> None:
 def test_engine_time_is_prefill_plus_decode() -> None:
     t = Timing(prefill_ms=12.5, decode_ms=30.0)
     assert t.engine_ms == 42.5 and t.to_dict()["engine_ms"] == 42.5
+
+
+def test_prompt_scores_that_would_not_fit_one_message_are_refused_by_name() -> None:
+    """The worker sends a prompt's scores with its first token, in one message of the bus."""
+    scored = openai.conversation(
+        json.dumps({"model": "tiny", "prompt": "x", "prompt_logprobs": 20}).encode(), chat=False
+    )
+    check_prompt_scores(scored, 1000, 1 << 20)  # ~0.7 MB: fits
+    with pytest.raises(ApiError) as err:
+        check_prompt_scores(scored, 4000, 1 << 20)
+    assert (
+        err.value.param == "prompt_logprobs" and "at most 1489 prompt tokens" in err.value.message
+    )
+    echoed = openai.conversation(
+        json.dumps({"model": "tiny", "prompt": "x", "echo": True, "logprobs": 5}).encode(),
+        chat=False,
+    )
+    with pytest.raises(ApiError) as err:
+        check_prompt_scores(echoed, 8000, 1 << 20)
+    assert err.value.param == "logprobs"
+    check_prompt_scores(openai.conversation(b'{"model": "tiny", "prompt": "x"}', False), 8000, 1)
