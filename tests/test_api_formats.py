@@ -988,6 +988,20 @@ def test_vllms_prompt_logprobs_in_chat_and_completions(stack: Stack) -> None:
     )
     scores = chat.choices[0].model_extra["prompt_logprobs"]
     assert len(scores) == chat.usage.prompt_tokens and scores[0] is None
+    streamed = [
+        c.model_extra["prompt_logprobs"]
+        for chunk in oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Score the harbour's prompt."}],
+            max_tokens=2,
+            stream=True,
+            stop=["\n\n\n"],  # (text that could begin a stop is held back: the scores are not)
+            extra_body={"prompt_logprobs": 2},
+        )
+        for c in chunk.choices
+        if c.model_extra.get("prompt_logprobs")
+    ]
+    assert streamed == [scores]  # once, in the stream's first chunks
     for entry in scores[1:]:
         ranked = sorted((v for v in entry.values() if "rank" in v), key=lambda v: v["rank"])
         assert [v["rank"] for v in ranked] == [1, 2]

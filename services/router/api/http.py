@@ -151,7 +151,7 @@ class HttpApi:
         """Write the answer from ``delta`` on; what is left to write last (its end, or an
         error that came mid-stream). An answer of several choices ends when each has."""
         while True:
-            out = writer.text(delta) if delta.text or delta.calls else []
+            out = writer.text(delta) if delta.text or delta.calls or delta.prompt_logprobs else []
             if delta.finish_reason:
                 out += writer.end(delta)
             for chunk in out:

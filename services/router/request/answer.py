@@ -166,7 +166,7 @@ class Answers:
                     if delta.finish_reason:
                         rest, more = calls.finish()
                         text, events = text + rest, events + more
-                    if not (text or events or delta.finish_reason):
+                    if not (text or events or delta.finish_reason or delta.prompt_logprobs):
                         continue
                     delta = replace(delta, text=text, calls=events)
                 if delta.finish_reason and self.on_last is not None and not p.candidate:
