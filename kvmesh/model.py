@@ -50,6 +50,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--kv-store", type=Path, help="kvmesh's storage tier, by its connector (turns move)"
     )
     serve.add_argument("--eager", action="store_true", help="no compiled graphs (CPUs)")
+    serve.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the server's weights and KV (bfloat16 on a GPU)",
+    )
     serve.set_defaults(run=run_vllm_serve)
 
 
@@ -116,6 +122,7 @@ def run_vllm_serve(args: argparse.Namespace) -> int:
         config.fingerprint,
         store,
         eager=args.eager,
+        dtype=args.dtype,
     )
     print(shlex.join(argv))
     return 0

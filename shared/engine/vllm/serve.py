@@ -32,11 +32,15 @@ def serve_command(
     store_dir: Path | None = None,
     host: str = "0.0.0.0",
     eager: bool = False,
+    dtype: str = "float32",
     python: str = sys.executable,
 ) -> list[str]:
     """The argv of the server (``store_dir``: kvmesh's storage tier, by its connector; it
     names blocks with the model's ``fingerprint``; ``eager``: no compiled graphs, answers
-    equal across runs and a start in seconds, as kvmesh's own vLLM workers run on CPUs)."""
+    equal across runs and a start in seconds, as kvmesh's own vLLM workers run on CPUs;
+    ``dtype``: the weights' and KV's, always said: vLLM's ``auto`` turns a float32 model into
+    bfloat16 where the CPU has bf16 instructions, so the same command would answer
+    differently, and slower, from one CPU to the next; on a GPU, ``bfloat16``)."""
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -56,6 +60,8 @@ def serve_command(
         host,
         "--port",
         str(port),
+        "--dtype",
+        dtype,
         "--block-size",
         str(BLOCK_SIZE),
         "--enable-prefix-caching",
