@@ -83,6 +83,8 @@ class Service(ABC):
         self.status: Status = "ready"
         self.http_url = ""
         self.beats_bus: Bus | None = None  # the connection heartbeats go over
+        self.beat_now = asyncio.Event()  # set: the next heartbeat goes out at once
+        self.last_beat: Heartbeat | None = None  # the last one sent
 
     @classmethod
     def check(cls, common: CommonSettings, settings: ServiceSettings) -> None:
@@ -233,14 +235,19 @@ async def claim_id(service: Service, bus: Bus) -> None:
 
 
 async def _publish_heartbeats(service: Service, bus: Bus) -> None:
+    """A heartbeat every interval, or sooner when the service sets ``beat_now`` (room came
+    back on a worker whose last beat said it was full: routers would refuse work meanwhile)."""
     subject = subjects.heartbeat(service.role)
     while True:
+        service.beat_now.clear()
         if bus.connected:  # while NATS is away, stale beats would only pile up in the buffer
             try:
-                await bus.publish(subject, service.heartbeat())
+                service.last_beat = service.heartbeat()
+                await bus.publish(subject, service.last_beat)
             except Exception as err:  # a beat lost to a reconnect is replaced by the next one
                 log.debug("heartbeat not sent: %s", err)
-        await asyncio.sleep(service.common.heartbeat_interval_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(service.beat_now.wait(), service.common.heartbeat_interval_s)
 
 
 async def _connect_unless_stopped(service: Service, stop: asyncio.Event) -> Bus | None:

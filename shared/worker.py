@@ -379,6 +379,29 @@ class WorkerService(Service):
             return {}
         return {"kv_events": events.made, "kv_unannounced_s": round(events.unannounced_s(), 3)}
 
+    ROOM_LOW = 0.125  # less of the KV pool free than this: "full" to routers
+
+    def room_changed(self, done: asyncio.Future | None = None) -> None:
+        """The next heartbeat goes now when the KV pool crossed the "full" line either way
+        since the last one (``done``: an engine call that freed blocks): routers would
+        otherwise refuse work on room that is back, or send work to a pool that is full,
+        for the rest of an interval."""
+        if done is not None and (done.cancelled() or done.exception() is not None):
+            if not done.cancelled():
+                log.debug("freeing a request's blocks failed: %s", done.exception())
+            return
+        beat = self.last_beat
+        if beat is None or not beat.load.kv_blocks_total or self.runner is None:
+            return
+        stats = self.engine.stats()
+
+        def full(used: int, total: int) -> bool:
+            return total - used < self.ROOM_LOW * total
+
+        was = full(beat.load.kv_blocks_used, beat.load.kv_blocks_total)
+        if was != full(stats.kv_blocks_used, stats.kv_blocks_total):
+            self.beat_now.set()
+
     def worker_load(self, **figures: int) -> Load:
         """Load with the engine's and the tiers' figures filled in."""
         if self.runner is None or self.tiers is None:

@@ -122,7 +122,11 @@ def test_every_worker_busy_gets_429_with_retry_after(stack: Stack) -> None:
 
 def test_no_decode_worker_with_room_gets_429(stack: Stack) -> None:
     """One answer reserves decode's whole pool (4,096 tokens); frozen there, the worker's last
-    heartbeat says it has no room: the next request is refused at once, to be retried."""
+    heartbeat says it has no room: the next request is refused at once, to be retried. Once
+    the answer is cancelled, the worker says it has room again at once, not a heartbeat
+    interval later (30 s here): the retry is taken."""
+    stack.restart("decode-0", KVMESH_HEARTBEAT_INTERVAL_S="30")
+    stack.wait_ready(["decode-0"])
     stream = stack.client().completions.create(stream=True, **{**LONG_ANSWER, "max_tokens": 4090})
     chunks = iter(stream)
     next(chunks)
@@ -145,7 +149,15 @@ def test_no_decode_worker_with_room_gets_429(stack: Stack) -> None:
     finally:
         decode.signal(signal.SIGCONT)
         stream.close()
-    wait_until(lambda: blocks_used(stack) == 0, 30, what="the long answer cancelled and freed")
+    wait_until(
+        lambda: stack.health()["decode-0"]["load"]["kv_blocks_used"] == 0,
+        10,
+        what="the router told at once that the pool is free",
+    )
+    code, _, body = post(stack.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4})
+    assert code == 200, body
+    stack.restart("decode-0")
+    stack.wait_ready(["decode-0"])
 
 
 def test_a_request_no_decode_pool_could_hold_gets_400_naming_the_limit(stack: Stack) -> None:

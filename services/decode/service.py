@@ -177,6 +177,7 @@ class DecodeService(WorkerService):
                 await asyncio.wait([active.writing])
             # Behind the request's own calls still queued (a reservation): same priority.
             await self.runner.call(ops.abort, rid, priority=active.task.priority)
+            self.room_changed()
             log.info("dropped %s", rid)
 
     # -- the batch ---------------------------------------------------------------------------
@@ -306,6 +307,7 @@ class DecodeService(WorkerService):
         SPEC_TOKENS.labels("accepted").inc(stats.accepted_tokens - self._spec_seen[1])
         self._spec_seen = (stats.draft_tokens, stats.accepted_tokens)
         self.eplb = stats.eplb
+        self.room_changed()
         events = []
         # The step's time is each of its sequences' once (speculating, a step gives some of
         # them several tokens).
@@ -355,9 +357,9 @@ class DecodeService(WorkerService):
                     **self._eplb_attributes(),
                 )
                 if finish == "abort":
-                    self.runner.submit(ops.abort, out.seq_id)
+                    self.runner.call(ops.abort, out.seq_id).add_done_callback(self.room_changed)
                 elif self.tiers is None or not self.tiers.keep:
-                    self.runner.submit(ops.free, out.seq_id)
+                    self.runner.call(ops.free, out.seq_id).add_done_callback(self.room_changed)
                 else:  # the answer's last blocks are kept, so the next turn reuses them too
                     first = active.stored_blocks
                     done = self.runner.call(
@@ -365,6 +367,7 @@ class DecodeService(WorkerService):
                     )
                     store = functools.partial(self._store_answer, active, first, context)
                     done.add_done_callback(store)
+                    done.add_done_callback(self.room_changed)
             else:
                 self._store_filled(out.seq_id, active)
         for subject, event in events:
