@@ -848,6 +848,43 @@ def test_n_answers_share_one_prefill_of_the_prompt(stack: Stack) -> None:
     assert again.usage.prompt_tokens_details.cached_tokens >= prompt // 64 * 64 - 64
 
 
+def test_n_answers_share_the_prompts_kv_in_decode(stack: Stack) -> None:
+    """n=4 from a ~1,400-token prompt: the other three candidates share the first's prompt
+    blocks in the decode worker (copy on write: each computes and writes only the prompt's
+    last, partial block and its own answer), so decode holds the prompt once while all four
+    decode: under two prompts' worth of blocks, where four copies would not fit its pool."""
+    oai = stack.client()
+    words = " ".join(f"berth{i}" for i in range(290))
+    stream = oai.completions.create(
+        model="tiny",
+        prompt=f"{uuid.uuid4()} {words}",
+        max_tokens=100,
+        temperature=1,
+        seed=3,
+        n=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    decode = stack.health()["decode-0"]["address"]
+    seen: set[int] = set()
+    peak, usage, texts = 0, None, {i: "" for i in range(4)}
+    for chunk in stream:
+        for c in chunk.choices:
+            seen.add(c.index)
+            texts[c.index] += c.text
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if len(seen) == 4 and not peak:  # all four decoding (none ends before 100 tokens)
+            peak = urllib.request.urlopen(f"{decode}/health").read()
+            peak = json.loads(peak)["load"]["kv_blocks_used"]
+    assert usage is not None and usage.completion_tokens == 400
+    prompt_blocks = usage.prompt_tokens // 64
+    one = -(-(usage.prompt_tokens + 100) // 64)  # one candidate's blocks, unshared
+    assert one + 3 * (one - prompt_blocks) >= peak > one
+    assert 4 * one > 64  # (four unshared copies would not fit decode's pool of 64)
+    assert len(set(texts.values())) == 4
+
+
 def test_greedy_n_answers_are_the_same_whole_and_streamed(stack: Stack) -> None:
     oai = stack.client()
     ask = {

@@ -16,10 +16,11 @@ from opentelemetry import context as otel_context
 from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
 from shared.engine import ops
-from shared.engine.interface import PoolExhausted, StepOutput
+from shared.engine.interface import PoolExhausted, Prefix, StepOutput
 from shared.engine.kvformat import KVFormatError
 from shared.engine.registry import OWNING
 from shared.eplb.balancer import BalancerStats
+from shared.kvstore.tiers import MEMORY, CachedPrefix
 from shared.messages.generate import (
     Cancel,
     GenerateTask,
@@ -140,7 +141,10 @@ class DecodeService(WorkerService):
         if task.handover is not None:  # (its KV comes over gRPC, with the first token)
             return TaskAck(accepted=False, reason="a hand-over through the storage tier")
         params = task.sampling
-        if not self.has_room(task) or not self.engine.can_admit(len(task.token_ids), params, None):
+        shared = self.sharable(task)[1]
+        if not self.has_room(task) or not self.engine.can_admit(
+            len(task.token_ids), params, shared
+        ):
             return TaskAck(accepted=False, reason="busy", queued=self.pending)
         self.pending += 1
         self.open_span(task.request_id, "decode", prompt_tokens=len(task.token_ids), local=True)
@@ -196,7 +200,7 @@ class DecodeService(WorkerService):
             self.close_span(rid, error=str(err))
             await self.send(task.reply_subject, self.error_event(rid, str(err), "unavailable"))
             return
-        prefix, cached = await self.load_prefix(task)
+        prefix, cached = await self.shared_or_loaded(task)
         started_ns = time.time_ns()
         try:
             out, took = await self.runner.call(
@@ -249,6 +253,38 @@ class DecodeService(WorkerService):
         if out.finish_reason and self.active.pop(rid, None) is not None:  # one token: done
             self.close_span(rid, tokens=1, finish_reason=out.finish_reason)
             await self.runner.call(ops.free, rid)
+
+    async def shared_or_loaded(self, task: GenerateTask) -> tuple[Prefix | None, CachedPrefix]:
+        """The prompt's cached prefix (held: released after prefill): every block of it that
+        can be reused, shared from a sequence held here whose prompt begins with the same
+        blocks (another candidate of the same prompt: ``n``), not copied; else the longest
+        the tiers hold, loaded."""
+        holder, wanted = self.sharable(task)
+        if holder:
+            prefix = await self.runner.call(
+                ops.share_prefix, holder, wanted, priority=task.priority
+            )
+            if prefix is not None:
+                attributes = {"blocks": wanted, "from": holder}
+                with tracer.start_as_current_span(
+                    "kv.share", context=self.span_context(task.request_id), attributes=attributes
+                ):
+                    hashes = list(task.block_hashes[:wanted])
+                    return prefix, CachedPrefix(hashes, [b""] * wanted, [MEMORY] * wanted)
+        return await self.load_prefix(task)
+
+    def sharable(self, task: GenerateTask) -> tuple[str, int]:
+        """A sequence held here whose KV holds every block of the task's prompt that can be
+        reused (all its full blocks but one token's), and how many that is; ("", 0) when
+        none does."""
+        wanted = (len(task.token_ids) - 1) // self.engine.block_size  # (a token to compute)
+        hashes = task.block_hashes[:wanted]
+        if not wanted or len(hashes) < wanted or task.sampling.prompt_logprobs is not None:
+            return "", 0
+        for rid, other in self.active.items():
+            if rid != task.request_id and other.joined_at and other.hashes[:wanted] == hashes:
+                return rid, wanted
+        return "", 0
 
     def _store_filled(self, rid: str, active: Active) -> None:
         """The answer's blocks that filled in this step, to the tiers now (not only when it
@@ -421,7 +457,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
             yield kv_pb2.HandoffStatus(ok=False, code="busy", error=f"{svc.service_id} not taking")
             return
         params = task.sampling
-        if not svc.engine.can_admit(len(task.token_ids), params, None):
+        if not svc.engine.can_admit(len(task.token_ids), params):
             need = len(task.token_ids) + params.max_tokens
             why = f"KV cache full: {svc.service_id} cannot hold {need} tokens of prompt and answer"
             yield kv_pb2.HandoffStatus(ok=False, code="busy", error=why)

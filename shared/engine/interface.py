@@ -220,8 +220,10 @@ class Engine(ABC):
     # -- admission and compute ---------------------------------------------------------------
 
     @abstractmethod
-    def can_admit(self, n_prompt: int, params: SamplingParams, prefix: Prefix | None) -> bool:
-        """True when prefill of such a request would find the KV blocks it needs."""
+    def can_admit(self, n_prompt: int, params: SamplingParams, held_blocks: int = 0) -> bool:
+        """True when prefill of such a request would find the KV blocks it needs
+        (``held_blocks``: of its prompt's, those it would not take: a prefix shared or
+        already imported)."""
 
     @abstractmethod
     def prefill(
@@ -334,7 +336,14 @@ class Engine(ABC):
 
     @abstractmethod
     def release(self, prefix: Prefix) -> None:
-        """Drop a hold taken by an import (blocks stay while a sequence uses them)."""
+        """Drop a hold taken by an import or a share (blocks stay while a sequence uses them)."""
+
+    @abstractmethod
+    def share_prefix(self, seq_id: str, n_blocks: int) -> Prefix | None:
+        """A hold on the first ``n_blocks`` blocks of a held sequence whose KV they carry
+        (copy on write: a sequence admitted with it reads them and writes its own blocks
+        after them), for another sequence with the same leading tokens; None when it is not
+        held, or its KV does not cover them yet (still on its way). Release as an import."""
 
 
 # -- engines that own their KV --------------------------------------------------------------

@@ -52,6 +52,10 @@ def import_blocks(engine: Engine, blobs: list[bytes], trusted: int = 0) -> Prefi
     return engine.import_blocks(blobs, trusted)
 
 
+def share_prefix(engine: Engine, seq_id: str, n_blocks: int) -> Prefix | None:
+    return engine.share_prefix(seq_id, n_blocks)
+
+
 def reserve(engine: Engine, seq_id: str, token_ids: list[int], params: SamplingParams) -> None:
     engine.reserve(seq_id, token_ids, params)
 
@@ -144,6 +148,7 @@ OPS: dict[str, Callable] = {
         free,
         release,
         import_blocks,
+        share_prefix,
         reserve,
         join,
         write_kv,

@@ -36,7 +36,7 @@ from typing import Any
 
 from shared import faults
 from shared.engine import ops, wire
-from shared.engine.interface import EngineOptions, EngineStats, Prefix, StepOutput
+from shared.engine.interface import EngineOptions, EngineStats, StepOutput
 from shared.engine.sampling import SamplingParams
 from shared.messages.generate import Priority
 from shared.model.catalog import ModelSource
@@ -64,10 +64,9 @@ class EngineView:
     def stats(self) -> EngineStats:
         return self.last
 
-    def can_admit(self, n_prompt: int, params: SamplingParams, prefix: Prefix | None) -> bool:
+    def can_admit(self, n_prompt: int, params: SamplingParams, held_blocks: int = 0) -> bool:
         total = min(n_prompt + params.max_tokens, self.config.max_context)
-        held = len(prefix.block_ids) if prefix else 0
-        need = -(-total // self.block_size) - held
+        need = -(-total // self.block_size) - held_blocks
         free = self.last.kv_blocks_total - self.last.kv_blocks_used
         return self.last.sequences < self.max_running and need <= free
 

@@ -118,16 +118,16 @@ def test_full_pool_refuses_then_admits_after_free(tiny_models) -> None:
     engine = make_engine(tiny_models["tiny"], kv_cache_tokens=128)  # 16 blocks of 8
     params = SamplingParams(max_tokens=8, temperature=0)
     engine.prefill("a", prompt(50), params)  # 58 tokens reserved: 8 blocks
-    assert engine.can_admit(50, params, None)
+    assert engine.can_admit(50, params)
     engine.prefill("b", prompt(50, seed=1), params)
-    assert not engine.can_admit(50, params, None)
+    assert not engine.can_admit(50, params)
     with pytest.raises(PoolExhausted, match=r"8 blocks of 8 tokens needed, 0 of 16 free"):
         engine.prefill("c", prompt(50, seed=2), params)
     engine.check_integrity()
     while engine.running:  # the running sequences are unharmed
         engine.step()
     engine.free("a")
-    assert engine.can_admit(50, params, None)
+    assert engine.can_admit(50, params)
     engine.prefill("c", prompt(50, seed=2), params)
     engine.check_integrity()
 

@@ -167,3 +167,37 @@ def test_a_damaged_block_is_named_and_nothing_is_held(tiny_models) -> None:
         dst.import_blocks([blobs[0], blobs[1], bytes(damaged), blobs[3]])
     assert err.value.index == 2 and "checksum" in str(err.value)
     assert dst.pool.used_blocks == 0
+
+
+def test_a_running_sequences_prompt_blocks_are_shared_not_copied(tiny_models) -> None:
+    """Another candidate of a prompt (``n``) admitted on a running sequence's blocks: it
+    takes only blocks for its own last, partial block and answer, decodes token for token as
+    it would alone, and the blocks stay with it after the first sequence is freed."""
+    engine = make_engine(tiny_models["tiny"], block_size=8)
+    ids = prompt(61)  # 7 full blocks and 5 tokens
+    alone = engine.prefill("alone", ids, GREEDY)
+    expected = [alone.token_id] + [o.token_id for _ in range(3) for o in engine.step()]
+    engine.free("alone")
+    engine.prefill("first", ids, GREEDY)
+    assert engine.share_prefix("nobody", 7) is None
+    free = engine.pool.free_blocks
+    assert engine.can_admit(len(ids), GREEDY, held_blocks=7)
+    prefix = engine.share_prefix("first", 7)
+    assert prefix is not None and prefix.n_tokens == 56
+    second = engine.prefill("second", ids, GREEDY, prefix=prefix)
+    engine.release(prefix)
+    # 61 prompt + 4 answer tokens need 9 blocks; 7 are the first's.
+    assert free - engine.pool.free_blocks == 2
+    assert engine.sequence("second").block_table[:7] == engine.sequence("first").block_table[:7]
+    engine.free("first")
+    got = [second.token_id] + [o.token_id for _ in range(3) for o in engine.step()]
+    assert got == expected
+    engine.check_integrity()
+    engine.free("second")
+    assert engine.pool.used_blocks == 0
+
+
+def test_a_sequence_whose_kv_is_still_coming_is_not_shared(tiny_models) -> None:
+    engine = make_engine(tiny_models["tiny"], block_size=8)
+    engine.reserve("handed", prompt(40), GREEDY)  # blocks taken, its KV not yet written
+    assert engine.share_prefix("handed", 4) is None

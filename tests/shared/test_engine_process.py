@@ -69,12 +69,12 @@ async def test_the_engine_in_its_process_answers_as_on_a_thread(state_dir: Path)
         # Its errors come back as the engine raised them.
         with pytest.raises(ValueError, match="exceeds the model's context"):
             await own.call(ops.reserve, "long", [1] * 10, SamplingParams(max_tokens=10**6))
-        fits = own.engine.can_admit(len(PROMPT), GREEDY, None)
+        fits = own.engine.can_admit(len(PROMPT), GREEDY)
         assert fits
         held = [own.call(ops.reserve, f"r{i}", PROMPT, GREEDY) for i in range(4)]
         await asyncio.gather(*held)
         assert own.engine.stats().sequences == 4
-        assert not own.engine.can_admit(len(PROMPT), GREEDY, None)  # (max_running is 4)
+        assert not own.engine.can_admit(len(PROMPT), GREEDY)  # (max_running is 4)
         with pytest.raises(PoolExhausted, match="4 sequences"):
             await own.call(ops.reserve, "r4", PROMPT, GREEDY)
         for i in range(4):

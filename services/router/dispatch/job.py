@@ -33,6 +33,10 @@ class Job:
     segments: Segments = ()  # what the prompt was tokenized from (reuses earlier hashes)
     images: tuple[ImageRef, ...] = ()  # images in the prompt (their placeholders' positions)
     priority: Priority = "online"
+    # A decode worker holding the prompt's KV in a sequence of its own (the first candidate
+    # of the same prompt: ``n``): its full blocks count as in that worker's memory, where
+    # they are shared rather than copied.
+    near: str = ""
 
 
 @dataclass

@@ -18,6 +18,7 @@ from prometheus_client import Gauge
 
 from services.router.dispatch.job import Job, Segments
 from shared.kvstore.hashing import HASH_SCHEMES, XXH3, scheme_block_hashes
+from shared.messages.kvevents import memory_location
 from shared.telemetry.tracing import tracer
 
 KEY_SEGMENTS = 6
@@ -93,6 +94,9 @@ class CachePlanner:
         if not block_size:
             return job
         counts = self.lookup(hashes)
+        if job.near:
+            near = memory_location(job.near)
+            counts = {**counts, near: max(counts.get(near, 0), len(hashes))}
         return replace(job, block_size=block_size, block_hashes=hashes, cached_blocks=counts)
 
     def hashes(self, job: Job, block_size: int, scheme: str = XXH3) -> list[str]:

@@ -28,13 +28,33 @@ from services.router.dispatch.dispatcher import Dispatcher
 from services.router.errors import ApiError
 from services.router.request.prepare import Prepared
 from services.router.request.toolcalls import CallEvent, call_parser
-from shared.messages.generate import Logprobs
+from shared.messages.generate import Logprobs, TokenEvent
 from shared.model.tokenizer import token_pieces
 
-# A prompt's other candidates wait this long at most, once its first has a token, for the
-# prompt's blocks to be in the index (so each computes only the prompt's last block); a
-# worker that publishes no KV events (a server without them) costs them this wait.
+# A prompt's other candidates wait this long at most, once its first ended before a decode
+# worker held it, for the prompt's blocks to be in the index (so each computes only the
+# prompt's last block); a worker that publishes no KV events (a server without them) costs
+# them this wait.
 PROMPT_STORED_S = 1.0
+
+
+@dataclass
+class FirstCandidate:
+    """A prompt's first candidate, as its others wait for it: ``held`` is set once a decode
+    worker holds its KV in a running sequence (``decode``: its token after the first came
+    from there), or once it ended without (``decode`` empty)."""
+
+    held: asyncio.Event = field(default_factory=asyncio.Event)
+    decode: str = ""
+
+    def seen(self, event: TokenEvent) -> None:
+        if self.held.is_set() or not event.token_ids:
+            return
+        if event.finish_reason:
+            self.held.set()
+        elif event.index >= 1:
+            self.decode = event.worker_id
+            self.held.set()
 
 
 class Writer(Protocol):
@@ -107,27 +127,31 @@ class Answers:
 
     async def _choices(self, p: Prepared) -> AsyncIterator[Delta]:
         """An answer of several choices (``request/prepare.py``): every candidate's deltas as
-        they come, each with its choice's index; a prompt's other candidates start once its
-        first has a token and its blocks are stored. Ranked candidates (best_of) are all read
-        first, and the likeliest of each prompt's given. Any candidate's error is the
-        answer's."""
+        they come, each with its choice's index; a prompt's other candidates start once a
+        decode worker holds its first's KV, and go there to share it (the prompt's blocks are
+        not computed again, nor copied), or, when it ended before, once its blocks are
+        stored. Ranked candidates (best_of) are all read first, and the likeliest of each
+        prompt's given. Any candidate's error is the answer's."""
         every, queue = [p, *p.siblings], asyncio.Queue()
-        started: dict[int, asyncio.Event] = {}  # per prompt: its first candidate has a token
+        firsts: dict[int, FirstCandidate] = {}  # per candidate: its prompt's first
         for i, c in enumerate(every):
-            started[i] = started[i - 1] if c.candidate else asyncio.Event()
+            firsts[i] = firsts[i - 1] if c.candidate else FirstCandidate()
 
         async def run(index: int, c: Prepared) -> None:
-            first = started[index]
+            first = firsts[index]
             try:
                 if c.candidate:  # its prompt's first candidate's blocks: reused, not computed
-                    await first.wait()
-                    await self.dispatcher.cached(c.job, PROMPT_STORED_S)
+                    await first.held.wait()
+                    if first.decode:
+                        c.job = replace(c.job, near=first.decode)
+                    else:
+                        await self.dispatcher.cached(c.job, PROMPT_STORED_S)
                 async for delta in self._answer(c, None if c.candidate else first):
                     queue.put_nowait(replace(delta, index=index))
             except Exception as err:  # (the answer's: the first error ends it)
                 queue.put_nowait(err)
             finally:
-                first.set()
+                first.held.set()
                 queue.put_nowait(None)
 
         tasks = [asyncio.create_task(run(i, c)) for i, c in enumerate(every)]
@@ -151,10 +175,11 @@ class Answers:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _answer(
-        self, p: Prepared, started: asyncio.Event | None = None
+        self, p: Prepared, first: FirstCandidate | None = None
     ) -> AsyncIterator[Delta]:
-        """One candidate's deltas (``started`` set at its first token)."""
-        inner = self.text(p, started)
+        """One candidate's deltas (``first``: told of its events, when it is its prompt's
+        first of several)."""
+        inner = self.text(p, first)
         conv = p.conversation
         calls = None
         if conv.calls_tools:  # forced calls stream as they come
@@ -175,7 +200,7 @@ class Answers:
         finally:
             await inner.aclose()
 
-    async def text(self, p: Prepared, started: asyncio.Event | None = None) -> AsyncIterator[Delta]:
+    async def text(self, p: Prepared, first: FirstCandidate | None = None) -> AsyncIterator[Delta]:
         """Text deltas of the answer; the last has finish_reason. ``p.usage`` and
         ``p.timing`` are filled in as events arrive (complete once the last delta is out).
         With images, the answer starts only once every image is encoded, and a failed encode
@@ -194,8 +219,8 @@ class Answers:
                 if event.cached_tokens is not None:
                     usage.cached_tokens = event.cached_tokens
                 timing.add(event)
-                if started is not None and event.token_ids:
-                    started.set()
+                if first is not None:
+                    first.seen(event)
                 scored = event.prompt_logprobs if event.prompt_logprobs is not None else scored
                 if p.conversation.scores_only and event.token_ids:  # the prompt's scores alone
                     yield Delta("", "length", prompt_logprobs=scored)

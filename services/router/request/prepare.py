@@ -13,9 +13,10 @@ candidates, a Completions request's prompts) is a request per candidate through 
 first of each prompt is prepared (rendered, charged) once and the others are its copies
 (``fan_out``). The first candidate of the answer is its ``Prepared``, every other its
 sibling, in choice order. A prompt is prefilled once: its first candidate goes first, the
-others once it has its first token and its blocks are stored (``answer.Answers``), so each
-computes only the prompt's last, partial block (as SGLang's server does its own ``n``: the
-prompt first, then the copies). Greedy candidates are the same answer.
+others once a decode worker holds it (``answer.Answers``), to that worker, where they share
+its prompt's blocks (copy on write: each computes only the prompt's last, partial block and
+writes only its own answer's), as SGLang's server does its own ``n``: the prompt first, then
+the copies. Greedy candidates are the same answer.
 """
 
 from __future__ import annotations

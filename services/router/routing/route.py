@@ -270,6 +270,16 @@ def route(
         return Route([], {})
     decode = ranked[0].service_id
     alone = [d for d in ranked if not d.pd_only]  # (those that can prefill a request too)
+    if alone and not alone[0].whole:
+        # Of those with room for the answer, the one that computes least of the prompt first
+        # (its memory holds more: a next turn's answer it decoded, another candidate's
+        # prompt), the ranking's order between equals.
+        needed = -(-(req.n_prompt + req.answer_tokens) // bs)
+        nearest = min(
+            alone, key=lambda d: (d.headroom_blocks < needed, uncached_on(req, d.service_id))
+        )
+        alone.remove(nearest)
+        alone.insert(0, nearest)
     uncached = uncached_on(req, alone[0].service_id) if alone else req.n_prompt
     if alone and alone[0].whole and not prefills:
         for d in alone:

@@ -205,9 +205,9 @@ class TorchEngine(Engine):
         held = len(prefix.block_ids) if prefix else 0
         return self.pool.blocks_for(total) - held
 
-    def can_admit(self, n_prompt: int, params: SamplingParams, prefix: Prefix | None) -> bool:
+    def can_admit(self, n_prompt: int, params: SamplingParams, held_blocks: int = 0) -> bool:
         return len(self.seqs) < self.options.max_running and self.pool.can_allocate(
-            self._blocks_needed(n_prompt, params, prefix)
+            self._blocks_needed(n_prompt, params, None) - held_blocks
         )
 
     def _check_fits(self, seq_id: str, n: int, params: SamplingParams) -> None:
@@ -632,6 +632,17 @@ class TorchEngine(Engine):
 
     def release(self, prefix: Prefix) -> None:
         self.pool.free(list(prefix.block_ids))
+
+    def share_prefix(self, seq_id: str, n_blocks: int) -> Prefix | None:
+        # A block wholly inside the computed KV is never written again (a sequence writes
+        # only at its own end), so sharing it needs no copy.
+        seq = self.seqs.get(seq_id)
+        n_tokens = n_blocks * self.block_size
+        if seq is None or seq.n_cached < n_tokens or n_blocks <= 0:
+            return None
+        ids = tuple(seq.block_table[:n_blocks])
+        self.pool.share(list(ids))
+        return Prefix(ids, n_tokens)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

@@ -46,6 +46,21 @@ def test_what_the_decode_worker_can_load_itself_does_not_count_as_uncached() -> 
     assert not chosen.on_decode
 
 
+def test_a_prompt_a_decode_worker_holds_is_prefilled_there_though_another_is_less_busy() -> None:
+    """600 tokens, 9 blocks held in d0's memory (another candidate of the same prompt decoding
+    there): prefilled on d0 (24 tokens to compute), not on the less active d1 (all 600); with
+    room for the answer first, though: a full d0 is passed over."""
+    policy = POLICIES["ttft"]()
+    req = request(600, {"mem:d0": 9})
+    decodes = [DecodeScore("d0", 100, 3), DecodeScore("d1", 100, 1)]
+    chosen = route(policy, req, {"p0": 0}, decodes, local_max_tokens=64)
+    assert chosen.on_decode and chosen.pairs == [("d0", "d0"), ("d1", "d1")]
+    assert chosen.decision["uncached_tokens"] == 600 - 9 * BS
+    decodes = [DecodeScore("d0", 2, 3), DecodeScore("d1", 100, 1)]
+    chosen = route(policy, req, {"p0": 0}, decodes, local_max_tokens=64)
+    assert not chosen.on_decode and chosen.pairs[0] == ("p0", "d1")
+
+
 def test_a_long_prompt_goes_to_the_policys_prefill_ranking_each_with_the_best_decode() -> None:
     policy = POLICIES["ttft"]()
     req = request(640, {"mem:p1": 9})  # p1 holds the prefix in memory
