@@ -203,10 +203,13 @@ class Dispatcher:
             time.monotonic(),
             job.sampling.max_tokens,
         )
+        # A candidate whose prompt a decode worker holds (``near``) computes under a block
+        # there, sharing the rest, whatever the bound on prompts prefilled on decode.
+        local_max = self.settings.local_prefill_max_tokens
+        if job.near:
+            local_max = max(local_max, job.block_size)
         with tracer.start_as_current_span("route") as span:
-            chosen = route(
-                self.policy, req, prefills, decodes, self.settings.local_prefill_max_tokens
-            )
+            chosen = route(self.policy, req, prefills, decodes, local_max)
             if not chosen.pairs:
                 self.check_servable(job.model)
                 if not decodes:  # each one tried failed it
