@@ -316,26 +316,37 @@ async def drive(
 
 
 # Where a request's time goes, hop by hop, from the spans every service wrote (the stack's
-# trace files): each hop ends where the next begins, so they add up to the request's time as
-# the router saw it. "(engine)" hops are the models' compute; the rest is the mesh's.
+# trace files) and the points each marked on the path (their events: shared/telemetry/
+# tracing.py's mark_span): each hop ends where the next begins, so they add up to the
+# request's time as the router saw it. "(engine)" hops are the models' compute; the rest is
+# the mesh's. Beside the chain, hops that overlap it (the first token's own way out).
 HOPS = (
-    ("router: read, render, tokenize", "root.start", "lookup.start"),
-    ("KV index lookup (the router's own)", "lookup.start", "lookup.end"),
-    ("route, task to prefill (NATS)", "lookup.end", "prefill.start"),
+    ("router: read, render, tokenize", "root.start", "prepared"),
+    ("router: hash, look up, route", "prepared", "routed"),
+    ("task to prefill (NATS)", "routed", "prefill.start"),
     ("prefill: queue, cached KV", "prefill.start", "compute.start"),
     ("prefill compute (engine)", "compute.start", "compute.end"),
-    ("first token out, KV exported", "compute.end", "kv.transfer.start"),
-    ("KV over gRPC, into decode", "kv.transfer.start", "kv.receive.end"),
+    ("prefill: decode's reservation answered", "compute.end", "reserved"),
+    ("prefill: first token sent (NATS)", "reserved", "first_sent"),
+    ("prefill: KV exported", "first_sent", "exported"),
+    ("KV over gRPC, into decode", "exported", "kv.receive.end"),
+    ("decode: KV written, joined", "kv.receive.end", "joined"),
     ("decode steps (engine)", "", ""),
-    ("decode: between steps", "kv.receive.end", "decode.end"),
+    ("decode: between steps", "joined", "decode.end"),
     ("last token to the response's end", "decode.end", "root.end"),
+)
+BESIDE = (
+    ("  router: route to task acked", "routed", "acked"),
+    ("  first token: prefill to router", "first_sent", "first_token"),
+    ("  first token: router to client", "first_token", "first_write"),
+    ("  decode: joined to first step out", "joined", "first_step"),
 )
 NAMES = {"kv.lookup": "lookup", "prefill.compute": "compute"}  # span name → its hop key
 
 
 def hops(trace_dir: Path, results: list[dict]) -> dict[str, float]:
-    """Median ms of each hop (HOPS) over the requests in ``results`` (their spans found by
-    request id); the decode steps' compute is what decode reported for each request."""
+    """Median ms of each hop (HOPS, BESIDE) over the requests in ``results`` (their spans
+    found by request id); the decode steps' compute is what decode reported for each."""
     by_trace: dict[str, list[dict]] = defaultdict(list)
     roots: dict[str, str] = {}
     for path in trace_dir.glob("*.jsonl"):
@@ -353,16 +364,20 @@ def hops(trace_dir: Path, results: list[dict]) -> dict[str, float]:
             key = "root" if span["parent_id"] is None else NAMES.get(name, name)
             at.setdefault(f"{key}.start", span["start_ns"])
             at.setdefault(f"{key}.end", span["end_ns"])
+            for event, t_ns in span.get("events", ()):
+                at.setdefault(event, t_ns)
         needed = {p for _, start, end in HOPS for p in (start, end) if p}
         if not needed <= at.keys():
             continue  # its spans not all written, or prefilled on decode (no handoff)
         steps_ms = r["decode_ms"]
-        for name, start, end in HOPS:
+        for name, start, end in HOPS + BESIDE:
             if not start:
                 per_hop[name].append(steps_ms)
                 continue
+            if start not in at or end not in at:
+                continue
             took = (at[end] - at[start]) / 1e6
-            per_hop[name].append(took - steps_ms if name.startswith("decode:") else took)
+            per_hop[name].append(took - steps_ms if name.startswith("decode: between") else took)
     return {name: round(statistics.median(v), 2) for name, v in per_hop.items()}
 
 
@@ -473,7 +488,7 @@ def main() -> None:
     if shown:
         print("\nwhere a request's time goes, p50 of each hop (ms), from the services' spans:")
         print(f"{'hop':<36}" + "".join(f"{f'{m[:7]} x{c}':>12}" for m, c, _ in shown))
-        for name, _, _ in HOPS:
+        for name, _, _ in HOPS + BESIDE:
             print(f"{name:<36}" + "".join(f"{f['hops'].get(name, 0):>12.2f}" for *_, f in shown))
     anchor = measure_anchor(args.max_tokens, args.anchor_rounds)
     print(

@@ -53,7 +53,7 @@ from shared.runner import EngineRunner
 from shared.service import Service, ServiceSettings
 from shared.settings import CommonSettings, SettingsError, env_name
 from shared.telemetry.metrics import BYTES, ENGINE_FAILURES, PREFILL_TOKENS
-from shared.telemetry.tracing import REQUEST_ID, tracer
+from shared.telemetry.tracing import REQUEST_ID, mark_span, tracer
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +264,12 @@ class WorkerService(Service):
         """The request's span in this worker, a child of the sender's (the current context)."""
         attrs = {REQUEST_ID: rid, "worker": self.service_id, **attributes}
         self.spans[rid] = tracer.start_span(name, kind=SpanKind.SERVER, attributes=attrs)
+
+    def mark(self, rid: str, name: str) -> None:
+        """A point on the request's path here (an event of its span: ``tracing.mark``)."""
+        span = self.spans.get(rid)
+        if span is not None:
+            mark_span(name, span)
 
     def span_context(self, rid: str) -> otel_context.Context:
         span = self.spans.get(rid)

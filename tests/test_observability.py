@@ -105,6 +105,11 @@ def test_one_request_gives_one_trace_across_every_service(stack: Stack) -> None:
     assert decode["tokens"] == resp.parse().usage.completion_tokens and decode["tpot_ms"] > 0
     transfer = next(s for s in spans if s["name"] == "kv.transfer")["attributes"]
     assert transfer["bytes"] > 0 and transfer["mb_s"] > 0
+    # The points each service marked on the path (bench/e2e.py's hop table), in path order.
+    at = {name: t for s in spans for name, t in s.get("events", ())}
+    path = ["prepared", "routed", "picked", "reserved", "first_sent", "exported", "joined"]
+    assert [at[p] for p in path] == sorted(at[p] for p in path), at
+    assert at["first_sent"] < at["first_token"] and at["joined"] < at["first_step"]
 
     out = subprocess.run(
         [

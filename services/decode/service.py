@@ -49,6 +49,10 @@ from shared.worker import ImagesMissing, Tasks, WorkerService
 log = logging.getLogger(__name__)
 
 OUTBOX_MESSAGE_EVENTS = 4096  # token events per message at most (~0.4 MB, under NATS' 1 MB)
+# A handed-off prompt's KV larger than this is written beside the steps (a copy of a few
+# milliseconds would stall the batch); a smaller one between two, with its join, in one call
+# (each call to the engine is a hop, to its process and back: more than such a copy costs).
+WRITE_BESIDE_BYTES = 1 << 20
 
 
 @dataclass
@@ -375,6 +379,8 @@ class DecodeService(WorkerService):
                     )
                 )
             events.append((active.task.reply_subject, event))
+            if active.next_index == 1:
+                self.mark(out.seq_id, "first_step")
             active.next_index += 1
             active.kv_bytes = active.kv_transfer_s = None
             if finish:  # freed on the engine thread before its next step; nobody waits
@@ -476,7 +482,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
         joined = False
         try:
             yield kv_pb2.HandoffStatus(ok=True)
-            data = bytearray()
+            pieces: list[bytes] = []
             started: float | None = None
             started_ns = time.time_ns()
             done: HandoffDone | None = None
@@ -484,7 +490,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                 if chunk.data:
                     if started is None:
                         started, started_ns = time.perf_counter(), time.time_ns()
-                    data += chunk.data
+                    pieces.append(chunk.data)
                 if chunk.done:
                     done = HandoffDone.from_bytes(chunk.done)
                     break
@@ -494,6 +500,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                 yield kv_pb2.HandoffStatus(ok=False, code="cancelled", error="cancelled")
                 return
             took = time.perf_counter() - (started or time.perf_counter())
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # (one: no copy)
             try:
                 await reserving
             except (PoolExhausted, ValueError) as err:
@@ -501,18 +508,18 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                 yield kv_pb2.HandoffStatus(ok=False, code=code, error=str(err))
                 return
             try:
-                if svc.engine.running:
+                if svc.engine.running and len(data) > WRITE_BESIDE_BYTES:
                     # Written on a thread of its own while the batch steps on (its blocks are
                     # this request's alone): between two steps only the join waits, not the
                     # copy.
                     active.writing = asyncio.ensure_future(
-                        svc.runner.beside(ops.write_kv, rid, bytes(data))
+                        svc.runner.beside(ops.write_kv, rid, data)
                     )
                     await active.writing
                     await svc.runner.call(ops.join, rid, done.first_token, priority=task.priority)
-                else:  # nothing steps: written and joined in one call, one thread hop less
+                else:  # written and joined in one call between two steps: one hop less
                     active.writing = svc.runner.call(
-                        ops.write_and_join, rid, bytes(data), done.first_token
+                        ops.write_and_join, rid, data, done.first_token
                     )
                     await active.writing
             except KVFormatError as err:
@@ -520,6 +527,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                 return
             active.kv_bytes, active.kv_transfer_s = len(data), took
             active.joined_at = time.perf_counter()
+            svc.mark(rid, "joined")
             BYTES.labels("handoff", "in").inc(len(data))
             mb_s = round(len(data) / max(took, 1e-9) / 1e6, 1)
             span = tracer.start_span(

@@ -272,13 +272,14 @@ class PrefillService(WorkerService):
             cached: dict[str, CachedPrefix] = {}
             for task in tasks:  # the reservations travel meanwhile
                 rid = task.request_id
+                self.mark(rid, "picked")
                 if rid in self.paused:  # its sequence holds its prefix and what it computed
                     prefixes[rid], cached[rid] = None, self.paused.pop(rid)
                     continue
                 read = self.prefetched.pop(rid, None)
                 prefixes[rid], cached[rid] = await self.load_prefix(task, read)
             started, started_ns = time.perf_counter(), time.time_ns()
-            results = await self._compute(tasks, prefixes)
+            results, exports = await self._compute(tasks, prefixes)
             took = time.perf_counter() - started
             ended_ns = time.time_ns()
             for task in tasks:  # a batch shares one pass
@@ -295,17 +296,21 @@ class PrefillService(WorkerService):
                     await reserved[rid]  # decode's answer came while the prompts computed
                 except HandoffFailed as err:  # before any token went out: the router retries
                     out = err
+                self.mark(rid, "reserved")
                 if isinstance(out, Exception):
                     await self._report(task, out)
                     continue
                 hit, first = cached[rid], len(cached[rid].blobs)
                 handoff = not out.finish_reason  # else a one-token answer: nothing to ship
                 await self.send(task.reply_subject, self.first_token_event(rid, out, hit, took))
+                self.mark(rid, "first_sent")
                 # The KV decode waits for first; the new blocks for the tiers (later turns)
                 # after it, while it ships.
                 blob = None
-                if handoff:
-                    blob = self.runner.call(ops.export_kv, rid, partial=True)
+                if handoff:  # (exported already, unless a batch prompt's)
+                    blob = exports.pop(rid, None) or self.runner.call(
+                        ops.export_kv, rid, partial=True
+                    )
                 keep = self.tiers is not None and self.tiers.keep
                 stored = self.runner.call(ops.export_new, rid, first, self.store_dtype, keep)
                 if blob is None:
@@ -313,7 +318,9 @@ class PrefillService(WorkerService):
                     self.store_blocks(task, first, await stored, task.token_ids)
                     continue  # decode's reservation goes with the call
                 done = HandoffDone(first_token=out.token_id)
-                ship = self._ship(task, calls[rid], await blob, done)
+                kv = await blob
+                self.mark(rid, "exported")
+                ship = self._ship(task, calls[rid], kv, done)
                 ships.append((task, self._stored_after(ship, stored, task, first)))
                 shipping.add(rid)
             return ships
@@ -339,22 +346,33 @@ class PrefillService(WorkerService):
 
     async def _compute(
         self, tasks: list[GenerateTask], prefixes: dict[str, Prefix | None]
-    ) -> list[StepOutput | Exception]:
-        """The prompts computed: an output, or what stopped one of them. An engine that
-        raises fails them all with ``EngineFailed`` (they move to another worker)."""
+    ) -> tuple[list[StepOutput | Exception], dict[str, asyncio.Future]]:
+        """The prompts computed: an output, or what stopped one of them; and each online
+        prompt's KV for the handoff, exported by the engine right after the pass (queued
+        behind it: the export starts without waiting for this loop to ask, while the first
+        tokens go out). An engine that raises fails them all with ``EngineFailed`` (they move
+        to another worker)."""
+        computing = self._engine_compute(tasks, prefixes)
+        exports: dict[str, asyncio.Future] = {}
+        for task in tasks:
+            if task.priority != "batch":  # (a batch prompt may pause midway: asked after)
+                export = self.runner.call(ops.export_kv, task.request_id, partial=True)
+                export.add_done_callback(_unread)
+                exports[task.request_id] = export
         try:
-            results = await self._engine_compute(tasks, prefixes)
+            results = await computing
         except Exception as err:
             why = str(err) or type(err).__name__
             self.engine_failed("prefill", why)
             raise EngineFailed(f"{self.service_id}: prefill failed: {why}") from err
         self.engine_worked()
-        return results
+        return results, exports
 
-    async def _engine_compute(
+    def _engine_compute(
         self, tasks: list[GenerateTask], prefixes: dict[str, Prefix | None]
-    ) -> list[StepOutput | Exception]:
-        """One prompt: chunked, cancellable between chunks. Several: one batched pass."""
+    ) -> Awaitable[list[StepOutput | Exception]]:
+        """One prompt: chunked, cancellable between chunks. Several: one batched pass (the
+        engine call queued now, its outcome awaited)."""
         if len(tasks) > 1:
             requests = [
                 PrefillRequest(
@@ -367,25 +385,29 @@ class PrefillService(WorkerService):
                 )
                 for t in tasks
             ]
-            return await self.runner.call(ops.prefill_batch, requests)
+            return self.runner.call(ops.prefill_batch, requests)
         task = tasks[0]
         rid = task.request_id
-        try:
-            out = await self.runner.call(
-                ops.prefill,
-                rid,
-                task.token_ids,
-                task.sampling,
-                prefix=prefixes[rid],
-                images=self.images.get(rid, ()),
-                handoff=True,
-                cancelled=lambda: rid in self.cancelled,
-                # A batch prompt yields to online tasks between two chunks.
-                pause=(lambda: self.queue.online_waiting > 0) if task.priority == "batch" else None,
-            )
-        except (Cancelled, Paused, PoolExhausted, ValueError) as err:
-            return [err]
-        return [out]
+        computing = self.runner.call(
+            ops.prefill,
+            rid,
+            task.token_ids,
+            task.sampling,
+            prefix=prefixes[rid],
+            images=self.images.get(rid, ()),
+            handoff=True,
+            cancelled=lambda: rid in self.cancelled,
+            # A batch prompt yields to online tasks between two chunks.
+            pause=(lambda: self.queue.online_waiting > 0) if task.priority == "batch" else None,
+        )
+
+        async def one() -> list[StepOutput | Exception]:
+            try:
+                return [await computing]
+            except (Cancelled, Paused, PoolExhausted, ValueError) as err:
+                return [err]
+
+        return one()
 
     async def _stored_after(
         self,
@@ -409,7 +431,8 @@ class PrefillService(WorkerService):
     async def _ship(
         self, task: GenerateTask, call: grpc.aio.StreamStreamCall, blob: bytes, done: HandoffDone
     ) -> None:
-        """Stream the KV in chunks (HTTP/2 flow control paces them), then the first token."""
+        """Stream the KV in chunks (HTTP/2 flow control paces them), the first token with the
+        last (a prompt's KV under a chunk goes in one message)."""
         timeout = self.settings.handoff_timeout_s
         size = self.settings.kv_chunk_bytes
         span = tracer.start_span(
@@ -420,10 +443,12 @@ class PrefillService(WorkerService):
         )
         started = time.perf_counter()
         try:
-            for offset in range(0, len(blob), size):
+            offsets = range(0, len(blob), size)
+            for offset in offsets[:-1]:
                 chunk = kv_pb2.KvChunk(data=blob[offset : offset + size])
                 await self._step(call.write(chunk), timeout)
-            await self._step(call.write(kv_pb2.KvChunk(done=done.to_bytes())), timeout)
+            last = blob[offsets[-1] :] if offsets else b""
+            await self._step(call.write(kv_pb2.KvChunk(data=last, done=done.to_bytes())), timeout)
             joined = await self._step(call.read(), timeout)
             took = time.perf_counter() - started
             BYTES.labels("handoff", "out").inc(len(blob))
@@ -451,3 +476,10 @@ class PrefillService(WorkerService):
         except TimeoutError:
             msg = f"decode did not answer within {timeout_s:g} s"
             raise HandoffFailed(msg, "unavailable") from None
+
+
+def _unread(future: asyncio.Future) -> None:
+    """An export nobody asks for (the answer ended at its first token, or the prompt failed):
+    its outcome read, so that its error is not reported as never retrieved."""
+    if not future.cancelled():
+        future.exception()

@@ -91,7 +91,15 @@ def span_record(span: ReadableSpan) -> dict:
         "status": span.status.status_code.name.lower(),
         "error": span.status.description or "",  # why, for a span that failed
         "attributes": dict(span.attributes or {}),
+        **({"events": [[e.name, e.timestamp] for e in span.events]} if span.events else {}),
     }
+
+
+def mark_span(name: str, span: trace.Span | None = None) -> None:
+    """A point on a request's path (``span``: its span here; else the current one), as an
+    event of that span: bench/e2e.py's hop table reads where each request's time went from
+    them. Nothing is kept for a span not recorded (sampled out)."""
+    (span or trace.get_current_span()).add_event(name)
 
 
 def _exporter(kind: str, endpoint: str, path: Path) -> SpanExporter | None:

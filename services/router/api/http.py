@@ -32,6 +32,7 @@ from services.router.request.prepare import Prepared, Preparer
 from services.router.settings import ApiSettings
 from services.router.tenancy.admission import KvOptions
 from services.router.tenancy.keys import Caller
+from shared.telemetry.tracing import mark_span
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class HttpApi:
         call = current()
         conv = endpoint.adapter(await self._body(request))
         p = await self.preparer.prepare(conv, call.rid, call.kv)
+        mark_span("prepared")
         call.outcome.prepared = p
         writer = endpoint.writer(p)
         if conv.stream:
@@ -150,12 +152,16 @@ class HttpApi:
     async def _rest(resp: web.StreamResponse, delta: Delta, deltas, writer: Writer) -> list[bytes]:  # noqa: ANN001
         """Write the answer from ``delta`` on; what is left to write last (its end, or an
         error that came mid-stream). An answer of several choices ends when each has."""
+        written = 0
         while True:
             out = writer.text(delta) if delta.text or delta.calls or delta.prompt_logprobs else []
             if delta.finish_reason:
                 out += writer.end(delta)
             for chunk in out:
                 await resp.write(chunk)
+            if not written:
+                mark_span("first_write")
+            written += 1
             try:
                 delta = await anext(deltas)
             except StopAsyncIteration:

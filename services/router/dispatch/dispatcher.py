@@ -46,7 +46,7 @@ from services.router.routing.route import (
 from services.router.settings import DispatchSettings
 from shared.bus import Bus
 from shared.messages.generate import TokenEvent
-from shared.telemetry.tracing import tracer
+from shared.telemetry.tracing import mark_span, tracer
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,9 @@ class Dispatcher:
             with trace.use_span(span, end_on_exit=False):
                 try:
                     chosen, req = await self._route_resuming(attempt.job, moves)
+                    mark_span("routed", span)
                     await self.sender.send(attempt, chosen, req)
+                    mark_span("acked", span)
                 except ApiError as err:
                     raise moves.unservable(err) from None
         chosen_id = str(attempt.decision.get("chosen", ""))

@@ -30,6 +30,7 @@ from services.router.request.prepare import Prepared
 from services.router.request.toolcalls import CallEvent, call_parser
 from shared.messages.generate import Logprobs, TokenEvent
 from shared.model.tokenizer import token_pieces
+from shared.telemetry.tracing import mark_span
 
 # A prompt's other candidates wait this long at most, once its first ended before a decode
 # worker held it, for the prompt's blocks to be in the index (so each computes only the
@@ -221,6 +222,8 @@ class Answers:
                 timing.add(event)
                 if first is not None:
                     first.seen(event)
+                if event.index == 0 and event.token_ids:
+                    mark_span("first_token")
                 scored = event.prompt_logprobs if event.prompt_logprobs is not None else scored
                 if p.conversation.scores_only and event.token_ids:  # the prompt's scores alone
                     yield Delta("", "length", prompt_logprobs=scored)

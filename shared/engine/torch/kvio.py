@@ -22,6 +22,9 @@ from shared.engine.torch.sequence import Sequence
 from shared.model.config import ModelConfig
 
 STAGING_THREADS = 8
+# Blobs this small are checked and staged on the calling thread: handing their layers or
+# blocks to the staging threads costs more (their wake-ups) than the work (crc32: ~1 GB/s).
+CHECK_ALONE_BYTES = 1 << 20
 
 
 class KvIO:
@@ -162,8 +165,12 @@ class KvIO:
                 raise kvformat.BadBlock(i, str(err)) from None
             kvformat.raw_view(staged[i])[:] = np.frombuffer(data, dtype=np.uint8)
 
-        for done in self._threads().map(stage, range(len(sources))):
-            assert done is None  # (raises the first block's error, in order)
+        if sum(len(s) for s in sources) <= CHECK_ALONE_BYTES:
+            for i in range(len(sources)):
+                stage(i)
+        else:
+            for done in self._threads().map(stage, range(len(sources))):
+                assert done is None  # (raises the first block's error, in order)
         self._scatter(staged.to(self.cache.k.device, non_blocking=True), blocks)
 
     def _host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -217,11 +224,14 @@ class KvIO:
             f.seek(data_start)
             data = kvformat.checked(header, memoryview(f.read()).cast("B"), check=False)
             per_layer = header.n_blocks  # (the cells checked a layer a thread)
-            spans = [(n * per_layer, (n + 1) * per_layer) for n in range(header.n_layers)]
-            for done in self._threads().map(
-                lambda r: kvformat.check_cells(header, data, *r), spans
-            ):
-                assert done is None
+            if len(data) <= CHECK_ALONE_BYTES:
+                kvformat.check_cells(header, data, 0, header.n_layers * per_layer)
+            else:
+                spans = [(n * per_layer, (n + 1) * per_layer) for n in range(header.n_layers)]
+                for done in self._threads().map(
+                    lambda r: kvformat.check_cells(header, data, *r), spans
+                ):
+                    assert done is None
             shape = (c.n_layers, header.n_blocks, 2, header.block_size, c.n_kv_heads, c.head_dim)
             staged = self._host_buffer(shape, kvformat.DTYPES[header.dtype])
             kvformat.raw_view(staged)[:] = np.frombuffer(data, dtype=np.uint8)
