@@ -500,6 +500,9 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                 yield kv_pb2.HandoffStatus(ok=False, code="cancelled", error="cancelled")
                 return
             took = time.perf_counter() - (started or time.perf_counter())
+            if done.sent_ns and pieces:  # from when prefill began to send it
+                started_ns = min(started_ns, done.sent_ns)
+                took = max(took, (time.time_ns() - started_ns) / 1e9)
             data = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # (one: no copy)
             try:
                 await reserving

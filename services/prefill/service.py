@@ -317,9 +317,9 @@ class PrefillService(WorkerService):
                     self.close_span(rid)
                     self.store_blocks(task, first, await stored, task.token_ids)
                     continue  # decode's reservation goes with the call
-                done = HandoffDone(first_token=out.token_id)
                 kv = await blob
                 self.mark(rid, "exported")
+                done = HandoffDone(first_token=out.token_id, sent_ns=time.time_ns())
                 ship = self._ship(task, calls[rid], kv, done)
                 ships.append((task, self._stored_after(ship, stored, task, first)))
                 shipping.add(rid)

@@ -177,6 +177,9 @@ class Cancel(Message):
 
 class HandoffDone(Message):
     """The end of a KV handoff (prefill → decode, in the last gRPC chunk): the first token,
-    sampled by prefill (a seeded answer goes on the same: its randomness is per position)."""
+    sampled by prefill (a seeded answer goes on the same: its randomness is per position),
+    and when prefill began sending the KV (unix ns; the transfer's time is measured from it,
+    as exact as the two hosts' clocks agree: a KV under a chunk arrives in one message)."""
 
     first_token: int
+    sent_ns: int = 0
