@@ -1,7 +1,7 @@
 """`kvmesh keys`: make, list and revoke API keys in the keys file the router reads.
 
     kvmesh keys add --tenant acme [--admin] [--rpm 600] [--tpm 2000000] [--concurrency 32]
-                    [--choices 4]
+                    [--choices 4] [--tier-ceiling default] [--tier-default flex] [--weight 2]
     kvmesh keys list
     kvmesh keys revoke key_3f9a0c1d
 
@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from shared.security.keys import LIMITS, KeysFile, KeysFileError, new_key
+from shared.security.keys import LIMITS, MAX_WEIGHT, TIERS, KeysFile, KeysFileError, new_key
 from shared.settings import CommonSettings
 
 
@@ -40,6 +40,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         ("choices", "answers per prompt (n, best_of; 0: the router's max_choices)"),
     ):
         add.add_argument(f"--{name}", type=int, default=0, help=f"{what} at most (0: no limit)")
+    add.add_argument(
+        "--tier-ceiling",
+        choices=TIERS,
+        default="",
+        help="the highest class (service_tier) its requests may ask for (default: priority)",
+    )
+    add.add_argument(
+        "--tier-default",
+        choices=TIERS,
+        default="",
+        help="the class of its requests that ask for none (default: default)",
+    )
+    add.add_argument(
+        "--weight",
+        type=int,
+        default=0,
+        help=f"its tenant's weight in a class's fair share, 1-{MAX_WEIGHT} (default: 1)",
+    )
     sub.add_parser("list", help="the keys, without secrets")
     revoke = sub.add_parser("revoke", help="refuse a key from now on")
     revoke.add_argument("key_id")
@@ -55,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
                 if getattr(args, name) < 0:
                     raise KeysFileError(f"--{name}: at least 0")
             limits = {name: getattr(args, name) for name in LIMITS}
-            key, entry = new_key(args.tenant, "admin" if args.admin else "user", **limits)
+            tiers = {"tier_ceiling": args.tier_ceiling, "tier_default": args.tier_default}
+            role = "admin" if args.admin else "user"
+            key, entry = new_key(args.tenant, role, weight=args.weight, **limits, **tiers)
             keys.add(entry)
             keys.write(path)
             print(key)
@@ -65,12 +85,16 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         elif args.action == "list":
-            print(f"{'id':<14}{'tenant':<20}{'role':<7}{'rpm':>8}{'tpm':>10}{'conc':>6}  state")
+            print(
+                f"{'id':<14}{'tenant':<20}{'role':<7}{'rpm':>8}{'tpm':>10}{'conc':>6}"
+                f"  {'tiers':<18}{'weight':>6}  state"
+            )
             for k in keys.keys:
                 state = "revoked" if k.revoked else "active"
+                tiers = f"{k.default_tier} (≤ {k.ceiling})"
                 print(
                     f"{k.id:<14}{k.tenant:<20}{k.role:<7}{k.rpm:>8}{k.tpm:>10}"
-                    f"{k.concurrency:>6}  {state}"
+                    f"{k.concurrency:>6}  {tiers:<18}{k.weight or 1:>6}  {state}"
                 )
         else:
             entry = keys.revoke(args.key_id)

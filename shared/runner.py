@@ -25,7 +25,7 @@ from typing import Any
 
 from shared.engine import ops
 from shared.engine.interface import Engine, StepOutput
-from shared.messages.generate import Priority
+from shared.messages.generate import RANKS, Priority
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,6 @@ OnStep = Callable[[list[StepOutput], float], None]
 OnFailed = Callable[[list[str], str], None]
 # How a call's result goes back: (result, None) or (None, error), on the engine thread.
 Reply = Callable[[Any, BaseException | None], None]
-
-RANKS = {"online": 0, "batch": 1}  # queued calls of online requests go first
 
 
 class EngineStopped(RuntimeError):
@@ -151,11 +149,11 @@ class EngineRunner:
         self._loop = EngineLoop(engine)
 
     def call(
-        self, fn: Callable[..., Any], *args, priority: Priority = "online", **kwargs
+        self, fn: Callable[..., Any], *args, priority: Priority = "default", **kwargs
     ) -> asyncio.Future:
         """Run op ``fn`` (of ``shared/engine/ops.py``) with the engine, between two steps;
-        await the result when needed. A batch request's calls (``priority``) wait while
-        online requests' are queued."""
+        await the result when needed. Calls queued meanwhile run by their request's class
+        (``priority``: a lower class's wait while a higher one's are queued), then in order."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 

@@ -31,7 +31,7 @@ from shared.messages.heartbeat import RegistryQuery, RegistrySnapshot
 from shared.messages.kvevents import KvEvent
 from shared.proto import api_pb2, api_pb2_grpc, kv_pb2, kv_pb2_grpc
 from shared.security.keys import KeysFile
-from tests.procs import connect_as, secrets_dir, start_with, until, wait_until
+from tests.procs import connect_as, metrics, secrets_dir, start_with, until, wait_until
 from tests.procs import kvmesh_keys as keys
 from tests.stack import Stack
 
@@ -50,6 +50,18 @@ def tenants(keys_file: Path) -> dict[str, str]:
         "admin": keys(keys_file, "add", "--tenant", "ops", "--admin"),
         "slow": keys(keys_file, "add", "--tenant", "slow", "--rpm", "2"),
         "small": keys(keys_file, "add", "--tenant", "small", "--tpm", "300"),
+        "tiers": keys(
+            keys_file,
+            "add",
+            "--tenant",
+            "tiered",
+            "--tier-ceiling",
+            "default",
+            "--tier-default",
+            "flex",
+            "--weight",
+            "3",
+        ),
     }
 
 
@@ -198,6 +210,100 @@ def test_grpc_takes_the_key_from_metadata(stack: Stack, tenants: dict[str, str])
             req, timeout=60, metadata=(("authorization", f"Bearer {tenants['b']}"),)
         )
         assert answer.usage.prompt_tokens > 0
+
+
+# -- classes: what a key may ask for, and who is refused first --------------------------------
+
+
+def test_a_key_asks_for_its_class_within_its_ceiling(stack: Stack, tenants: dict[str, str]) -> None:
+    """The key's default when a request asks for none (auto too), what it asks for up to the
+    key's ceiling, a 400 naming the field and the ceiling above it; the answer says the class
+    it ran at, in every API."""
+    tiered = client(stack, tenants["tiers"])
+
+    def chat(key: str = tenants["tiers"], **fields):  # noqa: ANN003, ANN202
+        return client(stack, key).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, **fields
+        )
+
+    assert chat().service_tier == "flex"  # the key's default
+    assert chat(service_tier="auto").service_tier == "flex"
+    assert chat(service_tier="default").service_tier == "default"
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(service_tier="priority")
+    assert err.value.body["param"] == "service_tier"
+    assert "'priority' is above what this key may ask for ('default' at most)" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(extra_headers={"x-kvmesh-priority": "priority"})
+    assert err.value.body["param"] == "x-kvmesh-priority"
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(extra_headers={"x-kvmesh-priority": "urgent"})
+    assert "one of auto, priority, default, flex" in str(err.value)
+    assert chat(tenants["a"], service_tier="priority").service_tier == "priority"
+    assert chat(tenants["a"]).service_tier == "default"  # (a key with no tiers set)
+    done = tiered.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    assert done.model_extra["service_tier"] == "flex"
+    answer = tiered.responses.create(model="tiny", input="Hi", max_output_tokens=2)
+    assert answer.service_tier == "flex"
+    headers = {"x-api-key": tenants["a"], "content-type": "application/json"}
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    status, _, reply = raw(stack, "/v1/messages", headers, body)
+    assert status == 200 and reply["usage"]["service_tier"] == "standard"
+    req = api_pb2.GenerateRequest(
+        model="tiny",
+        messages=[api_pb2.ChatMessage(role="user", content="Hi")],
+        max_tokens=2,
+        service_tier="default",
+    )
+    with grpc.insecure_channel(stack.grpc) as channel:
+        metadata = (("authorization", f"Bearer {tenants['tiers']}"),)
+        got = api_pb2_grpc.GenerationStub(channel).Generate(req, timeout=60, metadata=metadata)
+    assert got.service_tier == "default"
+
+
+def test_as_the_router_fills_the_lowest_class_is_refused_first(
+    stack: Stack, tenants: dict[str, str]
+) -> None:
+    """A router with room for 4 requests in progress: with 2 answers streaming, a flex
+    request (its share: 2) gets 429 naming its class while default (3) and priority (4) are
+    served."""
+    url = stack.router("router-small4", KVMESH_ROUTER_MAX_INFLIGHT="4")
+    small = openai.OpenAI(base_url=url + "/v1", api_key=tenants["a"], max_retries=0, timeout=120)
+    body = {"model": "tiny", "prompt": "Tell a long story.", "temperature": 0}
+    streams = [small.completions.create(max_tokens=1500, stream=True, **body) for _ in range(2)]
+    try:
+        for stream in streams:
+            next(iter(stream))  # each answering
+        with pytest.raises(openai.RateLimitError) as err:
+            small.completions.create(max_tokens=2, extra_body={"service_tier": "flex"}, **body)
+        assert "for the flex class (2 of 4)" in str(err.value)
+        assert err.value.response.headers["retry-after"] == "1"
+        assert small.completions.create(max_tokens=2, **body).model_extra["service_tier"] == (
+            "default"
+        )
+        tier = {"service_tier": "priority"}
+        served = small.completions.create(max_tokens=2, extra_body=tier, **body)
+        assert served.model_extra["service_tier"] == "priority"
+    finally:
+        for stream in streams:
+            stream.close()
+    counts = metrics(url)
+    assert counts[("kvmesh_refused_total", (("priority", "flex"), ("where", "router")))] == 1
+
+
+def test_a_first_token_deadline_the_estimate_cannot_meet_is_refused_up_front(
+    stack: Stack, tenants: dict[str, str]
+) -> None:
+    """x-kvmesh-ttft-deadline-ms: refused at once with the estimate when the routing policy
+    says it cannot be met; answered when it can."""
+    ask(stack, tenants["a"], "warm the estimate")
+    with pytest.raises(openai.RateLimitError) as err:
+        ask(stack, tenants["a"], "Hi there", **{"x-kvmesh-ttft-deadline-ms": "0.001"})
+    assert re.search(r"the first token is estimated in \d+ ms, past the deadline", str(err.value))
+    assert ask(stack, tenants["a"], "Hi", **{"x-kvmesh-ttft-deadline-ms": "60000"}).choices
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(stack, tenants["a"], "Hi", **{"x-kvmesh-ttft-deadline-ms": "soon"})
+    assert err.value.body["param"] == "x-kvmesh-ttft-deadline-ms"
 
 
 def test_a_router_told_to_use_a_bad_keys_file_does_not_start(tmp_path: Path) -> None:

@@ -158,9 +158,10 @@ class DecodeService(WorkerService):
         return TaskAck(accepted=True, queued=self.pending - 1)
 
     def has_room(self, task: GenerateTask) -> bool:
-        """Online requests are taken while the engine can hold them; batch work only while
-        it leaves a share of the sequences and the KV free for them (batch_share)."""
-        if task.priority != "batch":
+        """Requests of the priority and default classes are taken while the engine can hold
+        them; flex and batch work only while it leaves a share of the sequences and the KV
+        free for those (batch_share)."""
+        if task.priority not in ("flex", "batch"):
             return True
         share = self.settings.batch_share
         stats = self.engine.stats()

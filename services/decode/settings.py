@@ -31,8 +31,8 @@ class DecodeSettings(WorkerSettings):
         default=0.75,
         gt=0,
         le=1,
-        description="batch work is admitted while the sequences held and the KV used are under "
-        "this share of the whole; the rest stays free for online requests",
+        description="flex and batch work is admitted while the sequences held and the KV used "
+        "are under this share of the whole; the rest stays free for higher classes",
     )
     speculative: Literal["off", "fixed", "adaptive"] = Field(
         default="adaptive",

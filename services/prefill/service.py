@@ -12,7 +12,7 @@ from contextlib import AsyncExitStack
 import grpc
 from opentelemetry.trace import SpanKind, StatusCode
 
-from services.prefill.queue import ArrivalQueue
+from services.prefill.queue import ArrivalQueue, Ticket
 from services.prefill.settings import PrefillSettings
 from shared.bus import Bus, subjects
 from shared.engine import ops
@@ -27,7 +27,7 @@ from shared.engine.interface import (
 )
 from shared.engine.registry import OWNING
 from shared.kvstore.tiers import CachedPrefix
-from shared.messages.generate import Cancel, GenerateTask, HandoffDone, TaskAck
+from shared.messages.generate import QUEUE_SHARE, Cancel, GenerateTask, HandoffDone, TaskAck
 from shared.messages.heartbeat import Load
 from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.security import tls
@@ -115,10 +115,8 @@ class PrefillService(WorkerService):
 
     async def on_task(self, task: GenerateTask) -> TaskAck:
         queued = self.queue.qsize() + len(self.waiting)
-        # Batch work is taken while the queue is short: the rest of it stays for online tasks.
-        room = (
-            self.settings.max_queued // 4 if task.priority == "batch" else self.settings.max_queued
-        )
+        # Each class fills its share of the queue: as it fills, the lowest is refused first.
+        room = self.settings.max_queued * QUEUE_SHARE[task.priority]
         if self.status != "ready" or queued >= room:
             return TaskAck(accepted=False, reason="busy", queued=queued)
         if task.model != self.settings.model:
@@ -127,14 +125,14 @@ class PrefillService(WorkerService):
             task.request_id, "prefill", prompt_tokens=len(task.token_ids), images=len(task.images)
         )
         if task.images:
-            waiter = asyncio.create_task(self._queue_with_images(task, self.queue.ticket()))
+            waiter = asyncio.create_task(self._queue_with_images(task, self.queue.ticket(task)))
             self.waiting[task.request_id] = waiter
             waiter.add_done_callback(lambda _: self.waiting.pop(task.request_id, None))
         else:
             self.queue.put(task)
         return TaskAck(accepted=True, queued=queued)
 
-    async def _queue_with_images(self, task: GenerateTask, ticket: int) -> None:
+    async def _queue_with_images(self, task: GenerateTask, ticket: Ticket) -> None:
         try:
             # The cached prefix is read meanwhile (files can take a while), not loaded: the
             # engine's blocks are taken only when the prompt's turn comes.

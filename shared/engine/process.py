@@ -38,10 +38,10 @@ from shared import faults
 from shared.engine import ops, wire
 from shared.engine.interface import EngineOptions, EngineStats, StepOutput
 from shared.engine.sampling import SamplingParams
-from shared.messages.generate import Priority
+from shared.messages.generate import RANKS, Priority
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
-from shared.runner import RANKS, EngineLoop, EngineStopped, OnFailed, OnStep
+from shared.runner import EngineLoop, EngineStopped, OnFailed, OnStep
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class ProcessRunner:
         return runner
 
     def call(
-        self, fn: Callable[..., Any], *args, priority: Priority = "online", **kwargs
+        self, fn: Callable[..., Any], *args, priority: Priority = "default", **kwargs
     ) -> asyncio.Future:
         """Run op ``fn`` in the engine's process, between two steps; its result as a future."""
         return self._ask({"rank": RANKS[priority]}, fn, args, kwargs)
@@ -187,6 +187,9 @@ class ProcessRunner:
         except Exception as err:  # a broken frame: nothing after it can be trusted
             why = f"a frame could not be read: {err}"
             log.exception("engine process")
+        if not self._closing:  # its socket closes before it is reaped: its exit code waited for
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(self.proc.wait, 1.0)
         self._lost(why)
 
     def _got(self, header: dict, parts: list[bytes]) -> None:

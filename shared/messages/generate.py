@@ -24,9 +24,15 @@ class ImageRef(Message):
     tokens: int = Field(ge=1)
 
 
-# Online requests go first; batch work (services/router/batch/) takes what they leave:
-# it waits behind them in the prefill queue and is admitted by decode only with room to spare.
-Priority = Literal["online", "batch"]
+# A request's class, highest first: OpenAI's service tiers (``priority`` > ``default`` >
+# ``flex``), then batch work (services/router/batch/), which takes what the others leave. Every
+# queue orders by class first; a bounded one (the router's requests in progress, a worker's
+# waiting tasks) lets each class fill only its share of it, so as it fills the lowest class is
+# refused first and the highest always finds room.
+Priority = Literal["priority", "default", "flex", "batch"]
+PRIORITIES: tuple[Priority, ...] = ("priority", "default", "flex", "batch")
+RANKS: dict[str, int] = {p: rank for rank, p in enumerate(PRIORITIES)}
+QUEUE_SHARE: dict[str, float] = {"priority": 1.0, "default": 0.85, "flex": 0.5, "batch": 0.25}
 
 
 class Bootstrap(Message):
@@ -76,7 +82,13 @@ class GenerateTask(Message):
         description="images in the prompt, in order (their embeddings "
         "come from the embeddings stream)",
     )
-    priority: Priority = "online"
+    priority: Priority = "default"
+    # Fair share within a class (start-time fair queueing: services/prefill/queue.py): whose
+    # the task is (its tenant's salt) and the weight its key gives that tenant.
+    weight: int = Field(default=1, ge=1, le=1000)
+    ttft_first_by: float = Field(
+        default=0.0, description="unix time its first token is due by, when the client said"
+    )
     handover: Handover | None = Field(
         default=None,
         description="set by a prefill worker whose engine owns its KV, handing the request to "

@@ -2,13 +2,16 @@
 
 Each entry holds a key's SHA-256 (never the key: a key is 32 random bytes, so a plain hash is
 enough to keep it from being recovered), the tenant it speaks for, its role (``user`` or
-``admin``) and its limits (requests and input tokens per minute, requests at once, answers
-per prompt; 0: none, or the router's).
+``admin``), its limits (requests and input tokens per minute, requests at once, answers
+per prompt; 0: none, or the router's), the classes its requests may ask for (``tier_ceiling``:
+the highest; ``tier_default``: what one asking for none gets; empty: ``priority`` and
+``default``) and its tenant's weight in the fair share of a class (``weight``; 0: 1).
 JSON, or TOML when the file's name ends in ``.toml``:
 
     {"keys": [{"id": "key_3f9a0c1d", "sha256": "…", "tenant": "acme", "role": "user",
-               "rpm": 600, "tpm": 2000000, "concurrency": 32, "choices": 4, "revoked": false,
-               "created_at": "2026-12-01T10:00:00Z"}]}
+               "rpm": 600, "tpm": 2000000, "concurrency": 32, "choices": 4,
+               "tier_ceiling": "default", "tier_default": "default", "weight": 2,
+               "revoked": false, "created_at": "2026-12-01T10:00:00Z"}]}
 
 A key is shown once, when it is made; its id (from its hash) names it afterwards.
 """
@@ -40,6 +43,8 @@ def key_hash(key: str) -> str:
 
 
 LIMITS = ("rpm", "tpm", "concurrency", "choices")  # a key's limits: whole numbers, 0 for none
+TIERS = ("priority", "default", "flex")  # the classes a request may ask for, highest first
+MAX_WEIGHT = 1000
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,9 @@ class ApiKey:
     tpm: int = 0  # input tokens per minute
     concurrency: int = 0  # requests in progress at once
     choices: int = 0  # answers per prompt (n, best_of) at most (0: the router's max_choices)
+    tier_ceiling: str = ""  # the highest class its requests may ask for ("": priority)
+    tier_default: str = ""  # the class of a request that asks for none ("": default)
+    weight: int = 0  # its tenant's weight in a class's fair share (0: 1)
     revoked: bool = False
     created_at: str = ""
 
@@ -68,9 +76,27 @@ class ApiKey:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise KeysFileError(f"key {self.id}: {name} must be a whole number ≥ 0")
+        for name in ("tier_ceiling", "tier_default"):
+            if getattr(self, name) not in ("", *TIERS):
+                raise KeysFileError(f"key {self.id}: {name} must be one of {', '.join(TIERS)}")
+        if TIERS.index(self.default_tier) < TIERS.index(self.ceiling):
+            raise KeysFileError(
+                f"key {self.id}: tier_default {self.default_tier!r} is above its "
+                f"tier_ceiling {self.ceiling!r}"
+            )
+        if not isinstance(self.weight, int) or not 0 <= self.weight <= MAX_WEIGHT:
+            raise KeysFileError(f"key {self.id}: weight must be a whole number 0-{MAX_WEIGHT}")
+
+    @property
+    def ceiling(self) -> str:
+        return self.tier_ceiling or "priority"
+
+    @property
+    def default_tier(self) -> str:
+        return self.tier_default or "default"
 
 
-def new_key(tenant: str, role: str = "user", **limits: int) -> tuple[str, ApiKey]:
+def new_key(tenant: str, role: str = "user", **limits: int | str) -> tuple[str, ApiKey]:
     """A fresh key (shown once) and its entry."""
     key = PREFIX + secrets.token_urlsafe(32)
     digest = key_hash(key)

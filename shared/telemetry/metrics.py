@@ -12,7 +12,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -39,6 +46,26 @@ INPUT_TOKENS = Counter(
     "kvmesh_input_tokens", "prompt tokens by where their KV came from", ["source"]
 )  # computed, memory, storage
 OUTPUT_TOKENS = Counter("kvmesh_output_tokens", "tokens generated")
+# Classes (shared/messages/generate.py) and tenants: a tenant is a key's (with auth off, all
+# requests are one tenant's here: a header's name would make a label of anything sent).
+REFUSED = Counter(
+    "kvmesh_refused",
+    "requests refused for load (429), by class and by what was full",
+    ["priority", "where"],
+)
+CLASS_TTFT = Histogram(
+    "kvmesh_class_ttft_seconds",
+    "time to first token, as the router saw it, by class and tenant",
+    ["priority", "tenant"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120),
+)
+QUEUED = Gauge("kvmesh_queued", "tasks waiting in a prefill worker's queue, by class", ["priority"])
+QUEUE_WAIT = Histogram(
+    "kvmesh_queue_wait_seconds",
+    "time a task waited in a prefill worker's queue, by class",
+    ["priority"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120),
+)
 SPEC_TOKENS = Counter(
     "kvmesh_spec_tokens",
     "speculative decoding: drafted tokens verified (kind=drafted) and accepted (kind=accepted)",

@@ -71,6 +71,8 @@ def as_body(req: api_pb2.GenerateRequest) -> tuple[bytes, bool]:
         body["ignore_eos"] = True
     if req.stop_token_ids:
         body["stop_token_ids"] = list(req.stop_token_ids)
+    if req.service_tier:
+        body["service_tier"] = req.service_tier
     chat = len(req.messages) > 0
     if chat == req.HasField("prompt"):
         raise ApiError(400, "messages or prompt: give exactly one of them", param="messages")
@@ -183,6 +185,7 @@ class GrpcApi(api_pb2_grpc.GenerationServicer):
             finish_reason=choices[0].finish_reason,
             usage=_usage(p),
             choices=choices,
+            service_tier=p.job.priority,
         )
 
     async def GenerateStream(self, request, context):  # noqa: ANN001, ANN201, N802

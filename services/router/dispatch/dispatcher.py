@@ -46,6 +46,7 @@ from services.router.routing.route import (
 from services.router.settings import DispatchSettings
 from shared.bus import Bus
 from shared.messages.generate import TokenEvent
+from shared.telemetry.metrics import REFUSED
 from shared.telemetry.tracing import mark_span, tracer
 
 log = logging.getLogger(__name__)
@@ -217,8 +218,11 @@ class Dispatcher:
                 if not decodes:  # each one tried failed it
                     raise unavailable("every decode worker failed this request")
                 if not chosen.decision:  # (full now: the client retries shortly)
+                    REFUSED.labels(job.priority, "decode").inc()
                     raise overloaded("no decode worker has room for this request")
                 raise unavailable("every prefill worker failed this request")
+            if job.ttft_first_by:
+                self._check_due(job, chosen)
             if not chosen.ranked:
                 span.set_attributes(chosen.decision)
             elif span.is_recording():  # the terms are built only for a recorded trace
@@ -227,6 +231,21 @@ class Dispatcher:
                 )
             span.set_attribute("decode", chosen.pairs[0][1])
         return chosen, req
+
+    @staticmethod
+    def _check_due(job: Job, chosen: Route) -> None:
+        """429 at once, saying the estimate, when the policy's best estimate of the first
+        token's time is past what the client asked for (x-kvmesh-ttft-deadline-ms): better
+        told now than kept waiting to miss it. (A policy with no estimate never refuses.)"""
+        candidates = chosen.decision.get("candidates") if chosen.ranked else None
+        estimate = candidates[0].terms.get("ttft_s") if candidates else None
+        left_s = job.ttft_first_by - time.time()
+        if estimate is not None and estimate > left_s:
+            REFUSED.labels(job.priority, "deadline").inc()
+            raise overloaded(
+                f"the first token is estimated in {estimate * 1e3:.0f} ms, past the deadline "
+                f"asked for (x-kvmesh-ttft-deadline-ms: {max(0.0, left_s) * 1e3:.0f} ms left)"
+            )
 
     def _seen(self, attempt: Attempt, moves: Moves, event: TokenEvent, span: Span) -> TokenEvent:
         """An event of the attempt's, as the answer goes on with it."""

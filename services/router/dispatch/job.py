@@ -32,7 +32,9 @@ class Job:
     cached_blocks: dict[str, int] = field(default_factory=dict)  # location → leading blocks
     segments: Segments = ()  # what the prompt was tokenized from (reuses earlier hashes)
     images: tuple[ImageRef, ...] = ()  # images in the prompt (their placeholders' positions)
-    priority: Priority = "online"
+    priority: Priority = "default"
+    weight: int = 1  # its tenant's weight in the class's fair share (its key's)
+    ttft_first_by: float = 0.0  # unix time the client wants the first token by (0: none)
     # A decode worker holding the prompt's KV in a sequence of its own (the first candidate
     # of the same prompt: ``n``): its full blocks count as in that worker's memory, where
     # they are shared rather than copied.

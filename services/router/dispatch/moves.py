@@ -114,6 +114,7 @@ class Moves:
             segments=(),
             block_hashes=[],
             cached_blocks={},
+            ttft_first_by=0.0,  # (its first token is out: no deadline for it to miss)
         )
         return self.job
 

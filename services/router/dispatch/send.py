@@ -32,6 +32,7 @@ from shared.bus import Bus, BusError, subjects
 from shared.messages.generate import GenerateTask, TaskAck, TokenEvent
 from shared.security.handoff import HANDOFF_SECRET, handoff_token
 from shared.security.secret import load_or_create
+from shared.telemetry.metrics import REFUSED
 
 
 class Direct(Protocol):
@@ -171,6 +172,7 @@ class Sender:
             if ack.reason != "busy":
                 raise ApiError(503, f"{role} worker refused: {ack.reason}", code="unavailable")
             busy += 1
+        REFUSED.labels(attempt.job.priority, "workers").inc()
         raise overloaded(f"all {busy} workers are busy")
 
     def _task(self, attempt: Attempt, decode_id: str) -> GenerateTask:
@@ -193,4 +195,6 @@ class Sender:
             retention=job.retention,
             images=list(job.images),
             priority=job.priority,
+            weight=job.weight,
+            ttft_first_by=job.ttft_first_by,
         )

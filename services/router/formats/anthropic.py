@@ -249,6 +249,8 @@ def conversation(body: bytes) -> conv.Conversation:
         sampling=sampling_of(req, stop=tuple(req.stop_sequences or ())),
         max_tokens=req.max_tokens,
         stream=req.stream,
+        # (Anthropic's standard_only: the standard class, the key's default never raised)
+        service_tier="default" if req.service_tier == "standard_only" else None,
         **_tools(req),
     )
 

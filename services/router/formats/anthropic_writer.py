@@ -37,15 +37,19 @@ def stop_reason(finish: str, stop_sequence: str | None, called: bool = False) ->
     return "stop_sequence" if stop_sequence else "end_turn"
 
 
-def usage(prompt_tokens: int, cached: int, output: int, block_size: int) -> dict:
+def usage(
+    prompt_tokens: int, cached: int, output: int, block_size: int, tier: str = "default"
+) -> dict:
     """Anthropic's counts from kvmesh's one count: tokens read from the cache, tokens this
-    request newly stored (its prompt's full blocks not cached before), and the rest."""
+    request newly stored (its prompt's full blocks not cached before), and the rest; and the
+    class it ran at (Anthropic's ``standard`` is kvmesh's default)."""
     stored = max(0, prompt_tokens // block_size * block_size - cached) if block_size else 0
     return {
         "input_tokens": prompt_tokens - cached - stored,
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": stored,
         "output_tokens": output,
+        "service_tier": "standard" if tier == "default" else tier,
     }
 
 
@@ -95,7 +99,13 @@ class MessageWriter:
 
     def _usage(self) -> dict:
         u = self.p.usage
-        return usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens, self.block_size)
+        return usage(
+            u.prompt_tokens,
+            u.cached_tokens,
+            u.completion_tokens,
+            self.block_size,
+            self.p.job.priority,
+        )
 
     def whole(self, answers: list[Delta]) -> dict:
         (answer,) = answers  # (one choice: the format has no n)

@@ -15,6 +15,7 @@ from pydantic import Field, WithJsonSchema
 from services.router.errors import ApiError
 from services.router.formats.wire import (
     NonEmpty,
+    ServiceTier,
     Unserved,
     integer,
     parse_body,
@@ -201,6 +202,9 @@ LogitBias = Annotated[
 
 class _Sampling(_Body):
     model: str = Field(min_length=1)
+    service_tier: ServiceTier | None = Field(
+        default=None, description="the request's class (auto: its key's default)"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: integer(ge=1) | None = None
@@ -251,7 +255,6 @@ class ChatRequest(_Sampling):
     modalities: list[Literal["text"]] | None = None
     store: Literal[False] | None = Field(default=None, description="stateless: nothing is stored")
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
-    service_tier: Literal["auto", "default"] | None = None
     # Accepted: kvmesh already routes each prompt by its own blocks' hashes, which is what
     # the key stands in for; every retention asked for is met (blocks stay days on storage).
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
@@ -304,6 +307,7 @@ def conversation(body: bytes, chat: bool) -> conv.Conversation:
         "usage_every_chunk": options.continuous_usage_stats,
         "n": req.n,
         "prompt_scores": req.prompt_logprobs is not None,
+        "service_tier": None if req.service_tier == "auto" else req.service_tier,
     }
     if isinstance(req, ChatRequest):
         return _chat(req, common)

@@ -65,7 +65,9 @@ class OpenAIWriter:
 
     def __init__(self, p: Prepared) -> None:
         self.p, self.kvmesh = p, p.kvmesh
-        self.bodies = ResponseBodies(p.conversation.chat, response_id(p), p.job.model)
+        self.bodies = ResponseBodies(
+            p.conversation.chat, response_id(p), p.job.model, service_tier=p.job.priority
+        )
         conv = p.conversation
         self.usage_field = conv.include_usage  # chunks then carry "usage": null
         self.usage_always = conv.include_usage and conv.usage_every_chunk  # ... or the usage
@@ -245,6 +247,7 @@ class ResponseBodies:
     response_id: str
     model: str
     created: int = 0
+    service_tier: str = "default"  # the class the request ran at
 
     def __post_init__(self) -> None:
         self.created = self.created or int(time.time())
@@ -256,6 +259,7 @@ class ResponseBodies:
             "object": f"{kind}.chunk" if chunk and self.chat else kind,
             "created": self.created,
             "model": self.model,
+            "service_tier": self.service_tier,
         }
 
     def _choice(

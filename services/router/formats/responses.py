@@ -16,6 +16,7 @@ from pydantic import Field
 
 from services.router.formats.wire import (
     NonEmpty,
+    ServiceTier,
     Unserved,
     integer,
     parse_body,
@@ -133,7 +134,7 @@ class ResponsesRequest(_Body):
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     safety_identifier: str | None = Field(default=None, max_length=256)
-    service_tier: Literal["auto", "default"] | None = None
+    service_tier: ServiceTier | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: bool | None = None  # a forced choice makes one call; auto, any
@@ -178,6 +179,7 @@ def conversation(body: bytes) -> conv.Conversation:
         stream=req.stream,
         tools=tools,
         tool_choice=conv.ToolChoice.of(choice if isinstance(choice, str) else None, named),
+        service_tier=None if req.service_tier == "auto" else req.service_tier,
     )
 
 

@@ -24,7 +24,12 @@ def usage(u: Usage) -> dict:
 
 
 def response(
-    resp_id: str, model: str, output: list[dict] | None, finish: str | None, u: Usage | None
+    resp_id: str,
+    model: str,
+    output: list[dict] | None,
+    finish: str | None,
+    u: Usage | None,
+    service_tier: str = "default",
 ) -> dict:
     """The response object (``finish`` None: in progress, as ``response.created`` shows it)."""
     done = finish is not None
@@ -43,6 +48,7 @@ def response(
         "tools": [],
         "text": {"format": {"type": "text"}},
         "store": False,
+        "service_tier": service_tier,
         "usage": usage(u) if done and u is not None else None,
     }
 
@@ -87,7 +93,8 @@ class ResponseWriter:
         return wire.event(kind, {"type": kind, "sequence_number": next(self._seq), **fields})
 
     def _final(self, output: list[dict], finish: str | None) -> dict:
-        body = response(self.resp_id, self.p.job.model, output, finish, self.p.usage)
+        p = self.p
+        body = response(self.resp_id, p.job.model, output, finish, p.usage, p.job.priority)
         return {**body, "kvmesh": self.kvmesh()}
 
     def whole(self, answers: list[Delta]) -> dict:
@@ -101,7 +108,7 @@ class ResponseWriter:
         return self._final(output, answer.finish_reason)
 
     def start(self) -> list[bytes]:
-        started = response(self.resp_id, self.p.job.model, None, None, None)
+        started = response(self.resp_id, self.p.job.model, None, None, None, self.p.job.priority)
         return [
             self._event("response.created", response=started),
             self._event("response.in_progress", response=started),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import fields
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,6 +21,10 @@ from pydantic import (
 
 from services.router.errors import ApiError
 from shared.engine.sampling import SamplingParams
+
+# OpenAI's service tiers (Chat Completions, Completions, Responses): the request's class
+# (shared/messages/generate.py), within its key's ceiling; auto: its key's default.
+ServiceTier = Literal["auto", "default", "flex", "priority"]
 
 
 class StrictBody(BaseModel):

@@ -2,8 +2,8 @@
 (404 for one this mesh does not know), its tools, its answer's length within the model's
 context, its sampling against the model's vocabulary, the grammar its answer must match (a
 tool's schema, or a JSON answer's: a 400 names the field whose schema the grammar library
-cannot use), and the answers and prompts it asks for within the caller's limits. Each a 400
-(or 404) naming the field."""
+cannot use), the answers and prompts it asks for within the caller's limits, and the class it
+asks for within its key's ceiling. Each a 400 (or 404) naming the field."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from collections.abc import Callable, Collection
 
 from services.router.errors import ApiError
 from services.router.request.conversation import Conversation, ToolError
-from services.router.tenancy.admission import KvOptions
+from services.router.tenancy.admission import PRIORITY_HEADER, KvOptions
+from shared.messages.generate import RANKS, Priority
 from shared.model.grammar import (
     ANY_OBJECT,
     GrammarError,
@@ -143,3 +144,23 @@ def check_prompt_scores(conv: Conversation, n_prompt: int, max_payload: int) -> 
             f"fit one message; at most {most} prompt tokens with {top}",
             param=field,
         )
+
+
+def service_class(conv: Conversation, kv: KvOptions) -> Priority:
+    """The class a request runs at: what it asked for (its API's ``service_tier``, else the
+    x-kvmesh-priority header), or its key's default; a 400 naming the field when it asks above
+    its key's ceiling."""
+    asked, field = conv.service_tier, "service_tier"
+    if not asked:
+        asked, field = kv.tier, PRIORITY_HEADER
+    key = kv.caller.key
+    if not asked:
+        return key.default_tier if key is not None else "default"  # type: ignore[return-value]
+    ceiling = key.ceiling if key is not None else "priority"
+    if RANKS[asked] < RANKS[ceiling]:
+        raise ApiError(
+            400,
+            f"{field}: {asked!r} is above what this key may ask for ({ceiling!r} at most)",
+            param=field,
+        )
+    return asked  # type: ignore[return-value]

@@ -116,6 +116,7 @@ class Conversation:
     batch: tuple[str | tuple[int, ...], ...] = ()
     echo: bool = False  # (Completions) the prompt before the answer; max_tokens 0: it alone
     prompt_scores: bool = False  # vLLM's prompt_logprobs asked for: shown in each choice
+    service_tier: str | None = None  # the class asked for (None: the key's default)
 
     @property
     def scores_only(self) -> bool:

@@ -36,6 +36,7 @@ from services.router.request.checks import (
     check_model,
     check_prompt_scores,
     checked,
+    service_class,
 )
 from services.router.request.conversation import Conversation
 from services.router.request.image_reader import ImageReader
@@ -210,14 +211,16 @@ class Preparer:
         conv: Conversation,
         rid: str,
         kv: KvOptions = PLAIN,
-        priority: Priority = "online",
+        priority: Priority | None = None,
     ) -> Prepared:
         """A conversation (from any format's adapter) checked, rendered and ready to run
-        (``kv``: whose it is and how its blocks are kept; ``priority``: batch work waits for
-        online requests in the workers' queues). Several prompts or answers: each prompt
-        prepared once, every candidate the first's sibling (``choices.fan_out``)."""
+        (``kv``: whose it is and how its blocks are kept; ``priority``: its class, when not
+        what it asks for: batch work's). Several prompts or answers: each prompt prepared
+        once, every candidate the first's sibling (``choices.fan_out``)."""
         settings = self.settings
         check_choices(conv, kv, settings.max_choices, settings.max_prompts)
+        priority = priority or service_class(conv, kv)
+        self.tenancy.admit_class(priority)
         heads = [
             await self._prompt(c, f"{rid}-p{k}" if k else rid, kv, priority)
             for k, c in enumerate(conv.prompts())
@@ -295,6 +298,8 @@ class Preparer:
             segments=rendered.segments,
             images=rendered.images,
             priority=priority,
+            weight=(kv.caller.key.weight if kv.caller.key else 0) or 1,
+            ttft_first_by=time.time() + kv.ttft_deadline_ms / 1e3 if kv.ttft_deadline_ms else 0.0,
         )
         return Prepared(
             job=job,

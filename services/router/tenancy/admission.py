@@ -20,13 +20,19 @@ from services.router.errors import ApiError, overloaded
 from services.router.settings import TenancySettings
 from services.router.tenancy.keys import ANONYMOUS, Caller, KeyRing
 from services.router.tenancy.limits import KeyLimiter
+from shared.messages.generate import QUEUE_SHARE
 from shared.messages.kvevents import RETENTIONS
+from shared.security.keys import TIERS
 from shared.security.salt import SALT_SECRET, tenant_salt
 from shared.security.secret import load_or_create
+from shared.telemetry.metrics import REFUSED
 
 RETENTION_HEADER = "x-kvmesh-retention"
 TENANT_HEADER = "x-kvmesh-tenant"
 EXPLAIN_HEADER = "x-kvmesh-explain"
+PRIORITY_HEADER = "x-kvmesh-priority"  # the class, for a client that cannot set service_tier
+DEADLINE_HEADER = "x-kvmesh-ttft-deadline-ms"  # the first token is wanted within this
+MAX_DEADLINE_MS = 3_600_000
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ class KvOptions:
     tenant: str = ""
     explain: bool = False  # every candidate's routing terms in the response, not the best few
     caller: Caller = ANONYMOUS  # (its key's limits are charged its prompt's tokens)
+    tier: str = ""  # the class its header asked for ("": none)
+    ttft_deadline_ms: float = 0.0  # the first token within this many ms (0: no deadline)
 
 
 PLAIN = KvOptions()  # chat retention, no tenant
@@ -83,6 +91,18 @@ class Tenancy:
             finally:
                 self.inflight -= 1
 
+    def admit_class(self, priority: str) -> None:
+        """A request in progress of class ``priority`` (counted already): 429 once those in
+        progress fill its class's share of max_inflight, so that as the router fills the
+        lowest class is refused first (``QUEUE_SHARE``)."""
+        limit = max(1, int(self.settings.max_inflight * QUEUE_SHARE[priority]))
+        if self.inflight > limit:
+            REFUSED.labels(priority, "router").inc()
+            raise overloaded(
+                f"too many requests in progress for the {priority} class ({limit} of "
+                f"{self.settings.max_inflight})"
+            )
+
     def charge_tokens(self, caller: Caller, tokens: int) -> None:
         """The prompt's tokens against the caller's key's input-token limit."""
         if caller.key is not None:
@@ -103,8 +123,37 @@ class Tenancy:
             tenant = headers.get(TENANT_HEADER, "")
             if len(tenant) > 256:
                 raise ApiError(400, f"{TENANT_HEADER}: at most 256 characters", param=TENANT_HEADER)
-        return KvOptions(retention, tenant, headers.get(EXPLAIN_HEADER, "") == "all", caller)
+        explain = headers.get(EXPLAIN_HEADER, "") == "all"
+        return KvOptions(retention, tenant, explain, caller, _tier(headers), _deadline_ms(headers))
 
     def salt(self, tenant: str) -> str:
         """The tenant's salt: part of every hash of its blocks and images."""
         return tenant_salt(self.salt_secret, tenant)
+
+
+def _tier(headers: Mapping[str, str]) -> str:
+    tier = headers.get(PRIORITY_HEADER, "")
+    if tier not in ("", "auto", *TIERS):
+        raise ApiError(
+            400,
+            f"{PRIORITY_HEADER}: one of auto, {', '.join(TIERS)} (got {tier[:64]!r})",
+            param=PRIORITY_HEADER,
+        )
+    return "" if tier == "auto" else tier
+
+
+def _deadline_ms(headers: Mapping[str, str]) -> float:
+    raw = headers.get(DEADLINE_HEADER, "")
+    if not raw:
+        return 0.0
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not 0 < ms <= MAX_DEADLINE_MS:  # (nan fails too)
+        raise ApiError(
+            400,
+            f"{DEADLINE_HEADER}: milliseconds, over 0 and at most {MAX_DEADLINE_MS}",
+            param=DEADLINE_HEADER,
+        )
+    return ms

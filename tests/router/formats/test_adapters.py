@@ -285,6 +285,7 @@ def test_a_whole_answer_in_each_format(path: str, real_text: TextModel) -> None:
             "cache_read_input_tokens": 64,
             "cache_creation_input_tokens": 0,
             "output_tokens": 4,
+            "service_tier": "standard",  # (the default class, in Anthropic's name)
         }
         assert out["stop_reason"] == "max_tokens"
     if path == "/v1/responses":
