@@ -76,8 +76,14 @@ def vllm_stack(stacks) -> Stack:
 
 
 @pytest.fixture(scope="module")
-def own_answer(vllm_stack: Stack) -> list[int]:
-    return own_greedy_answer(Path(vllm_stack.dir), PROMPT)
+def own_answer(vllm_stack: Stack, started: list[str]) -> list[int]:
+    return own_greedy_answer(Path(vllm_stack.dir), PROMPT, started)
+
+
+@pytest.fixture(scope="module")
+def started() -> list[str]:
+    """The order two requests queued in vLLM started (``own_greedy_answer``)."""
+    return []
 
 
 def test_the_model_is_served_by_its_vllm_worker_alone(vllm_stack: Stack) -> None:
@@ -97,6 +103,11 @@ def test_greedy_through_the_mesh_is_vllms_own_answer_token_for_token(
     vllm_stack: Stack, own_answer: list[int]
 ) -> None:
     assert answered_as_vllm(vllm_stack, PROMPT, own_answer)["workers"] == [WORKER]
+
+
+def test_a_requests_class_reaches_vllms_scheduler(own_answer: list[int], started: list[str]):  # noqa: ANN201
+    """Asked first, the batch-ranked request starts after the priority one queued later."""
+    assert own_answer and started == ["high", "low"]
 
 
 def test_the_anthropic_and_responses_formats_get_the_same_answer(vllm_stack: Stack) -> None:

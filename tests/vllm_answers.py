@@ -13,21 +13,40 @@ from tests.stack import Stack
 MAX_TOKENS = 24
 
 
-def own_greedy_answer(state_dir: Path, prompt: list[int]) -> list[int]:
+def own_greedy_answer(state_dir: Path, prompt: list[int], order: list[str] | None = None):  # noqa: ANN201
     """vLLM's own greedy answer (the export the stack's workers made under ``state_dir`` is
-    reused)."""
+    reused), from an engine that runs one sequence at a time; with ``order``, then the order
+    in which two requests queued behind a running one start: "low" (rank 3) asked before
+    "high" (rank 0), as kvmesh's vLLM worker passes a request's class."""
     from shared.engine.interface import EngineOptions
     from shared.engine.sampling import SamplingParams
     from shared.engine.vllm.engine import VllmEngine
     from shared.model.catalog import resolve
 
-    engine = VllmEngine.load(resolve(REAL, {}), state_dir, EngineOptions(kv_cache_tokens=4096))
+    options = EngineOptions(kv_cache_tokens=4096, max_running=1)
+    engine = VllmEngine.load(resolve(REAL, {}), state_dir, options)
+
+    async def first_piece(rid: str, rank: int) -> None:
+        params = SamplingParams(max_tokens=2, temperature=0)
+        async for _ in engine.generate(rid, prompt, params, rank=rank):
+            order.append(rid)
+            return
 
     async def run() -> list[int]:
         await engine.start()
         try:
             params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-            return [t async for g in engine.generate("own", prompt, params) for t in g.token_ids]
+            own = [t async for g in engine.generate("own", prompt, params) for t in g.token_ids]
+            if order is not None:
+                long = engine.generate("long", prompt, SamplingParams(max_tokens=64))
+                await anext(long)  # running: the next two wait in vLLM's queue
+                low = asyncio.create_task(first_piece("low", 3))
+                await asyncio.sleep(0.2)
+                high = asyncio.create_task(first_piece("high", 0))
+                await asyncio.sleep(0.2)
+                await long.aclose()
+                await asyncio.gather(low, high)
+            return own
         finally:
             await engine.stop()
 

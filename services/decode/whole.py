@@ -17,7 +17,7 @@ from contextlib import AsyncExitStack
 
 from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
-from shared.messages.generate import GenerateTask, Logprobs, TaskAck, TokenEvent
+from shared.messages.generate import RANKS, GenerateTask, Logprobs, TaskAck, TokenEvent
 from shared.owning_worker import OwningWorker
 from shared.security.handoff import HANDOFF_SECRET, handoff_refusal
 from shared.security.secret import load_or_create
@@ -81,7 +81,10 @@ class WholeRequests(OwningWorker):
         boot = handover.bootstrap if handover is not None else None
         peer = (boot.host, boot.port, boot.room) if boot is not None else None
         try:
-            pieces = self.owning.generate(rid, prompt, params, task.salt, task.retention, peer)
+            rank = RANKS[task.priority]
+            pieces = self.owning.generate(
+                rid, prompt, params, task.salt, task.retention, peer, rank
+            )
             async for piece in pieces:
                 if not piece.token_ids and piece.finish_reason is None:
                     continue

@@ -39,6 +39,7 @@ from shared.bus import BusError, subjects
 from shared.engine.interface import Generated
 from shared.kvstore.backend import FileStore
 from shared.messages.generate import (
+    RANKS,
     Bootstrap,
     Cancel,
     GenerateTask,
@@ -103,7 +104,7 @@ class WholePrefill(OwningWorker):
         boot = Bootstrap(host=host, port=int(port), room=secrets.randbits(63))
         pieces = self.owning.generate(
             rid, task.token_ids, task.sampling, task.salt, task.retention,
-            (boot.host, boot.port, boot.room),
+            (boot.host, boot.port, boot.room), RANKS[task.priority],
         )  # fmt: skip
         computing = asyncio.create_task(_all(pieces))
         rest = task.model_copy(update={"handover": Handover(bootstrap=boot)})
@@ -149,7 +150,7 @@ class WholePrefill(OwningWorker):
             pieces = [
                 p
                 async for p in self.owning.generate(
-                    rid, task.token_ids, one, task.salt, task.retention
+                    rid, task.token_ids, one, task.salt, task.retention, rank=RANKS[task.priority]
                 )
             ]
         except Exception as err:

@@ -414,11 +414,13 @@ class OwningEngine(ABC):
         salt: str = "",
         retention: str = "chat",
         peer: Peer | None = None,
+        rank: int = 1,
     ) -> AsyncIterator[Generated]:
         """The answer to a prompt, in pieces. ``salt``: the tenant's, so one tenant's cached
         prefix is never another's; ``retention``: the class its stored blocks are kept under;
-        ``peer``: in an engine's own P/D, where the KV moves between the two engines.
-        Closing the iterator early aborts the request."""
+        ``peer``: in an engine's own P/D, where the KV moves between the two engines;
+        ``rank``: its class's (shared/messages/generate.py: 0 first), for the engine's own
+        priority scheduling. Closing the iterator early aborts the request."""
 
     @abstractmethod
     async def abort(self, seq_id: str) -> None:

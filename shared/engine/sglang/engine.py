@@ -127,6 +127,9 @@ class SglangEngine(OwningEngine):
             "enable_deterministic_inference": True,  # a seed gives one answer wherever it runs
             "grammar_backend": "llguidance",  # the router's grammars are llguidance's
             "enable_cache_report": True,  # cached tokens by device, host and storage
+            # Waiting requests by class (a rank: 0 first), then arrival.
+            "enable_priority_scheduling": True,
+            "schedule_low_priority_values_first": True,
             "log_level": "error",
         }
         if o.memory_tier_bytes or o.kv_store_dir:  # SGLang's host memory: the memory tier
@@ -244,6 +247,7 @@ class SglangEngine(OwningEngine):
         salt: str = "",
         retention: str = "chat",
         peer: Peer | None = None,
+        rank: int = 1,
     ) -> AsyncIterator[Generated]:
         assert self._engine is not None, "start() first"
         if bool(peer) != bool(self.options.pd_transfer):
@@ -265,6 +269,7 @@ class SglangEngine(OwningEngine):
             sampling_params=sglang_params(params),
             stream=True,
             rid=seq_id,
+            priority=rank,
             cache_salt=sglang_cache_salt(self.config.fingerprint, self.block_size, salt),
             **logprob_fields(params),
             **where,

@@ -122,6 +122,7 @@ class VllmEngine(OwningEngine):
             max_model_len=self.config.max_context,
             max_num_seqs=self.options.max_running,
             seed=0,
+            scheduling_policy="priority",  # waiting requests by class (rank), then arrival
             disable_log_stats=False,
             # the router's grammars are llguidance's: the same library applies them here
             structured_outputs_config={"backend": "guidance"},
@@ -145,6 +146,7 @@ class VllmEngine(OwningEngine):
         salt: str = "",
         retention: str = "chat",
         peer: Peer | None = None,
+        rank: int = 1,
     ) -> AsyncIterator[Generated]:
         from vllm.inputs import TokensPrompt
 
@@ -159,7 +161,7 @@ class VllmEngine(OwningEngine):
         first, cached = True, 0
         asked = vllm_params(params)
         asked.extra_args = {**(asked.extra_args or {}), RETENTION_KEY: retention}
-        stream = self._engine.generate(prompt, asked, request_id=seq_id)
+        stream = self._engine.generate(prompt, asked, request_id=seq_id, priority=rank)
         try:
             async for out in stream:
                 piece = out.outputs[0]
