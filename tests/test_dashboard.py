@@ -129,6 +129,9 @@ def test_a_request_is_listed_within_2s_and_opens_its_waterfall(stack: Stack, bro
     assert first["router-0"] < first["prefill-0"] < first["decode-0"]  # the path, in time
     decision = tab.page.inner_text("#decision")
     assert "prefill-0" in decision and "ttft_s" in decision
+    # Its class's row: its requests and TTFT (the figures are read every few seconds).
+    tab.page.wait_for_selector("#classes tbody tr", timeout=15_000)
+    assert tab.page.inner_text("#classes tbody tr td").strip() == "default"
     tab.shot("waterfall")
     assert tab.errors == []
     tab.page.close()

@@ -25,7 +25,14 @@ from services.router.routing.estimate import Rates
 from services.router.settings import ObserveSettings, PlanSettings
 from shared.bus import Bus
 from shared.logs import request_scope
-from shared.telemetry.metrics import INPUT_TOKENS, OUTPUT_TOKENS, REQUESTS, TPOT, TTFT
+from shared.telemetry.metrics import (
+    CLASS_TTFT,
+    INPUT_TOKENS,
+    OUTPUT_TOKENS,
+    REQUESTS,
+    TPOT,
+    TTFT,
+)
 from shared.telemetry.tracing import REQUEST_ID, current_ids, extract, tracer
 
 log = logging.getLogger(__name__)
@@ -122,8 +129,9 @@ class RequestRecorder:
     def _finished(self, outcome: Outcome, endpoint: str, span: trace.Span, rid: str) -> None:
         REQUESTS.labels(endpoint, str(outcome.status)).inc()
         span.set_attribute("http.response.status_code", outcome.status)
-        self.stats.status(time.time(), outcome.status)
         p = outcome.prepared
+        priority = p.job.priority if p is not None else ""
+        self.stats.status(time.time(), outcome.status, priority, p.tenant if p else "")
         self._remember(outcome, endpoint, span, rid)
         if p is None:
             log.info("%s %d", endpoint, outcome.status)
@@ -171,7 +179,9 @@ class RequestRecorder:
             generation_s,
             p.tenant,
             memory,
+            p.job.priority,
         )
+        CLASS_TTFT.labels(p.job.priority, p.tenant if p.tenant_is_key else "").observe(ttft)
         self.capacity.record(Answered.of(p.received_at, ttft, generation_s, u, memory))
 
     def _remember(self, outcome: Outcome, endpoint: str, span: trace.Span, rid: str) -> None:

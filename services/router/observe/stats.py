@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, Field
 
 from shared.messages import Message
+from shared.messages.generate import RANKS
 
 DAY_S = 86_400.0
 BUCKET_S = 60.0
@@ -99,16 +100,21 @@ def percentile_ms(counts: list[int], p: float) -> float | None:
 
 
 class TenantTotals(BaseModel):
-    """One tenant's sums over some minutes."""
+    """One tenant's (or one class's: shared/messages/generate.py) sums over some minutes:
+    requests answered, their tokens and TTFTs, and requests refused for load (429)."""
 
     requests: int = 0
     input_tokens: int = 0
     cached_tokens: int = 0
+    refused: int = 0
+    ttft_counts: list[int] = Field(default_factory=list)  # by TTFT_EDGES_MS (percentiles)
 
     def add(self, other: TenantTotals) -> None:
         self.requests += other.requests
         self.input_tokens += other.input_tokens
         self.cached_tokens += other.cached_tokens
+        self.refused += other.refused
+        self.ttft_counts = merged_counts(self.ttft_counts, other.ttft_counts)
 
     def figures(self) -> dict:
         n = self.input_tokens
@@ -117,6 +123,9 @@ class TenantTotals(BaseModel):
             "input_tokens": n,
             "cached_tokens": self.cached_tokens,
             "input_cache_hit_ratio": round(self.cached_tokens / n, 6) if n else None,
+            "ttft_p50_ms": percentile_ms(self.ttft_counts, 50),
+            "ttft_p99_ms": percentile_ms(self.ttft_counts, 99),
+            "refused": self.refused,
         }
 
 
@@ -124,6 +133,13 @@ TENANTS_PER_MINUTE = 64
 TENANTS_REPORTED = 100
 OTHER_TENANTS = "(other)"  # tenants past a minute's first TENANTS_PER_MINUTE, together
 NO_TENANT = "(none)"  # requests with no tenant (auth off and no tenant header)
+UNKNOWN = "(unknown)"  # the class of a request refused before its body was read
+
+
+def _one(ttft_s: float) -> list[int]:
+    """One TTFT as bucket counts."""
+    i = bisect.bisect_left(TTFT_EDGES_MS, ttft_s * 1e3)
+    return [0] * i + [1]
 
 
 class StatsMinute(Message):
@@ -136,6 +152,7 @@ class StatsMinute(Message):
     by_class: dict[str, Totals] = Field(default_factory=dict)
     by_tenant: dict[str, TenantTotals] = Field(default_factory=dict)
     by_status: dict[str, int] = Field(default_factory=dict)  # every request's HTTP status
+    by_priority: dict[str, TenantTotals] = Field(default_factory=dict)
 
 
 @dataclass
@@ -145,6 +162,7 @@ class _Minute:
     by_class: dict[str, Totals] = field(default_factory=dict)
     by_tenant: dict[str, TenantTotals] = field(default_factory=dict)
     by_status: dict[str, int] = field(default_factory=dict)
+    by_priority: dict[str, TenantTotals] = field(default_factory=dict)
 
     def tenant(self, name: str) -> TenantTotals:
         name = name or NO_TENANT
@@ -187,14 +205,19 @@ class RollingStats:
         generation_s: float,
         tenant: str = "",
         memory_tokens: int = 0,
+        priority: str = "default",
     ) -> None:
         """A request that was answered: its tokens, its TTFT, and the time from its first
         token to its last (its generation speed is output_tokens - 1 over that)."""
         minute = self._mine(now)
-        mine = minute.tenant(tenant)
-        mine.requests += 1
-        mine.input_tokens += input_tokens
-        mine.cached_tokens += cached_tokens
+        for mine in (
+            minute.tenant(tenant),
+            minute.by_priority.setdefault(priority, TenantTotals()),
+        ):
+            mine.requests += 1
+            mine.input_tokens += input_tokens
+            mine.cached_tokens += cached_tokens
+            mine.ttft_counts = merged_counts(mine.ttft_counts, _one(ttft_s))
         t = minute.by_class.setdefault(traffic_class, Totals())
         t.requests += 1
         t.input_tokens += input_tokens
@@ -207,10 +230,16 @@ class RollingStats:
             t.speed_requests += 1
             t.speed_tok_s += (output_tokens - 1) / generation_s
 
-    def status(self, now: float, status: int) -> None:
-        """Any request that ended (answered or not), by its HTTP status."""
-        counts = self._mine(now).by_status
+    def status(self, now: float, status: int, priority: str = "", tenant: str = "") -> None:
+        """Any request that ended (answered or not), by its HTTP status; one refused for load
+        (429) counted against its class and tenant (a class not known yet: refused before its
+        body was read, as ``(unknown)``)."""
+        minute = self._mine(now)
+        counts = minute.by_status
         counts[str(status)] = counts.get(str(status), 0) + 1
+        if status == 429:
+            minute.by_priority.setdefault(priority or UNKNOWN, TenantTotals()).refused += 1
+            minute.tenant(tenant).refused += 1
 
     def tick(self, now: float, workers: int) -> None:
         """``workers`` (prefill and decode) were live since the last tick."""
@@ -235,6 +264,7 @@ class RollingStats:
                         by_class={k: t.model_copy() for k, t in m.by_class.items()},
                         by_tenant={k: t.model_copy() for k, t in m.by_tenant.items()},
                         by_status=dict(m.by_status),
+                        by_priority={k: t.model_copy() for k, t in m.by_priority.items()},
                     )
                 )
         self._changed.clear()
@@ -256,6 +286,7 @@ class RollingStats:
                 shared.by_class,
                 shared.by_tenant,
                 dict(shared.by_status),
+                shared.by_priority,
             )
             return
         if not replaying:
@@ -269,6 +300,8 @@ class RollingStats:
             m.tenant(name).add(tt)
         for code, n in shared.by_status.items():
             m.by_status[code] = m.by_status.get(code, 0) + n
+        for name, pt in shared.by_priority.items():
+            m.by_priority.setdefault(name, TenantTotals()).add(pt)
         self._changed.add(shared.minute)
 
     # -- the report ----------------------------------------------------------------------
@@ -317,7 +350,7 @@ class RollingStats:
         started = min([self.started_at, *(m.started_at for m in self._minutes.values())])
         window_s = min(DAY_S, max(now - started, 1e-9))
         worker_s: dict[int, float] = {}
-        overall, by_class, by_tenant = Totals(), {}, {}
+        overall, by_class, by_tenant, by_priority = Totals(), {}, {}, {}
         for (_, minute), m in self._minutes.items():
             worker_s[minute] = max(worker_s.get(minute, 0.0), m.worker_s)
             for name, t in m.by_class.items():
@@ -325,6 +358,8 @@ class RollingStats:
                 by_class.setdefault(name, Totals()).add(t)
             for name, tt in m.by_tenant.items():
                 by_tenant.setdefault(name, TenantTotals()).add(tt)
+            for name, pt in m.by_priority.items():
+                by_priority.setdefault(name, TenantTotals()).add(pt)
         busiest = sorted(by_tenant.items(), key=lambda kv: (-kv[1].input_tokens, kv[0]))
         worker_hours = sum(worker_s.values()) / 3600
         return {
@@ -338,4 +373,9 @@ class RollingStats:
             },
             # The busiest tenants by input tokens, most first.
             "by_tenant": {name: t.figures() for name, t in busiest[:TENANTS_REPORTED]},
+            # Each service class (priority, default, flex, batch), highest first.
+            "by_priority": {
+                name: by_priority[name].figures()
+                for name in sorted(by_priority, key=lambda n: RANKS.get(n, len(RANKS)))
+            },
         }

@@ -142,6 +142,7 @@ class Prepared:
     encodes: Encodes | None = None  # the images' encode requests, in flight
     block_size: int = 0  # the model's KV block size (0 while no worker has said)
     tenant: str = ""  # whose request (the key's tenant, or the tenant header with auth off)
+    tenant_is_key: bool = False  # its tenant is an API key's (a label on /metrics)
     delivered: bool = False  # a stream's last event written (the client has the answer)
     # An answer of several choices (``choices.py``): the first's siblings, in choice order;
     # a candidate's place among its prompt's (0: the first, which the prompt is counted by).
@@ -310,6 +311,7 @@ class Preparer:
             encodes=encodes,
             block_size=self.dispatcher.block_size(conv.model),
             tenant=kv.tenant,
+            tenant_is_key=kv.caller.key is not None,
         )
 
     def _encode(self, encodes: Encodes, model: str) -> None:

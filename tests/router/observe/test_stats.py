@@ -97,3 +97,28 @@ def test_each_tenant_has_its_hit_ratio_across_routers_and_a_bounded_count() -> N
         many.record(T0 + 1, "chat", 100, 50, 1, 0.1, 0.0, tenant=f"t{i}")
     report = many.report(T0 + 60)["by_tenant"]
     assert len(report) == TENANTS_PER_MINUTE + 1 and report["(other)"]["requests"] == 10
+
+
+def test_each_class_and_tenant_has_its_ttft_and_refusals_across_routers() -> None:
+    """By service class (highest first) and by tenant: TTFT percentiles and requests refused
+    for load, summed over the routers; a refusal before the body was read is unclassed."""
+    a, b = RollingStats("a", T0), RollingStats("b", T0)
+    for _ in range(10):
+        a.record(T0 + 1, "chat", 100, 0, 2, 0.05, 0.1, tenant="light", priority="priority")
+        b.record(T0 + 2, "chat", 100, 0, 2, 2.0, 0.1, tenant="heavy", priority="flex")
+    a.status(T0 + 3, 429, "flex", "heavy")
+    b.status(T0 + 3, 429, "flex", "heavy")
+    b.status(T0 + 4, 429)  # (refused at admission: no class yet)
+    b.status(T0 + 5, 200, "priority", "light")
+    for m in a.to_share():
+        b.merge(m, replaying=False)
+    report = b.report(T0 + 60)
+    classes = report["by_priority"]
+    assert list(classes) == ["priority", "flex", "(unknown)"]
+    assert classes["priority"]["requests"] == 10 and classes["priority"]["refused"] == 0
+    assert classes["priority"]["ttft_p99_ms"] <= 0.05e3 * 1.3
+    assert classes["flex"]["ttft_p50_ms"] >= 2.0e3 and classes["flex"]["refused"] == 2
+    assert classes["(unknown)"] == {**classes["(unknown)"], "requests": 0, "refused": 1}
+    tenants = report["by_tenant"]
+    assert tenants["heavy"]["refused"] == 2 and tenants["light"]["refused"] == 0
+    assert tenants["light"]["ttft_p50_ms"] <= 0.05e3 * 1.3

@@ -124,10 +124,17 @@ function drawFigures(stats) {
   const rows = [figureRow("all", stats.overall)];
   for (const [name, f] of Object.entries(stats.by_class || {})) rows.push(figureRow(name, f));
   fill($("#figures tbody"), rows);
+  const ms = (v) => (v === null || v === undefined ? "–" : `${fmt(v)} ms`);
+  const waits = (t) => [el("td", {}, ms(t.ttft_p50_ms)), el("td", {}, ms(t.ttft_p99_ms)),
+    el("td", {}, fmt(t.refused || 0, 0))];
+  const classes = Object.entries(stats.by_priority || {}).map(([name, t]) => el("tr", {},
+    el("td", {}, name), el("td", {}, fmt(t.requests, 0)), ...waits(t)));
+  fill($("#classes tbody"), classes);
   const tenants = Object.entries(stats.by_tenant || {}).map(([name, t]) => el("tr", {},
     el("td", {}, name), el("td", {}, fmt(t.requests, 0)), el("td", {}, fmt(t.input_tokens)),
     el("td", {}, fmt(t.cached_tokens)),
-    el("td", {}, t.input_cache_hit_ratio === null ? "–" : `${(t.input_cache_hit_ratio * 100).toFixed(1)}%`)));
+    el("td", {}, t.input_cache_hit_ratio === null ? "–" : `${(t.input_cache_hit_ratio * 100).toFixed(1)}%`),
+    ...waits(t)));
   fill($("#tenants tbody"), tenants);
 }
 
