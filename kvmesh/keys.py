@@ -2,6 +2,7 @@
 
     kvmesh keys add --tenant acme [--admin] [--rpm 600] [--tpm 2000000] [--concurrency 32]
                     [--choices 4] [--tier-ceiling default] [--tier-default flex] [--weight 2]
+                    [--pin-ttl-s 900] [--pin-bytes 1073741824]
     kvmesh keys list
     kvmesh keys revoke key_3f9a0c1d
 
@@ -53,6 +54,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="the class of its requests that ask for none (default: default)",
     )
     add.add_argument(
+        "--pin-ttl-s",
+        type=int,
+        default=0,
+        help="a conversation's KV pinned for at most this long (0: the router's bound)",
+    )
+    add.add_argument(
+        "--pin-bytes",
+        type=int,
+        default=0,
+        help="KV its tenant may have pinned at once (0: the router's bound)",
+    )
+    add.add_argument(
         "--weight",
         type=int,
         default=0,
@@ -73,7 +86,12 @@ def run(args: argparse.Namespace) -> int:
                 if getattr(args, name) < 0:
                     raise KeysFileError(f"--{name}: at least 0")
             limits = {name: getattr(args, name) for name in LIMITS}
-            tiers = {"tier_ceiling": args.tier_ceiling, "tier_default": args.tier_default}
+            tiers = {
+                "tier_ceiling": args.tier_ceiling,
+                "tier_default": args.tier_default,
+                "pin_ttl_s": args.pin_ttl_s,
+                "pin_bytes": args.pin_bytes,
+            }
             role = "admin" if args.admin else "user"
             key, entry = new_key(args.tenant, role, weight=args.weight, **limits, **tiers)
             keys.add(entry)

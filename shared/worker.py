@@ -515,7 +515,7 @@ class WorkerService(Service):
             except PoolExhausted:
                 cached.truncate(0)  # no room to hold it: compute everything
                 break
-            await self.tiers.remember(cached, task.retention)
+            await self.tiers.remember(cached, task.retention, task.pinned_until)
             return prefix, cached
         return None, cached
 
@@ -550,6 +550,7 @@ class WorkerService(Service):
             blobs,
             task.retention,
             context or self.span_context(task.request_id),
+            task.pinned_until,
         )
         return hashes
 

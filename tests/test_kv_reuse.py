@@ -314,6 +314,47 @@ def test_a_conversation_whose_blocks_expired_is_told_so(small: Stack) -> None:
     assert (explained["first_uncached_block"], explained["message"], explained["char"]) == (0, 0, 0)
 
 
+def test_a_pinned_conversation_outlives_eviction_and_its_ttl_until_its_pin_ends(
+    small: Stack,
+) -> None:
+    """x-kvmesh-cache-ttl-s 8: its blocks stay through the pressure that evicts an unpinned
+    prompt's and past the chat class's 3 s, and go once the pin has ended. The router keeps
+    no more pinned than the tenant's quota (a conversation's blocks counted once)."""
+    pinned, plain = prompt_ids(50), prompt_ids(51)
+    complete(small, pinned, **{"x-kvmesh-cache-ttl-s": "8"})
+    started = time.monotonic()
+    complete(small, plain, **{"x-kvmesh-retention": "agent"})
+    kept, gone = small.hashes(pinned), small.hashes(plain)
+    wait_until(lambda: all(h in small.store for h in kept), 30, what="pinned blocks stored")
+    wait_until(lambda: gone[-1] in small.store, 30, what="the unpinned prompt stored")
+    for seed in (52, 53):  # 16 blocks into room for 10: the least recent unpinned go first
+        complete(small, prompt_ids(seed), **{"x-kvmesh-retention": "agent"})
+    wait_until(lambda: not any(h in small.store for h in gone), 30, what="unpinned evicted")
+    assert time.monotonic() - started < 6
+    wait_until(lambda: time.monotonic() - started > 4, 10, what="the chat TTL over")
+    assert all(h in small.store for h in kept)  # pinned past its class's TTL
+    assert complete(small, pinned).usage.prompt_tokens_details.cached_tokens == 4 * 64
+    wait_until(lambda: not any(h in small.store for h in kept), 30, what="the pin over")
+
+    url = small.router("router-pins", KVMESH_ROUTER_PINNED_BYTES_PER_TENANT="300000")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def ask(ids: list[int], ttl: str):  # noqa: ANN202
+        return client.completions.create(
+            model="tiny", prompt=ids, max_tokens=2, extra_headers={"x-kvmesh-cache-ttl-s": ttl}
+        )
+
+    ask(prompt_ids(60), "30")  # 4 blocks of 64 KiB and the answer's room: 264,192 bytes
+    ask(prompt_ids(60), "30")  # its blocks again: the answer's room only
+    with pytest.raises(openai.RateLimitError) as err:
+        ask(prompt_ids(61), "30")
+    assert err.value.body["param"] == "x-kvmesh-cache-ttl-s"
+    assert "past its quota of 300000 bytes (266240 pinned now)" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(prompt_ids(62), "7200")
+    assert "at most 3600 s" in str(err.value)
+
+
 def test_a_full_write_behind_queue_skips_blocks_and_says_so(small: Stack) -> None:
     small.restart("prefill-0", KVMESH_PREFILL_WRITE_QUEUE_BYTES="0")
     small.wait_ready(["prefill-0"])

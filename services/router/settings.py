@@ -60,6 +60,18 @@ class TenancySettings(Section):
         description="new requests get 429 while the router's event loop runs this far behind "
         "(it streams more tokens than it can write: the answers in flight go first)",
     )
+    max_cache_ttl_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="a conversation's KV is pinned for at most this long "
+        "(x-kvmesh-cache-ttl-s; a key's own pin_ttl_s can set less or more); 0: no pins",
+    )
+    pinned_bytes_per_tenant: int = Field(
+        default=4 << 30,
+        ge=0,
+        description="KV a tenant may have pinned at once, counted by this router (a key's own "
+        "pin_bytes can set another)",
+    )
 
     @field_validator("keys_file")
     @classmethod

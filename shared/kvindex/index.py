@@ -8,6 +8,7 @@ past a capacity; a router's does without (``lru=False``: it evicts nothing).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ class Entry:
     size: int
     retention: str
     last_access: float
-    expires_at: float  # last_access + the retention class's TTL, kept at hand for lookups
+    expires_at: float  # last_access + the retention class's TTL, or the pin's end if later
     locations: frozenset[str] = frozenset()  # interned: equal sets are the same object
+    pinned_until: float = 0.0  # neither expired nor evicted before this (unix time)
 
 
 class BlockIndex:
@@ -61,26 +63,32 @@ class BlockIndex:
         if event.kind == "stored":
             sizes = event.sizes or [0] * len(event.hashes)
             for h, size in zip(event.hashes, sizes, strict=True):
-                self._add(h, event.location, size, event.retention, event.at)
+                self._add(h, event.location, size, event.retention, event.at, event.pinned_until)
         elif event.kind == "removed":
             for h in event.hashes:
                 self._remove(h, event.location)
         elif event.kind == "touched":
-            self.touch(event.hashes, event.at)
+            self.touch(event.hashes, event.at, event.pinned_until)
         else:  # cleared
             self.drop_location(event.location)
 
-    def _add(self, h: str, location: str, size: int, retention: str, at: float) -> None:
+    def _add(
+        self, h: str, location: str, size: int, retention: str, at: float, pinned: float = 0.0
+    ) -> None:
         entry = self.entries.get(h)
         if entry is None:
-            entry = self.entries[h] = Entry(size, retention, at, at + self.ttl_s[retention])
+            ends = max(at + self.ttl_s[retention], pinned)
+            entry = self.entries[h] = Entry(size, retention, at, ends, pinned_until=pinned)
         else:
             if at > entry.last_access:
                 entry.last_access = at
             # The longer-lived class wins: an agent's block is not cut short by a chat's.
             if retention != entry.retention and self.ttl_s[retention] > self.ttl_s[entry.retention]:
                 entry.retention = retention
-            entry.expires_at = entry.last_access + self.ttl_s[entry.retention]
+            entry.pinned_until = max(entry.pinned_until, pinned)
+            entry.expires_at = max(
+                entry.last_access + self.ttl_s[entry.retention], entry.pinned_until
+            )
             entry.size = size or entry.size
         held = entry.locations
         if location == STORE:
@@ -143,16 +151,20 @@ class BlockIndex:
             self.touch(hashes[:n], now)
         return counts
 
-    def touch(self, hashes: list[str], now: float) -> None:
-        """Mark blocks used. Later blocks first, so a chain's head ends up the most recent:
-        eviction then trims chains from the tail, never cutting a prefix's head."""
+    def touch(self, hashes: list[str], now: float, pinned_until: float = 0.0) -> None:
+        """Mark blocks used (and pinned until ``pinned_until``, when later than they are).
+        Later blocks first, so a chain's head ends up the most recent: eviction then trims
+        chains from the tail, never cutting a prefix's head."""
         for h in reversed(hashes):
             entry = self.entries.get(h)
             if entry is None:
                 continue
+            if pinned_until > entry.pinned_until:
+                entry.pinned_until = pinned_until
+                entry.expires_at = max(entry.expires_at, pinned_until)
             if now > entry.last_access:
                 entry.last_access = now
-                entry.expires_at = now + self.ttl_s[entry.retention]
+                entry.expires_at = max(now + self.ttl_s[entry.retention], entry.pinned_until)
             if self.lru and STORE in entry.locations:
                 self.store_lru.move_to_end(h)
 
@@ -167,17 +179,23 @@ class BlockIndex:
                 for location in list(entry.locations):
                     self._remove(h, location)
 
-    def eviction_victims(self, capacity: int, high: float, low: float) -> list[str]:
+    def eviction_victims(
+        self, capacity: int, high: float, low: float, now: float | None = None
+    ) -> list[str]:
         """Past the high watermark, the least recently used storage-tier blocks whose removal
-        brings it down to the low watermark."""
+        brings it down to the low watermark; a block pinned past ``now`` is passed over."""
         if self.store_bytes <= capacity * high:
             return []
+        now = time.time() if now is None else now
         victims, freed = [], 0
         for h in self.store_lru:
             if self.store_bytes - freed <= capacity * low:
                 break
+            entry = self.entries[h]
+            if entry.pinned_until > now:
+                continue
             victims.append(h)
-            freed += self.entries[h].size
+            freed += entry.size
         return victims
 
     # -- persistence -----------------------------------------------------------------------
@@ -197,6 +215,7 @@ class BlockIndex:
             "sizes": [e.size for e in entries],
             "agent": [int(e.retention == "agent") for e in entries],
             "last_access": [e.last_access for e in entries],
+            "pinned_until": [e.pinned_until for e in entries],
             "where": [sets.setdefault(e.locations, len(sets)) for e in entries],
             "sets": [sorted(s) for s in sets],
         }
@@ -210,15 +229,17 @@ class BlockIndex:
         else:
             hashes = [packed[i : i + width] for i in range(0, len(packed), width)]
         sets = [index._interned(frozenset(s)) for s in cols["sets"]]
-        rows = zip(cols["sizes"], cols["agent"], cols["last_access"], cols["where"], strict=True)
-        for h, (size, agent, last_access, where) in zip(hashes, rows, strict=True):
+        pins = cols.get("pinned_until") or [0.0] * len(cols["sizes"])  # (older snapshots)
+        rows = zip(
+            cols["sizes"], cols["agent"], cols["last_access"], cols["where"], pins, strict=True
+        )
+        for h, (size, agent, last_access, where, pin) in zip(hashes, rows, strict=True):
             retention = "agent" if agent else "chat"
             locations = sets[where]
             if not locations:
                 continue
-            index.entries[h] = Entry(
-                size, retention, last_access, last_access + ttl_s[retention], locations
-            )
+            ends = max(last_access + ttl_s[retention], pin)
+            index.entries[h] = Entry(size, retention, last_access, ends, locations, pin)
             if STORE in locations:
                 index.store_bytes += size
                 if lru:

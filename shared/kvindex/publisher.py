@@ -74,6 +74,7 @@ class KvEventPublisher:
         hashes: list[str],
         sizes: list[int] | None = None,
         retention: str = "chat",
+        pinned_until: float = 0.0,
     ) -> None:
         if not hashes and kind != "cleared":
             return
@@ -85,6 +86,7 @@ class KvEventPublisher:
             hashes=hashes,
             sizes=sizes or [],
             retention=retention,  # type: ignore[arg-type]
+            pinned_until=pinned_until,
             at=time.time(),
             source=self.source,
             epoch=self.epoch,

@@ -17,6 +17,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
@@ -190,29 +191,60 @@ class FileStore(BlockStore):
 
 
 class MemoryStore(BlockStore):
-    """LRU within ``capacity_bytes``; thread-safe (written behind, read by prefill)."""
+    """LRU within ``capacity_bytes``, but for blocks pinned until a time not yet come (a
+    conversation that said it will continue); thread-safe (written behind, read by
+    prefill)."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._blobs: OrderedDict[str, bytes] = OrderedDict()
+        self._pins: dict[str, float] = {}  # key → unix time it is kept until
         self._lock = threading.Lock()
 
-    def put(self, key: str, blob: bytes | memoryview) -> list[str]:
+    def put(self, key: str, blob: bytes | memoryview, pinned_until: float = 0.0) -> list[str]:
+        """Keep ``blob``, evicting the least recently used unpinned blocks for room; returns
+        those evicted. Nothing is kept (or evicted) when pinned blocks leave no room."""
         if len(blob) > self.capacity_bytes:
             return []
-        evicted = []
         with self._lock:
             old = self._blobs.pop(key, None)
             if old is not None:
                 self.used_bytes -= len(old)
-            while self.used_bytes + len(blob) > self.capacity_bytes:
-                gone, data = self._blobs.popitem(last=False)
-                self.used_bytes -= len(data)
-                evicted.append(gone)
+            victims, freed = self._victims(self.used_bytes + len(blob) - self.capacity_bytes)
+            if self.used_bytes - freed + len(blob) > self.capacity_bytes:
+                if old is not None:  # (as it was)
+                    self._blobs[key] = old
+                    self.used_bytes += len(old)
+                return []
+            for gone in victims:
+                self.used_bytes -= len(self._blobs.pop(gone))
+                self._pins.pop(gone, None)
             self._blobs[key] = blob
             self.used_bytes += len(blob)
-        return evicted
+            if pinned_until > self._pins.get(key, 0.0):
+                self._pins[key] = pinned_until
+        return victims
+
+    def _victims(self, needed: int) -> tuple[list[str], int]:
+        """The least recently used blocks not pinned now whose bytes add up to ``needed``."""
+        victims: list[str] = []
+        freed, now = 0, time.time()
+        for key, data in self._blobs.items():
+            if freed >= needed:
+                break
+            if self._pins.get(key, 0.0) > now:
+                continue
+            victims.append(key)
+            freed += len(data)
+        return victims, freed
+
+    def pin(self, keys: list[str], until: float) -> None:
+        """Keep the blocks of ``keys`` held here until ``until`` (unix time), at least."""
+        with self._lock:
+            for key in keys:
+                if key in self._blobs and until > self._pins.get(key, 0.0):
+                    self._pins[key] = until
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
@@ -224,6 +256,7 @@ class MemoryStore(BlockStore):
     def delete(self, key: str) -> bool:
         with self._lock:
             blob = self._blobs.pop(key, None)
+            self._pins.pop(key, None)
             if blob is not None:
                 self.used_bytes -= len(blob)
             return blob is not None
@@ -252,3 +285,4 @@ class MemoryStore(BlockStore):
         with self._lock:
             assert self.used_bytes == sum(len(b) for b in self._blobs.values())
             assert self.used_bytes <= self.capacity_bytes
+            assert self._pins.keys() <= self._blobs.keys(), "a pin on a block not held"

@@ -54,6 +54,7 @@ class _Write:
     retention: str
     context: otel_context.Context  # the request's: its "kv.store" span goes there
     queued_ns: int  # the span starts when the blocks were queued
+    pinned_until: float = 0.0  # (unix time) kept in both tiers until then
 
 
 class KvTiers:
@@ -139,12 +140,18 @@ class KvTiers:
             self.store.discard(h, reason)
             await self.events.publish("removed", STORE, [h])
 
-    async def remember(self, prefix: CachedPrefix, retention: str) -> None:
-        """Blocks just read from the storage tier are kept in memory for next time."""
-        blocks = zip(prefix.hashes, prefix.blobs, prefix.tiers, strict=True)
+    async def remember(
+        self, prefix: CachedPrefix, retention: str, pinned_until: float = 0.0
+    ) -> None:
+        """Blocks just read from the storage tier are kept in memory for next time (those
+        read from memory pinned there too, for a conversation that said it will continue)."""
+        blocks = list(zip(prefix.hashes, prefix.blobs, prefix.tiers, strict=True))
         pairs = [(h, b) for h, b, t in blocks if t == STORAGE]
         if pairs:
-            await self._to_memory([h for h, _ in pairs], [b for _, b in pairs], retention)
+            hashes, blobs = [h for h, _ in pairs], [b for _, b in pairs]
+            await self._to_memory(hashes, blobs, retention, pinned_until)
+        if pinned_until:
+            self.memory.pin([h for h, _, t in blocks if t == MEMORY], pinned_until)
 
     # -- writes (behind the request's path) ------------------------------------------------
 
@@ -154,9 +161,11 @@ class KvTiers:
         blobs: list[bytes],
         retention: str,
         context: otel_context.Context | None = None,
+        pinned_until: float = 0.0,
     ) -> int:
-        """Queue blocks for both tiers; returns how many were skipped (queue full). Their
-        "kv.store" span goes to ``context`` (the current one by default)."""
+        """Queue blocks for both tiers (kept there until ``pinned_until`` whatever eviction
+        would do); returns how many were skipped (queue full). Their "kv.store" span goes to
+        ``context`` (the current one by default)."""
         room = max(0, self.queue_bytes - self.queued_bytes)
         take = size = 0
         for blob in blobs:
@@ -165,7 +174,9 @@ class KvTiers:
             take, size = take + 1, size + len(blob)
         if take:
             ctx = context or otel_context.get_current()
-            write = _Write(hashes[:take], blobs[:take], retention, ctx, time.time_ns())
+            write = _Write(
+                hashes[:take], blobs[:take], retention, ctx, time.time_ns(), pinned_until
+            )
             self._queue.put_nowait(write)
             self.queued_blocks += take
             self.queued_bytes += size
@@ -185,18 +196,20 @@ class KvTiers:
             items = [await self._queue.get()]
             while not self._queue.empty():
                 items.append(self._queue.get_nowait())
-            for retention in {i.retention for i in items}:
-                batch = [i for i in items if i.retention == retention]
+            for retention, pin in {(i.retention, i.pinned_until) for i in items}:
+                batch = [i for i in items if (i.retention, i.pinned_until) == (retention, pin)]
                 hashes = [h for i in batch for h in i.hashes]
                 blobs = [b for i in batch for b in i.blobs]
                 try:
-                    await self._to_memory(hashes, blobs, retention)
+                    await self._to_memory(hashes, blobs, retention, pin)
                     if self.store is not None:
                         n = await self._to_store(hashes, blobs)
                         sizes = [len(b) for b in blobs[:n]]
                         BYTES.labels("store", "write").inc(sum(sizes))
                         if n:
-                            await self.events.publish("stored", STORE, hashes[:n], sizes, retention)
+                            await self.events.publish(
+                                "stored", STORE, hashes[:n], sizes, retention, pin
+                            )
                     self.written_blocks += len(hashes)
                 except Exception:
                     log.exception("storing %d KV blocks failed", len(hashes))
@@ -259,13 +272,20 @@ class KvTiers:
                 return i, err
         return len(hashes), None
 
-    async def _to_memory(self, hashes: list[str], blobs: list[bytes], retention: str) -> None:
+    async def _to_memory(
+        self, hashes: list[str], blobs: list[bytes], retention: str, pinned_until: float = 0.0
+    ) -> None:
         evicted: list[str] = []
         for h, blob in zip(hashes, blobs, strict=True):
-            evicted += self.memory.put(h, blob)
-        kept = [h for h in hashes if h in self.memory]
+            evicted += self.memory.put(h, blob, pinned_until)
+        kept = [(h, len(b)) for h, b in zip(hashes, blobs, strict=True) if h in self.memory]
         await self.events.publish(
-            "stored", self.location, kept, [len(b) for b in blobs[: len(kept)]], retention
+            "stored",
+            self.location,
+            [h for h, _ in kept],
+            [size for _, size in kept],
+            retention,
+            pinned_until,
         )
         if evicted:
             await self.events.publish("removed", self.location, evicted)

@@ -89,6 +89,9 @@ class GenerateTask(Message):
     ttft_first_by: float = Field(
         default=0.0, description="unix time its first token is due by, when the client said"
     )
+    pinned_until: float = Field(
+        default=0.0, ge=0, description="its KV kept in both tiers until then (0: not pinned)"
+    )
     handover: Handover | None = Field(
         default=None,
         description="set by a prefill worker whose engine owns its KV, handing the request to "

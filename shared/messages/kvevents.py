@@ -52,6 +52,12 @@ class KvEvent(Message):
     )
     sizes: list[int] = Field(default_factory=list, description="bytes, per hash (stored)")
     retention: Retention = "chat"
+    pinned_until: float = Field(
+        default=0.0,
+        ge=0,
+        description="(stored) kept until this unix time whatever eviction or its retention "
+        "would do: a conversation that said it will continue (0: not pinned)",
+    )
     at: float = Field(description="unix time of the change")
     source: str = Field(default="", description="the publisher's service id")
     epoch: float = Field(default=0.0, description="the publisher's start (unix time)")

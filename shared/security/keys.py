@@ -5,7 +5,8 @@ enough to keep it from being recovered), the tenant it speaks for, its role (``u
 ``admin``), its limits (requests and input tokens per minute, requests at once, answers
 per prompt; 0: none, or the router's), the classes its requests may ask for (``tier_ceiling``:
 the highest; ``tier_default``: what one asking for none gets; empty: ``priority`` and
-``default``) and its tenant's weight in the fair share of a class (``weight``; 0: 1).
+``default``), its tenant's weight in the fair share of a class (``weight``; 0: 1) and how
+long and how much of its KV it may pin (``pin_ttl_s``, ``pin_bytes``; 0: the router's).
 JSON, or TOML when the file's name ends in ``.toml``:
 
     {"keys": [{"id": "key_3f9a0c1d", "sha256": "…", "tenant": "acme", "role": "user",
@@ -60,6 +61,8 @@ class ApiKey:
     tier_ceiling: str = ""  # the highest class its requests may ask for ("": priority)
     tier_default: str = ""  # the class of a request that asks for none ("": default)
     weight: int = 0  # its tenant's weight in a class's fair share (0: 1)
+    pin_ttl_s: int = 0  # a conversation's KV pinned for at most this long (0: the router's)
+    pin_bytes: int = 0  # KV its tenant may have pinned at once (0: the router's)
     revoked: bool = False
     created_at: str = ""
 
@@ -86,6 +89,10 @@ class ApiKey:
             )
         if not isinstance(self.weight, int) or not 0 <= self.weight <= MAX_WEIGHT:
             raise KeysFileError(f"key {self.id}: weight must be a whole number 0-{MAX_WEIGHT}")
+        for name in ("pin_ttl_s", "pin_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise KeysFileError(f"key {self.id}: {name} must be a whole number ≥ 0")
 
     @property
     def ceiling(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from shared.kvstore.backend import FileStore, MemoryStore
@@ -59,3 +60,20 @@ def test_an_image_is_hashed_by_its_content_not_its_placeholders() -> None:
     assert block_hashes(ids, 8, "m", images=a) == with_a  # the same image, the same blocks
     # An answer continuing the prompt (decode stores it) keeps the prompt's hashes.
     assert block_hashes([*ids, 1, 2, 3, 4, 5, 6, 7, 8], 8, "m", images=a)[:4] == with_a
+
+
+def test_memory_store_keeps_pinned_blocks_until_their_pin_ends() -> None:
+    now = time.time()
+    mem = MemoryStore(capacity_bytes=30)
+    mem.put("pinned", b"x" * 10, pinned_until=now + 60)
+    mem.put("a", b"x" * 10)
+    assert mem.put("b", b"x" * 15) == ["a"]  # the oldest unpinned, not the oldest
+    assert "pinned" in mem
+    assert mem.put("c", b"x" * 25) == [] and "c" not in mem  # no room beside the pin
+    assert "b" in mem and mem.used_bytes == 25
+    mem.put("late", b"x" * 5, pinned_until=now - 1)  # a pin already over: plain LRU
+    mem.pin(["b"], now + 60)
+    assert mem.put("d", b"x" * 5) == ["late"]
+    mem.pin(["pinned", "b"], now - 1)  # (an earlier end leaves the later one)
+    assert mem.put("e", b"x" * 20) == [] and "e" not in mem
+    mem.check_integrity()

@@ -52,7 +52,7 @@ class RouterIndex:
         self.settings = settings
         self.follower = IndexFollower(bound_s, settings.index_catch_up_s)
         self.watch: FeedWatch | None = None
-        self.touched: dict[str, None] = {}  # blocks used since the last touch event, in order
+        self.touched: dict[str, float] = {}  # blocks used since the last touch event: their pin
         self.touches_sent = 0
 
     @property
@@ -69,16 +69,19 @@ class RouterIndex:
 
     # -- lookups ----------------------------------------------------------------------------
 
-    def lookup(self, hashes: list[str]) -> dict[str, int]:
+    def lookup(self, hashes: list[str], pinned_until: float = 0.0) -> dict[str, int]:
         """Per location, how many of ``hashes`` from the first it holds: the storage tier, and
-        each live worker whose memory tier is known (its feed whole)."""
+        each live worker whose memory tier is known (its feed whole). Those held are touched
+        (their clocks restart: sent in batches), pinned until ``pinned_until`` if later."""
         counts = self.index.blocks.lookup(hashes, time.time(), touch=False)
         for location in [loc for loc in counts if loc != STORE]:
             if not self.known(memory_owner(location)):
                 del counts[location]
         longest = max(counts.values(), default=0)
-        if longest:
-            self.touched.update(dict.fromkeys(hashes[:longest]))
+        touched = self.touched
+        for h in hashes[:longest]:
+            if touched.get(h, 0.0) < pinned_until or h not in touched:
+                touched[h] = pinned_until
         return counts
 
     def apply_local(self, event: KvEvent) -> None:
@@ -97,11 +100,12 @@ class RouterIndex:
         while True:
             await asyncio.sleep(self.settings.touch_interval_s)
             while self.touched:
-                hashes = list(self.touched)[:TOUCH_MAX_BLOCKS]
-                for h in hashes:
-                    del self.touched[h]
-                await events.publish("touched", "", hashes)
-                self.touches_sent += 1
+                pins: dict[float, list[str]] = {}  # one event per pin (most: none)
+                for h in list(self.touched)[:TOUCH_MAX_BLOCKS]:
+                    pins.setdefault(self.touched.pop(h), []).append(h)
+                for pin, hashes in pins.items():
+                    await events.publish("touched", "", hashes, pinned_until=pin)
+                    self.touches_sent += 1
 
     # -- the workers' feeds -----------------------------------------------------------------
 

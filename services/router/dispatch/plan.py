@@ -70,7 +70,7 @@ class PrefixHashes:
 class BlockLookup(Protocol):
     """Where a prompt's blocks are: the router's own index (``kvindex.RouterIndex``)."""
 
-    def lookup(self, hashes: list[str]) -> dict[str, int]: ...
+    def lookup(self, hashes: list[str], pinned_until: float = 0.0) -> dict[str, int]: ...
 
 
 PREFIX_PROMPTS = Gauge(
@@ -93,7 +93,7 @@ class CachePlanner:
         hashes = self.hashes(job, block_size, scheme)
         if not block_size:
             return job
-        counts = self.lookup(hashes)
+        counts = self.lookup(hashes, job.pinned_until)
         if job.near:
             near = memory_location(job.near)
             counts = {**counts, near: max(counts.get(near, 0), len(hashes))}
@@ -111,11 +111,12 @@ class CachePlanner:
             scheme, job.prompt_ids, block_size, job.fingerprint, job.salt, images=job.images
         )
 
-    def lookup(self, hashes: list[str]) -> dict[str, int]:
-        """Per location, the leading blocks it holds (this router's index)."""
+    def lookup(self, hashes: list[str], pinned_until: float = 0.0) -> dict[str, int]:
+        """Per location, the leading blocks it holds (this router's index); those it will
+        read pinned until ``pinned_until`` (when later than they are)."""
         if not hashes:
             return {}
         with tracer.start_as_current_span("kv.lookup", attributes={"blocks": len(hashes)}) as span:
-            counts = self.kv.lookup(hashes)
+            counts = self.kv.lookup(hashes, pinned_until)
             span.set_attribute("held", json.dumps(counts, sort_keys=True))
         return counts

@@ -197,4 +197,5 @@ class Sender:
             priority=job.priority,
             weight=job.weight,
             ttft_first_by=job.ttft_first_by,
+            pinned_until=job.pinned_until,
         )

@@ -302,6 +302,11 @@ class Preparer:
             weight=(kv.caller.key.weight if kv.caller.key else 0) or 1,
             ttft_first_by=time.time() + kv.ttft_deadline_ms / 1e3 if kv.ttft_deadline_ms else 0.0,
         )
+        if kv.cache_ttl_s:  # (its KV counted at float32: the most a token's can take)
+            size, hashes = self.dispatcher.prompt_hashes(job)
+            per_token = text.config.kv_bytes_per_token()
+            until = self.tenancy.pin(kv, hashes, size * per_token, max_tokens * per_token)
+            job = replace(job, pinned_until=until)
         return Prepared(
             job=job,
             conversation=conv,

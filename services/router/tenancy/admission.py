@@ -11,6 +11,8 @@ off: every request is let in, and the tenant is what ``x-kvmesh-tenant`` says.
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from services.router.errors import ApiError, overloaded
 from services.router.settings import TenancySettings
 from services.router.tenancy.keys import ANONYMOUS, Caller, KeyRing
 from services.router.tenancy.limits import KeyLimiter
+from services.router.tenancy.pins import CACHE_TTL_HEADER, PinLedger
 from shared.messages.generate import QUEUE_SHARE
 from shared.messages.kvevents import RETENTIONS
 from shared.security.keys import TIERS
@@ -46,6 +49,7 @@ class KvOptions:
     caller: Caller = ANONYMOUS  # (its key's limits are charged its prompt's tokens)
     tier: str = ""  # the class its header asked for ("": none)
     ttft_deadline_ms: float = 0.0  # the first token within this many ms (0: no deadline)
+    cache_ttl_s: float = 0.0  # its KV pinned this long (x-kvmesh-cache-ttl-s; 0: not pinned)
 
 
 PLAIN = KvOptions()  # chat retention, no tenant
@@ -59,6 +63,7 @@ class Tenancy:
         self.salt_secret = load_or_create(secrets_dir, SALT_SECRET)
         self.lag = lag
         self.inflight = 0  # requests admitted and not yet answered
+        self.pins = PinLedger()
 
     def identify(self, headers: Mapping[str, str], role: str = "user") -> Caller:
         """Who sent the request (401 without a valid key when auth is on; 403 when the
@@ -103,6 +108,17 @@ class Tenancy:
                 f"{self.settings.max_inflight})"
             )
 
+    def pin(self, kv: KvOptions, hashes: list[str], block_bytes: int, answer_bytes: int) -> float:
+        """The unix time a request's KV is pinned until (``pins.py``): 0 when it asked for
+        no pin."""
+        if not kv.cache_ttl_s:
+            return 0.0
+        key, s = kv.caller.key, self.settings
+        max_ttl = float(key.pin_ttl_s) if key and key.pin_ttl_s else s.max_cache_ttl_s
+        quota = key.pin_bytes if key and key.pin_bytes else s.pinned_bytes_per_tenant
+        ttl, now = kv.cache_ttl_s, time.time()
+        return self.pins.pin(kv.tenant, ttl, hashes, block_bytes, answer_bytes, max_ttl, quota, now)
+
     def charge_tokens(self, caller: Caller, tokens: int) -> None:
         """The prompt's tokens against the caller's key's input-token limit."""
         if caller.key is not None:
@@ -124,7 +140,15 @@ class Tenancy:
             if len(tenant) > 256:
                 raise ApiError(400, f"{TENANT_HEADER}: at most 256 characters", param=TENANT_HEADER)
         explain = headers.get(EXPLAIN_HEADER, "") == "all"
-        return KvOptions(retention, tenant, explain, caller, _tier(headers), _deadline_ms(headers))
+        return KvOptions(
+            retention,
+            tenant,
+            explain,
+            caller,
+            _tier(headers),
+            _deadline_ms(headers),
+            _cache_ttl_s(headers),
+        )
 
     def salt(self, tenant: str) -> str:
         """The tenant's salt: part of every hash of its blocks and images."""
@@ -157,3 +181,16 @@ def _deadline_ms(headers: Mapping[str, str]) -> float:
             param=DEADLINE_HEADER,
         )
     return ms
+
+
+def _cache_ttl_s(headers: Mapping[str, str]) -> float:
+    raw = headers.get(CACHE_TTL_HEADER, "")
+    if not raw:
+        return 0.0
+    try:
+        ttl = float(raw)
+    except ValueError:
+        ttl = -1.0
+    if not 0 < ttl < math.inf:
+        raise ApiError(400, f"{CACHE_TTL_HEADER}: seconds, over 0", param=CACHE_TTL_HEADER)
+    return ttl

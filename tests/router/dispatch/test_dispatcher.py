@@ -462,7 +462,7 @@ async def test_the_cache_plan_sends_a_prompt_where_its_prefix_is(mesh: Mesh) -> 
     mesh.kv.index.apply(held, 1)  # (as the KV event stream would bring it)
     decision: dict = {}
     assert mesh.tokens(await mesh.answer(prompt, decision)) == ANSWER
-    assert mesh.kv.touched == dict.fromkeys(hashes)  # used: a touch event goes out next
+    assert mesh.kv.touched == dict.fromkeys(hashes, 0.0)  # used (no pin): a touch goes next
     assert decision["chosen"] == p2.service_id and len(p2.tasks) == 1
     best = decision["candidates"][0]
     assert best.service_id == p2.service_id and best.terms["memory_tokens"] == 592

@@ -128,3 +128,28 @@ def test_sglangs_64_digit_hashes_are_blocks_beside_kvmeshs() -> None:
     assert again.lookup([theirs], now=3) == {STORE: 1}
     assert again.lookup([ours], now=3) == {"mem:p0": 1}
     again.check_integrity()
+
+
+def test_a_pinned_block_is_neither_expired_nor_evicted_until_its_pin_ends() -> None:
+    """Stored pinned until 50 (its class lives 10): kept past its TTL and passed over by
+    eviction until then; a router's touch pins a read block again, later; then it goes."""
+    index = BlockIndex(TTL)
+    index.apply(stored(STORE, ["a"], at=0, retention="agent", size=20))
+    pin = KvEvent.model_construct(
+        kind="stored", location=STORE, hashes=["p"], sizes=[20], retention="agent", at=0,
+        pinned_until=50,
+    )  # fmt: skip
+    index.apply(pin)
+    index.apply(stored(STORE, ["b"], at=1, retention="agent", size=20))
+    assert [k for k, _ in index.expired(now=20)] == ["a", "b"]  # p: pinned, not expired
+    assert index.lookup(["p"], now=20, touch=False) == {STORE: 1}
+    # Down to 10 bytes of 60: every block but the pinned one.
+    assert index.eviction_victims(capacity=40, high=0.5, low=0.25, now=20) == ["a", "b"]
+    touch = KvEvent.model_construct(kind="touched", hashes=["p"], at=30, pinned_until=90)
+    index.apply(touch)
+    assert index.eviction_victims(capacity=40, high=0.5, low=0.25, now=60) == ["a", "b"]
+    assert [k for k, _ in index.expired(now=95)] == ["a", "p", "b"]
+    assert index.eviction_victims(capacity=40, high=0.5, low=0.25, now=95) == ["a", "b", "p"]
+    again = BlockIndex.from_columns(index.columns(), TTL)  # (a snapshot keeps the pin)
+    assert [k for k, _ in again.expired(now=60)] == ["a", "b"]
+    index.check_integrity()
