@@ -204,7 +204,7 @@ class Dispatcher:
             job.block_hashes,
             job.cached_blocks,
             time.monotonic(),
-            job.sampling.max_tokens,
+            min(job.sampling.max_tokens, job.expected_tokens or job.sampling.max_tokens),
         )
         # A candidate whose prompt a decode worker holds (``near``) computes under a block
         # there, sharing the rest, whatever the bound on prompts prefilled on decode.

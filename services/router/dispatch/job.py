@@ -36,6 +36,9 @@ class Job:
     weight: int = 1  # its tenant's weight in the class's fair share (its key's)
     ttft_first_by: float = 0.0  # unix time the client wants the first token by (0: none)
     pinned_until: float = 0.0  # its KV kept in the tiers until then (tenancy/pins.py)
+    # The answer's length the client expects (an agent's hint; 0: none): decode workers are
+    # ranked by room for that much (each still holds room for max_tokens).
+    expected_tokens: int = 0
     # A decode worker holding the prompt's KV in a sequence of its own (the first candidate
     # of the same prompt: ``n``): its full blocks count as in that worker's memory, where
     # they are shared rather than copied.

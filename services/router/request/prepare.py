@@ -301,6 +301,7 @@ class Preparer:
             priority=priority,
             weight=(kv.caller.key.weight if kv.caller.key else 0) or 1,
             ttft_first_by=time.time() + kv.ttft_deadline_ms / 1e3 if kv.ttft_deadline_ms else 0.0,
+            expected_tokens=kv.expected_tokens,
         )
         if kv.cache_ttl_s:  # (its KV counted at float32: the most a token's can take)
             size, hashes = self.dispatcher.prompt_hashes(job)

@@ -35,6 +35,7 @@ TENANT_HEADER = "x-kvmesh-tenant"
 EXPLAIN_HEADER = "x-kvmesh-explain"
 PRIORITY_HEADER = "x-kvmesh-priority"  # the class, for a client that cannot set service_tier
 DEADLINE_HEADER = "x-kvmesh-ttft-deadline-ms"  # the first token is wanted within this
+EXPECTED_HEADER = "x-kvmesh-expected-output-tokens"  # the answer's length an agent expects
 MAX_DEADLINE_MS = 3_600_000
 
 
@@ -50,6 +51,7 @@ class KvOptions:
     tier: str = ""  # the class its header asked for ("": none)
     ttft_deadline_ms: float = 0.0  # the first token within this many ms (0: no deadline)
     cache_ttl_s: float = 0.0  # its KV pinned this long (x-kvmesh-cache-ttl-s; 0: not pinned)
+    expected_tokens: int = 0  # the answer's length it expects (x-kvmesh-expected-output-tokens)
 
 
 PLAIN = KvOptions()  # chat retention, no tenant
@@ -148,6 +150,7 @@ class Tenancy:
             _tier(headers),
             _deadline_ms(headers),
             _cache_ttl_s(headers),
+            _expected_tokens(headers),
         )
 
     def salt(self, tenant: str) -> str:
@@ -194,3 +197,14 @@ def _cache_ttl_s(headers: Mapping[str, str]) -> float:
     if not 0 < ttl < math.inf:
         raise ApiError(400, f"{CACHE_TTL_HEADER}: seconds, over 0", param=CACHE_TTL_HEADER)
     return ttl
+
+
+def _expected_tokens(headers: Mapping[str, str]) -> int:
+    raw = headers.get(EXPECTED_HEADER, "")
+    if not raw:
+        return 0
+    if not raw.isdigit() or not 0 < int(raw) <= 10**7:
+        raise ApiError(
+            400, f"{EXPECTED_HEADER}: a whole number of tokens, over 0", param=EXPECTED_HEADER
+        )
+    return int(raw)

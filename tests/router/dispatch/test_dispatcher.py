@@ -10,6 +10,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -466,4 +467,27 @@ async def test_the_cache_plan_sends_a_prompt_where_its_prefix_is(mesh: Mesh) -> 
     assert decision["chosen"] == p2.service_id and len(p2.tasks) == 1
     best = decision["candidates"][0]
     assert best.service_id == p2.service_id and best.terms["memory_tokens"] == 592
+    mesh.settled()
+
+
+async def test_an_expected_answer_length_ranks_decode_workers_by_room_for_that(
+    mesh: Mesh,
+) -> None:
+    """max_tokens 1000 fits only the busier decode worker; an agent expecting 50 tokens
+    (x-kvmesh-expected-output-tokens) goes to the idle one with room for those."""
+    await mesh.worker("prefill", "p1", tokens(ANSWER))
+    small = await mesh.worker("decode", "d1", tokens(ANSWER))
+    small.kv_blocks = 10
+    mesh.registry.observe(small.heartbeat(), time.monotonic())
+    big = await mesh.worker("decode", "d2", tokens(ANSWER))
+    big.kv_blocks = 100
+    beat = big.heartbeat()
+    busy = beat.model_copy(update={"load": beat.load.model_copy(update={"inflight": 3})})
+    mesh.registry.observe(busy, time.monotonic())
+    plain = job(n_prompt=100, max_tokens=1000)
+    assert mesh.tokens(await mesh.answer(plain)) == ANSWER
+    hinted = replace(job(n_prompt=100, max_tokens=1000), expected_tokens=50)
+    assert mesh.tokens(await mesh.answer(hinted)) == ANSWER
+    prefill = mesh.workers["p1"].tasks
+    assert [t.decode_id for t in prefill] == [big.service_id, small.service_id]
     mesh.settled()
