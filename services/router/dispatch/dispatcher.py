@@ -45,7 +45,7 @@ from services.router.routing.route import (
 )
 from services.router.settings import DispatchSettings
 from shared.bus import Bus
-from shared.messages.generate import TokenEvent
+from shared.messages.generate import RANKS, TokenEvent
 from shared.telemetry.metrics import REFUSED
 from shared.telemetry.tracing import mark_span, tracer
 
@@ -293,6 +293,27 @@ class Dispatcher:
             else:
                 why = f"no live {role} worker serves {model!r}"
             raise unavailable(f"{why}; retry later")
+
+    def queues_full(self, model: str) -> bool:
+        """The workers that would prefill for ``model`` have requests waiting: on average one
+        behind each one computing, as this router counts the prompts it sent them and has
+        not seen prefilled, or each says it queues (the mesh has no spare room)."""
+        workers = self.candidates("prefill", model, set()) or self.candidates(
+            "decode", model, set()
+        )
+        waiting = 0
+        for w in workers:
+            state = self.policy.workers.get(w.service_id)
+            waiting += max(state.inflight - 1 if state else 0, w.heartbeat.load.queued)
+        return bool(workers) and waiting >= len(workers)
+
+    def check_spare(self, model: str, priority: str) -> None:
+        """429 for a flex or batch request while the mesh's queues are full: the lower
+        classes take its spare room, never its queues, where they would slow the higher
+        classes down."""
+        if RANKS[priority] >= RANKS["flex"] and self.queues_full(model):
+            REFUSED.labels(priority, "spare").inc()
+            raise overloaded(f"no spare room for the {priority} class: requests wait already")
 
     @staticmethod
     def check_fits(job: Job, decoders: list[WorkerRecord]) -> None:

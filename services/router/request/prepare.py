@@ -222,6 +222,9 @@ class Preparer:
         check_choices(conv, kv, settings.max_choices, settings.max_prompts)
         priority = priority or service_class(conv, kv)
         self.tenancy.admit_class(priority)
+        self.dispatcher.check_spare(conv.model, priority)
+        if self.dispatcher.queues_full(conv.model):
+            self.tenancy.check_share(kv.caller, priority)
         heads = [
             await self._prompt(c, f"{rid}-p{k}" if k else rid, kv, priority)
             for k, c in enumerate(conv.prompts())

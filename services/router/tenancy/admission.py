@@ -65,6 +65,8 @@ class Tenancy:
         self.salt_secret = load_or_create(secrets_dir, SALT_SECRET)
         self.lag = lag
         self.inflight = 0  # requests admitted and not yet answered
+        self.by_tenant: dict[str, int] = {}  # of those, each key's tenant's
+        self.weights: dict[str, int] = {}  # each tenant's weight, as its key last said
         self.pins = PinLedger()
 
     def identify(self, headers: Mapping[str, str], role: str = "user") -> Caller:
@@ -93,10 +95,38 @@ class Tenancy:
             )
         with self.limiter.admitted(caller) if caller.key else contextlib.nullcontext():
             self.inflight += 1
+            tenant = caller.tenant if caller.key else None
+            if tenant is not None:
+                self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + 1
+                self.weights[tenant] = caller.key.weight or 1
             try:
                 yield
             finally:
                 self.inflight -= 1
+                if tenant is not None:
+                    left = self.by_tenant[tenant] - 1
+                    if left:
+                        self.by_tenant[tenant] = left
+                    else:
+                        del self.by_tenant[tenant], self.weights[tenant]
+
+    def check_share(self, caller: Caller, priority: str) -> None:
+        """While the mesh's queues are full: 429 for a key's tenant that has more requests in
+        progress here than its share (by weight) of all those in progress among the tenants
+        that have some, so that one sending ten times more gets its share, not the mesh's.
+        (The priority class is bounded by who may ask for it, its keys' ceilings, not by
+        shares.)"""
+        if caller.key is None or len(self.by_tenant) < 2 or priority == "priority":
+            return
+        tenant = caller.tenant
+        share = self.inflight * self.weights[tenant] / sum(self.weights.values())
+        if self.by_tenant[tenant] > max(1.0, share):
+            REFUSED.labels(priority, "share").inc()
+            raise overloaded(
+                f"the mesh is full and tenant {tenant!r} has more than its share of the requests "
+                f"in progress ({self.by_tenant[tenant]} of {self.inflight}, its share "
+                f"{share:.0f})"
+            )
 
     def admit_class(self, priority: str) -> None:
         """A request in progress of class ``priority`` (counted already): 429 once those in

@@ -491,3 +491,22 @@ async def test_an_expected_answer_length_ranks_decode_workers_by_room_for_that(
     prefill = mesh.workers["p1"].tasks
     assert [t.decode_id for t in prefill] == [big.service_id, small.service_id]
     mesh.settled()
+
+
+async def test_flex_and_batch_take_only_the_spare_room(mesh: Mesh) -> None:
+    """Refused (429) while the prefill workers have requests waiting, as one of them says;
+    the higher classes are not."""
+    p1 = await mesh.worker("prefill", "p1", tokens(ANSWER))
+    await mesh.worker("prefill", "p2", tokens(ANSWER))
+    await mesh.worker("decode", "d1", tokens(ANSWER))
+    mesh.dispatcher.check_spare("tiny", "flex")  # nothing waits
+    beat = p1.heartbeat()
+    waiting = beat.model_copy(update={"load": beat.load.model_copy(update={"queued": 2})})
+    mesh.registry.observe(waiting, time.monotonic())
+    assert mesh.dispatcher.queues_full("tiny")
+    for priority in ("flex", "batch"):
+        with pytest.raises(ApiError) as err:
+            mesh.dispatcher.check_spare("tiny", priority)
+        assert err.value.status == 429 and f"for the {priority} class" in err.value.message
+    mesh.dispatcher.check_spare("tiny", "default")
+    mesh.dispatcher.check_spare("tiny", "priority")
