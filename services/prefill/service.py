@@ -192,13 +192,18 @@ class PrefillService(WorkerService):
         self.runner.submit(ops.free, rid)
 
     async def _next_batch(self) -> list[GenerateTask]:
-        """The next task, and those queued behind it while their prompts together fit one
-        prefill chunk (short prompts then share one pass over the weights)."""
+        """The next task, and those of its class queued behind it while their prompts
+        together fit one prefill chunk (short prompts then share one pass over the weights; a
+        higher class's never waits for a lower one's compute in its pass)."""
         batch: list[GenerateTask] = []
         budget = self.settings.prefill_chunk
         while not batch or not self.queue.empty():
             head = self.queue.peek()
-            if batch and head is not None and len(head.token_ids) > budget:
+            if (
+                batch
+                and head is not None
+                and (len(head.token_ids) > budget or head.priority != batch[0].priority)
+            ):
                 break
             task = await self.queue.get()
             if task.request_id in self.cancelled or time.time() > task.deadline:
