@@ -386,7 +386,7 @@ def test_logit_bias_and_penalties_reach_the_engine(stack: Stack) -> None:
         ("store", True, "store"),
         ("reasoning_effort", "high", "reasoning_effort"),
         ("modalities", ["text", "audio"], "modalities"),
-        ("service_tier", "priority", "service_tier"),
+        ("service_tier", "scale", "service_tier"),  # (priority, default, flex: classes)
         ("min_p", 1.5, "min_p"),
         ("repetition_penalty", 0, "repetition_penalty"),
         ("min_tokens", -1, "min_tokens"),
