@@ -188,8 +188,9 @@ class PrefillService(WorkerService):
         self.prefetched.pop(rid, None)
         self.paused.pop(rid, None)
         # Queued, not waited for (a KV being shipped must not wait on its blocks' export for
-        # the tiers, which frees the sequence itself): calls queued later run after it.
-        self.runner.submit(ops.free, rid)
+        # the tiers, which frees the sequence itself), at the class of the request's own
+        # export calls, so it runs after them; calls queued later run after it.
+        self.runner.call(ops.free, rid).add_done_callback(_unread)
 
     async def _next_batch(self) -> list[GenerateTask]:
         """The next task, and those of its class queued behind it while their prompts
@@ -482,7 +483,8 @@ class PrefillService(WorkerService):
 
 
 def _unread(future: asyncio.Future) -> None:
-    """An export nobody asks for (the answer ended at its first token, or the prompt failed):
-    its outcome read, so that its error is not reported as never retrieved."""
+    """An engine call nobody waits for (a free; an export whose answer ended at its first
+    token, or whose prompt failed): its outcome read, so that an error is not reported as
+    never retrieved."""
     if not future.cancelled():
         future.exception()

@@ -8,6 +8,8 @@ stream already open gets it as its format's error event.
 
 from __future__ import annotations
 
+from shared.telemetry.metrics import REFUSED
+
 
 class ApiError(Exception):
     """HTTP status, a message for the client, the offending field, an error code, and how
@@ -26,8 +28,11 @@ class ApiError(Exception):
         self.retry_after_s = retry_after_s
 
 
-def overloaded(why: str) -> ApiError:
-    """429: too much at once; the client retries shortly."""
+def overloaded(why: str, priority: str = "", where: str = "") -> ApiError:
+    """429: too much at once; the client retries shortly. With ``where``: a refusal of a
+    request of class ``priority`` counted on /metrics (kvmesh_refused_total)."""
+    if where:
+        REFUSED.labels(priority, where).inc()
     return ApiError(429, f"{why}; retry shortly", code="overloaded", retry_after_s=1)
 
 

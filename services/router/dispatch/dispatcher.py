@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 
 from opentelemetry import trace
@@ -37,6 +37,7 @@ from services.router.dispatch.workers import Breakers, WorkerRecord, WorkerRegis
 from services.router.errors import ApiError, overloaded, unavailable
 from services.router.routing.route import (
     DecodeScore,
+    PrefillWorkerState,
     Ranked,
     Route,
     RouteRequest,
@@ -46,7 +47,6 @@ from services.router.routing.route import (
 from services.router.settings import DispatchSettings
 from shared.bus import Bus
 from shared.messages.generate import RANKS, TokenEvent
-from shared.telemetry.metrics import REFUSED
 from shared.telemetry.tracing import mark_span, tracer
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,49 @@ def decode_score(w: WorkerRecord, inflight: int) -> DecodeScore:
         w.heartbeat.pd_only,
         load.kv_blocks_used * load.kv_block_size,
     )
+
+
+def waiting(workers: list[WorkerRecord], sent: Mapping[str, PrefillWorkerState]) -> int:
+    """Requests waiting at ``workers`` behind the one each computes: as this router counts
+    the prompts it ``sent`` them and has not seen prefilled, or as each says it queues."""
+    total = 0
+    for w in workers:
+        state = sent.get(w.service_id)
+        total += max(state.inflight - 1 if state else 0, w.heartbeat.load.queued)
+    return total
+
+
+def check_fits(job: Job, decoders: list[WorkerRecord]) -> None:
+    """400 when no decode worker's KV pool could ever hold the prompt and its answer
+    (busy ones free up; one too small never does)."""
+    pools = [w.heartbeat.load.kv_blocks_total * w.heartbeat.load.kv_block_size for w in decoders]
+    largest = max(pools, default=0)
+    need = len(job.prompt_ids) + job.sampling.max_tokens
+    if largest and need > largest:
+        raise ApiError(
+            400,
+            f"the prompt ({len(job.prompt_ids)} tokens) and max_tokens "
+            f"({job.sampling.max_tokens}) need {need} tokens of KV; the largest decode "
+            f"worker holds {largest}: shorten the prompt or lower max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+def check_due(job: Job, chosen: Route) -> None:
+    """429 at once, saying the estimate, when the policy's best estimate of the first
+    token's time is past what the client asked for (x-kvmesh-ttft-deadline-ms): better
+    told now than kept waiting to miss it. (A policy with no estimate never refuses.)"""
+    candidates = chosen.decision.get("candidates") if chosen.ranked else None
+    estimate = candidates[0].terms.get("ttft_s") if candidates else None
+    left_s = job.ttft_first_by - time.time()
+    if estimate is not None and estimate > left_s:
+        raise overloaded(
+            f"the first token is estimated in {estimate * 1e3:.0f} ms, past the deadline "
+            f"asked for (x-kvmesh-ttft-deadline-ms: {max(0.0, left_s) * 1e3:.0f} ms left)",
+            job.priority,
+            "deadline",
+        )
 
 
 CACHED_POLL_S = 0.005  # how often ``cached`` looks at the index again
@@ -180,7 +223,7 @@ class Dispatcher:
     def _route(self, job: Job, excluded: set[str]) -> tuple[Route, RouteRequest]:
         """The routing decision over the workers not left out (503 when there is none)."""
         decoders = self.candidates("decode", job.model, excluded)
-        self.check_fits(job, decoders)
+        check_fits(job, decoders)
         # Workers pair with their own kind: engines that own their KV hand a request over
         # through the storage tier (or, SGLang's in its own P/D, engine to engine: prefill
         # workers with a bootstrap server pair with decode workers that take only that), the
@@ -218,11 +261,11 @@ class Dispatcher:
                 if not decodes:  # each one tried failed it
                     raise unavailable("every decode worker failed this request")
                 if not chosen.decision:  # (full now: the client retries shortly)
-                    REFUSED.labels(job.priority, "decode").inc()
-                    raise overloaded("no decode worker has room for this request")
+                    why = "no decode worker has room for this request"
+                    raise overloaded(why, job.priority, "decode")
                 raise unavailable("every prefill worker failed this request")
             if job.ttft_first_by:
-                self._check_due(job, chosen)
+                check_due(job, chosen)
             if not chosen.ranked:
                 span.set_attributes(chosen.decision)
             elif span.is_recording():  # the terms are built only for a recorded trace
@@ -231,21 +274,6 @@ class Dispatcher:
                 )
             span.set_attribute("decode", chosen.pairs[0][1])
         return chosen, req
-
-    @staticmethod
-    def _check_due(job: Job, chosen: Route) -> None:
-        """429 at once, saying the estimate, when the policy's best estimate of the first
-        token's time is past what the client asked for (x-kvmesh-ttft-deadline-ms): better
-        told now than kept waiting to miss it. (A policy with no estimate never refuses.)"""
-        candidates = chosen.decision.get("candidates") if chosen.ranked else None
-        estimate = candidates[0].terms.get("ttft_s") if candidates else None
-        left_s = job.ttft_first_by - time.time()
-        if estimate is not None and estimate > left_s:
-            REFUSED.labels(job.priority, "deadline").inc()
-            raise overloaded(
-                f"the first token is estimated in {estimate * 1e3:.0f} ms, past the deadline "
-                f"asked for (x-kvmesh-ttft-deadline-ms: {max(0.0, left_s) * 1e3:.0f} ms left)"
-            )
 
     def _seen(self, attempt: Attempt, moves: Moves, event: TokenEvent, span: Span) -> TokenEvent:
         """An event of the attempt's, as the answer goes on with it."""
@@ -296,43 +324,18 @@ class Dispatcher:
 
     def queues_full(self, model: str) -> bool:
         """The workers that would prefill for ``model`` have requests waiting: on average one
-        behind each one computing, as this router counts the prompts it sent them and has
-        not seen prefilled, or each says it queues (the mesh has no spare room)."""
-        workers = self.candidates("prefill", model, set()) or self.candidates(
-            "decode", model, set()
-        )
-        waiting = 0
-        for w in workers:
-            state = self.policy.workers.get(w.service_id)
-            waiting += max(state.inflight - 1 if state else 0, w.heartbeat.load.queued)
-        return bool(workers) and waiting >= len(workers)
+        behind each one computing (the mesh has no spare room)."""
+        workers = self.candidates("prefill", model, set())
+        workers = workers or self.candidates("decode", model, set())
+        return bool(workers) and waiting(workers, self.policy.workers) >= len(workers)
 
     def check_spare(self, model: str, priority: str) -> None:
         """429 for a flex or batch request while the mesh's queues are full: the lower
         classes take its spare room, never its queues, where they would slow the higher
         classes down."""
         if RANKS[priority] >= RANKS["flex"] and self.queues_full(model):
-            REFUSED.labels(priority, "spare").inc()
-            raise overloaded(f"no spare room for the {priority} class: requests wait already")
-
-    @staticmethod
-    def check_fits(job: Job, decoders: list[WorkerRecord]) -> None:
-        """400 when no decode worker's KV pool could ever hold the prompt and its answer
-        (busy ones free up; one too small never does)."""
-        pools = [
-            w.heartbeat.load.kv_blocks_total * w.heartbeat.load.kv_block_size for w in decoders
-        ]
-        largest = max(pools, default=0)
-        need = len(job.prompt_ids) + job.sampling.max_tokens
-        if largest and need > largest:
-            raise ApiError(
-                400,
-                f"the prompt ({len(job.prompt_ids)} tokens) and max_tokens "
-                f"({job.sampling.max_tokens}) need {need} tokens of KV; the largest decode "
-                f"worker holds {largest}: shorten the prompt or lower max_tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+            why = f"no spare room for the {priority} class: requests wait already"
+            raise overloaded(why, priority, "spare")
 
     def candidates(
         self, role: str, model: str, excluded: set[str], breakers: bool = True
@@ -344,10 +347,6 @@ class Dispatcher:
             and w.service_id not in excluded
             and (not breakers or self.breakers.allows(w.service_id))
         ]
-
-    def block_size(self, model: str) -> int:
-        """The KV block size of the workers serving the model (0 when none says)."""
-        return self.kv_format(model)[0]
 
     def kv_format(self, model: str) -> tuple[int, str]:
         """The KV block size of the workers serving the model and how their blocks are named

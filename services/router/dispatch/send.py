@@ -32,7 +32,6 @@ from shared.bus import Bus, BusError, subjects
 from shared.messages.generate import GenerateTask, TaskAck, TokenEvent
 from shared.security.handoff import HANDOFF_SECRET, handoff_token
 from shared.security.secret import load_or_create
-from shared.telemetry.metrics import REFUSED
 
 
 class Direct(Protocol):
@@ -172,8 +171,7 @@ class Sender:
             if ack.reason != "busy":
                 raise ApiError(503, f"{role} worker refused: {ack.reason}", code="unavailable")
             busy += 1
-        REFUSED.labels(attempt.job.priority, "workers").inc()
-        raise overloaded(f"all {busy} workers are busy")
+        raise overloaded(f"all {busy} workers are busy", attempt.job.priority, "workers")
 
     def _task(self, attempt: Attempt, decode_id: str) -> GenerateTask:
         job = attempt.job

@@ -306,11 +306,8 @@ class Preparer:
             ttft_first_by=time.time() + kv.ttft_deadline_ms / 1e3 if kv.ttft_deadline_ms else 0.0,
             expected_tokens=kv.expected_tokens,
         )
-        if kv.cache_ttl_s:  # (its KV counted at float32: the most a token's can take)
-            size, hashes = self.dispatcher.prompt_hashes(job)
-            per_token = text.config.kv_bytes_per_token()
-            until = self.tenancy.pin(kv, hashes, size * per_token, max_tokens * per_token)
-            job = replace(job, pinned_until=until)
+        if kv.cache_ttl_s:
+            job = self._pinned(job, kv, text)
         return Prepared(
             job=job,
             conversation=conv,
@@ -318,10 +315,19 @@ class Preparer:
             usage=Usage(prompt_tokens=len(ids)),
             timing=Timing(explain_all=kv.explain),
             encodes=encodes,
-            block_size=self.dispatcher.block_size(conv.model),
+            block_size=self.dispatcher.kv_format(conv.model)[0],
             tenant=kv.tenant,
             tenant_is_key=kv.caller.key is not None,
         )
+
+    def _pinned(self, job: Job, kv: KvOptions, text: TextModel) -> Job:
+        """The job with its KV pinned as the request asked (tenancy/pins.py; its bytes
+        counted at float32, the most a token's KV can take)."""
+        size, hashes = self.dispatcher.prompt_hashes(job)
+        per_token = text.config.kv_bytes_per_token()
+        answer = job.sampling.max_tokens * per_token
+        until = self.tenancy.pin(kv, hashes, size * per_token, answer)
+        return replace(job, pinned_until=until)
 
     def _encode(self, encodes: Encodes, model: str) -> None:
         encodes.start(self.dispatcher.bus, model, self.images.settings.encode_timeout_s)

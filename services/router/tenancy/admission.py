@@ -28,7 +28,6 @@ from shared.messages.kvevents import RETENTIONS
 from shared.security.keys import TIERS
 from shared.security.salt import SALT_SECRET, tenant_salt
 from shared.security.secret import load_or_create
-from shared.telemetry.metrics import REFUSED
 
 RETENTION_HEADER = "x-kvmesh-retention"
 TENANT_HEADER = "x-kvmesh-tenant"
@@ -121,11 +120,12 @@ class Tenancy:
         tenant = caller.tenant
         share = self.inflight * self.weights[tenant] / sum(self.weights.values())
         if self.by_tenant[tenant] > max(1.0, share):
-            REFUSED.labels(priority, "share").inc()
             raise overloaded(
                 f"the mesh is full and tenant {tenant!r} has more than its share of the requests "
                 f"in progress ({self.by_tenant[tenant]} of {self.inflight}, its share "
-                f"{share:.0f})"
+                f"{share:.0f})",
+                priority,
+                "share",
             )
 
     def admit_class(self, priority: str) -> None:
@@ -134,10 +134,11 @@ class Tenancy:
         lowest class is refused first (``QUEUE_SHARE``)."""
         limit = max(1, int(self.settings.max_inflight * QUEUE_SHARE[priority]))
         if self.inflight > limit:
-            REFUSED.labels(priority, "router").inc()
             raise overloaded(
                 f"too many requests in progress for the {priority} class ({limit} of "
-                f"{self.settings.max_inflight})"
+                f"{self.settings.max_inflight})",
+                priority,
+                "router",
             )
 
     def pin(self, kv: KvOptions, hashes: list[str], block_bytes: int, answer_bytes: int) -> float:
