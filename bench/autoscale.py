@@ -18,13 +18,8 @@ back at one.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,7 +29,8 @@ import openai
 REPO = Path(__file__).resolve().parent.parent
 sys.path[0] = str(REPO)
 
-from tests.procs import free_port, get_json  # noqa: E402
+from bench.harness import Up, emit  # noqa: E402
+from tests.procs import get_json  # noqa: E402
 
 WINDOW_S = 12
 TARGET_MS = 20
@@ -47,13 +43,7 @@ def main() -> None:
     parser.add_argument("--max", type=int, default=3, help="the most workers of a pool")
     parser.add_argument("--phase", type=float, default=40.0, help="seconds a load phase lasts")
     args = parser.parse_args()
-    state = Path(tempfile.mkdtemp(prefix="kvmesh-autoscale-"))
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    env.update(
-        KVMESH_STATE_DIR=str(state),
-        KVMESH_NATS_URL=f"nats://127.0.0.1:{free_port()}",
-        KVMESH_ROUTER_HTTP_PORT=str(port),
+    env = dict(
         KVMESH_PREFILL_MODEL="tiny",
         KVMESH_DECODE_MODEL="tiny",
         KVMESH_PREFILL_THREADS="1",
@@ -63,17 +53,11 @@ def main() -> None:
         KVMESH_ROUTER_PLAN_TTFT_P50_S=str(TARGET_MS / 1e3),
         KVMESH_ROUTER_PLAN_TTFT_P99_S=str(5 * TARGET_MS / 1e3),
         KVMESH_ROUTER_PLAN_TPOT_MEAN_S="1",
+        KVMESH_LOG_LEVEL="info",  # (its "kvmesh is up" line, and its scaling)
     )
-    log = open(state / "up.log", "wb")  # noqa: SIM115
-    up = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh", "up", "--encoder", "0", "--autoscale", f"1:{args.max}"]
-        + ["--autoscale-every", "1"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-    )
-    url = f"http://127.0.0.1:{port}"
+    up = Up(["--encoder", "0", "--autoscale", f"1:{args.max}", "--autoscale-every", "1"], env)
+    state = up.dir
+    url = up.url
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     clients = [0]  # how many run now
     done: list[tuple[float, float, list[str]]] = []  # (time, ttft s, workers)
@@ -109,7 +93,7 @@ def main() -> None:
     try:
         deadline = time.monotonic() + 120
         while "kvmesh is up" not in (state / "up.log").read_text(errors="replace"):
-            if time.monotonic() > deadline or up.poll() is not None:
+            if time.monotonic() > deadline or up.proc.poll() is not None:
                 sys.exit(f"kvmesh up did not start: see {state / 'up.log'}")
             time.sleep(0.5)
         threads = [threading.Thread(target=load, args=(k,)) for k in range(args.clients)]
@@ -162,19 +146,16 @@ def main() -> None:
             t.join(60)
     finally:
         stop.set()
-        up.send_signal(signal.SIGINT)
-        up.wait(60)
-    print(
-        json.dumps(
-            {
-                "requests": len(done),
-                "errors": len(errors),
-                "most_prefill_workers": max(r["prefill"] for r in rows),
-                "scale_up_s": round(second_serving - rose_at, 1) if second_serving else None,
-                "scale_down_s": round(back_to_one - stopped_at, 1) if back_to_one else None,
-                "log": str(state / "up.log"),
-            }
-        )
+        up.stop(60)
+    emit(
+        {
+            "requests": len(done),
+            "errors": len(errors),
+            "most_prefill_workers": max(r["prefill"] for r in rows),
+            "scale_up_s": round(second_serving - rose_at, 1) if second_serving else None,
+            "scale_down_s": round(back_to_one - stopped_at, 1) if back_to_one else None,
+            "log": str(state / "up.log"),
+        }
     )
 
 

@@ -37,7 +37,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.e2e import Stack, say  # noqa: E402
+from bench.harness import Stack, emit, pct, say  # noqa: E402
 from shared.model.text import load_text_model  # noqa: E402
 
 WORDS = [
@@ -231,11 +231,6 @@ async def online_ttfts(
     return ttfts
 
 
-def pct(values: list[float], p: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(p / 100 * len(values)))] * 1e3
-
-
 async def measure(args: argparse.Namespace, url: str, lines: list[dict]) -> dict:
     timeout = aiohttp.ClientTimeout(total=3600)
     tenants = {name: {"x-kvmesh-tenant": f"bench-{name}"} for name in ("batch", "online", "b2")}
@@ -303,10 +298,10 @@ def main() -> None:
         "batch_hit_ratio": round(batch["cached"] / batch["prompt"], 4),
         "batch_hit_bound": round(bound, 4),
         "online_hit_ratio": round(online["cached"] / online["prompt"], 4),
-        "online_ttft_p50_ms_alone": round(pct(alone, 50), 1),
-        "online_ttft_p50_ms_with_batch": round(pct(beside, 50), 1),
-        "online_ttft_p99_ms_alone": round(pct(alone, 99), 1),
-        "online_ttft_p99_ms_with_batch": round(pct(beside, 99), 1),
+        "online_ttft_p50_ms_alone": round(pct(alone, 50, 1e3), 1),
+        "online_ttft_p50_ms_with_batch": round(pct(beside, 50, 1e3), 1),
+        "online_ttft_p99_ms_alone": round(pct(alone, 99, 1e3), 1),
+        "online_ttft_p99_ms_with_batch": round(pct(beside, 99, 1e3), 1),
         "online_ttft_p50_ratio_with_batch": round(
             statistics.median(beside) / statistics.median(alone), 3
         ),
@@ -322,8 +317,8 @@ def main() -> None:
     print(f"hit bound (each prefix once): {bound:.3f}")
     print(f"{'online TTFT':<28}{'p50 ms':>12}{'p99 ms':>11}")
     for name, values in (("alone", alone), ("with a batch running", beside)):
-        print(f"{name:<28}{pct(values, 50):>12.1f}{pct(values, 99):>11.1f}")
-    print(json.dumps(fig))
+        print(f"{name:<28}{pct(values, 50, 1e3):>12.1f}{pct(values, 99, 1e3):>11.1f}")
+    emit(fig)
 
 
 if __name__ == "__main__":

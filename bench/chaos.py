@@ -54,6 +54,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.harness import say  # noqa: E402
 from kvmesh.natsconf import write_server_config  # noqa: E402
 from kvmesh.natsserver import Cluster, NatsServer, die_with_parent, port_in_use  # noqa: E402
 from kvmesh.trace import read_spans  # noqa: E402
@@ -70,10 +71,6 @@ SERVICES = (
     "decode-1",
     "encoder-0",
 )
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def free_ports(n: int, gap: int = 2000, start: int = 21000) -> int:

@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.e2e import Stack, say  # noqa: E402
+from bench.harness import Stack, say  # noqa: E402
 
 N = 8
 SENTENCE = "The harbour master logs each ship that berths at the quay before dawn. "

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import shutil
 import sys
 import threading
@@ -29,7 +28,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.e2e import Stack, say  # noqa: E402
+from bench.harness import Stack, emit, say  # noqa: E402
 from bench.router_capacity import children_of, cpu_seconds  # noqa: E402
 
 PROMPT = "The harbour office keeps a log of every berth, tide and pilot. " * 6
@@ -140,7 +139,7 @@ def main() -> None:
     print(f"{'one page: bytes/min':<34}{fig['page_bytes_per_min']:>12}")
     print(f"{'router CPU, no page':<34}{fig['router_cpu_no_pages']:>12}")
     print(f"{f'router CPU, {args.pages} pages':<34}{fig['router_cpu_with_pages']:>12}")
-    print(json.dumps(fig))
+    emit(fig)
 
 
 if __name__ == "__main__":

@@ -34,15 +34,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import ssl
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -50,95 +46,16 @@ from pathlib import Path
 import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.harness import Stack, emit, free_port, pct, say, wait_http  # noqa: E402
+
 FAKE_STEP_MS = 1  # the fake-paced decode's step: paced, no compute (its time is the engine's)
 PROMPT = (
     "You are reviewing a long design document about a distributed cache for language model "
     "serving. Summarize the trade-offs between keeping KV blocks in worker memory and in a "
     "shared storage tier, and say which one you would pick for a chat product. "
 )
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Stack:
-    """`kvmesh up` in a subprocess, on free ports and a scratch state dir."""
-
-    def __init__(
-        self,
-        model: str,
-        threads: int,
-        extra: dict[str, str] | None = None,
-        tls: bool = False,
-        args: tuple[str, ...] = (),
-    ) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
-        self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-        env.update(
-            KVMESH_STATE_DIR=str(self.dir),
-            KVMESH_NATS_URL=f"nats://127.0.0.1:{free_port()}",
-            KVMESH_ROUTER_HTTP_PORT=str(self.port),
-            KVMESH_ROUTER_GRPC_PORT="0",
-            KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS="0",  # every request moves its KV
-            KVMESH_PREFILL_MODEL=model,
-            KVMESH_DECODE_MODEL=model,
-            KVMESH_PREFILL_THREADS=str(threads),
-            KVMESH_DECODE_THREADS=str(threads),
-            KVMESH_PREFILL_KV_CACHE_TOKENS="16384",
-            KVMESH_DECODE_KV_CACHE_TOKENS="16384",
-            KVMESH_LOG_LEVEL="warning",
-        )
-        env.update(extra or {})
-        self.log = open(self.dir / "up.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh", "up", *(["--tls"] if tls else []), *args],
-            env=env,
-            cwd=REPO,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
-        self.tls = tls
-
-    @property
-    def ssl(self) -> ssl.SSLContext | None:
-        """What a client trusts: the stack's local CA (made by `kvmesh up --tls`)."""
-        return ssl.create_default_context(cafile=self.dir / "tls" / "ca.crt") if self.tls else None
-
-    def wait_ready(self, timeout_s: float = 120, key: str = "") -> None:
-        deadline = time.monotonic() + timeout_s
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        while time.monotonic() < deadline:
-            try:
-                req = urllib.request.Request(f"{self.url}/v1/models", headers=headers)
-                with urllib.request.urlopen(req, timeout=2, context=self.ssl) as r:
-                    if json.loads(r.read())["data"]:
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None:
-                tail = (self.dir / "up.log").read_text(errors="replace")[-3000:]
-                raise SystemExit(f"kvmesh up exited; {self.dir / 'up.log'} ends:\n{tail}")
-            time.sleep(0.2)
-        raise SystemExit(f"stack not ready in {timeout_s:g} s; see {self.dir / 'up.log'}")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 async def one_request(
@@ -219,17 +136,6 @@ class Anchor:
                 proc.kill()
 
 
-def wait_http(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"{url} did not answer in {timeout_s:g} s")
-
-
 async def anchor_added(
     anchor: Anchor, clients: int, rounds: int, max_tokens: int, keepalive: bool
 ) -> float:
@@ -295,10 +201,6 @@ async def drive(
         wall = time.perf_counter() - started
     results = [r for rs in per_worker for r in rs]
 
-    def pct(values: list[float], p: float) -> float:
-        values = sorted(values)
-        return values[min(len(values) - 1, int(p / 100 * len(values)))] * 1e3
-
     kv_bytes = sum(r["kv_bytes"] for r in results)
     kv_s = sum(r["kv_s"] for r in results)
     tpots = [r["tpot"] for r in results if r["tpot"] is not None]
@@ -306,12 +208,12 @@ async def drive(
     return {
         "results": results,
         "requests": len(results),
-        "ttft_p50_ms": round(pct([r["ttft"] for r in results], 50), 2),
-        "ttft_p99_ms": round(pct([r["ttft"] for r in results], 99), 2),
+        "ttft_p50_ms": round(pct([r["ttft"] for r in results], 50, 1e3), 2),
+        "ttft_p99_ms": round(pct([r["ttft"] for r in results], 99, 1e3), 2),
         "tpot_p50_ms": round(statistics.median(tpots) * 1e3, 2) if tpots else None,
         "rps": round(len(results) / wall, 2),
         "kv_transfer_mb_s": round(kv_bytes / kv_s / 1e6, 1) if kv_s else None,
-        "mesh_overhead_p50_ms": round(pct(overhead, 50), 2),
+        "mesh_overhead_p50_ms": round(pct(overhead, 50, 1e3), 2),
     }
 
 
@@ -516,7 +418,7 @@ def main() -> None:
         )
     if args.auth or args.tls:
         summary.update(security_comparison(args.auth, args.tls, args.max_tokens))
-    print(json.dumps(summary))
+    emit(summary)
 
 
 def security_comparison(auth: bool, tls: bool, max_tokens: int, rounds: int = 60) -> dict:

@@ -20,17 +20,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.harness import say  # noqa: E402
 from shared.engine.interface import EngineOptions  # noqa: E402
-from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.engine.torch.engine import TorchEngine  # noqa: E402
 from shared.engine.torch.loader import load_model  # noqa: E402
+from shared.messages.sampling import SamplingParams  # noqa: E402
 from shared.model.gguf import REAL_MODEL, find_gguf  # noqa: E402
 
 BLOCK = 64
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def median_time(fn, repeats: int = 3) -> float:

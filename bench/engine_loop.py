@@ -24,11 +24,11 @@ from pathlib import Path
 
 from shared.engine import ops
 from shared.engine.interface import EngineOptions, StepOutput
-from shared.engine.process import ProcessRunner
 from shared.engine.registry import load_engine
-from shared.engine.sampling import SamplingParams
+from shared.hosting.process import ProcessRunner
+from shared.hosting.runner import EngineRunner
+from shared.messages.sampling import SamplingParams
 from shared.model.catalog import resolve
-from shared.runner import EngineRunner
 
 
 def spin(seconds: float) -> None:

@@ -29,7 +29,6 @@ move), planner time. ``--load FILE`` scores a recorded trace instead (JSON or NP
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -40,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.harness import emit  # noqa: E402
 from shared.eplb.placement import Placement, contiguous, gamma, moves  # noqa: E402
 from shared.eplb.planner import Planner, greedy_plan, packed_plan  # noqa: E402
 from shared.eplb.stats import Window, read_load  # noqa: E402
@@ -287,7 +287,7 @@ def main() -> None:
             for k, v in out.items()
         },
     }
-    print(json.dumps(figures))
+    emit(figures)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ state (shown_ms). Prints a table; the last line is one JSON object with those pe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -32,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.harness import emit, say  # noqa: E402
 from tests.mounts import small_tmpfs  # noqa: E402
 from tests.procs import get_json, wait_until  # noqa: E402
 from tests.stack import Stack, start_stack  # noqa: E402
@@ -39,10 +39,6 @@ from tests.stack import Stack, start_stack  # noqa: E402
 IDS = ("router-0", "cachemeta-0", "prefill-0", "prefill-1", "decode-0", "decode-1")
 HOOKS = {"KVMESH_FAULT_HOOKS": "true", "KVMESH_ROUTER_LOCAL_PREFILL_MAX_TOKENS": "0"}
 ANSWER = dict(model="tiny", prompt="Tell me everything about tides.", max_tokens=300)
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def stream(stack: Stack, on_first=None, **body: object) -> tuple[str, float, float]:  # noqa: ANN001
@@ -202,7 +198,7 @@ def main() -> int:
         text = ", ".join(f"{k} {m} / {x}" for k, (m, x) in figures.items())
         print(f"{name:16} {len(runs):>4} {same:>5}  {text}")
         summary[name.replace(" ", "_")] = {"runs": len(runs), "same": same, **figures}
-    print(json.dumps(summary))
+    emit(summary)
     return 0
 
 

@@ -32,14 +32,16 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from bench.e2e import Stack, say
-from services.router.dispatch.plan import PrefixHashes
-from services.router.formats import anthropic as anthropic_api
-from services.router.formats import openai as openai_api
-from services.router.formats import responses as responses_api
-from services.router.observe.cachemiss import CacheMisses, Prompt, PromptParts
-from services.router.request.render import Renderer
-from shared.model.text import TextModel, load_text_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import Stack, say  # noqa: E402
+from services.router.dispatch.plan import PrefixHashes  # noqa: E402
+from services.router.formats import anthropic as anthropic_api  # noqa: E402
+from services.router.formats import openai as openai_api  # noqa: E402
+from services.router.formats import responses as responses_api  # noqa: E402
+from services.router.observe.cachemiss import CacheMisses, Prompt, PromptParts  # noqa: E402
+from services.router.request.render import Renderer  # noqa: E402
+from shared.model.text import TextModel, load_text_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_TOKENS = 77_000

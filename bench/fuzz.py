@@ -32,6 +32,7 @@ from hypothesis import given, seed, settings
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.harness import say  # noqa: E402
 from shared.proto import api_pb2  # noqa: E402
 from tests.fuzzing import ask_grpc, messages, mutants, schemathesis_run  # noqa: E402
 from tests.procs import kvmesh_keys  # noqa: E402
@@ -39,10 +40,6 @@ from tests.stack import TINY_ENCODER, Stack, start_stack  # noqa: E402
 from tests.test_fuzz import ANSWERED, LIKELY, REFUSALS  # noqa: E402
 
 IDS = ("router-0", "cachemeta-0", "prefill-0", "decode-0", "encoder-0")
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def fuzz_grpc(stack: Stack, key: str, cases: int, seed_: int) -> tuple[Counter, list[str]]:

@@ -46,9 +46,9 @@ sys.path[:] = [str(REPO), *(p for p in sys.path if Path(p or ".").resolve() != R
 
 import torch  # noqa: E402
 
-from bench.e2e import Stack  # noqa: E402
+from bench.harness import Stack, emit, say  # noqa: E402
 from shared.engine.interface import EngineOptions, Prefix  # noqa: E402
-from shared.engine.sampling import SamplingParams  # noqa: E402
+from shared.messages.sampling import SamplingParams  # noqa: E402
 
 TOKENIZER = REPO / ".gpu" / "tokenizer"
 NAME = "gpu-llama"
@@ -90,10 +90,6 @@ SHAPES = {
 }
 CONTEXT = 512  # each decoding sequence's prompt
 CACHED = 0.96  # of a next turn's prompt
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def sync(device: str) -> None:
@@ -550,7 +546,7 @@ def main() -> None:
         (args.out / "gpu.txt").write_text(text + "\n")
         (args.out / "gpu.json").write_text(json.dumps(results, indent=1, default=str))
     shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(s))
+    emit(s)
 
 
 if __name__ == "__main__":

@@ -36,22 +36,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.e2e import Stack, free_port  # noqa: E402
+from bench.harness import Stack, emit, free_port, say  # noqa: E402
 from kvmesh.natsserver import NatsServer  # noqa: E402
 from shared.bus import Bus, subjects  # noqa: E402
 from shared.kvindex.follow import IndexFollower, read_snapshot  # noqa: E402
 from shared.kvindex.view import KvIndex  # noqa: E402
 from shared.kvindex.watch import approx_bytes  # noqa: E402
-from shared.messages.kvevents import STORE, KvEvent, LookupReply, LookupRequest  # noqa: E402
+from shared.messages.kvevents import (  # noqa: E402
+    STORE,
+    KvEvent,
+    KvRecord,
+    LookupReply,
+    LookupRequest,
+    pack_events,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 CHAIN = 1200  # blocks of one 77K-token prompt (64-token blocks)
 EVENT_BLOCKS = 1000  # blocks per KV event
 BLOCK_BYTES = 2_949_120  # the real model's 64-token block
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def chains(n_blocks: int) -> list[list[str]]:
@@ -149,7 +152,8 @@ async def follow(bus: Bus) -> tuple[IndexFollower, float]:
 
 async def publish(bus: Bus, batch: list[KvEvent]) -> None:
     for i, event in enumerate(batch):
-        await bus.publish_durable(subjects.kv_events("prefill"), event)
+        data = pack_events([KvRecord.of(event)])
+        await bus.publish_durable_bytes(subjects.kv_events("prefill"), data)
         if i % 500 == 0:
             say(f"  {i:,} of {len(batch):,} events published")
 
@@ -315,7 +319,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5, help="stopped-feed trials")
     args = ap.parse_args()
     if args.one_memory:
-        print(json.dumps(one_memory(args.one_memory, args.lru)))
+        emit(one_memory(args.one_memory, args.lru))
         return
     memory = [] if args.skip_memory else bench_memory([1_000_000, 10_000_000])
     with tempfile.TemporaryDirectory(prefix="kvmesh-kvindex-") as d:
@@ -365,7 +369,7 @@ def main() -> None:
         "feed_flagged_s_max": round(max(feed["flagged_s"]), 2) if feed else None,
         "feed_resynced_s_max": round(max(feed["resynced_s"]), 2) if feed else None,
     }
-    print(json.dumps(summary))
+    emit(summary)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.e2e import Stack, free_port  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Stack,
+    free_port,
+    say,  # noqa: E402
+)
 from kvmesh.natsserver import NatsServer  # noqa: E402
 from shared.bus import Bus, subjects  # noqa: E402
 from shared.engine.interface import EngineOptions  # noqa: E402
@@ -42,10 +46,6 @@ from shared.messages.kvevents import STORE, KvEvent, LookupReply, LookupRequest 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # -- 1. the storage tier ------------------------------------------------------------------
 
 
@@ -54,7 +54,7 @@ def real_blocks(state: Path, n: int) -> tuple[list[bytes], TorchEngine]:
     model = load_model("smollm2-135m-instruct", state)
     engine = TorchEngine(model, EngineOptions(block_size=64, kv_cache_tokens=64 * (n + 8)))
     ids = [(i * 7919) % 40000 + 100 for i in range(64 * n + 1)]
-    from shared.engine.sampling import SamplingParams
+    from shared.messages.sampling import SamplingParams
 
     engine.prefill("b", ids, SamplingParams(max_tokens=1))
     blobs = engine.export_blocks("b", 0, n)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -35,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import Up, emit, say  # noqa: E402
+
 SIZE = dict(  # SmolLM2-135M's dimensions
     hidden_size=576,
     intermediate_size=1536,
@@ -46,10 +47,6 @@ SIZE = dict(  # SmolLM2-135M's dimensions
 )
 PER_ARCH = {"mistral": {"head_dim": 64, "sliding_window": 4096}, "qwen3": {"head_dim": 64}}
 ARCHS = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"]
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- one model in one process (run as: models.py --one KIND PATH STATE REFERENCE) ---------------
@@ -71,9 +68,9 @@ def measure_one(kind: str, path: str, state: str, reference: str, threads: int) 
 
     torch.set_num_threads(threads)
     from shared.engine.interface import EngineOptions, PrefillRequest
-    from shared.engine.sampling import SamplingParams
     from shared.engine.torch.engine import TorchEngine
     from shared.engine.torch.loader import load_model
+    from shared.messages.sampling import SamplingParams
     from shared.model.catalog import ModelSource, resolve
 
     source = resolve(path, {}) if kind == "name" else ModelSource("bench", kind, Path(path))
@@ -193,48 +190,19 @@ def run_one(kind: str, path: str, state: Path, reference: str, threads: int) -> 
 def time_up(state: Path, timeout_s: float = 300) -> float:
     """Seconds from starting `kvmesh up` (the real model, every service) to /health 200 with
     every service ready."""
-    import socket
-
-    def port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    http = port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    env.update(
-        KVMESH_STATE_DIR=str(state),
-        KVMESH_NATS_URL=f"nats://127.0.0.1:{port()}",
-        KVMESH_ROUTER_HTTP_PORT=str(http),
-        KVMESH_ROUTER_GRPC_PORT="0",
-    )
-    start = time.perf_counter()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh", "up"],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        while time.perf_counter() - start < timeout_s:
-            if up.poll() is not None:
-                raise SystemExit(f"kvmesh up exited with {up.returncode}")
+    with Up(state=state) as up:
+        while time.perf_counter() - up.started_at < timeout_s:
+            if up.proc.poll() is not None:
+                raise SystemExit(f"kvmesh up exited with {up.proc.returncode}:\n{up.tail()}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"{up.url}/health", timeout=2) as r:
                     body = json.loads(r.read())
                 if r.status == 200 and all(body["roles"].get(k) for k in ("prefill", "decode")):
-                    return time.perf_counter() - start
+                    return time.perf_counter() - up.started_at
             except OSError:
                 pass
             time.sleep(0.2)
         raise SystemExit(f"kvmesh up not healthy within {timeout_s} s")
-    finally:
-        up.send_signal(2)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            up.kill()
 
 
 def main() -> None:
@@ -245,7 +213,7 @@ def main() -> None:
     parser.add_argument("--one", nargs=4, metavar=("KIND", "PATH", "STATE", "REFERENCE"))
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure_one(*args.one, threads=args.threads)))
+        emit(measure_one(*args.one, threads=args.threads))
         return
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvmesh-models-") as tmp:
@@ -297,7 +265,7 @@ def main() -> None:
         }
         for r in rows
     }
-    print(json.dumps({"models": figures, "kvmesh_up": up}))
+    emit({"models": figures, "kvmesh_up": up})
 
 
 if __name__ == "__main__":

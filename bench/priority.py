@@ -37,7 +37,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.e2e import Stack, say  # noqa: E402
+from bench.harness import Stack, pct, say  # noqa: E402
 
 WORDS = ["harbour", "berth", "crane", "tide", "pilot", "quay", "ledger", "manifest", "cargo"]
 BLOCK_BYTES = 65_552  # a tiny-model block in the storage tier (64 tokens)
@@ -49,11 +49,9 @@ def prompt(tokens: int, rng: random.Random) -> str:
     return head + " ".join(rng.choice(WORDS) for _ in range(max(1, tokens - 40)))
 
 
-def pct(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return round(values[min(len(values) - 1, int(p / 100 * len(values)))] * 1e3, 1)
+def ms(values: list[float], p: float) -> float | None:
+    """The ``p``-th percentile of seconds, in milliseconds (None for none)."""
+    return round(pct(values, p, 1e3), 1) if values else None
 
 
 async def ask(
@@ -112,8 +110,8 @@ class Load:
         return {
             "offered_rps": round(self.rate, 2),
             "answered": len(self.ttfts),
-            "ttft_p50_ms": pct(self.ttfts, 50),
-            "ttft_p99_ms": pct(self.ttfts, 99),
+            "ttft_p50_ms": ms(self.ttfts, 50),
+            "ttft_p99_ms": ms(self.ttfts, 99),
             "refused": self.refused,
             "failed": self.failed,
         }

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.e2e import REPO, Stack, say  # noqa: E402
+from bench.harness import REPO, Stack, emit, say  # noqa: E402
 
 BLOCK = 64  # tokens per KV block
 
@@ -146,7 +146,7 @@ def main() -> None:
         "shared_hit_ms": round(shared["hit_ms"], 2),
         "shared_miss_ms": round(shared["miss_ms"], 2),
     }
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

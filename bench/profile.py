@@ -15,7 +15,6 @@ speed-up and the spread.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,11 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 # (bench/ itself is left off the path: its vllm.py would stand in for the vllm package)
 sys.path[:] = [str(REPO), *(p for p in sys.path if Path(p or ".").resolve() != REPO / "bench")]
 
+from bench.harness import emit, say  # noqa: E402
 from simulator.measure import profile_engine, profile_vllm  # noqa: E402
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -67,7 +63,7 @@ def main() -> None:
         "spread": profile.spread,
         "profile": str(args.out),
     }
-    print(json.dumps(figures))
+    emit(figures)
 
 
 if __name__ == "__main__":

@@ -31,17 +31,14 @@ import json
 import multiprocessing
 import os
 import random
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.e2e import free_port, say, wait_http  # noqa: E402
+from bench.harness import Up, free_port, say, stop, wait_http  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # The fixed token's text (both servers), counted in the byte stream: a chunk that carries
@@ -232,15 +229,9 @@ def children_of(pid: int) -> list[tuple[int, str]]:
     return found
 
 
-def kvmesh_stack(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int]:
-    state = Path(tempfile.mkdtemp(prefix="kvmesh-capacity-"))
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    env.update(
-        KVMESH_STATE_DIR=str(state),
-        KVMESH_NATS_URL=f"nats://127.0.0.1:{free_port()}",
-        KVMESH_ROUTER_HTTP_PORT=str(port),
-        KVMESH_ROUTER_GRPC_PORT="0",
+def kvmesh_stack(args: argparse.Namespace) -> tuple[Up, int]:
+    """`kvmesh up` with decode on the fake-paced engine, ready: the stack and its router's pid."""
+    env = dict(
         KVMESH_PREFILL_MODEL="tiny",
         KVMESH_DECODE_MODEL="tiny",
         KVMESH_BENCH_ENGINES="true",
@@ -253,35 +244,11 @@ def kvmesh_stack(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int]:
         KVMESH_DECODE_MEMORY_TIER_BYTES="0",
         KVMESH_DECODE_MAX_RUNNING=str(max(args.streams) + 64),
         KVMESH_ROUTER_MAX_INFLIGHT=str(max(args.streams) * 2),
-        KVMESH_LOG_LEVEL="warning",
     )
-    log = open(state / "up.log", "wb")  # noqa: SIM115
-    cmd = [sys.executable, "-m", "kvmesh", "up", "--decode", str(args.decode), "--encoder", "0"]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/v1/models", timeout_s=180)
-    wait_served(url)
-    router = next(pid for pid, cmd in children_of(proc.pid) if "services.router" in cmd)
-    return proc, url, router
-
-
-def wait_served(url: str, timeout_s: float = 180) -> None:
-    """Until the router lists the model (its workers registered)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
-            if json.loads(r.read())["data"]:
-                return
-        time.sleep(0.5)
-    raise SystemExit(f"{url} lists no model after {timeout_s:g} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    up = Up(["--decode", str(args.decode), "--encoder", "0"], env)
+    up.wait_ready(180)
+    router = next(pid for pid, cmd in children_of(up.proc.pid) if "services.router" in cmd)
+    return up, router
 
 
 def anchor_stack(args: argparse.Namespace) -> tuple[list[subprocess.Popen], str, int]:
@@ -338,11 +305,9 @@ def main() -> None:
             say(f"  {results[system][-1]}")
 
     say("starting kvmesh (tiny model, decode on the fake-paced engine)")
-    proc, url, pid = kvmesh_stack(args)
-    try:
-        sweep("kvmesh", url, pid, "tiny")
-    finally:
-        stop(proc)
+    up, pid = kvmesh_stack(args)
+    with up:
+        sweep("kvmesh", up.url, pid, "tiny")
     if not args.skip_anchor:
         say("starting the anchor: sglang-router over the fake upstream")
         procs, url, pid = anchor_stack(args)
@@ -350,8 +315,7 @@ def main() -> None:
             sweep("anchor", url, pid, "fake")
         finally:
             for p in procs:
-                p.terminate()
-                p.wait(10)
+                stop(p, 10)
 
     print(f"streaming, a token every {args.step_ms:g} ms per stream, {args.seconds:g} s measured")
     head = (

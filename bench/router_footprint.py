@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.e2e import free_port, say  # noqa: E402
+from bench.harness import emit, free_port, say  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
@@ -202,7 +202,7 @@ def main() -> None:
         "torch_mapped": any(r["torch_ready"] or r["torch_serving"] for r in rows),
     }
     shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(figures))
+    emit(figures)
 
 
 if __name__ == "__main__":

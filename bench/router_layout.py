@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -42,12 +41,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.harness import emit, say  # noqa: E402
+
 ROUTER = REPO / "services" / "router"
 LONG_FUNCTION = 60
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- from the code ---------------------------------------------------------------------------
@@ -216,7 +213,7 @@ async def trace_one_request(state_dir: Path, nats_url: str) -> dict:
 
 
 def trace_figures() -> dict:
-    from bench.e2e import Stack, free_port
+    from bench.harness import Stack, free_port
 
     nats_url = f"nats://127.0.0.1:{free_port()}"
     say("starting a stack (tiny model) for the traced request ...")
@@ -285,7 +282,7 @@ def main() -> None:
         "request_functions",
         "suite_s",
     )
-    print(json.dumps({k: figures[k] for k in keys if k in figures}))
+    emit({k: figures[k] for k in keys if k in figures})
 
 
 if __name__ == "__main__":

@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Run as a script, this file's folder leads the path, where it would shadow vLLM itself.
 sys.path[:] = [str(REPO), *(p for p in sys.path if Path(p or ".").resolve() != REPO / "bench")]
 
-from bench.vllm import free_port, say, wait_http  # noqa: E402
+from bench.harness import emit, free_port, own_venv, pct, say, stop, wait_http  # noqa: E402
 from shared.engine.vllm.serve import REPLAY_OFFSET, serve_command  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -77,28 +75,12 @@ def started(argv: list[str], log: Path, env: dict[str, str] | None = None) -> su
     )
 
 
-def stop(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 # -- the peers, in a venv of their own ------------------------------------------------------
 
 
 def peers_venv(path: Path) -> Path:
     """The venv with SMG and vllm-router (made from the package registry when missing)."""
-    if not all((path / "bin" / name).exists() for name in PEERS):
-        say(f"installing {', '.join(PEERS.values())} into {path}")
-        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
-        pip = [str(path / "bin" / "pip"), "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, *PEERS.values()], check=True)
-    return path / "bin"
+    return own_venv(path, list(PEERS.values()), list(PEERS))
 
 
 # -- the servers ----------------------------------------------------------------------------
@@ -149,7 +131,7 @@ def servers(work: Path, n: int) -> Iterator[list[Server]]:
         yield out
     finally:
         for s in out:
-            stop(s.proc)
+            stop(s.proc, group=True)
 
 
 def cache_counts(urls: list[str]) -> tuple[float, float]:
@@ -207,7 +189,7 @@ def router(name: str, work: Path, backends: list[Server], peers: Path) -> Iterat
         time.sleep(2.0)  # (its first reads of the servers' state)
         yield f"http://127.0.0.1:{port}/v1", proc.pid
     finally:
-        stop(proc)
+        stop(proc, group=True)
 
 
 def cpu_seconds(pid: int, skip: set[int]) -> tuple[float, float]:
@@ -326,11 +308,6 @@ async def mix(base: str, args: argparse.Namespace) -> Result:
     return result
 
 
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] if ordered else 0.0
-
-
 def figures(result: Result, hits: float, queries: float, cpu_s: tuple[float, float]) -> dict:
     ok = [a for a in result.asked if a.ok]
     ttft = [a.ttft_ms for a in ok]
@@ -407,7 +384,7 @@ def main() -> None:
     results = {name: medians(done) for name, done in runs.items()}
     print_table(results)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    print(json.dumps({"routers": results, "runs": runs, "settings": settings}))
+    emit({"routers": results, "runs": runs, "settings": settings})
 
 
 def attempt(name: str, work: Path, args: argparse.Namespace, peers: Path) -> dict:

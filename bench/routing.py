@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import os
 import statistics
 import sys
@@ -53,6 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.agent_trace import SESSIONS_PER_WORKER, agent_trace  # noqa: E402
+from bench.harness import emit, say  # noqa: E402
 from services.router.dispatch.plan import PrefixHashes  # noqa: E402
 from services.router.routing.policies import POLICIES  # noqa: E402
 from services.router.routing.route import RouteRequest  # noqa: E402
@@ -80,10 +80,6 @@ LOADS = (0.5, 0.8, 0.95, 1.3)
 SIZES = (8, 64)
 MEMORY_SHARE = 0.3  # of a trace's distinct blocks, held by the pool's memory tiers together
 TIE = 0.02  # within 2% of the best other policy counts as leading
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @functools.cache
@@ -419,7 +415,7 @@ def main() -> None:
         }
         for variant, cells in by_variant.items()
     }
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -37,11 +36,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[0] = str(REPO)  # (not bench/: its profile.py would hide the standard library's)
 
+from bench.harness import emit  # noqa: E402
 from shared.engine.interface import EngineOptions  # noqa: E402
-from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.engine.sglang.engine import SglangEngine  # noqa: E402
 from shared.kvstore.backend import FileStore  # noqa: E402
 from shared.kvstore.hashing import pack_tokens, packed_sglang_hashes  # noqa: E402
+from shared.messages.sampling import SamplingParams  # noqa: E402
 from shared.model.catalog import resolve  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -187,7 +187,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="where transformers' reference runs")
     args = ap.parse_args()
     figures = asyncio.run(run(args))
-    print(json.dumps(figures))
+    emit(figures)
 
 
 if __name__ == "__main__":

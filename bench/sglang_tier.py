@@ -20,7 +20,6 @@ plain_read_mb_s.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path[0] = str(REPO)  # (not bench/: its profile.py would hide the standard library's)
 
+from bench.harness import emit  # noqa: E402
 from shared.kvstore.hashing import (  # noqa: E402
     pack_tokens,
     packed_block_hashes,
@@ -151,7 +151,7 @@ def main() -> None:
     for layout in (*LAYOUTS, "plain"):
         figures[layout] = {k: round(v) for k, v in pages[layout].items()}
     figures["page_mib"] = pages["page_mib"]
-    print(json.dumps(figures))
+    emit(figures)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import openai  # noqa: E402
 
-from bench.e2e import Stack  # noqa: E402
+from bench.harness import Stack, emit, say  # noqa: E402
 from simulator.measure import kv_rates, profile_engine  # noqa: E402
 from simulator.profile import EngineProfile  # noqa: E402
 from simulator.validate import (  # noqa: E402
@@ -87,10 +86,6 @@ def measure_overhead(
             alone.setdefault(n, []).append(asyncio.run(replay_live(url, model, [r]))[0])
         alone[n] = alone[n][1:]
     return overhead(alone, profile)
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -181,7 +176,7 @@ def main() -> None:
     out["overhead_ms"] = [round(o[0] * 1e3, 2) for o in overheads]
     out["overhead_us_per_token"] = [round(o[1] * 1e6, 2) for o in overheads]
     out["profile_tok_s"] = round(profile.tok_s(0, 1024))
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

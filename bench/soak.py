@@ -1,5 +1,5 @@
 """A soak that shows the plateau: a tiny stack on 127.0.0.1 under a bounded load until its
-caches are full, then at least twice as long again, with one fault of each kind on the way.
+caches are full, then at least three times as long again, with one fault of each kind on the way.
 
 The stack: router, cachemeta, two prefill and two decode workers (fault hooks on), each
 worker's memory tier small and the storage tier capped (cachemeta evicts past it; on a tmpfs
@@ -13,7 +13,7 @@ tier is nine-tenths used, and so are the router's tokenizer cache, the conversat
 hashes it keeps, and every serving process's recent traces (300,000 tokens, 200 conversations
 and 600 traces here: the defaults, 4 million, 4,096 and 4,096, take hours to fill at this
 load). Every ``--sample-s``: each process's
-resident memory and open file descriptors (its children's too: decode's engine process), the
+resident memory and open file descriptors (its children's too; decode's engine process apart), the
 KV blocks the workers hold, the requests queued, and each process's NATS backlog (its
 /metrics). Growth per hour is the slope of a least-squares line through the samples after the
 plateau (of a process's current run: one restarted is measured from a minute after), ± twice
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import random
@@ -63,6 +62,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.harness import emit, say  # noqa: E402
 from tests.mounts import remount  # noqa: E402
 from tests.procs import get_json, metrics, wait_until  # noqa: E402
 from tests.stack import Stack, start_stack  # noqa: E402
@@ -91,10 +91,6 @@ SETTINGS = {
 WORKERS = ("prefill", "decode")
 WATERMARK = 0.9  # cachemeta's default high watermark
 SYLLABLES = "ka lo mi ne su ta ri po ve da lu xe fo gi ha jo".split()  # noqa: SIM905
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- the load ---------------------------------------------------------------------------------
@@ -186,16 +182,18 @@ class Sample:
     nats_pending: dict[str, float]
 
 
-def process_figures(pid: int) -> tuple[float, int]:
-    """RSS (MB) and open fds of a process and its children."""
+def process_figures(pid: int) -> dict[str, tuple[float, int]]:
+    """RSS (MB) and open fds of a process with its children, under "": but its engine's own
+    process (decode's, shared.hosting.process), which is under "engine", apart."""
     proc = psutil.Process(pid)
-    procs = [proc, *proc.children(recursive=True)]
-    rss, fds = 0, 0
-    for p in procs:
+    out: dict[str, list[int]] = {"": [0, 0]}
+    for p in [proc, *proc.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
-            rss += p.memory_info().rss
-            fds += p.num_fds()
-    return rss / 2**20, fds
+            engine = p is not proc and "shared.hosting.process" in " ".join(p.cmdline())
+            figures = out.setdefault("engine" if engine else "", [0, 0])
+            figures[0] += p.memory_info().rss
+            figures[1] += p.num_fds()
+    return {part: (rss / 2**20, fds) for part, (rss, fds) in out.items()}
 
 
 def sample(stack: Stack, t: float) -> Sample:
@@ -205,7 +203,9 @@ def sample(stack: Stack, t: float) -> Sample:
     rss, fds = {}, {}
     for sid, pid in pids.items():
         try:
-            rss[sid], fds[sid] = process_figures(pid)
+            for part, (r, f) in process_figures(pid).items():
+                name = f"{sid}/{part}" if part else sid
+                rss[name], fds[name] = r, f
         except psutil.Error as err:  # (one restarting now)
             say(f"  {sid} (pid {pid}) not sampled: {err!r}")
     listed = stack.health()
@@ -429,7 +429,7 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
             full = store_full and min(s.memory_tiers, s.token_cache, s.traces, s.prefixes) >= 0.9
             if full_at is None and full:
                 full_at = t
-                end_at = max(end_at, now + 2 * t)
+                end_at = max(end_at, now + 3 * t)
                 span = end_at - now  # the late faults spread over it, none near its end
                 for i, fault in enumerate(late):
                     faults.due(t + span * (i + 1) / (len(late) + 2), "", fault)
@@ -522,7 +522,7 @@ def report(
     )
     processes = {}
     for name in names:
-        since = max(plateau_t, faults.restarted.get(name, -1.0) + 60)
+        since = max(plateau_t, faults.restarted.get(name.split("/")[0], -1.0) + 60)
         after = [s for s in samples if s.t >= since and name in s.rss_mb]
         rss_h, rss_err = slope_per_h([(s.t, s.rss_mb[name]) for s in after])
         fds_h, fds_err = slope_per_h([(s.t, s.fds[name]) for s in after])
@@ -562,7 +562,7 @@ def report(
         "rate": args.rate,
         "clients": args.clients,
     }
-    print(json.dumps(summary))
+    emit(summary)
     return 0
 
 

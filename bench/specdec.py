@@ -43,10 +43,11 @@ import shutil  # noqa: E402
 import string  # noqa: E402
 import textwrap  # noqa: E402
 
+from bench.harness import emit, say  # noqa: E402
 from shared.engine.interface import EngineOptions  # noqa: E402
-from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.engine.torch.engine import TorchEngine  # noqa: E402
 from shared.engine.torch.loader import load_model  # noqa: E402
+from shared.messages.sampling import SamplingParams  # noqa: E402
 from shared.model.gguf import REAL_MODEL  # noqa: E402
 from shared.model.text import load_text_model  # noqa: E402
 
@@ -138,10 +139,6 @@ def mix_prompts(n: int) -> list[str]:
     """A third of each kind, other items than the workloads of one kind start with."""
     kinds = [code_prompts(n + 7), extract_prompts(n + 7), open_prompts(n + 7)]
     return [kinds[i % 3][i // 3 + 7] for i in range(n)]
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def copy_rate(prompt: list[int], answer: list[int]) -> tuple[int, int]:
@@ -296,7 +293,7 @@ def main() -> None:
         "identical_outputs": identical,
         "workloads": results,
     }
-    print(json.dumps(summary))
+    emit(summary)
 
 
 if __name__ == "__main__":

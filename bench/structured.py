@@ -28,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jsonschema  # noqa: E402
 
+from bench.harness import say  # noqa: E402
 from shared.engine.interface import EngineOptions  # noqa: E402
-from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.engine.torch.engine import TorchEngine  # noqa: E402
 from shared.engine.torch.loader import load_model  # noqa: E402
+from shared.messages.sampling import SamplingParams  # noqa: E402
 from shared.model.gguf import REAL_MODEL  # noqa: E402
 from shared.model.grammar import Matcher, check, json_grammar, vocabulary  # noqa: E402
 from shared.model.text import load_text_model  # noqa: E402
@@ -65,10 +66,6 @@ QUESTIONS = [
     "Give the harbour master's morning list of ships as JSON.",
     "Report every ship at berth with its cargo, as JSON.",
 ]
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def step_times(

@@ -25,17 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,9 +42,9 @@ REPO = Path(__file__).resolve().parent.parent
 # Run as a script, this file's folder leads the path, where it would shadow vLLM itself.
 sys.path[:] = [str(REPO), *(p for p in sys.path if Path(p or ".").resolve() != REPO / "bench")]
 
+from bench.harness import Up, emit, free_port, pct, say, stop, wait_http  # noqa: E402
 from bench.vllm_workloads import (  # noqa: E402
     agent_sessions,
-    pct,
     run_new_prompts,
     run_sessions,
     summary,
@@ -60,40 +56,6 @@ TEXT = (
     "Summarize the trade-offs between keeping KV blocks in worker memory and in a shared "
     "storage tier, and say which one you would pick for a chat product."
 )
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if proc.poll() is not None:
-            raise SystemExit(f"{proc.args[:4]} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} not up within {timeout_s} s")
-
-
-def stop(proc: subprocess.Popen, timeout_s: float) -> None:
-    """Ctrl-C, as a person would stop it; killed if it does not end in time."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 async def drive(base: str, model: str, clients: int, requests: int, max_tokens: int) -> dict:
@@ -162,44 +124,32 @@ def vllm_server(directory: Path) -> Iterator[str]:
         wait_http(f"http://127.0.0.1:{port}/health", 300, proc)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        stop(proc, 30)
+        stop(proc)
 
 
 @contextlib.contextmanager
 def kvmesh(state: Path, prefill: int, decode: int, policy: str = "ttft") -> Iterator[str]:
     """`kvmesh up` with vLLM workers (``prefill`` of them, ``decode`` of them), the router
     on ``policy``; yields the router's base URL."""
-    http = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    env.update(
-        KVMESH_STATE_DIR=str(state),
-        KVMESH_NATS_URL=f"nats://127.0.0.1:{free_port()}",
-        KVMESH_ROUTER_HTTP_PORT=str(http),
-        KVMESH_ROUTER_GRPC_PORT="0",
+    env = dict(
         KVMESH_ROUTER_ROUTING_POLICY=policy,
         KVMESH_PREFILL_ENGINE="vllm",
         KVMESH_PREFILL_MODEL=MODEL,
         KVMESH_DECODE_ENGINE="vllm",
         KVMESH_DECODE_MODEL=MODEL,
+        KVMESH_LOG_LEVEL="info",  # (its "kvmesh is up" line)
     )
-    cmd = [sys.executable, "-m", "kvmesh", "up", "--prefill", str(prefill)]
-    cmd += ["--decode", str(decode), "--encoder", "0"]
+    args = ["--prefill", str(prefill), "--decode", str(decode), "--encoder", "0"]
     say(f"kvmesh ({prefill} vLLM prefill, {decode} vLLM decode, {policy}): starting")
-    state.mkdir(parents=True, exist_ok=True)
-    log = (state / "up.log").open("wb")
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with Up(args, env, state) as up:
         start = time.monotonic()
         while b"kvmesh is up" not in (state / "up.log").read_bytes():
-            if proc.poll() is not None:
-                raise SystemExit(f"kvmesh up exited with {proc.returncode}")
+            if up.proc.poll() is not None:
+                raise SystemExit(f"kvmesh up exited with {up.proc.returncode}")
             if time.monotonic() - start > 300:
                 raise SystemExit("kvmesh up not up within 300 s")
             time.sleep(0.5)
-        yield f"http://127.0.0.1:{http}/v1"
-    finally:
-        stop(proc, 60)
-        log.close()
+        yield f"{up.url}/v1"
 
 
 def vllm_alone(directory: Path, args: argparse.Namespace) -> dict:
@@ -320,9 +270,9 @@ def turn_two_from_storage(state: Path, lengths: list[int], reps: int) -> dict:
     again (no tier). Turn 1 is computed by a first engine, which then stops: what the second
     finds is only what the tier holds, as for a turn that lands on another worker."""
     from shared.engine.interface import EngineOptions
-    from shared.engine.sampling import SamplingParams
     from shared.engine.vllm.engine import VllmEngine
     from shared.kvstore.backend import FileStore
+    from shared.messages.sampling import SamplingParams
     from shared.model.catalog import resolve
 
     rng = random.Random(0)
@@ -414,7 +364,7 @@ def main() -> None:
             say("(d) P/D vs aggregated")
             figures["pd_vs_aggregated"] = pd_vs_aggregated(work, args)
     print_tables(figures)
-    print(json.dumps(figures))
+    emit(figures)
 
 
 def print_tables(figures: dict) -> None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import openai
 
+from bench.harness import pct
+
 BLOCK = 64
 RETRY_S = 0.2  # after a 429
 
@@ -138,11 +140,6 @@ async def run_new_prompts(
     rng = random.Random(seed)
     sessions = [Session([[rng.randrange(200, 40000) for _ in range(length)]]) for _ in range(n)]
     return await run_sessions(base, model, sessions, clients, answer)
-
-
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
 
 
 def summary(asked: list[Asked]) -> dict:

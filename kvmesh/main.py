@@ -9,6 +9,12 @@ from kvmesh import batch, eplb, init, keys, model, plan, sim, status, trace, up
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = cli().parse_args(argv)
+    return args.run(args)
+
+
+def cli() -> argparse.ArgumentParser:
+    """The command line's parser, every subcommand in it."""
     parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     up.add_parser(commands)
@@ -21,8 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     batch.add_parser(commands)
     eplb.add_parser(commands)
     model.add_parser(commands)
-    args = parser.parse_args(argv)
-    return args.run(args)
+    return parser
 
 
 if __name__ == "__main__":

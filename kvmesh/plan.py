@@ -296,12 +296,22 @@ def print_trials(plan: Plan) -> None:
         )
 
 
+DECODE_FIGURES = frozenset(DECODE_TARGETS) | {"decode_utilization"}
+
+
 def as_json(plan: Plan, planning_s: float) -> dict:
+    """The plan, its figures and the pools they were replayed on (``at``). Where no prefill
+    pool meets the targets no decode pool was sized, so no decode figure is given (the
+    search's one decode worker under a prefill pool that large says nothing)."""
     keys = [k for k, _, _ in FIGURES]
+    if plan.prefill is None:
+        keys = [k for k in keys if k not in DECODE_FIGURES]
+    prefill, decode = plan.at
     return {
         "prefill": plan.prefill,
         "decode": plan.decode,
         "feasible": plan.feasible,
+        "at": {"prefill": prefill, "decode": decode if plan.prefill is not None else None},
         **{k: round(plan.summary[k], 6) for k in keys if k in plan.summary},
         "margin": plan.margin,
         "replays": len(plan.trials),

@@ -36,6 +36,7 @@ from shared.logs import setup_logging
 from shared.messages.heartbeat import PlanQuery, PlanReply, RegistryQuery, RegistrySnapshot
 from shared.model.catalog import SETTING, ModelError
 from shared.model.text import check_model
+from shared.offline import offline_env
 from shared.security.tls import client_context
 from shared.settings import CommonSettings, SettingsError, load_settings
 
@@ -206,7 +207,7 @@ class Stack:
             log.info("stopped nats-server")
 
     async def spawn(self, child: Child) -> None:
-        env = dict(os.environ)
+        env = offline_env(os.environ)  # (usage reports and the Hub off: shared/offline.py)
         env.update(KVMESH_NATS_URL=self.nats_url, KVMESH_SERVICE_ID=child.name)
         if self.common.models:  # what --model added, for every service
             env[SETTING] = json.dumps({k: str(v) for k, v in self.common.models.items()})

@@ -5,13 +5,15 @@ serves ``PUT``/``DELETE /faults/{name}`` (never set in production: the route has
 Names in use: ``kv_events`` (the worker's KV events are made but not published, as if NATS
 refused them); ``kv_feed`` (a vLLM worker's engine cache events are dropped as they come, as
 if its feed went quiet); ``engine_step`` (a decode step raises); ``engine_prefill`` (a prompt's
-compute raises, on a prefill worker or decode's local prefill). A process that runs part of
-itself elsewhere (decode's engine process) passes the switches on (``LISTENERS``).
+compute raises, on a prefill worker or decode's local prefill); ``poison_token_<id>`` (an
+engine call on a prompt holding that token id raises: its prefill, or a decode step while it
+is in the batch: a request that makes every engine fail). A process that runs part of itself
+elsewhere (decode's engine process) passes the switches on (``LISTENERS``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 from aiohttp import web
 
@@ -19,8 +21,19 @@ ACTIVE: set[str] = set()
 LISTENERS: list[Callable[[set[str]], None]] = []  # told of every switch
 
 
+POISON = "poison_token_"
+
+
 def on(name: str) -> bool:
     return name in ACTIVE
+
+
+def poisoned(prompts: Iterable[Sequence[int]]) -> bool:
+    """Whether one of the prompts holds a token a ``poison_token_<id>`` fault names."""
+    if not ACTIVE:
+        return False
+    tokens = {int(name.removeprefix(POISON)) for name in ACTIVE if name.startswith(POISON)}
+    return bool(tokens) and any(not tokens.isdisjoint(ids) for ids in prompts)
 
 
 async def _switch(request: web.Request) -> web.Response:

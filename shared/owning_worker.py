@@ -20,10 +20,9 @@ from pathlib import Path
 from shared.bus import Bus, subjects
 from shared.engine.interface import EngineOptions, OwningEngine
 from shared.engine.registry import engine_class, load_owning_engine
-from shared.kvstore.tiers import MEMORY
 from shared.messages.generate import Cancel, GenerateTask, TaskAck
 from shared.messages.heartbeat import Load
-from shared.messages.kvevents import STORE, memory_location
+from shared.messages.kvevents import MEMORY, STORE, memory_location
 from shared.model.catalog import resolve
 from shared.service import ServiceSettings
 from shared.settings import CommonSettings, SettingsError, env_name

@@ -33,6 +33,7 @@ from shared.httperrors import openai_errors
 from shared.logs import setup_logging
 from shared.messages.heartbeat import Heartbeat, Holder, Load, Role, Status, WhoIs
 from shared.messages.spans import SpansQuery, SpansReply
+from shared.offline import stay_offline
 from shared.security.tls import server_context
 from shared.settings import CommonSettings, KvmeshSettings, SettingsError, load_settings
 from shared.telemetry.metrics import LoadCollector, metrics_handler, register_load
@@ -339,6 +340,7 @@ async def _run(service: Service) -> None:
 
 def run_service(service_cls: type[Service], settings_cls: type[ServiceSettings]) -> int:
     """Entry point of ``python -m services.<role>``: settings, logging, uvloop, run. Exit code."""
+    stay_offline()  # before any engine is imported (shared/offline.py)
     try:
         common = load_settings(CommonSettings)
         settings = load_settings(settings_cls)
@@ -357,6 +359,7 @@ def run_service(service_cls: type[Service], settings_cls: type[ServiceSettings])
         common.trace_sample_ratio,
         common.state_dir,
         common.recent_traces,
+        common.recent_traces_bytes,
     )
     try:
         uvloop.run(_run(service))

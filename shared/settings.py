@@ -190,6 +190,12 @@ class CommonSettings(KvmeshSettings):
         description="traces each process keeps in memory, the most recent, for the operator "
         "page's request detail (a trace is this process's spans of one request)",
     )
+    recent_traces_bytes: int = Field(
+        default=64 << 20,
+        ge=0,
+        description="and the most memory they take, by the spans' own count (their attributes "
+        "and events): the oldest go first",
+    )
 
     # How an image becomes placeholder tokens: the router counts them, the encoder makes
     # that many embeddings; both must read the same values.

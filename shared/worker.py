@@ -4,9 +4,10 @@ publishing token events, and listening for cancels."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TypeVar
@@ -29,12 +30,13 @@ from shared.engine.interface import (
     StepOutput,
 )
 from shared.engine.kvformat import DTYPES, BadBlock
-from shared.engine.process import ProcessRunner
 from shared.engine.registry import BENCH_ONLY, ENGINES, load_engine
+from shared.hosting.process import ProcessRunner
+from shared.hosting.runner import EngineRunner
 from shared.kvindex.publisher import KvEventPublisher
 from shared.kvstore.backend import FileStore
-from shared.kvstore.hashing import block_hashes
-from shared.kvstore.tiers import MEMORY, STORAGE, CachedPrefix, KvTiers
+from shared.kvstore.hashing import block_hashes, pack_tokens
+from shared.kvstore.tiers import CachedPrefix, KvTiers
 from shared.messages.encode import EMBEDS_SHAPE_HEADER
 from shared.messages.generate import (
     Cancel,
@@ -46,10 +48,9 @@ from shared.messages.generate import (
     TokenEvents,
 )
 from shared.messages.heartbeat import Load
-from shared.messages.kvevents import ResyncRequest
+from shared.messages.kvevents import MEMORY, STORAGE, ResyncRequest
 from shared.model.catalog import ModelError, resolve
 from shared.model.text import check_model
-from shared.runner import EngineRunner
 from shared.service import Service, ServiceSettings
 from shared.settings import CommonSettings, SettingsError, env_name
 from shared.telemetry.metrics import BYTES, ENGINE_FAILURES, PREFILL_TOKENS
@@ -234,16 +235,25 @@ class WorkerService(Service):
         self.kv_events: KvEventPublisher | None = None
         self.spans: dict[str, Span] = {}  # each request's span here, open until it leaves
         self.engine_failures = 0  # in a row: past settings.max_engine_failures it is failing
+        self._failed_prompts: set[bytes] = set()  # the prompts those failures held
 
     # -- an engine that raises --------------------------------------------------------------
 
-    def engine_failed(self, what: str, why: str) -> None:
-        """An engine call raised (``what``: decode_step, prefill); the caller fails the
-        requests it held with "unavailable" (the router moves them at once, as from a worker
-        that died). An engine that keeps failing makes the worker "failing": it takes no
-        more work, and its heartbeats and /health say so until it is restarted."""
-        self.engine_failures += 1
+    def engine_failed(self, what: str, why: str, prompts: Iterable[Sequence[int]]) -> None:
+        """An engine call raised (``what``: decode_step, prefill) on ``prompts``; the caller
+        fails the requests it held with "engine" (the router moves them at once, and fails a
+        request that the engine fails on a second worker too). An engine that keeps failing
+        makes the worker "failing": it takes no more work, and its heartbeats and /health say
+        so until it is restarted. A failure on a prompt that already failed here since the
+        last call that worked is that prompt's, not the engine's: it is not counted again
+        (a client resending a request that breaks engines does not take workers down)."""
         ENGINE_FAILURES.labels(what).inc()
+        keys = {prompt_key(ids) for ids in prompts}
+        if keys and not keys.isdisjoint(self._failed_prompts):
+            log.warning("the engine failed again on a prompt it failed on (%s: %s)", what, why)
+            return
+        self._failed_prompts |= keys
+        self.engine_failures += 1
         limit = self.worker_settings.max_engine_failures
         if self.engine_failures >= limit and self.status == "ready":
             self.status = "failing"
@@ -257,6 +267,7 @@ class WorkerService(Service):
 
     def engine_worked(self) -> None:
         self.engine_failures = 0
+        self._failed_prompts.clear()
 
     # -- a request's span here (its steps are its children) ---------------------------------
 
@@ -265,11 +276,12 @@ class WorkerService(Service):
         attrs = {REQUEST_ID: rid, "worker": self.service_id, **attributes}
         self.spans[rid] = tracer.start_span(name, kind=SpanKind.SERVER, attributes=attrs)
 
-    def mark(self, rid: str, name: str) -> None:
-        """A point on the request's path here (an event of its span: ``tracing.mark``)."""
+    def mark(self, rid: str, name: str, at_ns: int | None = None) -> None:
+        """A point on the request's path here (an event of its span: ``tracing.mark``;
+        ``at_ns``: when it happened, if not now)."""
         span = self.spans.get(rid)
         if span is not None:
-            mark_span(name, span)
+            mark_span(name, span, at_ns)
 
     def span_context(self, rid: str) -> otel_context.Context:
         span = self.spans.get(rid)
@@ -607,3 +619,8 @@ class WorkerService(Service):
 
     def models(self) -> list[str]:
         return [self.worker_settings.model]
+
+
+def prompt_key(token_ids: Sequence[int]) -> bytes:
+    """A prompt's identity among the engine's failures (its tokens' digest)."""
+    return hashlib.blake2b(pack_tokens(token_ids), digest_size=16).digest()

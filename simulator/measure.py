@@ -20,8 +20,8 @@ import torch
 
 from shared.engine.interface import Engine, EngineOptions, PrefillRequest
 from shared.engine.registry import load_engine, load_owning_engine
-from shared.engine.sampling import SamplingParams
 from shared.kvstore.backend import FileStore
+from shared.messages.sampling import SamplingParams
 from shared.model.catalog import resolve
 from simulator.profile import EngineProfile
 

@@ -47,10 +47,11 @@ class Targets:
 @dataclass
 class Plan:
     prefill: int | None  # None: no pool up to the bound meets the targets
-    decode: int | None
+    decode: int | None  # (None too when no prefill pool does: none was sized)
     summary: dict  # the replay at the plan (or, where none meets, where the search stopped)
     margin: dict[str, float]
     trials: dict[tuple[int, int], dict] = field(default_factory=dict)  # every replay made
+    at: tuple[int, int] = (0, 0)  # the pools ``summary`` was replayed on (prefill, decode)
 
     @property
     def feasible(self) -> bool:
@@ -100,7 +101,7 @@ class Planner:
         )
         if prefill is None:  # (the replay where the search stopped)
             stopped = max(p for p, d in self.trials if d == 1)
-            return Plan(None, None, self.trial(stopped, 1), {}, self.trials)
+            return Plan(None, None, self.trial(stopped, 1), {}, self.trials, (stopped, 1))
         decode = smallest(
             lambda d: t.met(self.trial(prefill, d), DECODE_TARGETS),
             lambda d: [self.trial(prefill, d)[k] for k in tpot],
@@ -108,10 +109,11 @@ class Planner:
         )
         if decode is None:
             stopped = max(d for p, d in self.trials if p == prefill)
-            return Plan(prefill, None, self.trial(prefill, stopped), {}, self.trials)
+            at = (prefill, stopped)
+            return Plan(prefill, None, self.trial(*at), {}, self.trials, at)
         summary = self.trial(prefill, decode)
         margin = t.margin(summary, PREFILL_TARGETS + DECODE_TARGETS)
-        return Plan(prefill, decode, summary, margin, self.trials)
+        return Plan(prefill, decode, summary, margin, self.trials, (prefill, decode))
 
     def sweep(self, prefill: range, decode: range) -> tuple[int, int] | None:
         """Every pair replayed: the cheapest that meets every target (fewest workers, then

@@ -49,6 +49,9 @@ class SimConfig:
     store_blocks: int = UNBOUNDED  # the storage tier's capacity, in trace blocks
     ttl_s: tuple[tuple[str, float], ...] = (("chat", 7 * 86400.0), ("agent", 3 * 86400.0))
     speed: float = 1.0  # arrival times are divided by this
+    # What the router knows of the storage tier: "exact" (its index follows the tier's
+    # events), "none" (only the workers' memory tiers: the prefill worker finds the rest).
+    storage_answer: str = "exact"
     world: WorldSettings | None = None  # None: the policy's own estimate (simulator/world.py)
 
     def make_world(self) -> World:
@@ -245,7 +248,7 @@ def simulate(
         batch_tokens=world.batch_tokens,  # (how the workers batch: the router is told)
     )
     policy = POLICIES[policy_name](costs)
-    index = BlockIndex(ttl)
+    index = BlockIndex(ttl, lru=False)  # (a router's: the simulator evicts itself)
     prefills = [f"p{i}" for i in range(cfg.prefill)]
     memory = {p: _Lru(cfg.memory_blocks) for p in prefills}
     store = _Lru(cfg.store_blocks)
@@ -326,6 +329,8 @@ def simulate(
             i = data  # type: ignore[assignment]
             r = requests[i]
             counts = index.lookup(r.hashes, now)  # the blocks found are used now
+            if cfg.storage_answer == "none":
+                counts.pop(STORE, None)
             route = RouteRequest(str(i), r.n_in, block_size, r.hashes, counts, now)
             if world.aggregated:  # (what their heartbeats say: the answers they decode)
                 for p in prefills:

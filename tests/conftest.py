@@ -100,6 +100,16 @@ def real_text(tmp_path_factory: pytest.TempPathFactory) -> TextModel:
     return load_text_model(REAL, tmp_path_factory.mktemp("text-state"))
 
 
+@pytest.fixture(scope="session")
+def own_vllm():  # noqa: ANN201 (Iterator[tests.vllm_answers.OwnVllm])
+    """vLLM's own answers, one engine for the run (the vLLM modules share it)."""
+    from tests.vllm_answers import OwnVllm
+
+    own = OwnVllm()
+    yield own
+    own.close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield

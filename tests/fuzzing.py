@@ -37,6 +37,7 @@ RULES = re.compile(
             r"needs logprobs: true",  # top_logprobs without logprobs
             r"the prompt is empty",  # messages whose content renders to nothing
             r"image",  # an image part's bytes or address
+            r"the data: URL's base64 is not valid",  # (an image's, in Anthropic's source)
             r"completion_window: 24h, or a shorter time",  # within 24 h (the pattern: a time)
             r"at most \d+ answers per prompt",  # n, best_of: the key's or the router's limit
             r"at most \d+ prompts in one request",  # a batch of prompts: the router's limit

@@ -134,6 +134,25 @@ class Proc:
             self._log.close()
 
 
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:  # (the field after the command's closing parenthesis: state, then ppid)
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    return found
+
+
+def environment_of(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.decode().partition("=")[::2] for item in raw.split(b"\0") if item)
+
+
 def start_service(role: str, env: dict[str, str], log_dir: Path, name: str = "") -> Proc:
     name = name or role
     return Proc([sys.executable, "-m", f"services.{role}"], env, log_dir / f"{name}.log")

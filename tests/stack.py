@@ -22,6 +22,7 @@ import openai
 
 from kvmesh.natsserver import NatsServer
 from shared.bus import BusError, subjects
+from shared.kvindex.view import KvIndex, SnapshotError
 from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import XXH3, scheme_block_hashes
 from shared.messages.kvevents import LookupReply, LookupRequest
@@ -80,6 +81,7 @@ class Stack:
         )
         self.procs: dict[str, Proc] = {}
         self._all: list[Proc] = []  # every process started, replaced ones too
+        self._own_settings: dict[str, dict[str, str]] = {}  # service → its settings on top
         self._nats = nats  # the stack's own nats-server, stopped with it
         self._client: openai.OpenAI | None = None
         self.grpc_ports: dict[str, int] = {}  # of the routers started by ``router``
@@ -124,6 +126,23 @@ class Stack:
         config = load_config(model, self.dir)
         return scheme_block_hashes(scheme, ids, BLOCK_SIZE, config.fingerprint, salt)
 
+    @property
+    def snapshot_path(self) -> Path:
+        return self.dir / "cachemeta" / "index.snapshot"
+
+    def snapshot(self) -> KvIndex | None:
+        """Cachemeta's latest snapshot file, read (None while none is written, or while one
+        is being replaced)."""
+        try:
+            return KvIndex.from_snapshot(self.snapshot_path.read_bytes())
+        except (OSError, SnapshotError):
+            return None
+
+    def snapshot_hashes(self) -> set[str]:
+        """The blocks in cachemeta's latest snapshot (none while it has written none)."""
+        saved = self.snapshot()
+        return set(saved.blocks.names_of(saved.blocks._rows())) if saved else set()
+
     def lookup(self, hashes: list[str]) -> dict[str, int] | None:
         """Cachemeta's answer (location → leading blocks held); None while none answers."""
 
@@ -151,12 +170,27 @@ class Stack:
             n = sum(p.log_path.name.startswith(f"{sid}.") for p in self._all)
             proc = start_service(role, env, self.dir, sid if not n else f"{sid}.{n}")
             self.procs[sid] = proc
+            self._own_settings[sid] = settings
             self._all.append(proc)
 
     def restart(self, sid: str, **settings: str) -> None:
         """Stop the service (SIGTERM, so routers forget it at once) and start it again."""
         self.procs[sid].stop()
         self.start(sid, **settings)
+
+    def restore(self, ids: Iterable[str]) -> None:
+        """Each of ``ids`` running again with the stack's own settings: one that exited, was
+        stopped or runs with settings of its own (a test's) is started afresh; then every one
+        is ready. What a module's tests call after each, however it ended."""
+        again = [sid for sid in ids if self._own_settings[sid] or not self.procs[sid].alive()]
+        for sid in again:
+            proc = self.procs[sid]
+            if proc.alive():
+                proc.signal(signal.SIGCONT)  # (a test that froze it: it must hear the SIGTERM)
+                proc.stop()
+            self.start(sid)
+        if again:
+            self.wait_ready(again)
 
     def router(self, sid: str, **settings: str) -> str:
         """Another router over the same workers, with its own settings; returns its URL (its

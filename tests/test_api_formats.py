@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.model.catalog import resolve
 from shared.model.text import text_of
 from tests.images import data_url, png
@@ -772,7 +772,7 @@ def test_a_stream_is_byte_for_byte_its_formats_writer(
     from services.router.formats.endpoints import ENDPOINTS
     from services.router.request.answer import Delta
     from services.router.request.prepare import Prepared, Usage
-    from shared.engine.sampling import SamplingParams
+    from shared.messages.sampling import SamplingParams
 
     limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
     ask = {"model": "tiny", "temperature": 0, limit: 6, "stream": True, **STREAMED[path]}

@@ -29,6 +29,7 @@ def stack(stacks) -> Stack:
         KVMESH_ROUTER_BATCH_LEASE_S=str(LEASE_S),
         KVMESH_ROUTER_BATCH_CONCURRENCY="2",
         KVMESH_ROUTER_FILES_MAX_BYTES=str(1 << 20),
+        KVMESH_ROUTER_FILES_STORE_BYTES=str(4 << 20),  # (every file together)
     )
 
 
@@ -259,6 +260,21 @@ def test_files_belong_to_their_tenant_and_have_a_size_limit(stack: Stack) -> Non
     assert mine.files.delete(file_id).deleted
     with pytest.raises(openai.NotFoundError):
         mine.files.retrieve(file_id)
+
+
+def test_the_files_kept_have_a_size_limit_and_a_deleted_file_makes_room(stack: Stack) -> None:
+    mine = stack.client(default_headers={"x-kvmesh-tenant": "harbour"})
+    big = b'{"custom_id": "x"}' + b" " * ((1 << 20) - 32) + b"\n"  # (within one file's limit)
+    kept = []
+    with pytest.raises(openai.APIStatusError) as err:
+        for n in range(5):  # 4 MiB for every file together: the fourth or so does not fit
+            kept.append(mine.files.create(file=(f"{n}.jsonl", io.BytesIO(big)), purpose="batch"))
+    assert err.value.status_code == 413 and err.value.body["code"] == "files_store_full"
+    assert "delete files for room" in err.value.body["message"] and 2 <= len(kept) <= 4
+    for f in kept:
+        mine.files.delete(f.id)
+    again = mine.files.create(file=("again.jsonl", io.BytesIO(big)), purpose="batch")
+    mine.files.delete(again.id)
 
 
 def test_a_cancelled_batch_keeps_the_answers_it_got(client: openai.OpenAI) -> None:

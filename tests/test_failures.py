@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -29,13 +30,26 @@ from tests.stack import TINY_ENCODER, Stack
 IMAGE_EMBEDS = 7 * 11 * 64 * 4  # a 300 × 200 image: 77 tokens of the tiny model's 64 floats
 
 
+BASE = ("router-0", "cachemeta-0", "prefill-0", "decode-0", "encoder-0")
+
+
 @pytest.fixture(scope="module")
 def stack(stacks) -> Stack:
     return stacks(
-        ("router-0", "cachemeta-0", "prefill-0", "decode-0", "encoder-0"),
+        BASE,
         **TINY_ENCODER,
         KVMESH_ENCODER_CACHE_BYTES=str(IMAGE_EMBEDS * 3 // 2),  # room for one image's
+        KVMESH_FAULT_HOOKS="true",  # (tests switch engine faults on: shared/faults.py)
     )
+
+
+@pytest.fixture(autouse=True)
+def restored(stack: Stack) -> Iterator[None]:
+    """After each test, however it ended, the module's services run again as the stack
+    started them (a test that failed half way does not leave its settings, a stopped worker
+    or a frozen one to the next)."""
+    yield
+    stack.restore(BASE)
 
 
 def own_load(stack: Stack, sid: str) -> dict:
@@ -156,8 +170,6 @@ def test_no_decode_worker_with_room_gets_429(stack: Stack) -> None:
     )
     code, _, body = post(stack.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4})
     assert code == 200, body
-    stack.restart("decode-0")
-    stack.wait_ready(["decode-0"])
 
 
 def test_a_request_no_decode_pool_could_hold_gets_400_naming_the_limit(stack: Stack) -> None:
@@ -165,17 +177,11 @@ def test_a_request_no_decode_pool_could_hold_gets_400_naming_the_limit(stack: St
     however long the client waits: 400, naming the field and the limit (not a retry)."""
     stack.restart("decode-0", KVMESH_DECODE_KV_CACHE_TOKENS="128")
     stack.wait_ready(["decode-0"])
-    try:
-        ids = [(i * 7919) % 40000 + 100 for i in range(300)]
-        code, _, body = post(stack.url, {"model": "tiny", "prompt": ids, "max_tokens": 10})
-        assert code == 400, body
-        assert body["error"]["param"] == "max_tokens"
-        assert (
-            "need 310 tokens of KV; the largest decode worker holds 128" in body["error"]["message"]
-        )
-    finally:
-        stack.restart("decode-0")
-        stack.wait_ready(["decode-0"])
+    ids = [(i * 7919) % 40000 + 100 for i in range(300)]
+    code, _, body = post(stack.url, {"model": "tiny", "prompt": ids, "max_tokens": 10})
+    assert code == 400, body
+    assert body["error"]["param"] == "max_tokens"
+    assert "need 310 tokens of KV; the largest decode worker holds 128" in body["error"]["message"]
 
 
 def test_a_decode_worker_full_at_the_handoff_is_left_out_and_the_client_told_to_retry(
@@ -197,8 +203,6 @@ def test_a_decode_worker_full_at_the_handoff_is_left_out_and_the_client_told_to_
         assert "decode-0: KV cache full" in message
     finally:
         stream.close()
-        stack.restart("decode-0")
-        stack.wait_ready(["decode-0"])
 
 
 def test_a_port_in_use_stops_a_service_at_start_naming_the_setting(stack: Stack) -> None:
@@ -256,8 +260,6 @@ def test_a_client_leaving_mid_prefill_stops_the_prefill(stack: Stack) -> None:
         assert int(done) < int(total) == 4000  # stopped part way, not run to the end
     finally:
         conn.close()
-        stack.restart("prefill-0")
-        stack.wait_ready(["prefill-0"])
 
 
 def test_a_grpc_client_cancelling_frees_decode(stack: Stack) -> None:
@@ -272,7 +274,8 @@ def test_a_grpc_client_cancelling_frees_decode(stack: Stack) -> None:
         call = api_pb2_grpc.GenerationStub(channel).GenerateStream(
             req, timeout=60, metadata=(("x-request-id", rid),)
         )
-        assert next(call).text is not None
+        first = next(call)
+        assert first.id and not first.finish_reason  # (answering, not done)
         call.cancel()
     wait_until(lambda: f"dropped {rid}" in stack.procs["decode-0"].output(), 30, what="dropped")
     wait_until(lambda: blocks_used(stack) == 0, 30, what="decode's KV freed")
@@ -303,8 +306,11 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(stack: Stack) -> None
     assert sum(1 for c in rest if c.choices and c.choices[0].text) >= 1
     assert decode.wait(30) == 0
     assert "SIGTERM: draining" in decode.output()
-    stack.start("decode-0")
-    stack.wait_ready(["decode-0"])
+    # The model is served, its one decode worker gone: 503, to retry (not a 404).
+    wait_until(lambda: "decode-0" not in stack.health(), 10, what="decode-0 dropped")
+    code, headers, body = post(stack.url, {"model": "tiny", "prompt": "hello", "max_tokens": 4})
+    assert code == 503, body
+    assert body["error"]["message"] == "no live decode worker serves 'tiny'; retry later"
 
 
 def test_the_drain_bound_stops_a_worker_that_would_take_longer(stack: Stack) -> None:
@@ -319,8 +325,6 @@ def test_the_drain_bound_stops_a_worker_that_would_take_longer(stack: Stack) -> 
         list(chunks)
     assert "decode-0" in str(err.value)
     stream.close()
-    stack.start("decode-0")
-    stack.wait_ready(["decode-0"])
 
 
 def engine_process_of(pid: int) -> int:
@@ -333,7 +337,7 @@ def engine_process_of(pid: int) -> int:
             command = (entry / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
-        if ppid == pid and b"shared.engine.process" in command:
+        if ppid == pid and b"shared.hosting.process" in command:
             return int(entry.name)
     raise AssertionError(f"no engine process under {pid}")
 
@@ -350,8 +354,6 @@ def test_a_decode_worker_whose_engine_process_dies_exits_as_if_it_crashed(stack:
     with pytest.raises(openai.APIError):
         list(chunks)
     stream.close()
-    stack.start("decode-0")
-    stack.wait_ready(["decode-0"])
 
 
 def test_a_decode_step_that_raises_moves_its_answers_and_the_worker_says_it_is_failing(
@@ -390,8 +392,6 @@ def test_a_decode_step_that_raises_moves_its_answers_and_the_worker_says_it_is_f
         assert answer.model_extra["kvmesh"]["workers"][-1] == other  # none to the failing one
     finally:
         stack.procs["decode-spare"].stop()
-        stack.restart("decode-0")
-        stack.wait_ready(["decode-0"])
 
 
 def test_a_prefill_that_raises_moves_its_request_and_the_worker_says_it_is_failing(
@@ -436,8 +436,50 @@ def test_a_prefill_that_raises_moves_its_request_and_the_worker_says_it_is_faili
     finally:
         if "prefill-spare" in stack.procs:
             stack.procs["prefill-spare"].stop()
-        stack.restart("prefill-0")
-        stack.wait_ready(["prefill-0"])
+
+
+def fault(stack: Stack, sid: str, name: str, on: bool = True) -> None:
+    """Switch a fault hook of ``sid``'s on or off (shared/faults.py)."""
+    url = f"{stack.advertised(sid)}/faults/{name}"
+    urllib.request.urlopen(urllib.request.Request(url, method="PUT" if on else "DELETE"), timeout=5)
+
+
+def test_a_request_that_breaks_every_engine_fails_after_two_and_takes_no_worker_down(
+    stack: Stack,
+) -> None:
+    """A poison request: each engine that computes its prompt raises. It is failed with a
+    clear error after two workers (not moved on for ever), however often the client sends it
+    the workers stay ready (each counts it once: the prompt's fault, not the engine's) and no
+    breaker opens; everyone else is served."""
+    poison = 4321  # (a token id the prompt below holds)
+    stack.start("prefill-spare")
+    try:
+        stack.wait_ready(["prefill-spare"])
+        for sid in ("prefill-0", "prefill-spare"):
+            fault(stack, sid, f"poison_token_{poison}")
+        prompt = [(i * 7919) % 40000 + 100 for i in range(300)]  # (past decode's own prefill)
+        prompt[150] = poison
+        for _ in range(4):
+            code, _, body = post(stack.url, {"model": "tiny", "prompt": prompt, "max_tokens": 4})
+            assert code == 500, body
+            message = body["error"]["message"]
+            assert body["error"]["code"] == "engine_error"
+            assert message.startswith("the engine failed on this request on 2 workers")
+            assert "prefill-0: prefill failed" in message
+            assert "prefill-spare: prefill failed" in message
+        health = stack.health()
+        for sid in ("prefill-0", "prefill-spare"):
+            assert health[sid]["status"] == "ready"
+            assert get_json(f"{stack.advertised(sid)}/health")[0] == 200
+        breakers = metrics(stack.url)
+        for sid in ("prefill-0", "prefill-spare"):
+            assert breakers.get(("kvmesh_router_breaker_open", (("worker", sid),)), 0) == 0
+        prompt[150] = poison + 1  # another client's request
+        code, _, body = post(stack.url, {"model": "tiny", "prompt": prompt, "max_tokens": 4})
+        assert code == 200, body
+    finally:
+        fault(stack, "prefill-0", f"poison_token_{poison}", on=False)
+        stack.procs["prefill-spare"].stop()
 
 
 def test_a_full_storage_tier_is_shown_and_no_request_fails(stack: Stack, tmp_path: Path) -> None:
@@ -490,8 +532,6 @@ def test_a_second_signal_exits_at_once(stack: Stack) -> None:
     assert decode.wait(30) == 1
     assert "second SIGTERM: exiting now" in decode.output()
     stream.close()
-    stack.start("decode-0")
-    stack.wait_ready(["decode-0"])
 
 
 # -- images --------------------------------------------------------------------------------
@@ -534,8 +574,6 @@ def test_a_prefill_worker_gives_up_on_embeddings_that_do_not_come(stack: Stack) 
         assert "embeddings did not come within 1 s" in err.value.message
     finally:
         encoder.signal(signal.SIGCONT)
-        stack.restart("prefill-0")
-        stack.wait_ready(["prefill-0"])
 
 
 # -- every routing policy serves -----------------------------------------------------------

@@ -35,6 +35,8 @@ def stack(stacks, admin: tuple[Path, str]) -> Stack:
     return stacks(
         ("router-0", "cachemeta-0", "prefill-0", "decode-0", "encoder-0"),
         KVMESH_ROUTER_KEYS_FILE=str(admin[0]),
+        # (the document's model examples lead most cases to an answer: a short one by default)
+        KVMESH_ROUTER_DEFAULT_MAX_TOKENS="4",
         **TINY_ENCODER,
     )
 

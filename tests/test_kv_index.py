@@ -73,16 +73,6 @@ def in_memory_of(stack: Stack, ids: list[int]) -> str:
     return found[0]
 
 
-def snapshot_hashes(stack: Stack) -> set[str]:
-    """The blocks in cachemeta's latest snapshot file (none while it has written none)."""
-    path = stack.dir / "cachemeta" / "index.json"
-    try:
-        packed = json.loads(path.read_text())["hashes"]
-    except (OSError, ValueError):  # (not written yet, or being replaced)
-        return set()
-    return {packed[i : i + 32] for i in range(0, len(packed), 32)}
-
-
 def home_of(stack: Stack, seed: int) -> tuple[list[int], str]:
     """A conversation run once, and the worker that holds it."""
     ids = conversation(seed)
@@ -123,7 +113,7 @@ def test_routing_goes_on_by_the_routers_own_index_while_cachemeta_is_frozen_or_k
 def test_a_router_started_mid_run_finds_the_same_blocks(stack: Stack) -> None:
     ids, home = home_of(stack, 5)
     wait_until(  # a snapshot is taken with them; more blocks come after it
-        lambda: set(stack.hashes(ids)) <= snapshot_hashes(stack),
+        lambda: set(stack.hashes(ids)) <= stack.snapshot_hashes(),
         30,
         what="the conversation in cachemeta's snapshot",
     )

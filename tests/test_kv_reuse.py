@@ -7,16 +7,16 @@ save its snapshot or to delete a file."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import statistics
 import time
 
+import msgspec
 import openai
 import pytest
 
 from shared.bus.subjects import KV_EVENTS_STREAM, kv_events
-from shared.messages.kvevents import STORE, KvEvent
+from shared.messages.kvevents import STORE, KvEvent, KvRecord, pack_events
 from tests.procs import connect_as, get_json, metrics, secrets_dir, wait_until
 from tests.stack import Stack
 
@@ -110,9 +110,9 @@ def test_cachemeta_drops_malformed_events_and_goes_on_indexing(stack: Stack) -> 
     and counted by cachemeta and the router alike; the events after them are applied."""
     good = KvEvent(kind="stored", location=STORE, hashes=["0" * 32], sizes=[1], at=time.time())
     bad = [
-        b"{not json",
-        good.to_bytes().replace(b'"' + b"0" * 32 + b'"', b'"' + b"0" * 31 + b'"'),  # a short hash
-        good.to_bytes().replace(b'"sizes":[1]', b'"sizes":[1,2]'),  # sizes not one per hash
+        good.to_bytes(),  # JSON: not the stream's encoding
+        pack_events([msgspec.structs.replace(KvRecord.of(good), hashes=b"\0" * 15)]),  # short
+        pack_events([msgspec.structs.replace(KvRecord.of(good), sizes=b"\1" * 8)]),  # 2 sizes
     ]
     urls = [stack.advertised("cachemeta-0"), stack.url]
     malformed = ("kvmesh_kv_events_malformed_total", ())
@@ -138,7 +138,7 @@ def test_cachemeta_drops_malformed_events_and_goes_on_indexing(stack: Stack) -> 
 def test_cachemeta_survives_a_snapshot_that_cannot_be_written(stack: Stack) -> None:
     """Where the snapshot goes is a directory now (its rename fails): cachemeta counts it,
     says so on /health, goes on indexing, and saves again once the path is free."""
-    path = stack.dir / "cachemeta" / "index.json"
+    path = stack.snapshot_path
     path.unlink(missing_ok=True)
     (path / "in-the-way").mkdir(parents=True)
     try:
@@ -156,7 +156,7 @@ def test_cachemeta_survives_a_snapshot_that_cannot_be_written(stack: Stack) -> N
         path.rmdir()
     complete(stack, prompt_ids(10))
     wait_until(lambda: not cachemeta_health(stack)["failing"], 30, what="snapshots saved again")
-    assert path.is_file() and snapshot(stack)["seq"] > 0
+    assert path.is_file() and stack.snapshot().seq > 0
 
 
 def test_a_block_file_gc_cannot_delete_stays_indexed_until_it_can(stack: Stack) -> None:
@@ -182,16 +182,6 @@ def test_a_block_file_gc_cannot_delete_stays_indexed_until_it_can(stack: Stack) 
     assert stack.lookup(hashes) == {}
 
 
-def snapshot(stack: Stack) -> dict:
-    """Cachemeta's snapshot file: the stream position it reflects and its blocks."""
-    return json.loads((stack.dir / "cachemeta" / "index.json").read_text())
-
-
-def snapshot_hashes(saved: dict) -> set[str]:
-    packed = saved["hashes"]
-    return {packed[i : i + 32] for i in range(0, len(packed), 32)}
-
-
 def purge_events_before(stack: Stack, seq: int) -> None:
     async def purge() -> None:
         bus = await connect_as(stack.nats_url, "cachemeta", secrets_dir(stack.dir))
@@ -209,7 +199,7 @@ def test_an_unreadable_snapshot_is_rebuilt_from_the_stream(stack: Stack) -> None
     hashes = stack.hashes(ids)
     wait_until(lambda: indexed(stack, hashes) == 4, 30, what="blocks indexed")
     stack.procs["cachemeta-0"].stop()  # it saves a snapshot on the way out
-    (stack.dir / "cachemeta" / "index.json").write_text('{"seq": 12, "rows": [[')
+    stack.snapshot_path.write_text('{"seq": 12, "rows": [[')
     stack.start("cachemeta-0")
     wait_until(lambda: indexed(stack, hashes) == 4, 30, what="the index rebuilt")
     assert "index snapshot unreadable" in stack.procs["cachemeta-0"].output()
@@ -224,9 +214,9 @@ def test_cachemeta_restarted_takes_the_snapshot_then_the_stream_after_it(stack: 
     old = stack.hashes(before)
     wait_until(lambda: indexed(stack, old) == 4, 30, what="blocks indexed")
     stack.procs["cachemeta-0"].stop()  # SIGTERM: the last snapshot is written on the way out
-    saved = snapshot(stack)
-    assert set(old) <= snapshot_hashes(saved)
-    purge_events_before(stack, saved["seq"] + 1)
+    saved = stack.snapshot()  # (cachemeta stopped: the file stays as it is)
+    assert saved is not None and set(old) <= stack.snapshot_hashes()
+    purge_events_before(stack, saved.seq + 1)
     stack.start("cachemeta-0", KVMESH_CACHEMETA_SNAPSHOT_INTERVAL_S="3600")
     wait_until(lambda: indexed(stack, old) == 4, 30, what="the index back from the snapshot")
 
@@ -236,7 +226,7 @@ def test_cachemeta_restarted_takes_the_snapshot_then_the_stream_after_it(stack: 
     wait_until(lambda: indexed(stack, new) == 4, 30, what="new blocks indexed")
     stack.procs["cachemeta-0"].signal(signal.SIGKILL)  # no snapshot this time
     stack.procs["cachemeta-0"].wait(10)
-    assert not set(new) & snapshot_hashes(snapshot(stack))
+    assert not set(new) & stack.snapshot_hashes()
     stack.start("cachemeta-0")
     wait_until(lambda: indexed(stack, old) == 4, 30, what="the index back")
     assert stack.lookup(new) == {STORE: 4}

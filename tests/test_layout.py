@@ -288,6 +288,41 @@ def test_workers_reach_the_engine_through_its_interface() -> None:
     assert not bad, "a backend imported outside shared/engine:\n" + "\n".join(bad)
 
 
+HOSTING = (
+    "shared.hosting",
+    "shared.worker",
+    "shared.owning_worker",
+    "shared.bus",
+    "shared.kvstore.tiers",
+)
+
+
+def test_the_engine_imports_nothing_that_hosts_it() -> None:
+    """The engine package is below what runs it: the loop on a thread or in a process of its
+    own (shared/hosting), the workers' common code, the bus, the worker's tiers."""
+    bad = [
+        str(i)
+        for m, found in GRAPH.items()
+        if m.startswith("shared.engine")
+        for i in found
+        if i.module.startswith(HOSTING)
+    ]
+    assert not bad, "the engine imports what hosts it:\n" + "\n".join(bad)
+
+
+def test_the_wire_messages_import_no_engine() -> None:
+    """What crosses the bus (sampling included) is plain messages: the router and the wire
+    read them without the engine package."""
+    bad = [
+        str(i)
+        for m, found in GRAPH.items()
+        if m.startswith("shared.messages")
+        for i in found
+        if i.module.startswith(("shared.engine", "shared.hosting"))
+    ]
+    assert not bad, "a message imports the engine:\n" + "\n".join(bad)
+
+
 def test_no_import_circles() -> None:
     """Tarjan's strongly connected components over the module graph: every component of more
     than one module is a circle."""

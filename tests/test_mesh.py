@@ -35,7 +35,8 @@ def test_health_lists_every_role(mesh: Stack) -> None:
         (worker,) = body["roles"][role]
         assert worker["id"] == f"{role}-0"
         assert worker["address"].startswith("http://127.0.0.1:")
-        assert worker["age_s"] >= 0
+        # Its last beat is recent: within the 3 beats a second after which it would be dropped.
+        assert 0 <= worker["age_s"] < 3.0
         # Every service answers on the address it advertises.
         assert get_json(f"{worker['address']}/health")[1]["service_id"] == worker["id"]
 
@@ -46,6 +47,12 @@ def test_models_in_openai_format(mesh: Stack) -> None:
     assert body["object"] == "list"
     assert [m["id"] for m in body["data"]] == ["tiny"]  # the test workers serve the tiny model
     assert body["data"][0]["object"] == "model"
+
+
+def test_the_api_document_gives_the_served_models_as_examples(mesh: Stack) -> None:
+    _, document = get_json(f"{mesh.url}/openapi.json")
+    chat = document["components"]["schemas"]["ChatRequest"]["properties"]["model"]
+    assert chat["examples"] == ["tiny"]
 
 
 def test_unknown_path_gets_openai_error(mesh: Stack) -> None:

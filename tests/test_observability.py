@@ -172,14 +172,14 @@ def test_metrics_parse_on_every_service_and_move_with_traffic(stack: Stack) -> N
     accepted = ("kvmesh_spec_tokens_total", (("kind", "accepted"),))
     assert 0 <= after["decode"][accepted] <= after["decode"][drafted]  # speculation's counts
     age = ("kvmesh_heartbeat_age_seconds", (("role", "prefill"), ("service_id", "prefill-0")))
-    assert after["router"][age] >= 0
+    assert 0 <= after["router"][age] < 3.0  # (beats a second; dropped after 3 missed)
     assert ("kvmesh_queued_requests", (("role", "encoder"),)) in after["encoder"]
     assert after["router"][("kvmesh_recent_traces", ())] >= 1  # (its spans, for the page)
     assert after["router"][("kvmesh_router_prefix_prompts", ())] >= 1  # (the chat's hashes)
     assert after["router"][("kvmesh_router_cache_explain_bytes", ())] > 0  # (and its parts)
     for role in urls:  # every process's NATS backlog (nothing waits once the answer is in)
         out = ("kvmesh_nats_pending_bytes", (("direction", "out"), ("role", role)))
-        assert after[role][out] >= 0
+        assert 0 <= after[role][out] < 64 << 10  # (at most a beat or an event in flight)
         assert ("kvmesh_nats_pending_messages", (("role", role),)) in after[role]
     stored = wait_until(  # the blocks the chat wrote, indexed
         lambda: (s := get_json(f"{urls['cachemeta']}/health")[1]["storage_tier"])["bytes"] and s,

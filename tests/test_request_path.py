@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from shared.engine.interface import EngineOptions
-from shared.engine.sampling import SamplingParams
 from shared.engine.torch.engine import TorchEngine
 from shared.engine.torch.loader import load_model
+from shared.messages.sampling import SamplingParams
 from shared.proto import api_pb2, api_pb2_grpc
 from tests.procs import wait_until
 from tests.stack import Stack
@@ -344,11 +344,14 @@ def test_prompt_beyond_the_context_is_refused(stack) -> None:
     assert "4096" in resp["error"]["message"]
 
 
-def test_a_model_no_worker_serves_gets_503(stack) -> None:
+def test_a_model_no_worker_serves_is_not_found(stack) -> None:
+    """tiny-moe is a model kvmesh knows, that no worker here serves: 404, as OpenAI answers a
+    model it does not have (a 503 is for a served model whose workers are all gone)."""
     code, _, resp = post(
         stack.url + "/v1/completions", {"model": "tiny-moe", "prompt": "hi", "max_tokens": 2}
     )
-    assert code == 503 and "tiny-moe" in resp["error"]["message"]
+    assert code == 404 and resp["error"]["code"] == "model_not_found"
+    assert resp["error"]["message"] == "model 'tiny-moe' does not exist here (served: 'tiny')"
 
 
 def test_the_service_still_serves_after_bad_input(stack: Stack, client) -> None:

@@ -160,6 +160,17 @@ def holder(answer) -> tuple[str, dict]:
     return worker, terms[worker]
 
 
+def serving(servers: dict[str, VllmServer]) -> str:
+    """The one server with a request running, by its /metrics (polled: vLLM sets its gauges
+    from the engine's stats, a step or so behind)."""
+
+    def one() -> str | None:
+        busy = [sid for sid, s in servers.items() if s.running()]
+        return busy[0] if len(busy) == 1 else None
+
+    return wait_until(one, 5, interval_s=0.05, what="the server with the request running")
+
+
 def test_both_servers_kv_events_reach_the_routers_index_under_its_hashes(mesh) -> None:
     stack, servers = mesh
     held: dict[str, str] = {}  # server → a prompt it computed
@@ -226,7 +237,7 @@ def test_a_client_that_leaves_aborts_the_servers_request(mesh) -> None:
     for n, _ in enumerate(stream):
         if n == 5:
             break
-    assert sum(s.running() for s in servers.values()) == 1
+    serving(servers)
     stream.close()
     wait_until(
         lambda: sum(s.running() for s in servers.values()) == 0, 15, what="the request aborted"
@@ -249,7 +260,7 @@ def test_a_server_killed_mid_answer_leaves_the_answer_whole_on_the_other(mesh) -
     for chunk in stream:
         text.append(chunk.choices[0].text if chunk.choices else "")
         if killed is None and len(text) >= 10:
-            (killed,) = [sid for sid, s in servers.items() if s.running()]
+            killed = serving(servers)
             servers[killed].kill()
     assert killed is not None
     assert "".join(text) == expected  # greedy: the same answer, no token lost or repeated
@@ -264,8 +275,10 @@ def test_a_server_killed_mid_answer_leaves_the_answer_whole_on_the_other(mesh) -
 
 def test_a_server_restarted_without_events_is_flagged_and_routed_by_load(mesh) -> None:
     stack, servers = mesh
-    (down,) = [sid for sid, s in servers.items() if s.proc.poll() is not None]
-    server = servers[down]
+    down = [sid for sid, s in servers.items() if s.proc.poll() is not None]
+    server = servers[down[0]] if down else next(iter(servers.values()))
+    if not down:  # (run alone: the test before killed one)
+        server.kill()
     argv = list(server.argv)
     at = argv.index("--kv-events-config")
     del argv[at : at + 2]

@@ -15,10 +15,11 @@ import pytest
 from shared.messages.kvevents import STORE, memory_location
 from shared.model.catalog import resolve
 from shared.model.text import text_of
+from shared.offline import OFFLINE
 from tests.conftest import REAL
-from tests.procs import get_json, wait_until
+from tests.procs import children_of, environment_of, get_json, metrics, wait_until
 from tests.stack import Stack
-from tests.vllm_answers import answered_as_vllm, own_greedy_answer
+from tests.vllm_answers import OwnVllm, answered_as_vllm
 
 vllm = pytest.importorskip("vllm", reason="the vllm extra (make test installs it)")
 
@@ -76,8 +77,8 @@ def vllm_stack(stacks) -> Stack:
 
 
 @pytest.fixture(scope="module")
-def own_answer(vllm_stack: Stack, started: list[str]) -> list[int]:
-    return own_greedy_answer(Path(vllm_stack.dir), PROMPT, started)
+def own_answer(vllm_stack: Stack, own_vllm: OwnVllm, started: list[str]) -> list[int]:
+    return own_vllm.answer(Path(vllm_stack.dir), PROMPT, started)
 
 
 @pytest.fixture(scope="module")
@@ -293,8 +294,22 @@ def test_a_vllm_worker_whose_cache_events_stop_while_it_computes_is_flagged(
     wait_until(lambda: WORKER not in stale(), 30, what=f"the feed whole again ({state()})")
 
 
+def test_vllms_engine_core_starts_with_usage_reports_and_the_hub_off(vllm_stack: Stack) -> None:
+    """The worker was started without them (a test's environment): it sets them itself, so
+    vLLM's engine core, its child, runs with no usage report and no Hub look-up."""
+    worker = vllm_stack.procs[WORKER]
+    assert "VLLM_NO_USAGE_STATS" not in environment_of(worker.pid)
+    children = children_of(worker.pid)
+    assert children  # (the engine core, and whatever else vLLM started)
+    for child in children:
+        env = environment_of(child)
+        assert {k: env.get(k) for k in OFFLINE} == OFFLINE
+
+
 def test_a_streamed_answer_closed_early_is_aborted_in_vllm(vllm_stack: Stack) -> None:
     client = vllm_stack.client()
+    left = ("/v1/chat/completions", "499")
+    before = router_requests(vllm_stack).get(left, 0)
     stream = client.chat.completions.create(
         model=REAL,
         messages=[{"role": "user", "content": "Write a long story about the sea."}],
@@ -302,15 +317,30 @@ def test_a_streamed_answer_closed_early_is_aborted_in_vllm(vllm_stack: Stack) ->
         temperature=0,
         stream=True,
     )
-    for n, _ in enumerate(stream):
+    for n, chunk in enumerate(stream):
+        assert not (chunk.choices and chunk.choices[0].finish_reason), "it ended by itself"
         if n == 5:
             break
+    wait_until(  # (the worker's heartbeat says so a beat later)
+        lambda: vllm_stack.health()[WORKER]["load"]["inflight"] == 1, 5, what="still answering"
+    )
     stream.close()
     wait_until(
         lambda: vllm_stack.health()[WORKER]["load"]["inflight"] == 0,
         15,
         what="vLLM running nothing once the client has gone",
     )
+    # The router counts it as a client that left before its answer was out.
+    wait_until(lambda: router_requests(vllm_stack).get(left, 0) == before + 1, 5, what="a 499")
+
+
+def router_requests(stack: Stack) -> dict[tuple[str, str], float]:
+    """The router's answered requests so far: (endpoint, status) → count."""
+    return {
+        (dict(labels)["endpoint"], dict(labels)["status"]): value
+        for (name, labels), value in metrics(stack.url).items()
+        if name == "kvmesh_requests_total"
+    }
 
 
 def test_a_mesh_of_two_engines_routes_each_model_to_its_own(vllm_stack: Stack) -> None:
@@ -338,7 +368,7 @@ SECOND = "decode-vllm-b"
 
 
 def both_workers(stack: Stack) -> None:
-    """The second vLLM worker beside the first (started once, by whichever test needs it)."""
+    """The second vLLM worker beside the first (started once, by the test that needs it)."""
     if SECOND not in stack.procs or not stack.procs[SECOND].alive():
         stack.start(SECOND)
     stack.wait_ready([WORKER, SECOND], timeout_s=180)
@@ -346,9 +376,10 @@ def both_workers(stack: Stack) -> None:
 
 def test_turn_two_on_restarted_workers_comes_from_the_storage_tier(vllm_stack: Stack) -> None:
     """vLLM's storage connector writes each full block of prompt and answer to kvmesh's tier;
-    after every vLLM process restarts (their own caches empty), turn 2 loads turn 1 from it.
-    Another tenant loads nothing; a damaged block file is a miss and the answer is unchanged."""
-    both_workers(vllm_stack)
+    after the vLLM process restarts (its own cache empty), turn 2 loads turn 1 from it.
+    Another tenant loads nothing; a damaged block file is a miss and the answer is unchanged.
+    (The module's one vLLM worker so far: the second starts with the test that needs two.)"""
+    assert SECOND not in vllm_stack.procs
     client = vllm_stack.client()
     system = "You keep the harbour's records. " * 90  # about 630 tokens, shared by both turns
     turn1 = [
@@ -366,17 +397,15 @@ def test_turn_two_on_restarted_workers_comes_from_the_storage_tier(vllm_stack: S
         what="the blocks vLLM wrote, in cachemeta at the storage tier",
     )
 
-    # A block of the ids' damaged on disk now: after the restart neither vLLM process has the
-    # ids in its own cache, so whichever is asked reads the tier (one restart for both checks).
+    # A block of the ids' damaged on disk now: after the restart the vLLM process does not
+    # have the ids in its own cache, so it reads the tier (one restart for both checks).
     damaged = Path(vllm_stack.dir, "kvstore", hashes[1][:2], f"{hashes[1]}.kvb")
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    for sid in (WORKER, SECOND):  # every vLLM process, at once
-        vllm_stack.procs[sid].stop()
+    vllm_stack.procs[WORKER].stop()
     vllm_stack.start(WORKER)
-    vllm_stack.start(SECOND)
-    vllm_stack.wait_ready([WORKER, SECOND], timeout_s=180)
+    vllm_stack.wait_ready([WORKER], timeout_s=180)
 
     turn2 = [
         *turn1,
@@ -405,7 +434,6 @@ def test_turn_two_on_restarted_workers_comes_from_the_storage_tier(vllm_stack: S
         30,
         what="the damaged block out of cachemeta",
     )
-    both_workers(vllm_stack)
 
 
 def test_a_vllm_worker_killed_mid_stream_the_answer_goes_on_unchanged(vllm_stack: Stack) -> None:

@@ -21,7 +21,7 @@ from shared.messages.kvevents import STORE
 from tests.conftest import REAL
 from tests.procs import wait_until
 from tests.stack import Stack
-from tests.vllm_answers import answered_as_vllm, own_greedy_answer
+from tests.vllm_answers import OwnVllm, answered_as_vllm
 
 vllm = pytest.importorskip("vllm", reason="the vllm extra (make test installs it)")
 
@@ -61,8 +61,8 @@ def prompt_ids(pd_stack: Stack) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def own_answer(pd_stack: Stack, prompt_ids: list[int]) -> list[int]:
-    return own_greedy_answer(Path(pd_stack.dir), prompt_ids)
+def own_answer(pd_stack: Stack, own_vllm: OwnVllm, prompt_ids: list[int]) -> list[int]:
+    return own_vllm.answer(Path(pd_stack.dir), prompt_ids)
 
 
 def test_a_long_prompt_is_prefilled_on_one_vllm_worker_and_decoded_on_another(
@@ -179,8 +179,8 @@ def test_a_hand_over_without_the_routers_token_is_refused(pd_stack: Stack) -> No
     """What a prefill identity can send decode is a hand-over, on its own subject, and only
     with the router's token for that request and that decode worker."""
     from shared.bus import subjects
-    from shared.engine.sampling import SamplingParams
     from shared.messages.generate import GenerateTask, Handover, TaskAck
+    from shared.messages.sampling import SamplingParams
     from shared.security.handoff import HANDOFF_SECRET, handoff_token
     from shared.security.secret import load_or_create
     from tests.procs import connect_as, secrets_dir

@@ -35,6 +35,7 @@ from opentelemetry.trace import SpanKind
 from services.cachemeta.settings import CachemetaSettings
 from shared.bus import Bus, subjects
 from shared.files import write_atomically
+from shared.kvindex import table
 from shared.kvindex.follow import publish_snapshot
 from shared.kvindex.publisher import KvEventPublisher
 from shared.kvindex.view import KvIndex, SnapshotError
@@ -60,7 +61,7 @@ class CachemetaService(Service):
         self.settings: CachemetaSettings = settings
         self.index = self.fresh_index()
         self.saved_seq = -1  # the position of the last snapshot written
-        self.snapshot_path = Path(common.state_dir) / "cachemeta" / "index.json"
+        self.snapshot_path = Path(common.state_dir) / "cachemeta" / "index.snapshot"
         self.store = FileStore(common.resolved_kv_store_dir)
         self.bus: Bus | None = None
         self.events: KvEventPublisher | None = None
@@ -75,11 +76,13 @@ class CachemetaService(Service):
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         self.bus = bus
+        await asyncio.to_thread(table.warm)  # (the index's loops compiled before serving)
         self.events = KvEventPublisher(bus, self.role, self.service_id, self.started_at)
         await bus.ensure_stream(
             subjects.KV_EVENTS_STREAM,
             [subjects.KV_EVENTS_ALL],
             max_age_s=max(self.settings.ttls().values()) + 86400,
+            max_bytes=self.settings.events_stream_bytes,
         )
         await bus.ensure_stream(
             subjects.KV_INDEX_STREAM, [subjects.KV_INDEX_ALL], last_per_subject=True
@@ -278,7 +281,7 @@ class CachemetaService(Service):
             log.info("garbage collection waits: the KV event stream not caught up with yet")
             return
         s, blocks = self.settings, self.index.blocks
-        expired = [h for h, e in blocks.expired(time.time()) if STORE in e.locations]
+        expired = blocks.expired(time.time(), STORE)
         victims = blocks.eviction_victims(s.store_capacity_bytes, s.high_watermark, s.low_watermark)
         doomed = list(dict.fromkeys(expired + victims))
         if not doomed:

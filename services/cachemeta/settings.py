@@ -33,6 +33,13 @@ class CachemetaSettings(ServiceSettings):
     snapshot_interval_s: float = Field(
         default=30.0, gt=0, description="how often the index is saved (it restarts from there)"
     )
+    events_stream_bytes: int = Field(
+        default=2 << 30,
+        gt=0,
+        description="the KV event stream's size on the NATS servers at most (reserved there; "
+        "the oldest events go first: the index is restored from its latest snapshot, taken "
+        "every snapshot_interval_s, then the events after it)",
+    )
 
     def ttls(self) -> dict[str, float]:
         return {"chat": self.ttl_chat_s, "agent": self.ttl_agent_s}

@@ -20,7 +20,7 @@ from shared.engine.interface import PoolExhausted, Prefix, StepOutput
 from shared.engine.kvformat import KVFormatError
 from shared.engine.registry import OWNING
 from shared.eplb.balancer import BalancerStats
-from shared.kvstore.tiers import MEMORY, CachedPrefix
+from shared.kvstore.tiers import CachedPrefix
 from shared.messages.generate import (
     Cancel,
     GenerateTask,
@@ -32,6 +32,7 @@ from shared.messages.generate import (
     TokenEvents,
 )
 from shared.messages.heartbeat import Load
+from shared.messages.kvevents import MEMORY
 from shared.proto import kv_pb2, kv_pb2_grpc
 from shared.security.handoff import HANDOFF_SECRET, handoff_refusal
 from shared.security.secret import load_or_create
@@ -231,9 +232,9 @@ class DecodeService(WorkerService):
             self.runner.submit(ops.free, rid)
             why = str(err) or type(err).__name__
             self.close_span(rid, error=f"prefill failed: {why}")
-            self.engine_failed("prefill", why)
+            self.engine_failed("prefill", why, [task.token_ids])
             message = f"{self.service_id}: prefill failed: {why}"
-            await self.send(task.reply_subject, self.error_event(rid, message, "unavailable"))
+            await self.send(task.reply_subject, self.error_event(rid, message, "engine"))
             return
         finally:
             self.pending -= 1
@@ -324,16 +325,17 @@ class DecodeService(WorkerService):
         }
 
     def step_failed(self, held: list[str], why: str) -> None:
-        """A step raised: its requests fail here with "unavailable", behind the tokens they
-        were sent (their blocks are freed already)."""
-        self.engine_failed("decode_step", why)
+        """A step raised: its requests fail here with "engine", behind the tokens they were
+        sent (their blocks are freed already)."""
+        prompts = [self.active[rid].task.token_ids for rid in held if rid in self.active]
+        self.engine_failed("decode_step", why, prompts)
         for rid in held:
             active = self.active.pop(rid, None)
             if active is None:
                 continue
             self.close_span(rid, error=f"decode step failed: {why}")
             message = f"{self.service_id}: decode step failed: {why}"
-            event = self.error_event(rid, message, "unavailable", index=active.next_index)
+            event = self.error_event(rid, message, "engine", index=active.next_index)
             self._outbox.setdefault(active.task.reply_subject, []).append(
                 TokenEvents.encoded(event)
             )
@@ -520,18 +522,20 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
                         svc.runner.beside(ops.write_kv, rid, data)
                     )
                     await active.writing
-                    await svc.runner.call(ops.join, rid, done.first_token, priority=task.priority)
+                    joined_ns = await svc.runner.call(
+                        ops.join, rid, done.first_token, priority=task.priority
+                    )
                 else:  # written and joined in one call between two steps: one hop less
                     active.writing = svc.runner.call(
                         ops.write_and_join, rid, data, done.first_token
                     )
-                    await active.writing
+                    joined_ns = await active.writing
             except KVFormatError as err:
                 yield kv_pb2.HandoffStatus(ok=False, code="internal", error=str(err))
                 return
             active.kv_bytes, active.kv_transfer_s = len(data), took
             active.joined_at = time.perf_counter()
-            svc.mark(rid, "joined")
+            svc.mark(rid, "joined", joined_ns)
             BYTES.labels("handoff", "in").inc(len(data))
             mb_s = round(len(data) / max(took, 1e-9) / 1e6, 1)
             span = tracer.start_span(

@@ -46,8 +46,8 @@ class HandoffFailed(Exception):
 
 
 class EngineFailed(Exception):
-    """The engine raised computing a batch of prompts: not the prompts' fault. They fail
-    with "unavailable", so the router moves each to another worker at once."""
+    """The engine raised computing a batch of prompts. They fail with "engine", so the router
+    moves each to another worker at once (and fails one that breaks a second engine too)."""
 
 
 class PrefillService(WorkerService):
@@ -245,7 +245,7 @@ class PrefillService(WorkerService):
             code = "busy"
         elif isinstance(err, EngineFailed):
             log.warning("%s: %s", rid, err)
-            code = "unavailable"
+            code = "engine"
         else:
             log.error("prefill of %s failed", rid, exc_info=err)
             code = "internal"
@@ -367,7 +367,7 @@ class PrefillService(WorkerService):
             results = await computing
         except Exception as err:
             why = str(err) or type(err).__name__
-            self.engine_failed("prefill", why)
+            self.engine_failed("prefill", why, [task.token_ids for task in tasks])
             raise EngineFailed(f"{self.service_id}: prefill failed: {why}") from err
         self.engine_worked()
         return results, exports

@@ -70,6 +70,7 @@ class Core:
             s,  # (the pools the traffic needs: from the pool's fitted rates and the workers)
             lambda: policy.pool.estimate,
             lambda role: len(mesh.registry.ready(role)),
+            s.recent_requests_bytes,
         )
         mesh.on_sweep.append(recorder.stats.tick)  # workers live, minute by minute
         return cls(

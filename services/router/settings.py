@@ -152,8 +152,9 @@ class DispatchSettings(Section):
         default=4096,
         ge=0,
         description="conversations whose block hashes are kept, so a next turn hashes only "
-        "its new blocks (each holds its conversation's text)",
+        "its new blocks, in at most prefix_bytes (each holds its conversation's text)",
     )
+    prefix_bytes: int = Field(default=256 << 20, ge=0, description="(see prefix_prompts)")
     max_starting: int = Field(
         default=32,
         ge=1,
@@ -269,15 +270,15 @@ class WorkerSettings(Section):
 class ObserveSettings(Section):
     """What the router records (services/router/observe/)."""
 
-    stats_share_s: float = Field(
-        default=5.0, gt=0, description="how often this router shares its statistics' minutes"
-    )
+    stats_share_s: float = Field(default=5.0, gt=0, description="how often minutes are shared")
     cache_explain_bytes: int = Field(
         default=64 * 2**20,
         ge=0,
-        description="memory for explaining cache misses: each tenant's recent conversations "
-        "(their parts' digests and texts, their blocks' hashes), the least recent dropped "
-        "first; 0 turns explanations off",
+        description="memory for explaining cache misses (each tenant's recent conversations, "
+        "the least recent dropped first); 0 turns explanations off",
+    )
+    recent_requests_bytes: int = Field(
+        default=16 << 20, ge=0, description="memory for the operator page's recent requests"
     )
 
 
@@ -311,6 +312,15 @@ class BatchSettings(Section):
         ge=1,
         description="a batch's requests in flight at once on this router (fewer while the "
         "workers turn batch work away: online requests go first)",
+    )
+    files_store_bytes: int = Field(
+        default=64 << 30,
+        ge=1,
+        description="all files together (uploads, results) at most; a file past it is refused "
+        "(413: the routers check it, the NATS servers reserve none of it)",
+    )
+    batch_keep_s: float = Field(
+        default=30 * 86400, gt=0, description="how long files, batches and results are kept"
     )
     batch_lease_s: float = Field(
         default=15.0,

@@ -454,6 +454,10 @@ class Bus:
         ``retry_s``: keep trying that long when no store answers (see ``_store``)."""
         return await self._store(subject, msg.to_bytes(), None, retry_s)
 
+    async def publish_durable_bytes(self, subject: str, data: bytes, retry_s: float = 0.0) -> int:
+        """``publish_durable`` of a message already encoded (one not in JSON)."""
+        return await self._store(subject, data, None, retry_s)
+
     async def _store(
         self, subject: str, data: bytes, headers: dict[str, str] | None, retry_s: float
     ) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 from shared import faults
 from shared.engine import kvwire
 from shared.engine.interface import BlockEvents
-from shared.kvstore.tiers import MEMORY
+from shared.messages.kvevents import MEMORY
 
 log = logging.getLogger(__name__)
 

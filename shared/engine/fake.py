@@ -24,9 +24,9 @@ from shared.engine.interface import (
     Prefix,
     StepOutput,
 )
-from shared.engine.sampling import SamplingParams
 from shared.engine.torch.engine import TorchEngine
 from shared.engine.torch.sequence import Sequence
+from shared.messages.sampling import SamplingParams
 
 
 class PacedFakeEngine(TorchEngine):

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol
 
-from shared.engine.sampling import SamplingParams, TokenLogprobs
 from shared.kvstore.hashing import XXH3
+from shared.messages.sampling import SamplingParams, TokenLogprobs
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 
@@ -184,7 +184,7 @@ class EngineStats:
 
 class Engine(ABC):
     """A compute engine behind a worker. Not thread-safe: the worker calls it from one thread
-    (``shared/runner.py``), so calls never overlap and need no locks inside.
+    (``shared/hosting/runner.py``), so calls never overlap and need no locks inside.
 
     ``config`` is the model's text-side configuration; its ``fingerprint`` names the KV (same
     fingerprint, interchangeable blocks). ``running`` lists the ids of the sequences in the

@@ -1,5 +1,5 @@
 """What a worker asks of its engine: each op runs where the engine is, on its thread
-(``shared/runner.py``) or in its own process (``shared/engine/process.py``), between two
+(``shared/hosting/runner.py``) or in its own process (``shared/hosting/process.py``), between two
 decode steps, and takes the engine first. A process runs only the ops named here (``OPS``),
 by name: nothing else crosses to it.
 
@@ -15,13 +15,15 @@ from collections.abc import Callable
 
 from shared import faults
 from shared.engine.interface import Engine, ImageEmbeds, PrefillRequest, Prefix, StepOutput
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 
 
 def step(engine: Engine) -> list[StepOutput]:
     """One decode step. A sequence's last token carries its speculation totals (the worker
     reads them once the sequence is freed)."""
     _fault("engine_step")
+    if faults.ACTIVE:
+        _poison(*(engine.sequence(seq_id).prompt_ids for seq_id in engine.running))
     outputs = engine.step()
     for i, out in enumerate(outputs):
         if out.finish_reason and engine.holds(out.seq_id):
@@ -34,6 +36,12 @@ def _fault(name: str) -> None:
     """The engine call raises when a test switched ``name`` on (``shared/faults.py``)."""
     if faults.on(name):
         raise RuntimeError(f"fault hook {name}: the engine raised")
+
+
+def _poison(*prompts: list[int]) -> None:
+    """The engine call raises on a prompt a test poisoned (``shared/faults.py``)."""
+    if faults.poisoned(prompts):
+        raise RuntimeError("fault hook poison_token: the engine raised on this prompt")
 
 
 def abort(engine: Engine, seq_id: str) -> None:
@@ -60,8 +68,11 @@ def reserve(engine: Engine, seq_id: str, token_ids: list[int], params: SamplingP
     engine.reserve(seq_id, token_ids, params)
 
 
-def join(engine: Engine, seq_id: str, first_token: int) -> None:
+def join(engine: Engine, seq_id: str, first_token: int) -> int:
+    """The sequence joined to the batch; when it joined (ns since the epoch: its first step
+    may be answered before the caller hears back)."""
     engine.join(seq_id, first_token)
+    return time.time_ns()
 
 
 def write_kv(engine: Engine, seq_id: str, data: bytes) -> None:
@@ -70,10 +81,10 @@ def write_kv(engine: Engine, seq_id: str, data: bytes) -> None:
     engine.write_kv(seq_id, data)
 
 
-def write_and_join(engine: Engine, seq_id: str, data: bytes, first_token: int) -> None:
-    """A handed-off prompt's KV written, and the sequence joined to the batch."""
+def write_and_join(engine: Engine, seq_id: str, data: bytes, first_token: int) -> int:
+    """A handed-off prompt's KV written, and the sequence joined to the batch (as ``join``)."""
     engine.write_kv(seq_id, data)
-    engine.join(seq_id, first_token)
+    return join(engine, seq_id, first_token)
 
 
 def timed_prefill(
@@ -86,6 +97,7 @@ def timed_prefill(
 ) -> tuple[StepOutput, float]:
     """A prompt computed (it joins the batch); its first token, and the compute time."""
     _fault("engine_prefill")
+    _poison(token_ids)
     started = time.perf_counter()
     out = engine.prefill(seq_id, token_ids, params, prefix=prefix, images=images)
     return out, time.perf_counter() - started
@@ -95,11 +107,13 @@ def prefill(engine: Engine, seq_id: str, token_ids: list[int], params: SamplingP
     """A prompt computed for a handoff, with its cancel and pause checks (in-process only:
     they are callables)."""
     _fault("engine_prefill")
+    _poison(token_ids)
     return engine.prefill(seq_id, token_ids, params, **kw)
 
 
 def prefill_batch(engine: Engine, requests: list[PrefillRequest]) -> list[StepOutput | Exception]:
     _fault("engine_prefill")
+    _poison(*(r.token_ids for r in requests))
     return engine.prefill_batch(requests)
 
 

@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared.bus import Bus, BusError, subjects
+from shared.kvindex import table
 from shared.kvindex.view import DEFAULT_TTL_S, KvIndex, SnapshotError
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class IndexFollower:
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         started = time.monotonic()
+        await asyncio.to_thread(table.warm)  # (compiled before the loop needs it)
         await bus.ensure_stream(
             subjects.KV_EVENTS_STREAM, [subjects.KV_EVENTS_ALL], create_only=True
         )

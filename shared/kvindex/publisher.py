@@ -13,6 +13,10 @@ not to keep them). An engine's event may also come before its worker tells what 
 (vLLM's feed and its answers are two streams): blocks announced that nothing waited for are
 kept for ``bound_s``, and the blocks computed next take them first.
 
+Events go out in order, in batches: one message carries what was published while the one
+before it was being stored (``pack_events``), up to ``BATCH_BYTES``; a quiet worker's event
+goes alone, at once.
+
 A publish that fails is logged and counted, not raised: the event is lost. The holders of the
 index see the gap and ask for a resync (``resync``); a worker also resyncs by itself at its
 first event published after a loss (``held``: what its memory tier holds, given at start).
@@ -28,7 +32,7 @@ from collections.abc import Callable
 
 from shared import faults
 from shared.bus import Bus, subjects
-from shared.messages.kvevents import KvEvent, memory_location
+from shared.messages.kvevents import KvEvent, KvRecord, memory_location, pack_events
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 EVENT_RETRY_S = 30.0
 RESYNC_CHUNK = 1000  # blocks per event of a resync
 RESYNC_BLOCKS_PER_S = 50_000  # a resync's rate at most (its events share the stream)
+BATCH_BYTES = 1 << 20  # a message's events at most (nats.conf's max_payload is 8 MB)
 
 
 class KvEventPublisher:
@@ -66,6 +71,9 @@ class KvEventPublisher:
         self._resync: asyncio.Task | None = None
         self._lost_since_resync = False
         self.resyncs = 0
+        self._pending: list[tuple[KvRecord, asyncio.Future]] = []  # (the next batch)
+        self._sender: asyncio.Task | None = None
+        self.messages = 0  # batches stored
 
     async def publish(
         self,
@@ -92,17 +100,44 @@ class KvEventPublisher:
             epoch=self.epoch,
             seq=self.made,
         )
-        try:
-            if faults.on("kv_events"):
-                raise RuntimeError("fault hook kv_events: not published")
-            await self.bus.publish_durable(self.subject, event, retry_s=EVENT_RETRY_S)
-        except Exception as err:
+        failed = await self._send(KvRecord.of(event))
+        if failed is not None:
             self.lost += 1
             self._lost_since_resync = True
-            log.warning("KV event %d not published: %s", self.made, err)
+            log.warning("KV event %d not published: %s", event.seq, failed)
             return
         if self._lost_since_resync and self.held is not None:
             self.resync(self.held(), "events were lost before this one")
+
+    async def _send(self, record: KvRecord) -> Exception | None:
+        """``record`` in the next batch; None once it is stored, else why not."""
+        sent = asyncio.get_running_loop().create_future()
+        self._pending.append((record, sent))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send_batches())
+        return await asyncio.shield(sent)
+
+    async def _send_batches(self) -> None:
+        """Batches in order, one stored before the next is sent."""
+        while self._pending:
+            await asyncio.sleep(0)  # (what the loop's other tasks publish now joins this one)
+            size, n = 0, 0
+            while n < len(self._pending) and (not n or size < BATCH_BYTES):
+                size += len(self._pending[n][0].hashes) + len(self._pending[n][0].sizes) + 64
+                n += 1
+            batch, self._pending = self._pending[:n], self._pending[n:]
+            outcome: Exception | None = None
+            try:
+                if faults.on("kv_events"):
+                    raise RuntimeError("fault hook kv_events: not published")
+                data = pack_events([record for record, _ in batch])
+                await self.bus.publish_durable_bytes(self.subject, data, retry_s=EVENT_RETRY_S)
+                self.messages += 1
+            except Exception as err:  # (each event's publisher counts it lost)
+                outcome = err
+            for _, sent in batch:
+                if not sent.done():
+                    sent.set_result(outcome)
 
     def computed(self, blocks: int, location: str) -> None:
         """``blocks`` of new KV were computed, to be announced as stored at ``location``."""
@@ -165,6 +200,11 @@ class KvEventPublisher:
             await asyncio.sleep(len(chunk) / RESYNC_BLOCKS_PER_S)
 
     async def stop(self) -> None:
-        if self._resync is not None:
-            self._resync.cancel()
-            await asyncio.gather(self._resync, return_exceptions=True)
+        for task in (self._resync, self._sender):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        for _, sent in self._pending:  # (not sent: their publishers count them lost)
+            if not sent.done():
+                sent.set_result(RuntimeError("the publisher stopped"))
+        self._pending = []

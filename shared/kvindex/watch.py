@@ -6,8 +6,6 @@ of those whose events were lost (at most every ``RESYNC_EVERY_S``), and the figu
 from __future__ import annotations
 
 import logging
-from itertools import islice
-from sys import getsizeof
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -69,15 +67,8 @@ class FeedWatch:
 
 
 def approx_bytes(index: KvIndex) -> int:
-    """What the index's blocks hold in memory, from a sample of its entries: each entry, its
-    key and times, its slot in the table (and its place in the LRU order, where kept)."""
-    entries = index.blocks.entries
-    if not entries:
-        return 0
-    sample = list(islice(entries.items(), 64))
-    per = sum(getsizeof(h) + getsizeof(e) + 2 * getsizeof(e.last_access) for h, e in sample)
-    per = per / len(sample) + getsizeof(entries) / len(entries)
-    return int(len(entries) * per + getsizeof(index.blocks.store_lru))
+    """What the index's blocks hold in memory: its rows' arrays, every slot."""
+    return index.blocks.nbytes
 
 
 class IndexCollector(Collector):
@@ -91,7 +82,7 @@ class IndexCollector(Collector):
         blocks = GaugeMetricFamily("kvmesh_kv_index_blocks", "blocks in this process's index")
         blocks.add_metric([], len(index))
         size = GaugeMetricFamily(
-            "kvmesh_kv_index_bytes", "memory the index's blocks take, estimated from a sample"
+            "kvmesh_kv_index_bytes", "memory the index's blocks take (its arrays, every slot)"
         )
         size.add_metric([], approx_bytes(index))
         seq = GaugeMetricFamily("kvmesh_kv_index_seq", "the KV event stream position applied")

@@ -23,13 +23,11 @@ from opentelemetry import context as otel_context
 from shared.bus import Bus, subjects
 from shared.kvindex.publisher import KvEventPublisher
 from shared.kvstore.backend import FileStore, MemoryStore, why_not_written
-from shared.messages.kvevents import STORE, memory_location
+from shared.messages.kvevents import MEMORY, STORAGE, STORE, memory_location
 from shared.telemetry.metrics import BYTES, STORE_FAILURES
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
-
-MEMORY, STORAGE = "memory", "storage"
 
 
 @dataclass
@@ -229,6 +227,12 @@ class KvTiers:
                         },
                     )
                     span.end()
+
+    @property
+    def store_retry_in_s(self) -> float:
+        """While the storage tier fails: how long until a write is tried on it again (0 when
+        the next write is tried)."""
+        return max(0.0, self._retry_at - time.monotonic()) if self.store_error else 0.0
 
     async def _to_store(self, hashes: list[str], blobs: list[bytes]) -> int:
         """The blocks written to the storage tier, from the first: how many. While it fails

@@ -1,17 +1,24 @@
 """The KV-block link: workers, routers and cachemeta → the KV event stream → cachemeta and
-every router (each keeps the block index itself); anyone ↔ cachemeta lookups (tools, tests)."""
+every router (each keeps the block index itself); anyone ↔ cachemeta lookups (tools, tests).
+
+On the stream, a message is a batch of events in MessagePack (``pack_events``): each event's
+hashes packed as bytes, its sizes as 32-bit integers, so that a holder reads a 1,000-block
+event without a parse per hash (``KvRecord``). ``KvEvent`` is the same event as a checked
+model with hex hashes, for the processes that make events one at a time."""
 
 from __future__ import annotations
 
 import re
 from typing import Literal, get_args
 
+import msgspec
 from pydantic import Field, model_validator
 
 from shared.messages import Message
 
 # Where a block lives: the shared storage tier, or one worker's host-memory tier.
 STORE = "store"
+MEMORY, STORAGE = "memory", "storage"  # the tiers, as a cached count names them
 Retention = Literal["chat", "agent"]
 RETENTIONS: tuple[str, ...] = get_args(Retention)
 
@@ -82,6 +89,83 @@ class KvEvent(Message):
 
 
 _HEX = re.compile(r"[0-9a-f]*")
+_LOCATION = re.compile(r"(store|mem:[A-Za-z0-9_.-]{1,64})?")
+KINDS: tuple[str, ...] = get_args(Kind)
+
+
+class KvRecord(msgspec.Struct, array_like=True):
+    """A KV event as the stream carries it: ``hashes`` packed, ``width`` bytes each (16: kvmesh's
+    XXH3-128; 32: SGLang's SHA-256), ``sizes`` as little-endian 32-bit integers, one per hash
+    (or none). The other fields as ``KvEvent``'s."""
+
+    kind: str
+    location: str
+    hashes: bytes
+    width: int
+    sizes: bytes
+    retention: str
+    pinned_until: float
+    at: float
+    source: str
+    epoch: float
+    seq: int
+
+    def __len__(self) -> int:
+        return len(self.hashes) // self.width
+
+    def check(self) -> KvRecord:
+        """A record as ``KvEvent`` would take it; ValueError naming the field otherwise."""
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: {self.kind!r} is not one of {KINDS}")
+        if not _LOCATION.fullmatch(self.location):
+            raise ValueError(f"location: {self.location[:80]!r} is not store or mem:<worker>")
+        if self.kind in ("stored", "removed", "cleared") and not self.location:
+            raise ValueError(f"location: a {self.kind} event names one")
+        if self.width not in (16, 32) or len(self.hashes) % self.width:
+            raise ValueError(f"hashes: {len(self.hashes)} bytes, not hashes of 16 (or 32) bytes")
+        if self.sizes and len(self.sizes) != 4 * len(self):
+            raise ValueError(f"sizes: {len(self.sizes) // 4} for {len(self)} hashes")
+        if self.retention not in RETENTIONS:
+            raise ValueError(f"retention: {self.retention!r} is not one of {RETENTIONS}")
+        if self.pinned_until < 0 or self.seq < 0:
+            raise ValueError("pinned_until and seq: not negative")
+        return self
+
+    @classmethod
+    def of(cls, event: KvEvent) -> KvRecord:
+        width = len(event.hashes[0]) // 2 if event.hashes else HASH_CHARS // 2
+        sizes = b"".join(n.to_bytes(4, "little") for n in event.sizes)
+        raw = bytes.fromhex("".join(event.hashes))
+        return cls(
+            event.kind, event.location, raw, width, sizes, event.retention,
+            event.pinned_until, event.at, event.source, event.epoch, event.seq,
+        )  # fmt: skip
+
+    def hex_hashes(self) -> list[str]:
+        w = self.width
+        return [self.hashes[i : i + w].hex() for i in range(0, len(self.hashes), w)]
+
+    def size_list(self) -> list[int]:
+        s = self.sizes
+        return [int.from_bytes(s[i : i + 4], "little") for i in range(0, len(s), 4)]
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(list[KvRecord])
+
+
+def pack_events(events: list[KvRecord]) -> bytes:
+    """Events as one message of the stream."""
+    return _ENCODER.encode(events)
+
+
+def unpack_events(data: bytes) -> list[KvRecord]:
+    """A message of the stream's events, each checked; ValueError for a malformed one."""
+    try:
+        records = _DECODER.decode(data)
+    except msgspec.DecodeError as err:
+        raise ValueError(f"not a batch of KV events: {err}") from None
+    return [r.check() for r in records]
 
 
 class LookupRequest(Message):

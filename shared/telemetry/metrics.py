@@ -81,6 +81,10 @@ MOVES = Counter(
     "requests moved off failed workers: retried before their first token, or resumed mid-answer",
     ["kind"],
 )
+RESUMES_WAITING = Gauge(
+    "kvmesh_resumes_waiting",
+    "answers half sent whose workers are gone, waiting (resume_wait_s at most) for one to carry on",
+)
 
 # Bytes over each link: handoff (prefill → decode KV), store_write / store_read (storage
 # tier), image (router → encoder), embeds (encoder → stream → prefill).

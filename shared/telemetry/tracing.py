@@ -95,11 +95,12 @@ def span_record(span: ReadableSpan) -> dict:
     }
 
 
-def mark_span(name: str, span: trace.Span | None = None) -> None:
+def mark_span(name: str, span: trace.Span | None = None, at_ns: int | None = None) -> None:
     """A point on a request's path (``span``: its span here; else the current one), as an
-    event of that span: bench/e2e.py's hop table reads where each request's time went from
-    them. Nothing is kept for a span not recorded (sampled out)."""
-    (span or trace.get_current_span()).add_event(name)
+    event of that span (``at_ns``: when it happened, if not now): bench/e2e.py's hop table
+    reads where each request's time went from them. Nothing is kept for a span not recorded
+    (sampled out)."""
+    (span or trace.get_current_span()).add_event(name, timestamp=at_ns)
 
 
 def _exporter(kind: str, endpoint: str, path: Path) -> SpanExporter | None:
@@ -124,15 +125,41 @@ def _exporter(kind: str, endpoint: str, path: Path) -> SpanExporter | None:
 # -- each service's recent spans, in memory (the operator page asks for them over NATS) --
 
 MAX_TRACES = 4096  # the most recent traces kept (a request's spans are a few dozen at most)
+MAX_TRACES_BYTES = 64 << 20
 MAX_SPANS_PER_TRACE = 256
+SPAN_BYTES = 400  # a span's own objects (context, times, name, status), about
+
+
+def span_bytes(span: ReadableSpan) -> int:
+    """What a kept span takes, about: its own objects, its attributes' keys and values (a
+    string by its length, a sequence by its items'), its events with theirs."""
+
+    def of(value: object) -> int:
+        if isinstance(value, str | bytes):
+            return 49 + len(value)
+        if isinstance(value, list | tuple):
+            return 56 + sum(of(v) for v in value)
+        return 32
+
+    def attrs(attributes: object) -> int:
+        items = attributes.items() if attributes else ()  # type: ignore[union-attr]
+        return sum(of(k) + of(v) for k, v in items)
+
+    events = sum(SPAN_BYTES // 4 + attrs(e.attributes) for e in span.events)
+    return SPAN_BYTES + attrs(span.attributes) + events
 
 
 class RecentSpans(SpanProcessor):
-    def __init__(self, max_traces: int = MAX_TRACES) -> None:
+    """Each trace's spans here, the most recent ``max_traces`` traces within ``max_bytes``
+    (by ``span_bytes``): the oldest trace goes first."""
+
+    def __init__(self, max_traces: int = MAX_TRACES, max_bytes: int = MAX_TRACES_BYTES) -> None:
         self.max_traces = max_traces
+        self.max_bytes = max_bytes
         # The spans themselves: their records are made only when a trace is asked for
         # (rarely), not on the path of every span's end.
-        self._traces: OrderedDict[int, list[ReadableSpan]] = OrderedDict()
+        self._traces: OrderedDict[int, tuple[list[ReadableSpan], list[int]]] = OrderedDict()
+        self.bytes = 0
         self._lock = threading.Lock()  # (spans end on the engine thread too)
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
@@ -140,20 +167,26 @@ class RecentSpans(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         trace_id = span.get_span_context().trace_id
+        size = span_bytes(span)
         with self._lock:
-            spans = self._traces.setdefault(trace_id, [])
+            spans, held = self._traces.setdefault(trace_id, ([], [0]))
             self._traces.move_to_end(trace_id)
             if len(spans) < MAX_SPANS_PER_TRACE:
                 spans.append(span)
-            while len(self._traces) > self.max_traces:
-                self._traces.popitem(last=False)
+                held[0] += size
+                self.bytes += size
+            while self._traces and (
+                len(self._traces) > self.max_traces or self.bytes > self.max_bytes
+            ):
+                _, (_, gone) = self._traces.popitem(last=False)
+                self.bytes -= gone[0]
 
     def __len__(self) -> int:
         return len(self._traces)
 
     def of(self, trace_id: str) -> list[dict]:
         with self._lock:
-            spans = list(self._traces.get(int(trace_id, 16), ()))
+            spans = list(self._traces.get(int(trace_id, 16), ((), []))[0])
         return [span_record(s) for s in spans]
 
     def shutdown(self) -> None:
@@ -169,6 +202,11 @@ RECENT_TRACES = Gauge(
     "traces this process keeps for the operator page (at most KVMESH_RECENT_TRACES)",
 )
 RECENT_TRACES.set_function(lambda: len(RECENT))
+RECENT_TRACES_BYTES = Gauge(
+    "kvmesh_recent_traces_bytes",
+    "what those traces take, by their spans' own count (at most KVMESH_RECENT_TRACES_BYTES)",
+)
+RECENT_TRACES_BYTES.set_function(lambda: RECENT.bytes)
 
 
 EXPORT_DELAY_MS = 500
@@ -182,14 +220,15 @@ def setup_tracing(
     sample_ratio: float,
     state_dir: Path,
     recent_traces: int = MAX_TRACES,
+    recent_traces_bytes: int = MAX_TRACES_BYTES,
 ) -> TracerProvider:
     """The process's tracer provider, exporting as ``exporter`` says (see the module doc).
     With ``none``, spans are not even recorded (the API's no-op tracer; context still flows
-    through, so the services downstream see the caller's trace). ``recent_traces``: how many
-    the operator's page can show (``RECENT``)."""
+    through, so the services downstream see the caller's trace). ``recent_traces`` and
+    ``recent_traces_bytes``: how many the operator's page can show, in how much (``RECENT``)."""
     if exporter == "none":
         return TracerProvider()  # never installed: only its shutdown is called
-    RECENT.max_traces = recent_traces
+    RECENT.max_traces, RECENT.max_bytes = recent_traces, recent_traces_bytes
     resource = Resource.create(
         {"service.name": f"kvmesh-{role}", "service.instance.id": service_id}
     )

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.interface import PoolExhausted, PrefillRequest
-from shared.engine.sampling import SamplingParams
 from shared.engine.torch.blocks import BlockPool
+from shared.messages.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 from tests.engine.test_prefix_reuse import prompt
 

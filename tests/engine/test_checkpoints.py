@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.engine.sampling import SamplingParams
 from shared.engine.torch.loader import LoadedModel, load_model
 from shared.engine.torch.model import KVCache, Segment, Transformer
+from shared.messages.sampling import SamplingParams
 from shared.model.catalog import ModelSource
 from tests.checkpoints import ARCHS, gguf_checkpoint, hf_checkpoint
 from tests.engine.conftest import make_engine

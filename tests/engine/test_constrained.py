@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from services.router.request.toolcalls import call_parser, calls_of
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.model.grammar import json_grammar, tool_call_grammar
 from shared.model.tools import ToolSyntax
 from tests.engine.conftest import make_engine

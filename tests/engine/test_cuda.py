@@ -12,9 +12,9 @@ import torch
 from pydantic import ValidationError
 
 from shared.engine.kvformat import BadBlock
-from shared.engine.sampling import SamplingParams
 from shared.engine.torch.engine import compute_device
 from shared.engine.torch.graphs import DecodeGraphs
+from shared.messages.sampling import SamplingParams
 from shared.worker import WorkerSettings
 from tests.engine.conftest import make_engine
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from shared.engine.sampling import SamplingParams
 from shared.eplb.placement import Placement
 from shared.eplb.stats import read_load
+from shared.messages.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 from tests.engine.test_prefix_reuse import prompt
 
@@ -81,6 +81,7 @@ def test_the_engine_counts_load_replans_on_schedule_and_decodes_the_same(
         eplb_slots=6,
         eplb_window_steps=5,
         eplb_replan_steps=10,
+        eplb_move_cost=0.0,  # (any gain pays: a plan is taken)
         eplb_record=str(record),
     )
     assert placed == plain
@@ -89,8 +90,10 @@ def test_the_engine_counts_load_replans_on_schedule_and_decodes_the_same(
     assert stats.last_plan_s is not None and stats.last_plan_s < 5
     assert stats.measured >= 1.0 and len(stats.measured_cards) == 2
     assert sum(stats.measured_cards) == pytest.approx(1.0)
-    if stats.moves:  # a plan was taken: its prediction is known per card
-        assert stats.predicted >= 1.0 and sum(stats.predicted_cards) == pytest.approx(1.0)
+    # Three sequences on 4 experts over 2 cards are uneven: with moves free a plan was taken,
+    # its prediction known per card.
+    assert stats.moves > 0, stats
+    assert stats.predicted >= 1.0 and sum(stats.predicted_cards) == pytest.approx(1.0)
     engine.balancer.placement.check_integrity()
     counts = read_load(record)
     moe = model.config.moe

@@ -8,7 +8,7 @@ import pytest
 
 from shared.engine.interface import Cancelled
 from shared.engine.kvformat import KVFormatError
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 from tests.engine.test_batching import run_alone
 from tests.engine.test_prefix_reuse import prompt

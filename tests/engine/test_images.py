@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shared.engine.interface import PrefillRequest
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0)

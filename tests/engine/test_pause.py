@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.interface import Paused
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from shared.engine.kvformat import BadBlock, KVFormatError
-from shared.engine.sampling import SamplingParams
 from shared.engine.torch.loader import LoadedModel
+from shared.messages.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shared.engine.interface import PrefillRequest
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.model.gguf import find_gguf
 from tests.engine.conftest import make_engine
 
@@ -92,28 +92,36 @@ SPEC_PROMPTS = [
 ]
 
 
+def spec_answers(real_model, real_text, **options) -> tuple[list[list[int]], int]:  # noqa: ANN001
+    """The engine's greedy answers to SPEC_PROMPTS (with ``options``), and the drafted tokens
+    it accepted."""
+    engine = make_engine(real_model, block_size=64, kv_cache_tokens=4096, **options)
+    outs = []
+    for i, text in enumerate(SPEC_PROMPTS):
+        rendered = real_text.chat_template.render([{"role": "user", "content": text}])
+        ids = real_model.tokenizer.encode(rendered, add_special_tokens=False).ids
+        params = SamplingParams(max_tokens=48, temperature=0)
+        out = [engine.prefill(f"q{i}", ids, params).token_id]
+        while engine.running:
+            out += [o.token_id for o in engine.step()]
+        engine.free(f"q{i}")
+        outs.append(out)
+    engine.check_integrity()
+    return outs, engine.stats().accepted_tokens
+
+
+@pytest.fixture(scope="module")
+def plain_answers(real_model, real_text) -> list[list[int]]:  # noqa: ANN001
+    """The answers without speculation (once for both modes)."""
+    return spec_answers(real_model, real_text)[0]
+
+
 @pytest.mark.parametrize("mode", ["fixed", "adaptive"])
 def test_speculation_gives_the_real_models_greedy_answer_token_for_token(
-    real_model, real_text, mode: str
+    real_model, real_text, plain_answers: list[list[int]], mode: str
 ) -> None:
-    def answers(**options) -> tuple[list[list[int]], int]:
-        engine = make_engine(real_model, block_size=64, kv_cache_tokens=4096, **options)
-        outs = []
-        for i, text in enumerate(SPEC_PROMPTS):
-            rendered = real_text.chat_template.render([{"role": "user", "content": text}])
-            ids = real_model.tokenizer.encode(rendered, add_special_tokens=False).ids
-            params = SamplingParams(max_tokens=48, temperature=0)
-            out = [engine.prefill(f"q{i}", ids, params).token_id]
-            while engine.running:
-                out += [o.token_id for o in engine.step()]
-            engine.free(f"q{i}")
-            outs.append(out)
-        engine.check_integrity()
-        return outs, engine.stats().accepted_tokens
-
-    plain, _ = answers()
-    spec, accepted = answers(speculative=mode, fixed_draft=4)
-    assert spec == plain
+    spec, accepted = spec_answers(real_model, real_text, speculative=mode, fixed_draft=4)
+    assert spec == plain_answers
     assert accepted > 10  # the copying prompts' drafts were taken
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from shared.engine.interface import Engine, EngineOptions, OwningEngine
 from shared.engine.registry import ENGINES, OWNING, engine_class, load_engine
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 
 
 def test_every_registered_backend_implements_the_whole_interface() -> None:

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from shared.engine.sampling import SamplingParams
 from shared.engine.torch.sampler import adjusted, distribution, sample
+from shared.messages.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 from tests.engine.test_prefix_reuse import prompt
 

@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 
 from shared.engine.interface import EngineOptions
-from shared.engine.sampling import SamplingParams, TokenLogprobs
 from shared.engine.sglang.engine import SglangEngine, sglang_params
 from shared.engine.sglang.params import logprob_fields, prompt_logprobs_of
 from shared.kvstore.hashing import pack_tokens, packed_sglang_hashes, sglang_cache_salt
+from shared.messages.sampling import SamplingParams, TokenLogprobs
 from shared.model.config import ModelConfig
 from shared.model.grammar import lark_of
 from shared.model.text import TextModel

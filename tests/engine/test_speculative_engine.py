@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.sampling import SamplingParams
 from shared.engine.torch.speculate import CostCurve
+from shared.messages.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 from tests.engine.test_prefix_reuse import prompt
 

@@ -62,7 +62,13 @@ def test_a_target_no_pool_meets_exits_1_saying_what_more_workers_reach(plan) -> 
     run = plan(*DESCRIBED, "--ttft-p99", "0.001")
     assert run.returncode == 1
     assert "no prefill pool meets the targets" in run.stdout and "target 0.001 s" in run.stdout
-    assert json.loads(run.stdout.strip().splitlines()[-1])["feasible"] is False
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["feasible"] is False and out["prefill"] is None and out["decode"] is None
+    # Its figures are the largest prefill pool's, named; no decode pool was sized, so no
+    # decode figure is given.
+    assert out["at"]["prefill"] >= 1 and out["at"]["decode"] is None
+    assert out["ttft_p99_s"] > 0.001
+    assert not {"tpot_mean_s", "tpot_p99_s", "decode_utilization"} & set(out)
 
 
 @pytest.mark.parametrize(

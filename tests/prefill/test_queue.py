@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from services.prefill.queue import ArrivalQueue
-from shared.engine.sampling import SamplingParams
 from shared.messages.generate import GenerateTask
+from shared.messages.sampling import SamplingParams
 
 
 def task(

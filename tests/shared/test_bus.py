@@ -15,9 +15,9 @@ import pytest
 from kvmesh.natsserver import NatsServer
 from shared.bus import Bus, BusError, NoResponders, RemoteError
 from shared.bus.client import PARTS_HEADER
-from shared.engine.sampling import SamplingParams
 from shared.messages import Message
 from shared.messages.generate import GenerateTask, TaskAck
+from shared.messages.sampling import SamplingParams
 from shared.worker import Tasks
 from tests.procs import free_port, until
 
@@ -81,14 +81,23 @@ async def test_an_ask_unanswered_is_sent_again_and_a_task_is_taken_once(
     a NATS node): the router gets its ack, and the worker runs the task once."""
     bus = await Bus.connect(open_nats_url, "t-ask")
     taken: list[str] = []
+    asks = 0  # the asks on the subject, as a listener beside the worker sees them
+    resent = asyncio.Event()
+
+    async def count(_msg) -> None:  # noqa: ANN001
+        nonlocal asks
+        asks += 1
+        if asks == 2:
+            resent.set()
 
     async def on_task(task: GenerateTask) -> TaskAck:
         if task.request_id == "slow":
-            await asyncio.sleep(0.35)  # its first ask's answer comes after the resend
+            await asyncio.wait_for(resent.wait(), 5)  # its first answer comes after the resend
         taken.append(task.request_id)
         return TaskAck(accepted=task.request_id != "refused", reason="busy")
 
     try:
+        await bus.nc.subscribe("test.tasks", cb=count)
         await Tasks(on_task).serve(bus, "test.tasks")
         ask = functools.partial(bus.ask, "test.tasks", reply_type=TaskAck, resend_s=0.1)
         slow = GenerateTask(

@@ -1,4 +1,4 @@
-"""The torch engine in a process of its own (shared/engine/process.py), driven as a decode
+"""The torch engine in a process of its own (shared/hosting/process.py), driven as a decode
 worker drives it: the same tokens as the engine on a thread, its errors raised as the same
 types, its state read from what it last said, and a process that dies or stops answers every
 call waiting on it."""
@@ -14,11 +14,11 @@ import pytest
 
 from shared.engine import ops
 from shared.engine.interface import EngineOptions, PoolExhausted, StepOutput
-from shared.engine.process import ProcessRunner
 from shared.engine.registry import load_engine
-from shared.engine.sampling import SamplingParams
+from shared.hosting.process import ProcessRunner
+from shared.hosting.runner import EngineRunner, EngineStopped
+from shared.messages.sampling import SamplingParams
 from shared.model.catalog import resolve
-from shared.runner import EngineRunner, EngineStopped
 
 OPTIONS = EngineOptions(block_size=16, kv_cache_tokens=1024, threads=1, max_running=4)
 PROMPT = list(range(5, 45))
@@ -30,9 +30,10 @@ async def answer(runner: EngineRunner | ProcessRunner, rid: str) -> tuple[list[i
     it (the last turn's, for the tiers)."""
     done: asyncio.Future = asyncio.get_running_loop().create_future()
     tokens: list[int] = []
+    steps: list[float] = []  # what each step took, as the runner said
 
     def on_step(outputs: list[StepOutput], took: float) -> None:
-        assert took > 0
+        steps.append(took)
         for out in outputs:
             tokens.append(out.token_id)
             if out.finish_reason and not done.done():
@@ -48,6 +49,7 @@ async def answer(runner: EngineRunner | ProcessRunner, rid: str) -> tuple[list[i
     runner.start_stepping(on_step, on_failed)
     last = await asyncio.wait_for(done, 60)
     assert last.finish_reason == "length"
+    assert steps and min(steps) > 0
     blobs, kept = await runner.call(ops.export_upto, rid, 0, None, None, True)
     assert kept == (PROMPT + tokens)[: len(blobs) * OPTIONS.block_size]
     return tokens, len(blobs)

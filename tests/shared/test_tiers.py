@@ -92,6 +92,9 @@ async def test_a_storage_tier_that_fills_or_turns_read_only_degrades_to_memory_o
 
                 return check
 
+            async def retry_due() -> bool:
+                return tiers.store_retry_in_s == 0
+
             await until(written(12), 30, "the first blocks handled")
             stored = [k for k in first if k in store]
             assert 0 < len(stored) < 12 and first[: len(stored)] == stored
@@ -102,7 +105,7 @@ async def test_a_storage_tier_that_fills_or_turns_read_only_degrades_to_memory_o
             assert len(await asyncio.to_thread(tiers._read_files, stored)) == len(stored)
 
             remount(root, "ro")
-            await asyncio.sleep(0.4)  # past the retry interval: the next write tries
+            await until(retry_due, 5, "the retry interval over")  # the next write tries
             tiers.write_behind(keys(2, 4), [blob] * 2, "chat")
             await until(written(14), 30, "the read-only try")
             assert tiers.store_error == "read_only"
@@ -113,7 +116,8 @@ async def test_a_storage_tier_that_fills_or_turns_read_only_degrades_to_memory_o
             tiers.write_behind(keys(2, 5), [blob] * 2, "chat")  # within the interval: skipped
             await until(written(16), 30, "the skipped ones")
             assert not any(k in store for k in keys(2, 5)) and tiers.store_error == "read_only"
-            await asyncio.sleep(0.4)
+            assert tiers.store_retry_in_s > 0
+            await until(retry_due, 5, "the retry interval over")
             tiers.write_behind(keys(2, 6), [blob] * 2, "chat")
             await until(written(18), 30, "the write after the interval")
             assert all(k in store for k in keys(2, 6)) and tiers.store_error == ""

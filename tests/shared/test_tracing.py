@@ -128,3 +128,29 @@ def test_recent_spans_keep_the_last_so_many_traces() -> None:
             ids.append(format(span.get_span_context().trace_id, "032x"))
     assert len(recent) == 3
     assert recent.of(ids[0]) == [] and len(recent.of(ids[-1])) == 1
+
+
+def test_recent_spans_stay_within_their_bytes_and_free_what_they_drop() -> None:
+    """KVMESH_RECENT_TRACES_BYTES: traces with large attributes (a routing decision's terms
+    on many workers) are dropped, oldest first, to stay within the bytes, whatever the count."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from shared.telemetry.tracing import RecentSpans
+
+    recent = RecentSpans(max_traces=1000, max_bytes=20_000)
+    provider = TracerProvider()
+    provider.add_span_processor(recent)
+    ids = []
+    for i in range(50):
+        with provider.get_tracer("t").start_as_current_span("request") as span:
+            span.set_attribute("route.terms", [f"worker-{w}: 0.123 s" for w in range(64)])
+            span.add_event("routed", {"chosen": f"worker-{i}"})
+            ids.append(format(span.get_span_context().trace_id, "032x"))
+    assert 0 < recent.bytes <= 20_000
+    assert 1 < len(recent) < 50  # (each trace a few KB: some kept, the oldest dropped)
+    assert recent.of(ids[0]) == [] and len(recent.of(ids[-1])) == 1
+    kept = len(recent)
+    for _ in range(50):  # small traces from now on: the count grows back, the bytes stay
+        with provider.get_tracer("t").start_as_current_span("small"):
+            pass
+    assert len(recent) > kept and recent.bytes <= 20_000

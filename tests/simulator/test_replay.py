@@ -126,3 +126,16 @@ def test_at_half_load_ttft_is_the_plain_estimate() -> None:
     runs = agent_cell(0.5)
     assert runs["ttft"]["ttft_mean_s"] == pytest.approx(runs["mooncake"]["ttft_mean_s"], rel=0.02)
     assert runs["ttft"]["ttft_mean_s"] <= min(s["ttft_mean_s"] for s in runs.values())
+
+
+def test_a_router_without_the_storage_tier_still_gets_its_prefixes_from_it() -> None:
+    """A router that follows only its workers' memory tiers (the storage tier's answer left to
+    the prefill worker) routes the same trace: every turn still loads its conversation's
+    prefix, from memory or from the storage tier, as much as with the tier known."""
+    trace = conversation_trace()
+    cfg = SimConfig(prefill=4, decode=2, memory_blocks=60)  # (a conversation's turns spill)
+    known = simulate(trace, 512, cfg, "ttft").summary(4)
+    unknown = simulate(trace, 512, replace(cfg, storage_answer="none"), "ttft").summary(4)
+    assert unknown["hit_ratio"] == pytest.approx(known["hit_ratio"])
+    assert unknown["hit_ratio"] == pytest.approx(infinite_cache_hit_ratio(trace, 512))
+    assert unknown["ttft_mean_s"] < 1.25 * known["ttft_mean_s"]

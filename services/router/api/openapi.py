@@ -175,9 +175,21 @@ def _bodies() -> tuple[dict[type[BaseModel], dict], dict]:
     return {m: refs[(m, "validation")] for m in models}, top.get("$defs", {})
 
 
-def document(routes: Iterable[web.AbstractRoute], version: str, auth: bool) -> dict:
+def _with_examples(schemas: dict, served: list[str]) -> dict:
+    """The schemas, each body's ``model`` with the served models as its examples."""
+    for schema in schemas.values() if served else ():
+        model = schema.get("properties", {}).get("model")
+        if model is not None and model.get("type") == "string":
+            model["examples"] = served
+    return schemas
+
+
+def document(
+    routes: Iterable[web.AbstractRoute], version: str, auth: bool, served: Iterable[str] = ()
+) -> dict:
+    """``served``: the models the mesh serves, the examples of every body's ``model``."""
     bodies, defs = _bodies()
-    schemas: dict = {"Error": _ERROR, **defs}
+    schemas: dict = {"Error": _ERROR, **_with_examples(defs, sorted(served))}
     paths: dict = {}
     for route in routes:
         info = route.resource.get_info() if route.resource else {}

@@ -110,4 +110,6 @@ class OperatorApi:
         return web.json_response(self.stats.report(time.time()))
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(document(request.app.router.routes(), __version__, self.auth))
+        served = self.mesh.registry.models_served
+        routes = request.app.router.routes()
+        return web.json_response(document(routes, __version__, self.auth, served))

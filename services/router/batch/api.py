@@ -51,7 +51,7 @@ class BatchApi:
         that answers lines with ``answer`` while ``online`` requests leave it room."""
         files = Files(bus, settings)
         await files.start()
-        store = BatchStore(bus)
+        store = BatchStore(bus, settings.batch_keep_s)
         await store.start()
         runner = BatchRunner(store, files, answer, router_id, online, settings)
         return cls(files, store, runner, tenant_of)

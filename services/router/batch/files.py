@@ -59,6 +59,7 @@ class Files:
 
     def __init__(self, bus: Bus, settings: BatchSettings) -> None:
         self.bus = bus
+        self.settings = settings
         self.max_bytes = settings.files_max_bytes
         self._store = None
 
@@ -68,6 +69,7 @@ class Files:
             description="kvmesh batch files",
             storage=StorageType.FILE,
             replicas=self.bus.replicas,
+            ttl=self.settings.batch_keep_s,  # (its size: checked at each put, not reserved)
         )
         self._store = await self.bus.js.create_object_store(BUCKET, config=config)
 
@@ -83,6 +85,11 @@ class Files:
             FILENAME: filename,
             CREATED: str(info.created_at),
         }
+        held = (await self._store.status()).size
+        room = self.settings.files_store_bytes
+        if held + len(data) > room:  # (checked first: a put that fails leaves its chunks)
+            why = f"file: the files kept hold {held:,} of {room:,} bytes; delete files for room"
+            raise ApiError(413, why, param="file", code="files_store_full")
         await self._store.put(info.id, data, meta=ObjectMeta(name=info.id, headers=headers))
         return info
 

@@ -98,20 +98,23 @@ class Conflict(Exception):
 class BatchStore:
     """The two buckets."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, keep_s: float) -> None:
         self.bus = bus
+        self.keep_s = keep_s  # how long a batch's record and results are kept
         self.records = None
         self.results = None
         self._ended: dict[str, BatchRecord] = {}  # records of ended batches, read once
 
     async def start(self) -> None:
         js, replicas = self.bus.js, self.bus.replicas
-        self.records = await js.create_key_value(
-            KeyValueConfig(bucket=BATCHES, history=1, storage=StorageType.FILE, replicas=replicas)
-        )
-        self.results = await js.create_key_value(
-            KeyValueConfig(bucket=RESULTS, history=1, storage=StorageType.FILE, replicas=replicas)
-        )
+
+        def bucket(name: str) -> KeyValueConfig:
+            return KeyValueConfig(
+                bucket=name, history=1, storage=StorageType.FILE, replicas=replicas, ttl=self.keep_s
+            )
+
+        self.records = await js.create_key_value(bucket(BATCHES))
+        self.results = await js.create_key_value(bucket(RESULTS))
 
     async def create(self, record: BatchRecord) -> None:
         await self.records.create(record.id, record.to_bytes())

@@ -29,7 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from services.router.dispatch.job import Attempt, Failed, Job
-from services.router.dispatch.moves import Moves
+from services.router.dispatch.moves import Moves, Waiting
 from services.router.dispatch.plan import BlockLookup, CachePlanner
 from services.router.dispatch.send import Direct, InFlight, NoDirect, Sender
 from services.router.dispatch.stream import Replies
@@ -124,6 +124,25 @@ def check_due(job: Job, chosen: Route) -> None:
 CACHED_POLL_S = 0.005  # how often ``cached`` looks at the index again
 
 
+@contextlib.contextmanager
+def traced(attempt: Attempt, moves: Moves) -> Iterator[Span]:
+    """The attempt's span. Not the current span across the yields of ``generate`` (its reader
+    may step it from other tasks): current only while the task is sent."""
+    span = tracer.start_span(
+        "generate",
+        kind=SpanKind.CLIENT,
+        attributes={
+            "attempt": moves.move + 1,
+            "resumed_tokens": moves.offset,
+            "prompt_tokens": len(attempt.job.prompt_ids),
+        },
+    )
+    try:
+        yield span
+    finally:
+        span.end()
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -143,13 +162,14 @@ class Dispatcher:
         self.breakers = breakers
         self.policy = policy
         self.settings = settings
-        self.plans = CachePlanner(kv, settings.prefix_prompts)
+        self.plans = CachePlanner(kv, settings.prefix_prompts, settings.prefix_bytes)
         self.inflight = InFlight(policy, breakers)
         self.sender = Sender(bus, router_id, registry, self.inflight, settings, secrets_dir, direct)
         self.replies = Replies(bus, router_id, registry, breakers, settings, direct)
         # A burst of requests takes turns to start: the replies of those already asking
         # (the workers' acks) are not left waiting behind a thousand others.
         self._starting = asyncio.Semaphore(settings.max_starting)
+        self.resumes_waiting = Waiting()  # answers half sent, waiting for a worker
 
     async def start(self) -> None:
         await self.replies.start()
@@ -165,7 +185,7 @@ class Dispatcher:
         moves = Moves(job, self.settings.migration_limit)
         while True:
             attempt = moves.attempt()
-            with self._traced(attempt, moves) as span, self.inflight.held(attempt):
+            with traced(attempt, moves) as span, self.inflight.held(attempt):
                 async with self.replies.expecting(attempt) as waiting:
                     try:
                         await self._send(attempt, moves, span)
@@ -176,12 +196,11 @@ class Dispatcher:
                         async for event in self.replies.events(waiting):
                             yield self._seen(attempt, moves, event, span)
                             if attempt.finished:
+                                moves.answered(self.breakers)
                                 return
                     except Failed as failure:
                         span.set_status(StatusCode.ERROR, str(failure))
-                        for w in failure.service_ids if failure.fault else ():
-                            self.breakers.fault(w, str(failure))
-                        moves.failed(failure)  # (ApiError when no move is left)
+                        moves.failed(failure, self.breakers)  # (ApiError: no move is left)
             job = moves.next_job()
             if moves.needs_plan:
                 moves.job = await self.plan(job)
@@ -210,15 +229,19 @@ class Dispatcher:
         full), it waits up to ``resume_wait_s`` for one (a client cannot retry half an answer),
         then trying again those given up on for silence once heard from (``Moves.left_out``)."""
         deadline = time.monotonic() + (self.settings.resume_wait_s if moves.sent else 0.0)
-        waiting = False
-        while True:
-            try:
-                return self._route(job, moves.left_out(self.registry, waiting))
-            except ApiError as err:
-                if err.status not in (429, 503) or time.monotonic() >= deadline:
-                    raise
-            waiting = True
-            await asyncio.sleep(self.settings.liveness_check_s)
+        try:
+            return self._route(job, moves.left_out(self.registry))
+        except ApiError as err:
+            if err.status not in (429, 503) or time.monotonic() >= deadline:
+                raise
+        with self.resumes_waiting.one():
+            while True:
+                await asyncio.sleep(self.settings.liveness_check_s)
+                try:
+                    return self._route(job, moves.left_out(self.registry, heard=True))
+                except ApiError as err:
+                    if err.status not in (429, 503) or time.monotonic() >= deadline:
+                        raise
 
     def _route(self, job: Job, excluded: set[str]) -> tuple[Route, RouteRequest]:
         """The routing decision over the workers not left out (503 when there is none)."""
@@ -286,24 +309,6 @@ class Dispatcher:
             for w in attempt.workers:
                 self.breakers.success(w)
         return moves.continued(event)
-
-    @contextlib.contextmanager
-    def _traced(self, attempt: Attempt, moves: Moves) -> Iterator[Span]:
-        """The attempt's span. Not the current span across the yields of ``generate`` (its
-        reader may step it from other tasks): current only while the task is sent."""
-        span = tracer.start_span(
-            "generate",
-            kind=SpanKind.CLIENT,
-            attributes={
-                "attempt": moves.move + 1,
-                "resumed_tokens": moves.offset,
-                "prompt_tokens": len(attempt.job.prompt_ids),
-            },
-        )
-        try:
-            yield span
-        finally:
-            span.end()
 
     # -- who can serve a model -------------------------------------------------------------
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.router.routing.route import RouteRequest
-from shared.engine.sampling import SamplingParams
 from shared.messages.generate import ImageRef, Priority
+from shared.messages.sampling import SamplingParams
 
 # What a prompt was tokenized from: (text, its ids packed as block hashing reads them), in
 # prompt order (services/router/request/render.py makes them; a next turn's hashes reuse them).
@@ -64,12 +64,19 @@ class Failed(Exception):
     """This attempt failed: the workers named are not tried again for this request, and
     (unless it was no fault of theirs: busy) their circuit breakers count it. ``silent``:
     they were not heard from (gone, no answer to the task, no token in time), not that they
-    said they failed."""
+    said they failed. ``engine``: their engine raised on it (the request's fault, if another
+    engine fails on it too: then it is not tried again, and no breaker counts it)."""
 
     def __init__(
-        self, reason: str, *service_ids: str, fault: bool = True, silent: bool = False
+        self,
+        reason: str,
+        *service_ids: str,
+        fault: bool = True,
+        silent: bool = False,
+        engine: bool = False,
     ) -> None:
         super().__init__(reason)
         self.service_ids = service_ids
         self.fault = fault
         self.silent = silent
+        self.engine = engine

@@ -3,15 +3,17 @@ up on and why, and the job each move sends (``dispatcher.py`` runs the attempts)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 from services.router.dispatch.job import Attempt, Failed, Job
-from services.router.dispatch.workers import WorkerRegistry
+from services.router.dispatch.workers import Breakers, WorkerRegistry
 from services.router.errors import ApiError, overloaded
 from shared.messages.generate import TokenEvent
-from shared.telemetry.metrics import MOVES
+from shared.telemetry.metrics import MOVES, RESUMES_WAITING
 
 log = logging.getLogger("services.router.dispatch.dispatcher")
 
@@ -22,6 +24,9 @@ def resumed_event(event: TokenEvent, offset: int) -> TokenEvent:
     return event.model_copy(
         update={"index": event.index + offset, "cached_tokens": None, "cached_by_tier": None}
     )
+
+
+POISON_WORKERS = 2  # engines failing on one request before it is failed, not moved again
 
 
 class Moves:
@@ -39,6 +44,9 @@ class Moves:
         self.excluded: dict[str, tuple[float, bool]] = {}
         self.failures: list[str] = []
         self.faults = 0  # of the failures, those that were a worker's fault (not busy)
+        # Engines that raised on it, not yet counted by their breakers: the worker's fault if
+        # the request is then answered elsewhere, the request's if another engine fails too.
+        self.engine_failures: list[Failed] = []
 
     def attempt(self) -> Attempt:
         self.offset = len(self.sent)
@@ -51,11 +59,25 @@ class Moves:
         self.sent.extend(event.token_ids)
         return event
 
-    def failed(self, failure: Failed) -> None:
-        """An attempt failed: its workers are left out from now on; ApiError(503) when no
-        move is left."""
+    def failed(self, failure: Failed, breakers: Breakers) -> None:
+        """An attempt failed: its workers are left out from now on, their breakers count it
+        if it was their fault (an engine's failure: see ``answered``); ApiError(503) when no
+        move is left, ApiError(500) when a second engine failed on it."""
         self.failures.append(str(failure))
         self.faults += failure.fault
+        for w in failure.service_ids if failure.fault and not failure.engine else ():
+            breakers.fault(w, str(failure))
+        if failure.engine:
+            self.engine_failures.append(failure)
+            broken = {w for f in self.engine_failures for w in f.service_ids}
+            if len(broken) >= POISON_WORKERS:
+                raise ApiError(
+                    500,
+                    f"the engine failed on this request on {len(broken)} workers, so it is "
+                    f"not tried again (its input, not the workers): "
+                    f"{'; '.join(str(f) for f in self.engine_failures)}",
+                    code="engine_error",
+                )
         given_up = (time.monotonic(), failure.silent)
         self.excluded.update(dict.fromkeys(failure.service_ids, given_up))
         if self.move == self.limit:
@@ -71,6 +93,13 @@ class Moves:
             f"resuming after {len(self.sent)} tokens" if self.sent else "retrying",
         )
         MOVES.labels("resumed" if self.sent else "retried").inc()
+
+    def answered(self, breakers: Breakers) -> None:
+        """The request was answered: the engines that raised on it on the way failed on their
+        own account, and their breakers count it now."""
+        for failure in self.engine_failures:
+            for w in failure.service_ids:
+                breakers.fault(w, str(failure))
 
     def left_out(self, registry: WorkerRegistry, heard: bool = False) -> set[str]:
         """The workers given up on, but for those registered again since (dropped, then back:
@@ -122,3 +151,21 @@ class Moves:
     def needs_plan(self) -> bool:
         """The next job's prompt is not the first's: its blocks are looked up again."""
         return bool(self.sent)
+
+
+class Waiting:
+    """Answers half sent whose workers are gone, waiting for one to carry on (``count``, and
+    kvmesh_resumes_waiting across the router's)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @contextlib.contextmanager
+    def one(self) -> Iterator[None]:
+        self.count += 1
+        RESUMES_WAITING.inc()
+        try:
+            yield
+        finally:
+            self.count -= 1
+            RESUMES_WAITING.dec()

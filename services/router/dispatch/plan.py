@@ -24,15 +24,19 @@ from shared.telemetry.tracing import tracer
 KEY_SEGMENTS = 6
 
 
+HASH_BYTES = 81  # a block hash kept: its 32-character string and its list slot
+
+
 class PrefixHashes:
     """Block hashes of recent prompts, remembered with their segments: a prompt that starts
     with the same segments as an earlier one (the next turn of a conversation) has the same
     tokens there, so the hashes of the full blocks inside them are reused and only the new
     blocks are hashed."""
 
-    def __init__(self, max_prompts: int = 4096) -> None:
-        self.max_prompts = max_prompts
-        self._recent: OrderedDict[tuple, tuple[Segments, list[str]]] = OrderedDict()
+    def __init__(self, max_prompts: int = 4096, max_bytes: int = 256 << 20) -> None:
+        self.max_prompts, self.max_bytes = max_prompts, max_bytes
+        self._recent: OrderedDict[tuple, tuple[Segments, list[str], int]] = OrderedDict()
+        self.bytes = 0  # what the kept prompts hold: their texts, packed ids and hashes
         self.reused_blocks = 0  # hashes taken from an earlier prompt
         self.hashed_blocks = 0  # hashes computed
 
@@ -49,7 +53,7 @@ class PrefixHashes:
         known: list[str] = []
         entry = self._recent.get(key)
         if entry is not None:
-            old_segments, old_hashes = entry
+            old_segments, old_hashes, _ = entry
             shared = 0
             for new, old in zip(segments, old_segments, strict=False):
                 if new != old:  # text compared by content
@@ -60,10 +64,16 @@ class PrefixHashes:
         hashes = HASH_SCHEMES[scheme](packed, block_size, fingerprint, salt, known=known)
         self.reused_blocks += len(known)
         self.hashed_blocks += len(hashes) - len(known)
-        self._recent[key] = (segments, hashes)
+        cost = sum(len(t) + len(p) for t, p in segments) + HASH_BYTES * len(hashes)
+        if entry is not None:
+            self.bytes -= entry[2]
+        self._recent[key] = (segments, hashes, cost)
         self._recent.move_to_end(key)
-        while len(self._recent) > self.max_prompts:
-            self._recent.popitem(last=False)
+        self.bytes += cost
+        while self._recent and (
+            len(self._recent) > self.max_prompts or self.bytes > self.max_bytes
+        ):
+            self.bytes -= self._recent.popitem(last=False)[1][2]
         return hashes
 
 
@@ -73,6 +83,10 @@ class BlockLookup(Protocol):
     def lookup(self, hashes: list[str], pinned_until: float = 0.0) -> dict[str, int]: ...
 
 
+PREFIX_BYTES = Gauge(
+    "kvmesh_router_prefix_bytes",
+    "what those conversations hold: texts, packed ids, hashes (at most KVMESH_ROUTER_PREFIX_BYTES)",
+)
 PREFIX_PROMPTS = Gauge(
     "kvmesh_router_prefix_prompts",
     "conversations whose block hashes the router remembers, to hash only a next turn's new "
@@ -81,10 +95,13 @@ PREFIX_PROMPTS = Gauge(
 
 
 class CachePlanner:
-    def __init__(self, kv: BlockLookup, prefix_prompts: int = 4096) -> None:
+    def __init__(
+        self, kv: BlockLookup, prefix_prompts: int = 4096, prefix_bytes: int = 256 << 20
+    ) -> None:
         self.kv = kv
-        self.hash_cache = PrefixHashes(prefix_prompts)
+        self.hash_cache = PrefixHashes(prefix_prompts, prefix_bytes)
         PREFIX_PROMPTS.set_function(lambda: len(self.hash_cache))
+        PREFIX_BYTES.set_function(lambda: self.hash_cache.bytes)
 
     async def planned(self, job: Job, block_size: int, scheme: str = XXH3) -> Job:
         """The job with its prompt's block hashes (in the model's workers' hash scheme) and

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from services.router.dispatch.job import Attempt, Failed
+from services.router.dispatch.job import Attempt, Failed, Job
 from services.router.dispatch.workers import Breakers, WorkerRegistry
 from services.router.errors import ApiError, overloaded
 from services.router.routing.route import Route, RouteRequest, RoutingPolicy
@@ -176,24 +176,39 @@ class Sender:
     def _task(self, attempt: Attempt, decode_id: str) -> GenerateTask:
         job = attempt.job
         decode = self.registry.get(decode_id)
-        return GenerateTask(
-            request_id=job.request_id,
-            model=job.model,
-            token_ids=job.prompt_ids,
-            sampling=job.sampling,
+        return generate_task(
+            job,
             reply_subject=self.reply_subject,
             decode_id=decode_id,
             decode_kv_address=decode.heartbeat.addresses.get("kv", "") if decode else "",
-            deadline=job.deadline,
-            block_hashes=job.block_hashes,
-            salt=job.salt,
-            handoff_token=handoff_token(
-                self.handoff_secret, job.request_id, decode_id, job.deadline
-            ),
-            retention=job.retention,
-            images=list(job.images),
-            priority=job.priority,
-            weight=job.weight,
-            ttft_first_by=job.ttft_first_by,
-            pinned_until=job.pinned_until,
+            handoff=handoff_token(self.handoff_secret, job.request_id, decode_id, job.deadline),
         )
+
+
+def generate_task(
+    job: Job, reply_subject: str, decode_id: str, decode_kv_address: str, handoff: str
+) -> GenerateTask:
+    """The task a worker is sent for ``job``: made from what the router checked, not checked
+    again, its prompt packed from the segments it was tokenized from (where it has no images:
+    an image's segment is its content's hash stream, not its placeholder ids)."""
+    packed = b"".join(p for _, p in job.segments) if job.segments and not job.images else b""
+    return GenerateTask.of(
+        packed,
+        request_id=job.request_id,
+        model=job.model,
+        token_ids=job.prompt_ids,
+        sampling=job.sampling,
+        reply_subject=reply_subject,
+        decode_id=decode_id,
+        decode_kv_address=decode_kv_address,
+        deadline=job.deadline,
+        block_hashes=job.block_hashes,
+        salt=job.salt,
+        handoff_token=handoff,
+        retention=job.retention,
+        images=list(job.images),
+        priority=job.priority,
+        weight=job.weight,
+        ttft_first_by=job.ttft_first_by,
+        pinned_until=job.pinned_until,
+    )

@@ -102,11 +102,13 @@ def merged(run: list[TokenEvent]) -> TokenEvent:
 
 
 def failure_of(event: TokenEvent, breakers: Breakers) -> Exception:
-    """What an error event means: the attempt moves (the worker is busy, or unavailable: a
-    fault of its own), or the request fails (a fault of the worker's, counted)."""
-    if event.error_code in ("busy", "unavailable"):
+    """What an error event means: the attempt moves (the worker is busy; unavailable: a fault
+    of its own; its engine raised on it), or the request fails (a fault of the worker's,
+    counted)."""
+    code = event.error_code
+    if code in ("busy", "unavailable", "engine"):
         workers = [event.worker_id] if event.worker_id else []
-        return Failed(event.error, *workers, fault=event.error_code == "unavailable")
+        return Failed(event.error, *workers, fault=code != "busy", engine=code == "engine")
     if event.worker_id:
         breakers.fault(event.worker_id, event.error)
     return ApiError(500, f"worker error: {event.error}", code="internal")

@@ -56,6 +56,9 @@ class WorkerRegistry:
     def __init__(self, missed_beats: int = 3) -> None:
         self.missed_beats = missed_beats
         self._by_id: dict[str, WorkerRecord] = {}
+        # Every model a worker has said it serves since this router started: a request for
+        # one whose workers are all gone now is a 503 (retry), for any other a 404.
+        self.models_served: set[str] = set()
         self._by_role: dict[str, set[str]] = {role: set() for role in ROLES}
 
     def __len__(self) -> int:
@@ -75,6 +78,8 @@ class WorkerRegistry:
             old = None
         first_seen = now if old is None else old.first_seen_at
         self._by_id[hb.service_id] = WorkerRecord(hb, seen_at=now, first_seen_at=first_seen)
+        if hb.role in ("prefill", "decode") and (old is None or old.heartbeat.models != hb.models):
+            self.models_served.update(hb.models)  # (an encoder lists what it could encode)
         self._by_role[hb.role].add(hb.service_id)
         return old is None
 
@@ -191,6 +196,11 @@ class Breakers:
         if b is None or b.opened_at is None:
             return "closed"
         return "half_open" if self.clock() - b.opened_at >= self.cooldown_s else "open"
+
+    def faults(self, worker: str) -> int:
+        """The worker's faults in a row (incidents, each counted once)."""
+        b = self._by_worker.get(worker)
+        return b.faults if b is not None else 0
 
     def allows(self, worker: str) -> bool:
         """Whether a request may go to the worker now (half open: one at a time; a trial

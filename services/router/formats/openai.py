@@ -14,6 +14,7 @@ from pydantic import Field, WithJsonSchema
 
 from services.router.errors import ApiError
 from services.router.formats.wire import (
+    FalseOnly,
     NonEmpty,
     ServiceTier,
     Unserved,
@@ -25,7 +26,7 @@ from services.router.formats.wire import (
 )
 from services.router.formats.wire import StrictBody as _Body
 from services.router.request import conversation as conv
-from shared.engine.sampling import MAX_REPETITION, MAX_TOP_LOGPROBS, SamplingParams
+from shared.messages.sampling import MAX_REPETITION, MAX_TOP_LOGPROBS, SamplingParams
 
 
 class TextPart(_Body):
@@ -141,7 +142,7 @@ class NamedToolChoice(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    include_obfuscation: Literal[False] = False
+    include_obfuscation: FalseOnly = False  # (streams are not obfuscated here)
     continuous_usage_stats: bool = Field(
         default=False, description="vLLM's: the usage so far on every chunk"
     )
@@ -253,7 +254,7 @@ class ChatRequest(_Sampling):
     top_logprobs: integer(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = None
-    store: Literal[False] | None = Field(default=None, description="stateless: nothing is stored")
+    store: FalseOnly | None = Field(default=None, description="stateless: nothing is stored")
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     # Accepted: kvmesh already routes each prompt by its own blocks' hashes, which is what
     # the key stands in for; every retention asked for is met (blocks stay days on storage).

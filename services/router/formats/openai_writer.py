@@ -197,8 +197,9 @@ class OpenAIWriter:
         return wire.COMMENT_PING
 
     def error(self, err: ApiError) -> list[bytes]:
-        body = {"error": {"message": err.message, "type": "server_error", "code": err.code}}
-        return [wire.data(body), *self._closing()]
+        """The error mid-stream, in the body a plain HTTP error would have had (its type by
+        status: a 429's is rate_limit_error, as it is before the stream opened)."""
+        return [wire.data(error_body(err)), *self._closing()]
 
     def _closing(self) -> list[bytes]:
         out = []

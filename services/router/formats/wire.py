@@ -11,6 +11,7 @@ from dataclasses import fields
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -20,11 +21,21 @@ from pydantic import (
 )
 
 from services.router.errors import ApiError
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 
 # OpenAI's service tiers (Chat Completions, Completions, Responses): the request's class
 # (shared/messages/generate.py), within its key's ceiling; auto: its key's default.
 ServiceTier = Literal["auto", "default", "flex", "priority"]
+
+
+def _only_false(value: bool) -> bool:
+    if value:
+        raise ValueError("only false is taken here")
+    return value
+
+
+# A flag of which only false is served (a Literal[False] would take 0, which equals False).
+FalseOnly = Annotated[bool, AfterValidator(_only_false), Field(json_schema_extra={"const": False})]
 
 
 class StrictBody(BaseModel):

@@ -20,9 +20,10 @@ character where the break is (and that part's place in the request, as the reque
 "The same conversation": among the tenant's recent prompts for the model that share one of
 the new prompt's first messages after the system prompt, the one sharing the most content
 parts with it, when that is more than half of its own parts, or of those after its system
-prompt (a system prompt edited before the same question is a break; a new conversation that
-only repeats a system prompt is not); for raw prompts, the one whose text the new one
-shares at least half of from the start. Memory is bounded: a conversation is kept as its
+prompt, or of the new prompt's after its system prompt (a system prompt edited before the
+same question is a break, also after the conversation went on; a new conversation that only
+repeats a system prompt is not); for raw prompts, the one whose text the new one shares at
+least half of from the start. Memory is bounded: a conversation is kept as its
 latest prompt (a turn replaces the one it continues), as its parts' digests, its texts (each
 distinct text once, however many prompts hold it) and its full blocks' hashes, the least
 recently seen dropped first beyond a byte budget.
@@ -218,6 +219,7 @@ class CacheMisses:
         for anchor in prompt.anchors(texts):
             ids.update(self._anchored.get((tenant, anchor), ()))
         mine = {p.digest for p in prompt.parts}
+        mine_said = [p.digest for p in prompt.parts if p.role != "system"]
         best, best_key = None, (0, 0.0)
         for rid in ids:
             old = self._prompts.get((tenant, rid))
@@ -228,11 +230,19 @@ class CacheMisses:
                 shared = _common_prefix(was, texts[0])
                 related = 2 * shared >= len(was)
             else:  # over all its parts, or its parts after the system prompt (which may be
-                # the very thing that changed)
+                # the very thing that changed), or the new prompt's after its system prompt
+                # (a later turn of that conversation was kept: the new prompt branches off
+                # it earlier, say with the system prompt edited before its first question)
                 shared = sum(p.digest in mine for p in old.parts)
                 said = [p for p in old.parts if p.role != "system"]
                 shared_said = sum(p.digest in mine for p in said)
-                related = 2 * shared > len(old.parts) or 2 * shared_said > len(said)
+                theirs = {p.digest for p in old.parts}
+                ours_in_it = sum(d in theirs for d in mine_said)
+                related = (
+                    2 * shared > len(old.parts)
+                    or 2 * shared_said > len(said)
+                    or 2 * ours_in_it > len(mine_said)
+                )
             key = (shared, old.seen_at)
             if related and key > best_key:
                 best, best_key = old, key

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
+from prometheus_client import Gauge
 
 from services.router.observe.capacity import Answered, Capacity
 from services.router.observe.sharing import StatsSharing
@@ -37,6 +39,11 @@ from shared.telemetry.tracing import REQUEST_ID, current_ids, extract, tracer
 
 log = logging.getLogger(__name__)
 
+RECENT_REQUESTS_BYTES = Gauge(
+    "kvmesh_router_recent_requests_bytes",
+    "what the operator page's recent requests take (at most KVMESH_ROUTER_RECENT_REQUESTS_BYTES)",
+)
+
 
 @dataclass
 class Outcome:
@@ -54,22 +61,29 @@ def request_ids(rid: str) -> dict[str, str]:
 
 
 class RecentRequests:
-    """The last requests this router answered, newest first (the operator page's list)."""
+    """The last requests this router answered, newest first (the operator page's list): at
+    most ``size``, within ``max_bytes`` (each by its JSON's length: a routing decision's terms
+    over many workers are most of it), the oldest dropped first."""
 
-    def __init__(self, size: int = 200) -> None:
-        self._items: deque[dict] = deque(maxlen=size)
+    def __init__(self, size: int = 200, max_bytes: int = 16 << 20) -> None:
+        self.size, self.max_bytes = size, max_bytes
+        self._items: deque[tuple[dict, int]] = deque()
         self._by_id: dict[str, dict] = {}
+        self.bytes = 0
 
     def add(self, item: dict) -> None:
-        if len(self._items) == self._items.maxlen:
-            oldest = self._items[0]
+        cost = len(json.dumps(item, separators=(",", ":"), default=str))
+        self._items.append((item, cost))
+        self._by_id[item["id"]] = item
+        self.bytes += cost
+        while self._items and (len(self._items) > self.size or self.bytes > self.max_bytes):
+            oldest, gone = self._items.popleft()
+            self.bytes -= gone
             if self._by_id.get(oldest["id"]) is oldest:  # (a client may reuse an id)
                 del self._by_id[oldest["id"]]
-        self._items.append(item)
-        self._by_id[item["id"]] = item
 
     def latest(self, n: int) -> list[dict]:
-        return list(self._items)[-n:][::-1]
+        return [item for item, _ in list(self._items)[-n:][::-1]]
 
     def get(self, rid: str) -> dict | None:
         return self._by_id.get(rid)
@@ -83,10 +97,12 @@ class RequestRecorder:
         plan: PlanSettings,
         estimate: Callable[[], Rates],
         ready: Callable[[str], int],
+        recent_bytes: int = 16 << 20,
     ) -> None:
         self.router_id = router_id
         self.stats = RollingStats(router_id, started_at)  # the mesh's figures (stats.py)
-        self.recent = RecentRequests()  # the operator page's list
+        self.recent = RecentRequests(max_bytes=recent_bytes)  # the operator page's list
+        RECENT_REQUESTS_BYTES.set_function(lambda: self.recent.bytes)
         # The pools the recent traffic needs (capacity.py): from the prefill pool's fitted
         # rates (``estimate``) and the ready workers of a role (``ready``).
         self.capacity = Capacity.configured(plan, estimate, ready)

@@ -27,12 +27,16 @@ from shared.model.text import TextModel
 _CHECKED_SCHEMAS: set[str] = set()  # tool schemas the library compiled (agents resend them)
 
 
-def check_model(conv: Conversation, models: Collection[str]) -> None:
-    """404 for a model this mesh does not know (not in ``models``); 400 for tools that do
-    not fit together."""
-    if conv.model not in models:
+def check_model(conv: Conversation, models: Collection[str], served: Collection[str]) -> None:
+    """404 for a model this mesh does not know (not in ``models``) or does not serve (no
+    worker has said it serves it: ``served``); 400 for tools that do not fit together."""
+    if conv.model not in models or conv.model not in served:
+        these = ", ".join(repr(m) for m in sorted(served)) or "none yet"
         raise ApiError(
-            404, f"model {conv.model!r} does not exist", param="model", code="model_not_found"
+            404,
+            f"model {conv.model!r} does not exist here (served: {these})",
+            param="model",
+            code="model_not_found",
         )
     try:
         conv.check_tools()

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field, replace
 
 from services.router.errors import ApiError
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

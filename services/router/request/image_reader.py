@@ -9,6 +9,8 @@ tenant's salt. The encodes are dispatch's (``dispatch/encodes.py``).
 
 from __future__ import annotations
 
+from aiohttp.abc import AbstractResolver
+
 from services.router.dispatch.encodes import ImageInput
 from services.router.errors import ApiError
 from services.router.request.conversation import Conversation
@@ -21,8 +23,14 @@ FRAMING_BYTES = 4096  # room in a NATS message for the request beside the image
 
 
 class ImageReader:
-    def __init__(self, settings: ImageSettings, common: CommonSettings) -> None:
+    def __init__(
+        self,
+        settings: ImageSettings,
+        common: CommonSettings,
+        names: AbstractResolver | None = None,  # how URLs' hosts resolve (else the system's)
+    ) -> None:
         self.settings = settings
+        self.names = names
         self.grid = common.vision_grid  # how an image's size becomes tokens (as the encoder's)
         self.max_pixels = common.image_max_pixels
         hosts = frozenset(h.rstrip(".").lower() for h in settings.remote_image_hosts)
@@ -55,7 +63,9 @@ class ImageReader:
                         "only data: URLs are accepted (this server fetches nothing; "
                         "KVMESH_ROUTER_ALLOW_REMOTE_IMAGES=true allows http(s) URLs)"
                     )
-                data = await fetch_image(url, max_bytes, s.remote_image_timeout_s, self.reach)
+                data = await fetch_image(
+                    url, max_bytes, s.remote_image_timeout_s, self.reach, self.names
+                )
             else:
                 data = decode_data_url(url, max_bytes)
             info = probe(data, self.max_pixels)

@@ -236,7 +236,7 @@ class Preparer:
     async def _prompt(
         self, conv: Conversation, rid: str, kv: KvOptions, priority: Priority
     ) -> Prepared:
-        check_model(conv, self.renderer.names)
+        check_model(conv, self.renderer.names, self.dispatcher.registry.models_served)
         self.dispatcher.check_servable(conv.model)
         salt = self.tenancy.salt(kv.tenant)
         images = await self._images(conv, salt)
@@ -256,7 +256,7 @@ class Preparer:
     async def count(self, conv: Conversation, kv: KvOptions = PLAIN) -> int:
         """The prompt's tokens, exactly as ``prepare`` renders them (images read and
         measured, not encoded; no worker involved)."""
-        check_model(conv, self.renderer.names)
+        check_model(conv, self.renderer.names, self.dispatcher.registry.models_served)
         images = await self._images(conv, self.tenancy.salt(kv.tenant))
         text = await self.renderer.text_model(conv.model)
         return len((await self.renderer.render(conv, text, images)).ids)

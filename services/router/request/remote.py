@@ -22,7 +22,7 @@ import socket
 from dataclasses import dataclass
 
 import aiohttp
-from aiohttp.abc import ResolveResult
+from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
 from yarl import URL
 
@@ -56,18 +56,21 @@ class NotPublic(OSError):
     failure, whose cause ``fetch_image`` reports)."""
 
 
-class PublicResolver(ThreadedResolver):
-    """The system resolver, keeping the addresses ``reach`` allows: public ones, and every
-    address of a host it names."""
+class PublicResolver(AbstractResolver):
+    """A resolver (the system's unless another is given) keeping the addresses ``reach``
+    allows: public ones, and every address of a host it names."""
 
-    def __init__(self, reach: Reach) -> None:
-        super().__init__()
+    def __init__(self, reach: Reach, names: AbstractResolver | None = None) -> None:
         self.reach = reach
+        self.names = names or ThreadedResolver()
+
+    async def close(self) -> None:
+        await self.names.close()
 
     async def resolve(
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
     ) -> list[ResolveResult]:
-        found = await super().resolve(host, port, family)
+        found = await self.names.resolve(host, port, family)
         if self.reach.allows(host):
             return found
         public = [r for r in found if is_public(r["host"]) or self.reach.allows(r["host"])]
@@ -77,9 +80,12 @@ class PublicResolver(ThreadedResolver):
         return public
 
 
-async def fetch_image(url: str, max_bytes: int, timeout_s: float, reach: Reach) -> bytes:
-    """The body at ``url``; BadImage (its message for the client) on anything else."""
-    resolver = None if reach.private else PublicResolver(reach)
+async def fetch_image(
+    url: str, max_bytes: int, timeout_s: float, reach: Reach, names: AbstractResolver | None = None
+) -> bytes:
+    """The body at ``url``; BadImage (its message for the client) on anything else.
+    ``names``: how host names resolve (the system's resolver unless given)."""
+    resolver = names if reach.private else PublicResolver(reach, names)
     connector = aiohttp.TCPConnector(resolver=resolver, use_dns_cache=False)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     target = URL(url)

@@ -186,7 +186,29 @@ def join_prompt(
     return ids, tuple(segments), tuple(refs)
 
 
+KEY_SPECIALS = 6  # a conversation is known by its text through its sixth special token
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """A prompt as tokenized: its segments, and the ids they came to."""
+
+    segments: Segments
+    ids: list[int]
+
+
 class PromptTokenizer:
+    """Token ids the same as the model's tokenizer gives, at a fraction of the work for text
+    seen before, kept by tokens (``cache_tokens`` in all, half each way):
+
+    - each segment (the text between two special tokens: in a chat, a message) is tokenized
+      once and kept;
+    - each conversation's last prompt is kept as its segments and ids, so that its next turn
+      takes the ids of everything up to the last special token they share at once, and
+      tokenizes only the rest (at 77K tokens, looking up each message again was a millisecond
+      a turn; this is a walk over the messages' texts).
+    """
+
     def __init__(self, tokenizer: Tokenizer, cache_tokens: int = 4_000_000) -> None:
         self.tokenizer = tokenizer
         specials = {
@@ -201,15 +223,23 @@ class PromptTokenizer:
             if specials
             else None
         )
+        # One budget, half for the segments, half for the conversations (the two hold some of
+        # the same tokens; each is bounded on its own so that the whole is).
         self.cache_tokens = cache_tokens
+        self._segment_budget = cache_tokens // 2
+        self._turn_budget = cache_tokens - self._segment_budget
         self._cache: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
         self._cached_tokens = 0
+        self._turns: OrderedDict[str, _Turn] = OrderedDict()  # by conversation (``_key``)
+        self._turn_tokens = 0
         self.hits = self.misses = 0
+        self.turn_hits = self.reused_tokens = 0  # prompts that continued a kept one; their ids
         self._lock = threading.Lock()  # encode may run on several threads
 
     @property
     def cached_tokens(self) -> int:
-        return self._cached_tokens
+        """Tokens kept: the segments', and the conversations' (each counted once)."""
+        return self._cached_tokens + self._turn_tokens
 
     def encode(self, text: str) -> list[int]:
         """The same ids as ``tokenizer.encode(text, add_special_tokens=False).ids``."""
@@ -220,6 +250,58 @@ class PromptTokenizer:
         if self._split is None:
             ids, packed = self._segment(text)
             return list(ids), ((text, packed),)
+        key = self._key(text)
+        with self._lock:
+            turn = self._turns.get(key) if key else None
+        if turn is None:
+            ids, segments = self._encode_split(text)
+        else:
+            # What this prompt shares with the conversation's last, through a special token:
+            # a tokenizer splits at those first, so the ids up to there are the same.
+            at = tokens = shared = 0
+            good = (0, 0, 0)
+            for seg, packed in turn.segments:
+                if not text.startswith(seg, at):
+                    break
+                at, tokens, shared = at + len(seg), tokens + len(packed) // 4, shared + 1
+                if seg in self.special_ids:
+                    good = (at, tokens, shared)
+            at, tokens, shared = good
+            more, segments = self._encode_split(text[at:])
+            ids = turn.ids[:tokens]  # (a copy extended: a third of slice + list)
+            ids += more
+            segments = turn.segments[:shared] + segments
+            self.turn_hits += 1
+            self.reused_tokens += tokens
+        if key:
+            self._keep(key, _Turn(segments, ids))
+        return ids, segments
+
+    def _key(self, text: str) -> str:
+        """A conversation's opening: its text through its ``KEY_SPECIALS``-th special token
+        (in a chat, the system prompt and the first user message); "" for a prompt with
+        fewer."""
+        assert self._split is not None
+        for n, match in enumerate(self._split.finditer(text), 1):
+            if n == KEY_SPECIALS:
+                return text[: match.end()]
+        return ""
+
+    def _keep(self, key: str, turn: _Turn) -> None:
+        with self._lock:
+            old = self._turns.pop(key, None)
+            if old is not None:
+                self._turn_tokens -= len(old.ids)
+            if len(turn.ids) > self._turn_budget:
+                return
+            self._turns[key] = turn
+            self._turn_tokens += len(turn.ids)
+            while self._turn_tokens > self._turn_budget:
+                _, gone = self._turns.popitem(last=False)
+                self._turn_tokens -= len(gone.ids)
+
+    def _encode_split(self, text: str) -> tuple[list[int], Segments]:
+        assert self._split is not None
         ids: list[int] = []
         segments = []
         for i, part in enumerate(self._split.split(text)):
@@ -243,10 +325,10 @@ class PromptTokenizer:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids  # the GIL is let go
         entry = (ids, pack_tokens(ids))
         with self._lock:
-            if len(ids) <= self.cache_tokens and text not in self._cache:
+            if len(ids) <= self._segment_budget and text not in self._cache:
                 self._cache[text] = entry
                 self._cached_tokens += len(ids)
-                while self._cached_tokens > self.cache_tokens:
+                while self._cached_tokens > self._segment_budget:
                     _, (gone, _) = self._cache.popitem(last=False)
                     self._cached_tokens -= len(gone)
         return entry

@@ -26,9 +26,8 @@ import aiohttp
 from services.router.upstream.metrics import ServerMetrics, parse
 from services.router.upstream.protocols import PROTOCOLS
 from shared.engine.bridge import KvEventBridge
-from shared.kvstore.tiers import MEMORY
 from shared.messages.heartbeat import Heartbeat, Load
-from shared.messages.kvevents import STORE, KvEvent, memory_location
+from shared.messages.kvevents import MEMORY, STORE, KvEvent, memory_location
 
 log = logging.getLogger(__name__)
 

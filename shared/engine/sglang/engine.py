@@ -42,7 +42,6 @@ from shared.engine.interface import (
     OwningEngine,
     Peer,
 )
-from shared.engine.sampling import SamplingParams, stop_string_hit
 from shared.engine.sglang.params import (
     logprob_fields,
     logprobs_of,
@@ -50,7 +49,8 @@ from shared.engine.sglang.params import (
     sglang_params,
 )
 from shared.kvstore.hashing import SGLANG, pack_tokens, packed_sglang_hashes, sglang_cache_salt
-from shared.kvstore.tiers import STORAGE
+from shared.messages.kvevents import STORAGE
+from shared.messages.sampling import SamplingParams, stop_string_hit
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 from shared.model.export import hf_directory

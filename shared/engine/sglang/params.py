@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.engine.sampling import SamplingParams, TokenLogprobs
+from shared.messages.sampling import SamplingParams, TokenLogprobs
 from shared.model.grammar import lark_of
 
 

@@ -29,7 +29,6 @@ from shared.engine.interface import (
     Prefix,
     StepOutput,
 )
-from shared.engine.sampling import SamplingParams, TokenLogprobs, stop_string_hit
 from shared.engine.torch.blocks import BlockPool
 from shared.engine.torch.graphs import DecodeGraphs
 from shared.engine.torch.kvio import KvIO
@@ -47,6 +46,7 @@ from shared.engine.torch.speculate import (
     choose_lengths,
 )
 from shared.eplb.balancer import BalancerOptions, ExpertBalancer
+from shared.messages.sampling import SamplingParams, TokenLogprobs, stop_string_hit
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 from shared.model.grammar import GrammarError, Matcher, vocabulary

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.engine.sampling import SamplingParams, TokenLogprobs
+from shared.messages.sampling import SamplingParams, TokenLogprobs
 
 _MASK = (1 << 64) - 1
 FLOAT32_MAX = torch.finfo(torch.float32).max

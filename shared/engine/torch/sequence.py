@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.interface import FinishReason
-from shared.engine.sampling import SamplingParams, TokenLogprobs
 from shared.engine.torch.speculate import Acceptance, NgramIndex
+from shared.messages.sampling import SamplingParams, TokenLogprobs
 from shared.model.grammar import Matcher
 
 

@@ -27,9 +27,9 @@ from shared.engine.interface import (
     OwningEngine,
     Peer,
 )
-from shared.engine.sampling import SamplingParams, TokenLogprobs
 from shared.engine.vllm.events import VllmEventBridge
 from shared.engine.vllm.params import sampling_fields
+from shared.messages.sampling import SamplingParams, TokenLogprobs
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 from shared.model.export import hf_directory

@@ -20,7 +20,7 @@ from typing import Any
 from shared.engine.bridge import KvEventBridge
 from shared.engine.interface import BlockEvents
 from shared.kvstore.hashing import pack_tokens, packed_block_hashes
-from shared.kvstore.tiers import STORAGE
+from shared.messages.kvevents import STORAGE
 
 # The medium of the storage connector's events, which carry kvmesh's hashes already:
 # "kvmesh:<retention>:<bytes of each block's file>" (vLLM's events have no field for a size).

@@ -5,7 +5,7 @@ vLLM's defaults are named; vLLM's own package is not needed to make them."""
 
 from __future__ import annotations
 
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.model.grammar import lark_of
 
 

@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from shared.offline import OFFLINE
+
 BLOCK_SIZE = 32  # vLLM's CPU attention's kernel block sizes are multiples of 32
 REPLAY_OFFSET = 1  # the replay socket: the events port + 1
 
@@ -49,6 +51,8 @@ def serve_command(
         "topic": "",
     }
     argv = [
+        "env",  # (no usage report, no Hub look-up: shared/offline.py)
+        *(f"{name}={value}" for name, value in OFFLINE.items()),
         python,
         "-m",
         "vllm.entrypoints.openai.api_server",

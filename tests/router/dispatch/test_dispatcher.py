@@ -23,12 +23,14 @@ from services.router.errors import ApiError
 from services.router.routing.policies import POLICIES
 from services.router.settings import DispatchSettings, WorkerSettings
 from shared.bus import Bus
-from shared.engine.sampling import SamplingParams
 from shared.messages.generate import GenerateTask, TaskAck
 from shared.messages.kvevents import KvEvent, memory_location
+from shared.messages.sampling import SamplingParams
+from tests.procs import until
 from tests.router.dispatch.scripted import Script, ScriptedWorker, busy, silent, tokens
 
 ANSWER = list(range(100, 108))  # the scripted workers' answer: 8 tokens
+POISON = 99_999  # a token the poisoned prompts hold
 FAST = DispatchSettings(
     ack_timeout_s=0.2,
     first_token_timeout_s=0.3,
@@ -258,6 +260,13 @@ async def test_a_worker_leaving_the_registry_moves_its_requests(mesh: Mesh) -> N
     mesh.settled()
 
 
+def waiting(m: Mesh):  # noqa: ANN201
+    async def check() -> bool:
+        return m.dispatcher.resumes_waiting.count == 1
+
+    return check
+
+
 async def test_mid_answer_with_no_worker_left_it_waits_for_one_to_come_back(
     bus: Bus, tmp_path: Path
 ) -> None:
@@ -274,7 +283,7 @@ async def test_mid_answer_with_no_worker_left_it_waits_for_one_to_come_back(
         for w in (p1, d1):
             m.registry.remove(w.service_id)  # (they stopped heartbeating)
         rest = asyncio.ensure_future(collect(answer))
-        await asyncio.sleep(0.5)  # (a while with no worker: it must not fail meanwhile)
+        await until(waiting(m), 5, "the answer waiting for a worker")
         assert not rest.done(), "it waits for a worker rather than failing"
         for w in (p1, d1):
             m.registry.observe(w.heartbeat(), time.monotonic())  # back
@@ -298,7 +307,8 @@ async def test_mid_answer_a_worker_given_up_on_for_silence_is_tried_again_once_h
         await m.worker("prefill", "p1", freezing(ANSWER, after=3))
         d1 = await m.worker("decode", "d1", busy())
         rest = asyncio.ensure_future(collect(m.dispatcher.generate(job())))
-        await asyncio.sleep(1.0)  # (given up on after 0.3 s; then it must not fail meanwhile)
+        # (given up on after 0.3 s; then the answer waits, and must not fail meanwhile)
+        await until(waiting(m), 5, "the answer waiting for a worker")
         assert not rest.done(), "it waits rather than failing"
         beat = m.registry.get(d1.service_id).heartbeat  # (the same process, beating again)
         m.registry.observe(beat, time.monotonic())
@@ -368,6 +378,64 @@ async def test_worker_errors_fail_their_requests_and_open_its_breaker(
     assert err.value.status == 503 and "failing (breakers open)" in err.value.message
     mesh.settled()
     await mesh.dispatcher.stop()
+
+
+def engine_raises(poison: int) -> Script:
+    """A worker whose engine raises on a prompt holding ``poison`` and answers the rest."""
+    answer = tokens(ANSWER)
+
+    async def script(worker: ScriptedWorker, task: GenerateTask) -> TaskAck:
+        if poison not in task.token_ids:
+            return await answer(worker, task)
+        why = f"{worker.service_id}: prefill failed: the engine raised"
+        error = worker.event(task, 0, [], error=why, error_code="engine")
+        worker.later(worker.publish(task, error))
+        return TaskAck(accepted=True)
+
+    return script
+
+
+async def test_a_request_that_breaks_two_engines_fails_and_no_breaker_counts_it(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """A poison request: each engine it reaches raises on it. After the second it fails with
+    500 (not moved again), and neither worker's breaker counts it: others' requests go on.
+    An engine that raises on a request another worker then answers is a fault of its own."""
+    clock = [0.0]
+    mesh = Mesh(bus, FAST, clock, tmp_path)
+    await mesh.dispatcher.start()
+    try:
+        p1 = await mesh.worker("prefill", "p1", engine_raises(POISON))
+        p2 = await mesh.worker("prefill", "p2", engine_raises(POISON))
+        await mesh.worker("decode", "d1", busy())
+        poison = replace(job(), prompt_ids=[POISON, *job().prompt_ids])
+        for _ in range(4):  # a client sending it again and again
+            with pytest.raises(ApiError) as err:
+                await mesh.answer(poison)
+            assert (err.value.status, err.value.code) == (500, "engine_error")
+            assert err.value.message.startswith("the engine failed on this request on 2 workers")
+            assert mesh.id("p1") in err.value.message and mesh.id("p2") in err.value.message
+            clock[0] += 1.0  # (apart in time: separate incidents, were they counted)
+        for w in (p1, p2):
+            assert mesh.breakers.state(w.service_id) == "closed"
+            assert mesh.breakers.faults(w.service_id) == 0
+        assert mesh.tokens(await mesh.answer(job())) == ANSWER  # the others' requests go on
+        # p1's engine raising on a request p2 then answers: p1's fault, counted. (p2 says
+        # it has a queue, so each goes to p1 first.)
+        p1.script = engine_raises(ANSWER[0])
+        beat = p2.heartbeat()
+        load = beat.load.model_copy(update={"queued_tokens": 5000})
+        queued = beat.model_copy(update={"load": load})
+        for n in (1, 2):
+            mesh.registry.observe(queued, time.monotonic())
+            answered = replace(job(), prompt_ids=[ANSWER[0], *job().prompt_ids])
+            assert mesh.tokens(await mesh.answer(answered)) == ANSWER
+            assert p1.tasks[-1].request_id == answered.request_id  # (it went there first)
+            assert mesh.breakers.faults(p1.service_id) == n
+            clock[0] += 1.0
+        mesh.settled()
+    finally:
+        await mesh.dispatcher.stop()
 
 
 async def test_when_no_move_is_left_the_error_says_every_reason(mesh: Mesh) -> None:

@@ -16,7 +16,7 @@ from services.router.request.answer import Delta
 from services.router.request.conversation import Image, Text, ToolCall, ToolResult
 from services.router.request.prepare import Prepared, Usage
 from services.router.request.toolcalls import CallEvent
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.model.text import TextModel
 
 PNG_URL = "data:image/png;base64,iVBORw0KGgo="
@@ -336,7 +336,18 @@ def test_a_streamed_tool_call_in_each_format(path: str, real_text: TextModel) ->
 @pytest.mark.parametrize(
     ("path", "shape"),
     [
-        ("/v1/chat/completions", lambda e: e[0][1]["error"]["code"] == "unavailable"),
+        (  # (the body a plain 503 has: its type by status)
+            "/v1/chat/completions",
+            lambda e: (
+                e[0][1]["error"]
+                == {
+                    "message": "gone",
+                    "type": "service_unavailable",
+                    "param": None,
+                    "code": "unavailable",
+                }
+            ),
+        ),
         (
             "/v1/messages",
             lambda e: (

@@ -13,7 +13,7 @@ from services.router.formats.openai_writer import OpenAIWriter
 from services.router.request.answer import Delta
 from services.router.request.conversation import Conversation
 from services.router.request.prepare import Prepared, Usage
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.model.text import TextModel
 
 TEXTS = [

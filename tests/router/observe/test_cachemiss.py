@@ -114,6 +114,27 @@ def test_a_system_prompt_edited_before_the_same_question_is_explained(served: Se
     assert out["earlier_request_id"] == prompt.request_id
 
 
+def test_a_system_prompt_edited_after_a_longer_conversation_is_explained_against_it(
+    served: Served,
+) -> None:
+    """A conversation (system prompt, question, answer, question) is remembered as its last
+    turn; then its system prompt is edited and the first question asked again. The new prompt
+    shares little of that turn, but all it says after its system prompt is in it: the
+    explanation is against that conversation."""
+    misses = CacheMisses(10**7)
+    before = "You keep the harbour's books. " * 10
+    for turn in (TURN_1[:1], (*TURN_1, "And at dusk?")):
+        prompt, seen, _ = served(chat(*turn, system=before))
+        misses.remember("t", prompt, seen.texts)
+    assert len(misses) == 1  # (the second turn replaced the first)
+    after = before.replace("books", "ledger", 1)
+    cached = before.index("books") // 8 // BS * BS
+    out, _, _ = explain(misses, served, chat(TURN_1[0], system=after), cached)
+    assert out is not None and out["kind"] == "system_changed"
+    assert (out["message"], out["char"]) == (0, before.index("books"))
+    assert out["earlier_request_id"] == prompt.request_id
+
+
 def test_a_raw_prompt_edited_is_located_by_character(served: Served) -> None:
     misses = CacheMisses(10**7)
     text = "Manifest line, checked and signed. " * 40

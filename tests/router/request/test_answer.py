@@ -17,8 +17,8 @@ from services.router.formats import openai
 from services.router.request.answer import Answers
 from services.router.request.prepare import Prepared, Usage
 from services.router.request.toolcalls import calls_of
-from shared.engine.sampling import SamplingParams
 from shared.messages.generate import TokenEvent
+from shared.messages.sampling import SamplingParams
 from shared.model.text import TextModel
 
 

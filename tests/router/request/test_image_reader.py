@@ -4,9 +4,11 @@ URLs fetched only when allowed, and only from public addresses."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+from aiohttp.abc import AbstractResolver, ResolveResult
 
 from services.router.dispatch.encodes import ImageInput
 from services.router.dispatch.plan import PrefixHashes
@@ -108,6 +110,28 @@ async def image_server() -> AsyncIterator[tuple[int, bytes]]:
     await runner.cleanup()
 
 
+class Names(AbstractResolver):
+    """The test's own name table, in place of the system's resolver: ``localhost`` is the
+    loopback; any other name does not resolve (no lookup leaves the machine)."""
+
+    TABLE = {"localhost": "127.0.0.1"}
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        if host not in self.TABLE:
+            raise OSError(f"{host}: no such name")
+        address = self.TABLE[host]
+        return [
+            ResolveResult(
+                hostname=host, host=address, port=port, family=socket.AF_INET, proto=0, flags=0
+            )
+        ]
+
+    async def close(self) -> None:
+        pass
+
+
 def limits(
     allow_remote: bool = True,
     private: bool = False,
@@ -121,7 +145,7 @@ def limits(
         remote_image_hosts=list(hosts),
         remote_image_timeout_s=timeout_s,
     )
-    return ImageReader(settings, CommonSettings(image_max_pixels=10**7))
+    return ImageReader(settings, CommonSettings(image_max_pixels=10**7), Names())
 
 
 async def fetched(url: str, lim: ImageReader) -> ImageInput:

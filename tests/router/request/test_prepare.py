@@ -19,7 +19,7 @@ from services.router.request.checks import (
 from services.router.request.conversation import Conversation, Tool, ToolChoice
 from services.router.request.prepare import EXPLAINED, Timing
 from services.router.routing.route import Ranked
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.model.text import TextModel
 
 
@@ -28,16 +28,24 @@ def chat(**fields: object) -> Conversation:
     return openai.conversation(json.dumps(raw).encode(), chat=True)
 
 
-def test_an_unknown_model_is_404_and_tools_that_do_not_fit_together_400() -> None:
-    with pytest.raises(ApiError) as err:
-        check_model(Conversation("gpt-9"), {"tiny"})
-    assert (err.value.status, err.value.param, err.value.code) == (404, "model", "model_not_found")
+def test_an_unknown_or_unserved_model_is_404_and_tools_that_do_not_fit_together_400() -> None:
+    catalog, served = {"tiny", "tiny-swa"}, {"tiny"}
+    for unknown in ("gpt-9", "tiny-swa"):  # not a model at all; a model no worker serves
+        with pytest.raises(ApiError) as err:
+            check_model(Conversation(unknown), catalog, served)
+        assert (err.value.status, err.value.param, err.value.code) == (
+            404,
+            "model",
+            "model_not_found",
+        )
+        assert err.value.message == f"model {unknown!r} does not exist here (served: 'tiny')"
+    check_model(Conversation("tiny"), catalog, served)
     two = (Tool("a", "", {}, "tools[0]"), Tool("a", "", {}, "tools[1]"))
     with pytest.raises(ApiError) as err:
-        check_model(Conversation("tiny", tools=two), {"tiny"})
+        check_model(Conversation("tiny", tools=two), catalog, served)
     assert err.value.status == 400 and err.value.param == "tools[0]"  # (a second one named so)
     with pytest.raises(ApiError) as err:
-        check_model(Conversation("tiny", tool_choice=ToolChoice("required")), {"tiny"})
+        check_model(Conversation("tiny", tool_choice=ToolChoice("required")), catalog, served)
     assert err.value.param == "tool_choice"
 
 

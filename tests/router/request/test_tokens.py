@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.router.request.render import PromptTokenizer
+from shared.kvstore.hashing import pack_tokens
 from shared.model.text import TextModel
 
 
@@ -51,9 +52,32 @@ def test_a_next_turn_tokenizes_only_what_is_new(model) -> None:
 
 def test_the_cache_stays_within_its_token_budget(model) -> None:
     fast = PromptTokenizer(model.tokenizer, cache_tokens=50)
+    message = "<|im_start|>user\nmessage number {} with some words<|im_end|>".format
     for i in range(20):
-        fast.encode(f"<|im_start|>user\nmessage number {i} with some words<|im_end|>")
-    assert fast._cached_tokens <= 50
+        fast.encode(message(i))
+    assert 0 < fast.cached_tokens <= 50
+    # What it kept is the latest: the last message is found again, the first tokenized anew.
+    misses = fast.misses
+    fast.encode(message(19))
+    assert fast.misses == misses
+    fast.encode(message(0))
+    assert fast.misses == misses + 1
+
+
+def test_conversations_and_segments_stay_within_one_budget(model) -> None:
+    """The conversations kept and the segments kept share the budget: the two together stay
+    within it (the soak found them each within it, so twice it together)."""
+    fast = PromptTokenizer(model.tokenizer, cache_tokens=2000)
+    for c in range(30):
+        chat = [
+            {"role": "system", "content": f"Harbour {c} keeps its own books. " * 5},
+            {"role": "user", "content": f"Which berth is free at dawn in harbour {c}? " * 3},
+            {"role": "assistant", "content": "Berth four, until noon. " * 3},
+            {"role": "user", "content": "Book it."},
+        ]
+        fast.encode_segments(model.chat_template.render(chat))
+        assert fast.cached_tokens <= 2000
+    assert fast.cached_tokens > 1000  # (both filled, not left empty)
 
 
 def test_a_next_turn_reuses_the_hashes_of_its_shared_blocks(model) -> None:
@@ -103,3 +127,69 @@ def test_the_hashes_of_at_most_so_many_conversations_are_kept(model) -> None:
     assert cache.reused_blocks == before
     cache.hashes(fast.encode_segments(openings[2])[1], 64, "fp", "")  # kept: all reused
     assert cache.reused_blocks > before
+
+
+def test_a_conversations_turns_edits_and_branches_all_tokenize_exactly(model) -> None:
+    """A conversation's next turn takes its ids through the last special token it shares with
+    the one before, and tokenizes the rest; whatever the turn does to the history (goes on,
+    edits an earlier message, grows the last one without a special token, branches off),
+    the ids are the tokenizer's own."""
+    import random
+
+    rng = random.Random(5)
+    words = ["the", "héllo", "<|im_end|>", "日本", " ", "\n\n", "x" * 40, "def f():", "🎉", "a"]
+
+    def text(n: int) -> str:
+        return "".join(rng.choice(words) + rng.choice(["", " "]) for _ in range(n))
+
+    fast = PromptTokenizer(model.tokenizer, cache_tokens=100_000)
+    system = {"role": "system", "content": text(30)}
+    history = [
+        system,
+        {"role": "user", "content": text(20)},
+        {"role": "assistant", "content": "ok"},
+    ]
+    kept = []
+    for turn in range(40):
+        move = rng.choice(["go on", "go on", "edit", "grow", "branch", "other"])
+        if move == "go on":
+            history = [*history, {"role": "user", "content": text(20)}]
+            history += [{"role": "assistant", "content": text(30)}]
+        elif move == "edit" and len(history) > 3:
+            at = rng.randrange(1, len(history))
+            history = [*history[:at], {**history[at], "content": text(10)}, *history[at + 1 :]]
+        elif move == "grow":
+            history = [*history[:-1], {**history[-1], "content": history[-1]["content"] + text(5)}]
+        elif move == "branch" and kept:
+            history = rng.choice(kept)
+        elif move == "other":
+            history = [system, {"role": "user", "content": text(20)}]
+        kept.append(history)
+        prompt = model.chat_template.render([*history, {"role": "user", "content": text(8)}])
+        ids, segments = fast.encode_segments(prompt)
+        assert ids == model.tokenizer.encode(prompt, add_special_tokens=False).ids, (turn, move)
+        assert "".join(t for t, _ in segments) == prompt
+        assert b"".join(p for _, p in segments) == pack_tokens(ids)
+    assert fast.turn_hits >= 20 and fast.reused_tokens > 0
+
+
+def test_the_conversations_kept_stay_within_the_token_budget(model) -> None:
+    fast = PromptTokenizer(model.tokenizer, cache_tokens=400)
+    for i in range(30):
+        chat = [{"role": "user", "content": f"conversation {i} " * 20}]
+        fast.encode(model.chat_template.render([*chat, {"role": "assistant", "content": "a"}]))
+    assert 0 < fast._turn_tokens <= 400 and fast.cached_tokens <= 800
+
+
+def test_the_prefix_hashes_stay_within_their_bytes(model) -> None:
+    """Each kept conversation holds its texts, packed ids and hashes: long ones are dropped,
+    oldest first, to stay within the bytes, whatever the count allows."""
+    from services.router.dispatch.plan import PrefixHashes
+
+    fast, cache = PromptTokenizer(model.tokenizer), PrefixHashes(max_prompts=4096, max_bytes=60_000)
+    for c in range(20):
+        chat = [{"role": "user", "content": f"conversation {c}: " + "a long question " * 300}]
+        _, segments = fast.encode_segments(model.chat_template.render(chat))
+        cache.hashes(segments, 64, "fp", "")
+        assert 0 < cache.bytes <= 60_000
+    assert 1 <= len(cache) < 20  # (each ~15 KB: the oldest dropped)

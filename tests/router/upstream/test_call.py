@@ -24,8 +24,8 @@ from services.router.upstream.call import Call
 from services.router.upstream.fleet import _addresses, _entry, expected_reuse
 from services.router.upstream.protocols import PROTOCOLS
 from shared.bus import BusError
-from shared.engine.sampling import SamplingParams
 from shared.messages.kvevents import STORE, memory_location
+from shared.messages.sampling import SamplingParams
 
 JOB = Job("r1", "m", list(range(100)), SamplingParams(max_tokens=3, temperature=0), 0.0)
 

@@ -12,7 +12,7 @@ import pytest
 
 from services.router.dispatch.job import Job
 from services.router.upstream.protocols import PROTOCOLS
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from tests.sglang_release import ROOT, load
 
 EVERY = SamplingParams(

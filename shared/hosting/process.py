@@ -5,10 +5,10 @@ event loop, which publishes tokens, takes handoffs and talks to NATS meanwhile.
 The worker starts it (``ProcessRunner.start``) with the engine's name, the model, the state
 dir and the engine's options on its stdin, and one end of a socket pair. The process loads the
 engine, says it is ready (the model's config, its stats), then runs an ``EngineLoop``
-(``shared/runner.py``): the worker's calls are ops of ``shared/engine/ops.py`` by name, each
+(``shared/hosting/runner.py``): the worker's calls are ops of ``shared/engine/ops.py`` by name, each
 answered with its result; once stepping, each step's tokens come as a frame of their own. Each
 frame back carries the engine's state (its stats, the running sequences), which is what the
-worker reads of it (``EngineView``). Frames are ``shared/engine/wire.py``'s: no pickle.
+worker reads of it (``EngineView``). Frames are ``shared/hosting/wire.py``'s: no pickle.
 
 The process ends when the worker closes it, or when the worker's end of the socket closes
 (the worker died). A worker whose engine's process dies stops too: it cannot serve.
@@ -35,13 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from shared import faults
-from shared.engine import ops, wire
+from shared.engine import ops
 from shared.engine.interface import EngineOptions, EngineStats, StepOutput
-from shared.engine.sampling import SamplingParams
+from shared.hosting import wire
+from shared.hosting.runner import EngineLoop, EngineStopped, OnFailed, OnStep
 from shared.messages.generate import RANKS, Priority
+from shared.messages.sampling import SamplingParams
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
-from shared.runner import EngineLoop, EngineStopped, OnFailed, OnStep
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class ProcessRunner:
         root = str(Path(__file__).resolve().parents[2])  # (this checkout, wherever started)
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.engine.process", str(theirs.fileno())],
+            [sys.executable, "-m", "shared.hosting.process", str(theirs.fileno())],
             stdin=subprocess.PIPE,
             pass_fds=(theirs.fileno(),),
             env={**os.environ, "PYTHONPATH": path},

@@ -5,7 +5,7 @@ once stepping is on it runs decode steps back to back for as long as sequences a
 doing queued calls (receive a handoff, abort, a local prefill) between two steps, and hands
 each step's tokens on without waiting, so the batch never waits on Python bookkeeping or
 NATS. It runs in the worker's process (``EngineRunner``: the event loop stays free while the
-engine computes) or in a process of its own (``shared/engine/process.py``: the steps then
+engine computes) or in a process of its own (``shared/hosting/process.py``: the steps then
 share no GIL with the worker's event loop).
 
 What a worker asks is an op of ``shared/engine/ops.py``, called with the engine first.

@@ -27,8 +27,8 @@ from shared.engine.interface import (
     StepOutput,
 )
 from shared.engine.kvformat import BadBlock, KVFormatError
-from shared.engine.sampling import SamplingParams, TokenLogprobs
 from shared.eplb.balancer import BalancerStats
+from shared.messages.sampling import SamplingParams, TokenLogprobs
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig, MoEConfig, RopeScaling
 
