@@ -36,6 +36,6 @@ def overloaded(why: str, priority: str = "", where: str = "") -> ApiError:
     return ApiError(429, f"{why}; retry shortly", code="overloaded", retry_after_s=1)
 
 
-def unavailable(why: str) -> ApiError:
-    """503: no worker can serve the request now."""
-    return ApiError(503, why, code="unavailable")
+def unavailable(why: str, retry_after_s: int | None = None) -> ApiError:
+    """503: no worker can serve the request now, or the store it needs cannot be reached."""
+    return ApiError(503, why, code="unavailable", retry_after_s=retry_after_s)

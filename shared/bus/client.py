@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
 R = TypeVar("R", bound=Message)
+T = TypeVar("T")
 
 # A reply carrying this header is an error raised by the responder; the value is its text.
 ERROR_HEADER = "Kvmesh-Error"
@@ -67,6 +68,19 @@ class ClusterForming(Exception):
     """A replicated stream asked of a JetStream cluster that does not know its peers yet."""
 
 
+# What JetStream answers while a stream has no leader for a moment (a node lost or back, its
+# streams electing) or its cluster is still forming: asked again, it answers.
+LEADERLESS = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+    ServerError,
+    ClusterForming,
+)
+LEADERLESS_WAIT_S = 15.0  # an election takes seconds; a longer gap is an outage
+
+
 class BusError(Exception):
     """NATS could not be reached, or a request got no reply in time."""
 
@@ -81,6 +95,24 @@ class NoReply(BusError):
 
 class RemoteError(BusError):
     """The responder to a request raised; the message is its error text."""
+
+
+async def riding_out(
+    call: Callable[[], Awaitable[T]], what: str, within_s: float = LEADERLESS_WAIT_S
+) -> T:
+    """``call()``'s result, asked again while JetStream has no leader for it (``LEADERLESS``);
+    BusError, naming ``what``, once that lasts past ``within_s``. ``call`` must be safe to
+    repeat: an ask that timed out may have been done."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await call()
+        except LEADERLESS as err:
+            if time.monotonic() > deadline:
+                why = f"{what}: JetStream unavailable for {within_s:g} s: {err!r}"
+                raise BusError(why) from None
+            log.info("%s: JetStream without a leader for it (%r); asking again", what, err)
+            await asyncio.sleep(0.5)
 
 
 def _decoded(raw: Msg, msg_type: type[M], subject: str) -> M | None:
@@ -397,23 +429,13 @@ class Bus:
         exists (unless ``create_only``: a stream someone else configures).
         ``last_per_subject``: keep one message per subject, readable directly. JetStream not
         ready yet (a cluster electing its leaders) is waited for up to ``ready_s``."""
-        deadline = time.monotonic() + ready_s
-        while True:
-            try:
-                return await self._ensure_stream(
-                    name, subjects, max_age_s, max_bytes, memory, last_per_subject, create_only
-                )
-            except (
-                nats.errors.TimeoutError,
-                nats.errors.NoRespondersError,
-                ServiceUnavailableError,
-                ServerError,
-                ClusterForming,
-            ) as err:
-                if time.monotonic() > deadline:
-                    raise BusError(f"stream {name}: JetStream not ready: {err!r}") from None
-                log.info("stream %s: JetStream not ready (%r); waiting", name, err)
-                await asyncio.sleep(0.5)
+        await riding_out(
+            lambda: self._ensure_stream(
+                name, subjects, max_age_s, max_bytes, memory, last_per_subject, create_only
+            ),
+            f"stream {name}",
+            ready_s,
+        )
 
     async def _ensure_stream(
         self,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.natsserver import NatsServer
-from shared.bus import Bus, BusError, NoResponders, RemoteError
+from shared.bus import Bus, BusError, NoResponders, RemoteError, riding_out
 from shared.bus.client import PARTS_HEADER
 from shared.messages import Message
 from shared.messages.generate import GenerateTask, TaskAck
@@ -259,4 +259,28 @@ async def test_reconnects_after_nats_restart(open_nats_server: NatsServer) -> No
         await bus.publish("test.after", Ping(n=1))  # the subscription was restored too
         assert await asyncio.wait_for(got.get(), 3) == Ping(n=1)
     finally:
+        await bus.close()
+
+
+async def test_a_store_call_rides_out_jetstream_gone_for_a_moment_and_says_when_it_stays_gone(
+    open_nats_server: NatsServer,
+) -> None:
+    """A key-value put while the server is down (as while a replicated stream elects its
+    leader) is asked again until it lands; past its wait, a BusError names what it asked."""
+    bus = await Bus.connect(open_nats_server.url, "t-ride")
+    try:
+        kv = await bus.js.create_key_value(bucket="ride")
+        open_nats_server.stop()
+        put = asyncio.create_task(riding_out(lambda: kv.put("k", b"v"), "key k", 30))
+        await asyncio.sleep(1.5)
+        assert not put.done()  # still asking
+        open_nats_server.start()
+        await asyncio.wait_for(put, 30)
+        assert (await kv.get("k")).value == b"v"
+
+        open_nats_server.stop()
+        with pytest.raises(BusError, match="key k: JetStream unavailable for 1 s"):
+            await riding_out(lambda: kv.put("k", b"w"), "key k", 1)
+    finally:
+        open_nats_server.start()
         await bus.close()

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from services.router.errors import ApiError
+from services.router.errors import ApiError, unavailable
 from services.router.formats import openai_writer
 from services.router.observe.recorder import Outcome, RequestRecorder, request_ids
 from services.router.tenancy.admission import PLAIN, KvOptions, Tenancy
 from services.router.tenancy.keys import ANONYMOUS, Caller
+from shared.bus import BusError
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -128,6 +129,9 @@ class Gate:
                 except ApiError as err:
                     outcome.status = err.status
                     return error_response(err, wrapped, rid)
+                except BusError as err:  # NATS, or a JetStream store, out past its waits
+                    outcome.status = 503
+                    return error_response(unavailable(f"{err}; retry shortly", 2), wrapped, rid)
 
         return envelope
 

@@ -17,7 +17,7 @@ from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 from services.router.errors import ApiError
 from services.router.settings import BatchSettings
-from shared.bus import Bus, subjects
+from shared.bus import Bus, riding_out, subjects
 
 BUCKET = subjects.FILES_BUCKET
 PURPOSES = ("batch", "batch_output")  # what may be uploaded; what the mesh writes
@@ -85,17 +85,18 @@ class Files:
             FILENAME: filename,
             CREATED: str(info.created_at),
         }
-        held = (await self._store.status()).size
+        held = (await riding_out(self._store.status, "the files' store")).size
         room = self.settings.files_store_bytes
         if held + len(data) > room:  # (checked first: a put that fails leaves its chunks)
             why = f"file: the files kept hold {held:,} of {room:,} bytes; delete files for room"
             raise ApiError(413, why, param="file", code="files_store_full")
-        await self._store.put(info.id, data, meta=ObjectMeta(name=info.id, headers=headers))
+        meta = ObjectMeta(name=info.id, headers=headers)
+        await riding_out(lambda: self._store.put(info.id, data, meta=meta), f"file {info.id}")
         return info
 
     async def info(self, tenant: str, file_id: str) -> FileInfo:
         try:
-            found = await self._store.get_info(file_id)
+            found = await riding_out(lambda: self._store.get_info(file_id), f"file {file_id}")
         except (ObjectNotFoundError, NotFoundError):
             found = None
         info = _info(found) if found is not None and not found.deleted else None
@@ -105,11 +106,13 @@ class Files:
 
     async def content(self, tenant: str, file_id: str) -> bytes:
         await self.info(tenant, file_id)
-        return (await self._store.get(file_id)).data or b""
+        return (await riding_out(lambda: self._store.get(file_id), f"file {file_id}")).data or b""
 
     async def list(self, tenant: str, purpose: str | None = None) -> list[FileInfo]:
         try:
-            found = await self._store.list(ignore_deletes=True)
+            found = await riding_out(
+                lambda: self._store.list(ignore_deletes=True), "the files' store"
+            )
         except NotFoundError:  # an empty bucket
             return []
         infos = [i for i in map(_info, found) if i is not None and i.tenant == tenant]
@@ -119,7 +122,7 @@ class Files:
 
     async def delete(self, tenant: str, file_id: str) -> None:
         await self.info(tenant, file_id)
-        await self._store.delete(file_id)
+        await riding_out(lambda: self._store.delete(file_id), f"file {file_id}")
 
 
 def _info(obj) -> FileInfo | None:  # noqa: ANN001  (nats' ObjectInfo)

@@ -14,7 +14,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from pydantic import BaseModel, Field
 
-from shared.bus import Bus, subjects
+from shared.bus import Bus, riding_out, subjects
 from shared.messages import Message
 
 BATCHES = subjects.BATCHES_BUCKET
@@ -117,11 +117,20 @@ class BatchStore:
         self.results = await js.create_key_value(bucket(RESULTS))
 
     async def create(self, record: BatchRecord) -> None:
-        await self.records.create(record.id, record.to_bytes())
+        data = record.to_bytes()
+
+        async def create() -> None:
+            try:
+                await self.records.create(record.id, data)
+            except KeyWrongLastSequenceError:  # asked again after a create that was done?
+                if (await self.records.get(record.id)).value != data:
+                    raise Conflict(record.id) from None
+
+        await riding_out(create, f"batch {record.id}")
 
     async def get(self, batch_id: str) -> tuple[BatchRecord, int] | None:
         try:
-            entry = await self.records.get(batch_id)
+            entry = await riding_out(lambda: self.records.get(batch_id), f"batch {batch_id}")
         except KeyNotFoundError:
             return None
         if entry is None or entry.value is None:
@@ -131,7 +140,10 @@ class BatchStore:
     async def update(self, record: BatchRecord, revision: int) -> int:
         """Store the record if nobody changed it since ``revision``; its new revision."""
         try:
-            return await self.records.update(record.id, record.to_bytes(), last=revision)
+            return await riding_out(
+                lambda: self.records.update(record.id, record.to_bytes(), last=revision),
+                f"batch {record.id}",
+            )
         except KeyWrongLastSequenceError:
             raise Conflict(record.id) from None
 
@@ -148,7 +160,8 @@ class BatchStore:
     async def put_result(self, batch_id: str, line: int, result: bytes) -> bool:
         """A line's result, unless one is stored already (then False: the first stays)."""
         try:
-            await self.results.create(f"{batch_id}.{line}", result)
+            key = f"{batch_id}.{line}"
+            await riding_out(lambda: self.results.create(key, result), f"result {key}")
         except KeyWrongLastSequenceError:
             return False
         return True
