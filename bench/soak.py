@@ -284,7 +284,7 @@ def kill_and_start(stack: Stack, sid: str) -> dict:
     with timed(record):
         os.kill(stack.procs[sid].pid, signal.SIGKILL)
         stack.procs[sid].reap(10)
-        stack.start(sid)
+        stack.start(sid, **stack._own_settings[sid])  # (one traced stays traced)
         stack.wait_ready([sid])
     return record
 
@@ -365,6 +365,14 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=3.0, help="requests a second, all clients")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--sample-s", type=float, default=10.0)
+    parser.add_argument(
+        "--trace-memory",
+        nargs="*",
+        default=[],
+        metavar="ID",
+        help="these services traced by tracemalloc (slower): a report at the plateau and at "
+        "the end of what grew between, by source line (shared/telemetry/memory.py)",
+    )
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory(prefix="kvmesh-soak-") as tmp,
@@ -373,6 +381,9 @@ def main() -> int:
         settings = {**SETTINGS, **({"KVMESH_KV_STORE_DIR": str(tier)} if tier else {})}
         say("starting a tiny stack (two prefill, two decode workers)")
         stack = start_stack("soak", Path(tmp) / "stack", IDS, **settings)
+        for sid in args.trace_memory:
+            stack.restart(sid, PYTHONTRACEMALLOC="1")
+        stack.wait_ready(args.trace_memory)
         try:
             return soak(stack, tier, args)
         finally:
@@ -434,6 +445,7 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
                 for i, fault in enumerate(late):
                     faults.due(t + span * (i + 1) / (len(late) + 2), "", fault)
                 say(f"caches full after {t:.0f} s: running until {end_at - started:.0f} s")
+                report_memory(stack, args.trace_memory)
             say(
                 f"{t:6.0f} s  {tally.requests:6d} requests  {sum(tally.errors.values())} errors"
                 f"  store {s.store_mb:5.1f}/{STORE_MIB} MiB  memory tiers {s.memory_tiers:4.0%}"
@@ -452,7 +464,22 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
     wait_until(lambda: idle_workers(stack), 60, 0.2, what="the workers idle")
     time.sleep(3)  # a heartbeat interval: the loads listed are the idle ones
     idle = sample(stack, time.monotonic() - started)
+    report_memory(stack, args.trace_memory, show=True)
     return report(samples, idle, full_at, faults, tally, args)
+
+
+def report_memory(stack: Stack, traced: list[str], show: bool = False) -> None:
+    """Each traced service writes a memory report; ``show``: the latest printed (what grew
+    since the one before)."""
+    for sid in traced:
+        stack.procs[sid].signal(signal.SIGUSR2)
+    if not show:
+        return
+    time.sleep(5)  # (a snapshot of a traced process takes seconds)
+    for sid in traced:
+        path = stack.dir / "memory" / f"{sid}.txt"
+        text = path.read_text() if path.exists() else "(no report)"
+        print(f"\n{sid}: what grew since the plateau\n" + text.split("\n# ")[-1])
 
 
 class Faults:

@@ -20,6 +20,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import ClassVar
 
 import uvloop
@@ -36,6 +37,7 @@ from shared.messages.spans import SpansQuery, SpansReply
 from shared.offline import stay_offline
 from shared.security.tls import server_context
 from shared.settings import CommonSettings, KvmeshSettings, SettingsError, load_settings
+from shared.telemetry.memory import report_memory_on_signal
 from shared.telemetry.metrics import LoadCollector, metrics_handler, register_load
 from shared.telemetry.tracing import RECENT, setup_tracing
 
@@ -303,6 +305,7 @@ async def _run(service: Service) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    report_memory_on_signal(loop, Path(service.common.state_dir), service.service_id)
 
     async with AsyncExitStack() as stack:
         bus = await _connect_unless_stopped(service, stop)
