@@ -3,6 +3,7 @@ side, and the logs of the live stacks attached to a failing test's report."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -98,6 +99,33 @@ def real_text(tmp_path_factory: pytest.TempPathFactory) -> TextModel:
     """The real model's text side (its tokenizer and chat template; the tiny models share
     them), loaded once for the whole run."""
     return load_text_model(REAL, tmp_path_factory.mktemp("text-state"))
+
+
+VLLM_PREFILLS = ("prefill-vllm-a", "prefill-vllm-b")
+VLLM_DECODE = "decode-vllm"
+
+
+@pytest.fixture(scope="session")
+def vllm_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The vLLM modules' one stack (a vLLM engine takes ~25 s to start here), on a NATS of its
+    own: two vLLM prefill workers and a vLLM decode worker, each engine on a core of its own
+    role's. test_vllm.py's tests (whole requests, decoded in place) run on it first, then
+    test_vllm_pd.py's (P/D), whose last tests stop and kill its workers."""
+    cores = sorted(os.sched_getaffinity(0))
+    stack = start_stack(
+        "vllm",
+        tmp_path_factory.mktemp("vllm"),
+        ("cachemeta-0", "router-0", *VLLM_PREFILLS, VLLM_DECODE),
+        KVMESH_PREFILL_ENGINE="vllm",
+        KVMESH_DECODE_ENGINE="vllm",
+        KVMESH_PREFILL_MODEL=REAL,
+        KVMESH_DECODE_MODEL=REAL,
+        KVMESH_PREFILL_CPU_CORES=str(cores[0]),
+        KVMESH_DECODE_CPU_CORES=str(cores[-1]),
+        KVMESH_FAULT_HOOKS="true",  # (a test quiets vLLM's cache events)
+    )
+    yield stack
+    stack.stop()
 
 
 @pytest.fixture(scope="session")

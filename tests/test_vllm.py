@@ -1,7 +1,9 @@
 """vLLM as a decode engine that owns its KV (`KVMESH_DECODE_ENGINE=vllm`): the real SmolLM2
 (its GGUF exported to a Hugging Face directory once per machine) served by a vLLM worker that
-takes whole requests, no prefill worker in the mesh; what it answers through the mesh is what
-vLLM itself answers for the same prompt, token for token (greedy, eager mode)."""
+takes whole requests (a short prompt is prefilled where it is decoded); what it answers through
+the mesh is what vLLM itself answers for the same prompt, token for token (greedy, eager mode).
+The stack is the vLLM modules' one (``vllm_mesh``): P/D, and its workers lost, are
+test_vllm_pd.py's."""
 
 from __future__ import annotations
 
@@ -9,21 +11,20 @@ import json
 from pathlib import Path
 
 import anthropic
-import openai
 import pytest
 
-from shared.messages.kvevents import STORE, memory_location
+from shared.messages.kvevents import memory_location
 from shared.model.catalog import resolve
 from shared.model.text import text_of
 from shared.offline import OFFLINE
-from tests.conftest import REAL
+from tests.conftest import REAL, VLLM_DECODE, VLLM_PREFILLS
 from tests.procs import children_of, environment_of, get_json, metrics, wait_until
 from tests.stack import Stack
 from tests.vllm_answers import OwnVllm, answered_as_vllm
 
 vllm = pytest.importorskip("vllm", reason="the vllm extra (make test installs it)")
 
-WORKER = "decode-vllm"
+WORKER = VLLM_DECODE
 PROMPT = [
     1,
     9690,
@@ -66,14 +67,8 @@ PROMPT = [
 
 
 @pytest.fixture(scope="module")
-def vllm_stack(stacks) -> Stack:
-    return stacks(
-        ("cachemeta-0", "router-0", WORKER),
-        KVMESH_DECODE_ENGINE="vllm",
-        KVMESH_DECODE_MODEL=REAL,
-        KVMESH_PREFILL_MODEL=REAL,
-        KVMESH_FAULT_HOOKS="true",  # (a test quiets vLLM's cache events)
-    )
+def vllm_stack(vllm_mesh: Stack) -> Stack:
+    return vllm_mesh
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +84,7 @@ def started() -> list[str]:
 
 def test_the_model_is_served_by_its_vllm_worker_alone(vllm_stack: Stack) -> None:
     client = vllm_stack.client()
-    assert REAL in {m.id for m in client.models.list()}  # no prefill worker: vLLM does it all
+    assert REAL in {m.id for m in client.models.list()}
     answer = client.chat.completions.create(
         model=REAL,
         messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -97,7 +92,7 @@ def test_the_model_is_served_by_its_vllm_worker_alone(vllm_stack: Stack) -> None
         temperature=0,
     )
     assert "Paris" in answer.choices[0].message.content
-    assert answer.model_extra["kvmesh"]["workers"] == [WORKER]
+    assert answer.model_extra["kvmesh"]["workers"] == [WORKER]  # short: vLLM does it all
 
 
 def test_greedy_through_the_mesh_is_vllms_own_answer_token_for_token(
@@ -265,33 +260,37 @@ def test_a_vllm_worker_whose_cache_events_stop_while_it_computes_is_flagged(
 ) -> None:
     """vLLM's cache events are dropped as they come (its feed gone quiet): the worker computes
     new blocks nobody hears of, and the router flags it as stale within a few beats; once its
-    events flow again, it is whole."""
+    events flow again, it is whole. (A prompt of four blocks: computed on a prefill worker,
+    each of which has its feed quiet.)"""
     client = vllm_stack.client()
 
     def stale() -> dict:
         return get_json(f"{vllm_stack.url}/health")[1]["kv_index"]["stale"]
 
-    def state() -> str:  # (for a failure's message)
-        load = vllm_stack.health()[WORKER]["load"]
-        return f"kv_events {load['kv_events']}, unannounced for {load['kv_unannounced_s']} s"
-
     def fault(on: bool) -> None:
         import urllib.request
 
-        url = f"{vllm_stack.advertised(WORKER)}/faults/kv_feed"
-        request = urllib.request.Request(url, method="PUT" if on else "DELETE")
-        urllib.request.urlopen(request, timeout=5)
+        for sid in VLLM_PREFILLS:
+            url = f"{vllm_stack.advertised(sid)}/faults/kv_feed"
+            request = urllib.request.Request(url, method="PUT" if on else "DELETE")
+            urllib.request.urlopen(request, timeout=5)
 
-    assert WORKER not in stale()
+    assert not set(VLLM_PREFILLS) & set(stale())
     fault(True)
     try:
-        client.completions.create(model=REAL, prompt=list(range(5000, 5256)), max_tokens=2)
-        wait_until(lambda: WORKER in stale(), 20, what=f"the quiet feed flagged ({state()})")
-        assert "while it computes" in stale()[WORKER]
+        answer = client.completions.create(model=REAL, prompt=list(range(5000, 5256)), max_tokens=2)
+        computed = answer.model_extra["kvmesh"]["workers"][0]
+        assert computed in VLLM_PREFILLS
+        wait_until(lambda: computed in stale(), 20, what=f"{computed}'s quiet feed flagged")
+        assert "while it computes" in stale()[computed]
     finally:
         fault(False)
-    client.completions.create(model=REAL, prompt=list(range(6000, 6256)), max_tokens=2)
-    wait_until(lambda: WORKER not in stale(), 30, what=f"the feed whole again ({state()})")
+    for n in range(8):  # (until the flagged worker computes again: its next events flow)
+        again = list(range(6000 + 256 * n, 6256 + 256 * n))
+        answer = client.completions.create(model=REAL, prompt=again, max_tokens=2)
+        if answer.model_extra["kvmesh"]["workers"][0] == computed:
+            break
+    wait_until(lambda: computed not in stale(), 30, what=f"{computed}'s feed whole again")
 
 
 def test_vllms_engine_core_starts_with_usage_reports_and_the_hub_off(vllm_stack: Stack) -> None:
@@ -349,138 +348,23 @@ def test_a_mesh_of_two_engines_routes_each_model_to_its_own(vllm_stack: Stack) -
         *torch_workers,
         KVMESH_PREFILL_MODEL="tiny",
         KVMESH_DECODE_MODEL="tiny",
+        KVMESH_PREFILL_ENGINE="torch",
         KVMESH_DECODE_ENGINE="torch",
     )
-    vllm_stack.wait_ready(torch_workers)
-    client = vllm_stack.client()
-    assert {REAL, "tiny"} <= {m.id for m in client.models.list()}
-    for model, workers in ((REAL, {WORKER}), ("tiny", set(torch_workers))):
-        answer = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Hello " * 80}],  # past prefill on decode
-            max_tokens=4,
-            temperature=0,
-        )
-        assert set(answer.model_extra["kvmesh"]["workers"]) == workers, model
-
-
-SECOND = "decode-vllm-b"
-
-
-def both_workers(stack: Stack) -> None:
-    """The second vLLM worker beside the first (started once, by the test that needs it)."""
-    if SECOND not in stack.procs or not stack.procs[SECOND].alive():
-        stack.start(SECOND)
-    stack.wait_ready([WORKER, SECOND], timeout_s=180)
-
-
-def test_turn_two_on_restarted_workers_comes_from_the_storage_tier(vllm_stack: Stack) -> None:
-    """vLLM's storage connector writes each full block of prompt and answer to kvmesh's tier;
-    after the vLLM process restarts (its own cache empty), turn 2 loads turn 1 from it.
-    Another tenant loads nothing; a damaged block file is a miss and the answer is unchanged.
-    (The module's one vLLM worker so far: the second starts with the test that needs two.)"""
-    assert SECOND not in vllm_stack.procs
-    client = vllm_stack.client()
-    system = "You keep the harbour's records. " * 90  # about 630 tokens, shared by both turns
-    turn1 = [
-        {"role": "system", "content": system},
-        {"role": "user", "content": "Tell me a long story about a lighthouse keeper."},
-    ]
-    first = client.chat.completions.create(model=REAL, messages=turn1, max_tokens=64, temperature=0)
-    turn1_tokens = first.usage.prompt_tokens + first.usage.completion_tokens
-    ids = list(range(3000, 3256))  # four full blocks, asked as token ids
-    plain = client.completions.create(model=REAL, prompt=ids, max_tokens=2, temperature=0)
-    hashes = vllm_stack.hashes(ids, model=REAL)
-    wait_until(
-        lambda: (vllm_stack.lookup(hashes) or {}).get(STORE) == 4,
-        30,
-        what="the blocks vLLM wrote, in cachemeta at the storage tier",
-    )
-
-    # A block of the ids' damaged on disk now: after the restart the vLLM process does not
-    # have the ids in its own cache, so it reads the tier (one restart for both checks).
-    damaged = Path(vllm_stack.dir, "kvstore", hashes[1][:2], f"{hashes[1]}.kvb")
-    data = bytearray(damaged.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    damaged.write_bytes(bytes(data))
-    vllm_stack.procs[WORKER].stop()
-    vllm_stack.start(WORKER)
-    vllm_stack.wait_ready([WORKER], timeout_s=180)
-
-    turn2 = [
-        *turn1,
-        {"role": "assistant", "content": first.choices[0].message.content},
-        {"role": "user", "content": "And what happened next?"},
-    ]
-
-    def ask(tenant: str):
-        return client.chat.completions.create(
-            model=REAL,
-            messages=turn2,
-            max_tokens=8,
-            temperature=0,
-            extra_headers={"x-kvmesh-tenant": tenant} if tenant else None,
-        )
-
-    tiers = ask("").model_extra["kvmesh"]["cached_tokens_by_tier"]
-    assert tiers["storage"] >= 0.9 * turn1_tokens, (tiers, turn1_tokens)
-    assert ask("customs").model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0
-
-    again = client.completions.create(model=REAL, prompt=ids, max_tokens=2, temperature=0)
-    assert again.choices[0].text == plain.choices[0].text
-    assert not damaged.exists()  # deleted by the reader, and out of the index
-    wait_until(
-        lambda: (vllm_stack.lookup(hashes) or {}).get(STORE, 0) < 2,
-        30,
-        what="the damaged block out of cachemeta",
-    )
-
-
-def test_a_vllm_worker_killed_mid_stream_the_answer_goes_on_unchanged(vllm_stack: Stack) -> None:
-    second = SECOND
-    both_workers(vllm_stack)
-    client = vllm_stack.client()
-    question = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
-    ask = dict(model=REAL, messages=question, max_tokens=120, temperature=0)
-    reference = client.chat.completions.create(**ask).choices[0].message.content
-    stream = client.chat.completions.create(**ask, stream=True)
-    pieces, killed = [], ""
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            pieces.append(chunk.choices[0].delta.content)
-        if len(pieces) == 10 and not killed:
-            # Asked of the workers themselves: the router's view is a heartbeat old.
-            inflight = {
-                sid: get_json(f"{vllm_stack.advertised(sid)}/health")[1]["load"]["inflight"]
-                for sid in (WORKER, second)
-            }
-            killed = next((sid for sid, n in inflight.items() if n), "")
-            assert killed, "no vLLM worker reports the stream in flight"
-            vllm_stack.procs[killed].popen.kill()
-    assert killed and "".join(pieces) == reference  # resumed on the other, token for token
-
-
-def test_a_killed_vllm_worker_leaves_the_index_and_its_model_is_503(vllm_stack: Stack) -> None:
-    """(The module's last test: its vLLM workers are gone after it.)"""
-    ids = list(range(2000, 2200))
-    answer = vllm_stack.client().completions.create(model=REAL, prompt=ids, max_tokens=2)
-    (serving,) = answer.model_extra["kvmesh"]["workers"]
-    hashes = vllm_stack.hashes(ids, model=REAL)
-    wait_until(
-        lambda: (vllm_stack.lookup(hashes) or {}).get(memory_location(serving)) == 3,
-        20,
-        what="the prompt's blocks in cachemeta",
-    )
-    for sid, proc in vllm_stack.procs.items():
-        if sid.startswith("decode-vllm") and proc.alive():
-            proc.popen.kill()
-    wait_until(
-        lambda: memory_location(serving) not in (vllm_stack.lookup(hashes) or {}),
-        30,
-        what="the killed worker's blocks out of cachemeta",
-    )
-    with pytest.raises(openai.InternalServerError, match=REAL) as err:
-        vllm_stack.client().chat.completions.create(
-            model=REAL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
-        )
-    assert err.value.status_code == 503
+    try:
+        vllm_stack.wait_ready(torch_workers)
+        client = vllm_stack.client()
+        assert {REAL, "tiny"} <= {m.id for m in client.models.list()}
+        vllm_workers = {WORKER, *VLLM_PREFILLS}
+        for model, workers in ((REAL, vllm_workers), ("tiny", set(torch_workers))):
+            answer = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "Hello " * 80}],  # past prefill on decode
+                max_tokens=4,
+                temperature=0,
+            )
+            served = answer.model_extra["kvmesh"]["workers"]
+            assert len(served) == 2 and set(served) <= workers, (model, served)
+    finally:
+        for sid in torch_workers:
+            vllm_stack.procs[sid].stop()

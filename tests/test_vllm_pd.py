@@ -2,60 +2,56 @@
 a vLLM prefill worker computes the prompt and sends the first token, its storage connector
 writes the prompt's blocks to kvmesh's tier, and a vLLM decode worker loads them from there
 and streams the rest. The answer is vLLM's own, token for token (greedy, eager mode); a short
-prompt is decoded in place; a later turn on another prefill worker comes from the tier."""
+prompt is decoded in place; a later turn on another prefill worker comes from the tier. Last,
+the stack's workers are lost: an answer goes on on another decode worker, and a model whose
+workers are all gone is 503. (The stack is the vLLM modules' one, ``vllm_mesh``, after
+test_vllm.py's tests.)"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import anthropic
+import openai
 import pytest
 
-from shared.messages.kvevents import STORE
-from tests.conftest import REAL
-from tests.procs import wait_until
+from shared.messages.kvevents import STORE, memory_location
+from tests.conftest import REAL, VLLM_DECODE, VLLM_PREFILLS
+from tests.procs import get_json, wait_until
 from tests.stack import Stack
 from tests.vllm_answers import OwnVllm, answered_as_vllm
 
 vllm = pytest.importorskip("vllm", reason="the vllm extra (make test installs it)")
 
-PREFILLS = ("prefill-vllm-a", "prefill-vllm-b")
-DECODE = "decode-vllm"
+PREFILLS, DECODE = VLLM_PREFILLS, VLLM_DECODE
 SYSTEM = "You keep the harbour's records, and you answer in full sentences. " * 12
 QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def pd_stack(stacks) -> Stack:
-    cores = sorted(os.sched_getaffinity(0))  # (each engine on a core of its own role's)
-    return stacks(
-        ("cachemeta-0", "router-0", *PREFILLS, DECODE),
-        KVMESH_PREFILL_ENGINE="vllm",
-        KVMESH_DECODE_ENGINE="vllm",
-        KVMESH_PREFILL_MODEL=REAL,
-        KVMESH_DECODE_MODEL=REAL,
-        KVMESH_PREFILL_CPU_CORES=str(cores[0]),
-        KVMESH_DECODE_CPU_CORES=str(cores[-1]),
-    )
+def pd_stack(vllm_mesh: Stack) -> Stack:
+    return vllm_mesh
+
+
+def chat_ids(stack: Stack, messages: list[dict]) -> list[int]:
+    """The token ids of a chat's prompt as SmolLM2's template renders it."""
+    from shared.model.text import load_text_model
+
+    tokenizer = load_text_model(REAL, Path(stack.dir)).tokenizer
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return tokenizer.encode(text + "<|im_start|>assistant\n").ids
 
 
 @pytest.fixture(scope="module")
 def prompt_ids(pd_stack: Stack) -> list[int]:
     """A chat prompt of ~200 tokens (past what decode prefills in place), as token ids."""
-    from shared.model.text import load_text_model
-
-    tokenizer = load_text_model(REAL, Path(pd_stack.dir)).tokenizer
-    text = (
-        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
-        f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
-    )
-    ids = tokenizer.encode(text).ids
+    question = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    ids = chat_ids(pd_stack, question)
     assert 150 < len(ids) < 400, len(ids)
     return ids
 
@@ -229,7 +225,9 @@ def test_a_short_prompt_is_decoded_in_place(pd_stack: Stack) -> None:
 def test_turn_two_on_the_other_prefill_worker_comes_from_the_storage_tier(pd_stack: Stack) -> None:
     """Turn 1 (prompt and answer) is in the tier: the prefill worker wrote the prompt, the
     decode worker the answer as it filled blocks. With turn 1's prefill worker gone, turn 2
-    goes to the other, whose own cache is empty: it loads turn 1 from the tier."""
+    goes to the other, whose own cache is empty: it loads turn 1 from the tier, up to the last
+    block, damaged on disk here: a miss (the file deleted by the reader), the answer the same
+    as another tenant's, who loads nothing."""
     client = pd_stack.client()
     turn1 = [
         {"role": "system", "content": "You keep the lighthouse's log. " * 60},
@@ -252,11 +250,21 @@ def test_turn_two_on_the_other_prefill_worker_comes_from_the_storage_tier(pd_sta
         # (past what decode prefills in place: turn 2 goes P/D too)
         {"role": "user", "content": "And what happened next? " + "Tell me every detail. " * 20},
     ]
+    # Turn 1's last full block, an answer's (decode wrote it), damaged on disk: recomputed.
+    ids = chat_ids(pd_stack, turn2)
+    block = pd_stack.hashes(ids, model=REAL)[turn1_tokens // 64 - 1]
+    damaged = Path(pd_stack.dir, "kvstore", block[:2], f"{block}.kvb")
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
     second = client.chat.completions.create(model=REAL, messages=turn2, max_tokens=8, temperature=0)
     kvmesh = second.model_extra["kvmesh"]
+    assert second.usage.prompt_tokens == len(ids)  # (the hashes were of the prompt sent)
     assert kvmesh["workers"] == [other, DECODE]
     tiers = kvmesh["cached_tokens_by_tier"]
+    # (vLLM counts what its connector claimed before loading: the damaged block too)
     assert tiers["storage"] >= 0.9 * turn1_tokens, (tiers, turn1_tokens)
+    assert not damaged.exists()  # read, found damaged, deleted
     customs = client.chat.completions.create(
         model=REAL,
         messages=turn2,
@@ -297,3 +305,60 @@ def test_a_vllm_worker_refuses_settings_it_cannot_serve_with(
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"{setting}={value}" in done.stderr and f"{engine}=vllm" in done.stderr
     assert named in done.stderr
+
+
+# -- the stack's workers lost (the last tests on it) ------------------------------------------
+
+
+SECOND = "decode-vllm-b"
+
+
+def test_a_vllm_worker_killed_mid_stream_the_answer_goes_on_unchanged(pd_stack: Stack) -> None:
+    pd_stack.start(SECOND)
+    pd_stack.wait_ready([DECODE, SECOND], timeout_s=180)
+    client = pd_stack.client()
+    question = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+    ask = dict(model=REAL, messages=question, max_tokens=120, temperature=0)
+    reference = client.chat.completions.create(**ask).choices[0].message.content
+    stream = client.chat.completions.create(**ask, stream=True)
+    pieces, killed = [], ""
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if len(pieces) == 10 and not killed:
+            # Asked of the workers themselves: the router's view is a heartbeat old.
+            inflight = {
+                sid: get_json(f"{pd_stack.advertised(sid)}/health")[1]["load"]["inflight"]
+                for sid in (DECODE, SECOND)
+            }
+            killed = next((sid for sid, n in inflight.items() if n), "")
+            assert killed, "no vLLM worker reports the stream in flight"
+            pd_stack.procs[killed].popen.kill()
+    assert killed and "".join(pieces) == reference  # resumed on the other, token for token
+
+
+def test_a_killed_vllm_worker_leaves_the_index_and_its_model_is_503(pd_stack: Stack) -> None:
+    """(The last test on the stack: its vLLM decode workers are gone after it.)"""
+    ids = list(range(2000, 2200))
+    answer = pd_stack.client().completions.create(model=REAL, prompt=ids, max_tokens=2)
+    serving = answer.model_extra["kvmesh"]["workers"][-1]  # (the decode worker)
+    assert serving in (DECODE, SECOND)
+    hashes = pd_stack.hashes(ids, model=REAL)
+    wait_until(
+        lambda: (pd_stack.lookup(hashes) or {}).get(memory_location(serving)) == 3,
+        20,
+        what="the prompt's blocks in cachemeta, at the decode worker",
+    )
+    for sid, proc in pd_stack.procs.items():
+        if sid.startswith("decode-vllm") and proc.alive():
+            proc.popen.kill()
+    wait_until(
+        lambda: memory_location(serving) not in (pd_stack.lookup(hashes) or {}),
+        30,
+        what="the killed worker's blocks out of cachemeta",
+    )
+    with pytest.raises(openai.InternalServerError, match=REAL) as err:
+        pd_stack.client().chat.completions.create(
+            model=REAL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+    assert err.value.status_code == 503

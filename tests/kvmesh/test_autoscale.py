@@ -67,8 +67,8 @@ def test_load_grows_the_prefill_pool_and_its_end_drains_it_back(state_dir: Path)
     args = ["up", "--encoder", "0", "--autoscale", "1:2", "--autoscale-every", "1"]
     up = Proc([*KVMESH, *args], env, state_dir / "up.log")
     client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=60
-    )
+        base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=4, timeout=60
+    )  # (as a user's client: a 429 while a worker loads its model on two cores is retried)
     stop, answers, errors = threading.Event(), [], []
 
     def load(k: int) -> None:
