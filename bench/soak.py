@@ -471,15 +471,22 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
 def report_memory(stack: Stack, traced: list[str], show: bool = False) -> None:
     """Each traced service writes a memory report; ``show``: the latest printed (what grew
     since the one before)."""
+    paths = {sid: stack.dir / "memory" / f"{sid}.txt" for sid in traced}
+    sizes = {sid: p.stat().st_size if p.exists() else 0 for sid, p in paths.items()}
     for sid in traced:
         stack.procs[sid].signal(signal.SIGUSR2)
-    if not show:
-        return
-    time.sleep(5)  # (a snapshot of a traced process takes seconds)
-    for sid in traced:
-        path = stack.dir / "memory" / f"{sid}.txt"
-        text = path.read_text() if path.exists() else "(no report)"
-        print(f"\n{sid}: what grew since the plateau\n" + text.split("\n# ")[-1])
+    # A snapshot holds the traced process's loop for seconds: the samples wait for it.
+    for sid, path in paths.items():
+        wait_until(
+            lambda p=path, n=sizes[sid]: p.exists() and p.stat().st_size > n,
+            300,
+            1.0,
+            what=f"{sid}'s memory report",
+        )
+    time.sleep(1)
+    if show:
+        for sid, path in paths.items():
+            print(f"\n{sid}: what grew since the plateau\n" + path.read_text().split("\n# ")[-1])
 
 
 class Faults:
