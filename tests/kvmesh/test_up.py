@@ -280,24 +280,13 @@ def test_up_rejects_bad_counts(state_dir: Path) -> None:
     assert "--decode must be between 0 and 64 (got -1)" in done.stderr
 
 
-def test_killing_kvmesh_up_leaves_no_process_behind(state_dir: Path) -> None:
-    """SIGKILL gives `kvmesh up` no chance to stop anything: its children (and nats-server)
-    go by themselves, with the parent-death signal they were started with."""
-    env = up_env(state_dir, free_port(), free_port())
-    up = Proc([*KVMESH, "up", "--encoder", "0"], env, state_dir / "up.log")
-    try:
-        up.wait_for("kvmesh is up", 120)
-        assert len(kvmesh_pids(str(state_dir))) >= 6  # five services and nats-server
-        up.popen.kill()
-        up.wait(10)
-        wait_until(lambda: kvmesh_pids(str(state_dir)) == [], 30, what="every child gone")
-    finally:
-        up.stop()
-
-
-def test_up_serves_two_checkpoints_by_path_each_on_its_own_workers(
+def test_up_serves_two_checkpoints_by_path_each_on_its_own_workers_and_dies_with_no_trace(
     state_dir: Path, tmp_path: Path
 ) -> None:
+    """Two models by path, each on its own workers, each with its own template and tool-call
+    syntax. Then `kvmesh up` killed: SIGKILL gives it no chance to stop anything, and its
+    children (and nats-server) go by themselves, with the parent-death signal they were
+    started with."""
     from tests.checkpoints import gguf_checkpoint, hf_checkpoint
     from tests.templates import LLAMA
 
@@ -358,6 +347,11 @@ def test_up_serves_two_checkpoints_by_path_each_on_its_own_workers(
             assert call.function.name == "get_tide", model
             assert json.loads(call.function.arguments)["port"] in ("Oslo", "Bergen")
             assert answer.choices[0].finish_reason == "tool_calls"
+
+        assert len(kvmesh_pids(str(state_dir))) >= 6  # five services and nats-server
+        up.popen.kill()
+        up.wait(10)
+        wait_until(lambda: kvmesh_pids(str(state_dir)) == [], 30, what="every child gone")
     finally:
         up.stop()
 
