@@ -192,15 +192,16 @@ class Stack:
         if again:
             self.wait_ready(again)
 
-    def router(self, sid: str, **settings: str) -> str:
+    def router(self, sid: str, wait: bool = True, **settings: str) -> str:
         """Another router over the same workers, with its own settings; returns its URL (its
-        gRPC address is ``grpc_of(sid)``)."""
+        gRPC address is ``grpc_of(sid)``), once it lists them ready (unless not ``wait``)."""
         port, grpc_port = free_port(), free_port()
         self.grpc_ports[sid] = grpc_port
         env = {"KVMESH_ROUTER_HTTP_PORT": str(port), "KVMESH_ROUTER_GRPC_PORT": str(grpc_port)}
         self.start(sid, **env, **settings)
         url = f"http://127.0.0.1:{port}"
-        self.wait_ready(url=url)
+        if wait:
+            self.wait_ready(url=url)
         return url
 
     def grpc_of(self, router_id: str) -> str:

@@ -279,9 +279,10 @@ def test_a_grpc_client_cancelling_frees_decode(stack: Stack) -> None:
 # -- draining ------------------------------------------------------------------------------
 
 
-def streaming(stack: Stack, max_tokens: int):
-    """A long streamed answer, its first chunk read, decode holding it."""
-    stream = stack.client().completions.create(
+def streaming(stack: Stack, max_tokens: int, url: str = ""):
+    """A long streamed answer (through the router at ``url``, or the stack's), its first chunk
+    read, decode holding it."""
+    stream = stack.client(url).completions.create(
         stream=True, **{**LONG_ANSWER, "max_tokens": max_tokens}
     )
     chunks = iter(stream)
@@ -309,17 +310,23 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(stack: Stack) -> None
 
 
 def test_the_drain_bound_stops_a_worker_that_would_take_longer(stack: Stack) -> None:
+    """Past its drain bound the worker stops anyway; the answer it held finds no decode worker
+    to resume on (after a wait of 1 s here) and ends with an error naming it, not a hang."""
     stack.restart("decode-0", KVMESH_DRAIN_TIMEOUT_S="0.5")
-    stack.wait_ready(["decode-0"])
-    stream, chunks = streaming(stack, 4000)
-    decode = stack.procs["decode-0"]
-    decode.signal(signal.SIGTERM)
-    assert decode.wait(30) == 0
-    assert "drain took over 0.5 s; stopping anyway" in decode.output()
-    with pytest.raises(openai.APIError) as err:  # the stream ends with an error, not a hang
-        list(chunks)
-    assert "decode-0" in str(err.value)
-    stream.close()
+    url = stack.router("router-drain", KVMESH_ROUTER_RESUME_WAIT_S="1")
+    try:
+        stack.wait_ready(["decode-0"])
+        stream, chunks = streaming(stack, 4000, url)
+        decode = stack.procs["decode-0"]
+        decode.signal(signal.SIGTERM)
+        assert decode.wait(30) == 0
+        assert "drain took over 0.5 s; stopping anyway" in decode.output()
+        with pytest.raises(openai.APIError) as err:
+            list(chunks)
+        assert "decode-0" in str(err.value)
+        stream.close()
+    finally:
+        stack.procs["router-drain"].stop()
 
 
 def engine_process_of(pid: int) -> int:
@@ -574,15 +581,22 @@ def test_a_prefill_worker_gives_up_on_embeddings_that_do_not_come(stack: Stack) 
 # -- every routing policy serves -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "ttft"])
-def test_each_routing_policy_serves_in_a_live_router(stack: Stack, policy: str) -> None:
-    url = stack.router(f"router-{policy}", KVMESH_ROUTER_ROUTING_POLICY=policy)
+def test_each_routing_policy_serves_in_a_live_router(stack: Stack) -> None:
+    """A router of each policy (started at once, each with a prompt of its own: nothing
+    cached) routes to the one prefill worker and answers."""
+    policies = [p for p in POLICIES if p != "ttft"]
+    urls = {
+        p: stack.router(f"router-{p}", wait=False, KVMESH_ROUTER_ROUTING_POLICY=p) for p in policies
+    }
     try:
-        resp = stack.client(url).completions.create(  # a prompt of its own: nothing cached
-            model="tiny", prompt=f"{policy} " * 200, max_tokens=5, temperature=0
-        )
-        route = resp.model_extra["kvmesh"]["route"]
-        assert route["policy"] == policy and route["chosen"] == "prefill-0"
-        assert resp.usage.completion_tokens == 5
+        for policy, url in urls.items():
+            stack.wait_ready(url=url)
+            resp = stack.client(url).completions.create(
+                model="tiny", prompt=f"{policy} " * 200, max_tokens=5, temperature=0
+            )
+            route = resp.model_extra["kvmesh"]["route"]
+            assert route["policy"] == policy and route["chosen"] == "prefill-0", policy
+            assert resp.usage.completion_tokens == 5
     finally:
-        stack.procs[f"router-{policy}"].stop()
+        for policy in policies:
+            stack.procs[f"router-{policy}"].stop()
