@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -123,29 +124,36 @@ def _broken(tmp_path: Path, kind: str) -> Path:
     return d
 
 
-@pytest.mark.parametrize(
-    ("kind", "says"),
-    [
-        ("missing", "no such file or directory"),
-        ("not-a-model", "not a GGUF file"),
-        ("no-config", "no config.json"),
-        ("architecture", "'GPTNeoXForCausalLM' is not supported (supported: LlamaForCausalLM"),
-        ("no-tokenizer", "no tokenizer.json"),
-        ("no-template", "no chat template"),
-        ("no-weights", "no *.safetensors"),
-        ("rope", "rope_scaling 'yarn' is not supported (supported: default, linear, llama3)"),
-    ],
-)
-def test_a_model_a_worker_cannot_serve_stops_it_at_start(
-    kind: str, says: str, tmp_path: Path
-) -> None:
-    path = _broken(tmp_path, kind)
-    run = _worker({"mine": str(path)}, "mine", tmp_path / "state")
-    assert run.returncode == 2, run.stderr
-    assert (
-        "KVMESH_PREFILL_MODEL=mine" in run.stderr and f"KVMESH_MODELS[mine] ({path})" in run.stderr
-    )
-    assert says in run.stderr
+BROKEN = {
+    "missing": "no such file or directory",
+    "not-a-model": "not a GGUF file",
+    "no-config": "no config.json",
+    "architecture": "'GPTNeoXForCausalLM' is not supported (supported: LlamaForCausalLM",
+    "no-tokenizer": "no tokenizer.json",
+    "no-template": "no chat template",
+    "no-weights": "no *.safetensors",
+    "rope": "rope_scaling 'yarn' is not supported (supported: default, linear, llama3)",
+}
+
+
+def test_a_model_a_worker_cannot_serve_stops_it_at_start(tmp_path: Path) -> None:
+    """Each way a model can be broken, a worker of its own (started at once): exit 2 at
+    start, naming the setting, the path and what is wrong."""
+    for kind in BROKEN:
+        (tmp_path / kind).mkdir()
+    paths = {kind: _broken(tmp_path / kind, kind) for kind in BROKEN}
+
+    def run(kind: str) -> subprocess.CompletedProcess:
+        return _worker({"mine": str(paths[kind])}, "mine", tmp_path / kind / "state")
+
+    with ThreadPoolExecutor(len(BROKEN)) as pool:
+        runs = dict(zip(BROKEN, pool.map(run, BROKEN), strict=True))
+    for kind, says in BROKEN.items():
+        stderr, path = runs[kind].stderr, paths[kind]
+        assert runs[kind].returncode == 2, (kind, stderr)
+        assert "KVMESH_PREFILL_MODEL=mine" in stderr, (kind, stderr)
+        assert f"KVMESH_MODELS[mine] ({path})" in stderr, (kind, stderr)
+        assert says in stderr, (kind, stderr)
 
 
 def test_an_unknown_model_name_is_refused_with_the_known_ones(tmp_path: Path) -> None:
