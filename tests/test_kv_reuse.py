@@ -105,6 +105,20 @@ def cachemeta_health(stack: Stack) -> dict:
     return get_json(f"{stack.advertised('cachemeta-0')}/health")[1]
 
 
+def test_the_event_streams_size_and_bound_are_on_cachemetas_metrics(stack: Stack) -> None:
+    """What the earlier tests' events hold on NATS, beside the bound (the default, 2 GiB)."""
+
+    def held() -> dict[str, float]:
+        found = metrics(stack.advertised("cachemeta-0"))
+        return {
+            of: found.get(("kvmesh_stream_bytes", (("of", of), ("stream", KV_EVENTS_STREAM))), 0)
+            for of in ("held", "limit")
+        }
+
+    figures = wait_until(lambda: (f := held())["held"] > 0 and f, 10, what="the stream's size")
+    assert figures["limit"] == 2 << 30 and figures["held"] < figures["limit"]
+
+
 def test_cachemeta_drops_malformed_events_and_goes_on_indexing(stack: Stack) -> None:
     """Three bad events on the stream, as a buggy worker could publish them: each dropped
     and counted by cachemeta and the router alike; the events after them are applied."""

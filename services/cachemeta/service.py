@@ -20,6 +20,7 @@ a block file that cannot be deleted stays indexed until a pass deletes it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -45,7 +46,7 @@ from shared.messages.heartbeat import Heartbeat, Load
 from shared.messages.kvevents import STORE, KvEvent, LookupReply, LookupRequest, memory_location
 from shared.service import Service
 from shared.settings import CommonSettings
-from shared.telemetry.metrics import CACHEMETA_FAILURES, register_load
+from shared.telemetry.metrics import CACHEMETA_FAILURES, STREAM_BYTES, register_load
 from shared.telemetry.tracing import tracer
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,10 @@ class CachemetaService(Service):
                 self._failed("snapshot", f"index snapshot not saved: {err}")
             else:
                 self._recovered("snapshot")
+            with contextlib.suppress(Exception):  # (a figure: the next interval reads it again)
+                info = await self.bus.js.stream_info(subjects.KV_EVENTS_STREAM)
+                STREAM_BYTES.labels(subjects.KV_EVENTS_STREAM, "held").set(info.state.bytes)
+                STREAM_BYTES.labels(subjects.KV_EVENTS_STREAM, "limit").set(info.config.max_bytes)
 
     def _failed(self, what: str, why: str) -> None:
         """Housekeeping that failed: counted; logged when it starts failing or fails anew."""

@@ -105,6 +105,12 @@ KV_EVENTS_MALFORMED = Counter(
     "KV events dropped by a holder of the block index (cachemeta, a router) because they did "
     "not parse or did not hold together (a hash of the wrong width, sizes not one per hash)",
 )
+STREAM_BYTES = Gauge(
+    "kvmesh_stream_bytes",
+    "a JetStream stream's size on the NATS servers, as the service that configures it last "
+    "read it, and its bound (of: held, limit)",
+    ["stream", "of"],
+)
 CACHEMETA_FAILURES = Counter(
     "kvmesh_cachemeta_failures",
     "cachemeta's housekeeping that failed, by what (snapshot, gc): it goes on, and retries",
