@@ -10,10 +10,11 @@ taking new blocks and evicting old ones.
 
 "Full" is when the storage tier reached its eviction watermark, every prefill worker's memory
 tier is nine-tenths used, and so are the router's tokenizer cache, the conversations whose
-hashes it keeps, and every serving process's recent traces (300,000 tokens, 200 conversations
-and 600 traces here: the defaults, 4 million, 4,096 and 4,096, take hours to fill at this
-load). Every ``--sample-s``: each process's
-resident memory and open file descriptors (its children's too; decode's engine process apart), the
+hashes it keeps, every serving process's recent traces and the KV event stream on NATS
+(300,000 tokens, 200 conversations, 600 traces and 4 MiB here: the defaults, 4 million,
+4,096, 4,096 and 2 GiB, take hours or days to fill at this load). Every ``--sample-s``: each
+process's resident memory and open file descriptors (its children's too; decode's engine
+process apart), the
 KV blocks the workers hold, the requests queued, and each process's NATS backlog (its
 /metrics). Growth per hour is the slope of a least-squares line through the samples after the
 plateau (of a process's current run: one restarted is measured from a minute after), ± twice
@@ -73,6 +74,8 @@ MEMORY_TIER_MIB = 6  # each worker's
 TOKEN_CACHE = 300_000  # the router's tokenizer cache, in tokens (~50 bytes each)
 RECENT_TRACES = 600  # each process's traces kept for the operator page
 PREFIX_PROMPTS = 200  # conversations whose block hashes the router keeps
+EVENTS_MIB = 4  # the KV event stream's bound on NATS (the default, 2 GiB, takes days here)
+EVENTS = "KVMESH_KV_EVENTS"
 SETTINGS = {
     "KVMESH_FAULT_HOOKS": "true",
     "KVMESH_CACHEMETA_STORE_CAPACITY_BYTES": str(STORE_MIB << 20),
@@ -87,6 +90,7 @@ SETTINGS = {
     "KVMESH_ROUTER_TOKEN_CACHE_TOKENS": str(TOKEN_CACHE),
     "KVMESH_RECENT_TRACES": str(RECENT_TRACES),
     "KVMESH_ROUTER_PREFIX_PROMPTS": str(PREFIX_PROMPTS),
+    "KVMESH_CACHEMETA_EVENTS_STREAM_BYTES": str(EVENTS_MIB << 20),
 }
 WORKERS = ("prefill", "decode")
 WATERMARK = 0.9  # cachemeta's default high watermark
@@ -179,6 +183,7 @@ class Sample:
     token_cache: float  # the router's tokenizer cache, its share used
     traces: float  # the emptiest trace buffer of the router and the workers, its share used
     prefixes: float  # the router's conversations' hashes, its share used
+    events: float  # the KV event stream on NATS, its share of its bound (cachemeta's figure)
     nats_pending: dict[str, float]
 
 
@@ -218,7 +223,7 @@ def sample(stack: Stack, t: float) -> Sample:
     store = 0.0
     with contextlib.suppress(OSError, KeyError):
         store = get_json(f"{stack.advertised('cachemeta-0')}/health")[1]["storage_tier"]["bytes"]
-    pending, token_cache, traces, prefixes = {}, 0.0, [], 0.0
+    pending, token_cache, traces, prefixes, events = {}, 0.0, [], 0.0, 0.0
     for sid in pids:
         if sid == "nats-server" or not (url := stack.advertised(sid)):
             continue
@@ -234,6 +239,12 @@ def sample(stack: Stack, t: float) -> Sample:
                 cached = [v for (n, _), v in m.items() if n == "kvmesh_router_token_cache_tokens"]
                 token_cache = sum(cached) / TOKEN_CACHE
                 prefixes = m.get(("kvmesh_router_prefix_prompts", ()), 0.0) / PREFIX_PROMPTS
+            if sid.startswith("cachemeta"):
+                stream = {
+                    of: m.get(("kvmesh_stream_bytes", (("of", of), ("stream", EVENTS))), 0.0)
+                    for of in ("held", "limit")
+                }
+                events = stream["held"] / max(1.0, stream["limit"])
     return Sample(
         t=t,
         rss_mb=rss,
@@ -247,6 +258,7 @@ def sample(stack: Stack, t: float) -> Sample:
         token_cache=token_cache,
         traces=min(traces, default=0.0),
         prefixes=prefixes,
+        events=events,
         nats_pending=pending,
     )
 
@@ -437,7 +449,8 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
             samples.append(s)
             next_sample += args.sample_s
             store_full = s.store_mb >= WATERMARK * STORE_MIB * 0.97
-            full = store_full and min(s.memory_tiers, s.token_cache, s.traces, s.prefixes) >= 0.9
+            filled = (s.memory_tiers, s.token_cache, s.traces, s.prefixes, s.events)
+            full = store_full and min(filled) >= 0.9
             if full_at is None and full:
                 full_at = t
                 end_at = max(end_at, now + 3 * t)
@@ -450,7 +463,7 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
                 f"{t:6.0f} s  {tally.requests:6d} requests  {sum(tally.errors.values())} errors"
                 f"  store {s.store_mb:5.1f}/{STORE_MIB} MiB  memory tiers {s.memory_tiers:4.0%}"
                 f"  token cache {s.token_cache:4.0%}  traces {s.traces:4.0%}"
-                f"  prefixes {s.prefixes:4.0%}"
+                f"  prefixes {s.prefixes:4.0%}  events {s.events:4.0%}"
                 f"  RSS {sum(s.rss_mb.values()):6.0f} MB  fds {sum(s.fds.values()):4d}"
                 f"  queued {s.queued}"
             )
