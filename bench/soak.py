@@ -11,7 +11,7 @@ taking new blocks and evicting old ones.
 "Full" is when the storage tier reached its eviction watermark, every prefill worker's memory
 tier is nine-tenths used, and so are the router's tokenizer cache, the conversations whose
 hashes it keeps, every serving process's recent traces and the KV event stream on NATS
-(300,000 tokens, 200 conversations, 600 traces and 4 MiB here: the defaults, 4 million,
+(300,000 tokens, 200 conversations, 600 traces and 1 MiB here: the defaults, 4 million,
 4,096, 4,096 and 2 GiB, take hours or days to fill at this load). Every ``--sample-s``: each
 process's resident memory and open file descriptors (its children's too; decode's engine
 process apart), the
@@ -74,7 +74,7 @@ MEMORY_TIER_MIB = 6  # each worker's
 TOKEN_CACHE = 300_000  # the router's tokenizer cache, in tokens (~50 bytes each)
 RECENT_TRACES = 600  # each process's traces kept for the operator page
 PREFIX_PROMPTS = 200  # conversations whose block hashes the router keeps
-EVENTS_MIB = 4  # the KV event stream's bound on NATS (the default, 2 GiB, takes days here)
+EVENTS_MIB = 1  # the KV event stream's bound on NATS (the default, 2 GiB, takes days here)
 EVENTS = "KVMESH_KV_EVENTS"
 SETTINGS = {
     "KVMESH_FAULT_HOOKS": "true",
