@@ -445,9 +445,13 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
         now = time.monotonic()
         t = now - started
         if now >= next_sample:
-            s = sample(stack, t)
-            samples.append(s)
             next_sample += args.sample_s
+            try:
+                s = sample(stack, t)
+            except OSError as err:  # a process slow to answer (a traced one's report): next
+                say(f"{t:6.0f} s  sample skipped: {err!r}")
+                continue
+            samples.append(s)
             store_full = s.store_mb >= WATERMARK * STORE_MIB * 0.97
             filled = (s.memory_tiers, s.token_cache, s.traces, s.prefixes, s.events)
             full = store_full and min(filled) >= 0.9
