@@ -30,7 +30,6 @@ from pydantic import Field
 from shared import __version__, faults
 from shared.bus import Bus, BusError, NoResponders, subjects
 from shared.bus.auth import connect_options
-from shared.heap import steady_malloc
 from shared.httperrors import openai_errors
 from shared.logs import setup_logging
 from shared.messages.heartbeat import Heartbeat, Holder, Load, Role, Status, WhoIs
@@ -345,7 +344,6 @@ async def _run(service: Service) -> None:
 def run_service(service_cls: type[Service], settings_cls: type[ServiceSettings]) -> int:
     """Entry point of ``python -m services.<role>``: settings, logging, uvloop, run. Exit code."""
     stay_offline()  # before any engine is imported (shared/offline.py)
-    steady_malloc()  # (shared/heap.py)
     try:
         common = load_settings(CommonSettings)
         settings = load_settings(settings_cls)

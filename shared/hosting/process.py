@@ -37,7 +37,6 @@ from typing import Any
 from shared import faults
 from shared.engine import ops
 from shared.engine.interface import EngineOptions, EngineStats, StepOutput
-from shared.heap import steady_malloc
 from shared.hosting import wire
 from shared.hosting.runner import EngineLoop, EngineStopped, OnFailed, OnStep
 from shared.messages.generate import RANKS, Priority
@@ -350,7 +349,6 @@ def main() -> int:
     from shared.logs import setup_logging
 
     setup_logging(os.environ.get("KVMESH_LOG_LEVEL", "info"))
-    steady_malloc()  # (shared/heap.py)
     # Ended by its worker (which drains first on a signal), or by its socket closing: a
     # Ctrl-C or SIGTERM to the whole process group must not stop it under a draining worker.
     for sig in (signal.SIGINT, signal.SIGTERM):
