@@ -26,11 +26,13 @@ class MemoryReports:
 
     def write(self) -> None:
         snapshot = tracemalloc.take_snapshot().filter_traces(IGNORED)
-        total = sum(s.size for s in snapshot.statistics("filename"))
         if self._last is None:
-            lines = [f"{s.size / 1024:10.0f} KiB  {_where(s.traceback)}" for s in _top(snapshot)]
+            stats = snapshot.statistics("lineno")
+            total = sum(s.size for s in stats)
+            lines = [f"{s.size / 1024:10.0f} KiB  {_where(s.traceback)}" for s in stats[:TOP]]
         else:
             diffs = snapshot.compare_to(self._last, "lineno")
+            total = sum(d.size for d in diffs)
             diffs.sort(key=lambda d: d.size_diff, reverse=True)
             lines = [
                 f"{d.size / 1024:10.0f} KiB {d.size_diff / 1024:+10.0f} KiB  {_where(d.traceback)}"
@@ -42,10 +44,6 @@ class MemoryReports:
             out.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} traced {total / 2**20:.1f} MiB\n")
             out.write("\n".join(lines) + "\n\n")
         log.info("memory report written to %s", self.path)
-
-
-def _top(snapshot: tracemalloc.Snapshot) -> list[tracemalloc.Statistic]:
-    return snapshot.statistics("lineno")[:TOP]
 
 
 def _where(traceback: tracemalloc.Traceback) -> str:
