@@ -485,6 +485,12 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
     return report(samples, idle, full_at, faults, tally, args)
 
 
+def report_written(path: Path, before: int) -> bool:
+    """A report appended to ``path`` (past ``before`` bytes) and whole (it ends with a blank
+    line)."""
+    return path.exists() and path.stat().st_size > before and path.read_text().endswith("\n\n")
+
+
 def report_memory(stack: Stack, traced: list[str], show: bool = False) -> None:
     """Each traced service writes a memory report; ``show``: the latest printed (what grew
     since the one before)."""
@@ -495,12 +501,11 @@ def report_memory(stack: Stack, traced: list[str], show: bool = False) -> None:
     # A snapshot holds the traced process's loop for seconds: the samples wait for it.
     for sid, path in paths.items():
         wait_until(
-            lambda p=path, n=sizes[sid]: p.exists() and p.stat().st_size > n,
+            lambda p=path, n=sizes[sid]: report_written(p, n),
             300,
             1.0,
             what=f"{sid}'s memory report",
         )
-    time.sleep(1)
     if show:
         for sid, path in paths.items():
             print(f"\n{sid}: what grew since the plateau\n" + path.read_text().split("\n# ")[-1])
