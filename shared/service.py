@@ -37,6 +37,7 @@ from shared.messages.spans import SpansQuery, SpansReply
 from shared.offline import stay_offline
 from shared.security.tls import server_context
 from shared.settings import CommonSettings, KvmeshSettings, SettingsError, load_settings
+from shared.telemetry.heap import HeapCollector, keep_trimmed
 from shared.telemetry.memory import report_memory_on_signal
 from shared.telemetry.metrics import LoadCollector, metrics_handler, register_load
 from shared.telemetry.tracing import RECENT, setup_tracing
@@ -190,6 +191,7 @@ def build_app(service: Service) -> web.Application:
     bus = service.beats_bus
     pending = bus.pending if bus is not None else lambda: None
     register_load(LoadCollector(service.role, service.load, service.heartbeat_ages, pending))
+    register_load(HeapCollector())
     app.add_routes(
         [
             web.get("/health", service.health),
@@ -322,6 +324,8 @@ async def _run(service: Service) -> None:
         )
         beats = asyncio.create_task(_publish_heartbeats(service, bus))
         keep_for_good()
+        trimming = asyncio.create_task(keep_trimmed(service.common.heap_trim_interval_s))
+        stack.callback(trimming.cancel)
         log.info("%s ready: %s (http %s)", service.role, service.service_id, service.http_url)
 
         await stop.wait()

@@ -31,6 +31,7 @@ def stack(stacks) -> Stack:
         **TINY_ENCODER,
         KVMESH_TRACE_EXPORTER="file",
         OTEL_BSP_SCHEDULE_DELAY="100",  # spans on disk within a tenth of a second
+        KVMESH_HEAP_TRIM_INTERVAL_S="0.5",
     )
 
 
@@ -181,6 +182,15 @@ def test_metrics_parse_on_every_service_and_move_with_traffic(stack: Stack) -> N
         out = ("kvmesh_nats_pending_bytes", (("direction", "out"), ("role", role)))
         assert 0 <= after[role][out] < 64 << 10  # (at most a beat or an event in flight)
         assert ("kvmesh_nats_pending_messages", (("role", role),)) in after[role]
+    trims = ("kvmesh_heap_trims_total", ())
+    for role, url in urls.items():  # every process's C heap, given back as it goes
+        assert after[role][("kvmesh_heap_bytes", (("of", "in_use"),))] > 20 << 20  # (its imports)
+        assert ("kvmesh_heap_bytes", (("of", "free"),)) in after[role]
+        wait_until(
+            lambda u=url, r=role: metrics(u)[trims] > after[r][trims],
+            10,
+            what=f"{role}'s heap trimmed again",
+        )
     stored = wait_until(  # the blocks the chat wrote, indexed
         lambda: (s := get_json(f"{urls['cachemeta']}/health")[1]["storage_tier"])["bytes"] and s,
         10,

@@ -1,8 +1,9 @@
 """Where a process's memory goes. A service started with ``PYTHONTRACEMALLOC=<frames>`` in its
 environment writes, on SIGUSR2, the source lines holding the most live memory and how much each
 grew since its previous report, to ``<state dir>/memory/<service id>.txt`` (each report
-appended, headed by the time and the total). Tracing slows the process: for a diagnosis (a
-soak's growth: ``bench/soak.py --trace-memory``), not for serving. Off, nothing is installed."""
+appended, headed by the time, the total traced and the C heap's figures: what native code
+holds beyond Python's objects, and what the heap holds free: ``shared/telemetry/heap.py``).
+Tracing slows the process: for a diagnosis (a soak's growth: ``bench/soak.py --trace-memory``), not for serving. Off, nothing is installed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import signal
 import time
 import tracemalloc
 from pathlib import Path
+
+from shared.telemetry.heap import figures
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,10 @@ class MemoryReports:
         self._last = snapshot
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as out:
-            out.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} traced {total / 2**20:.1f} MiB\n")
+            out.write(
+                f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} traced {total / 2**20:.1f} MiB"
+                f"{'' if (heap := figures()) is None else f'; {heap}'}\n"
+            )
             out.write("\n".join(lines) + "\n\n")
         log.info("memory report written to %s", self.path)
 

@@ -23,3 +23,9 @@ def test_a_report_names_the_line_that_grew(tmp_path: Path) -> None:
     kib, growth, where = top.split()[0], top.split()[2], top.split()[-1]
     assert where.endswith("test_memory_reports.py:16"), second
     assert float(growth) > 18_000 and float(kib) > 18_000, top
+    # The heading says what glibc's heap holds in use: those objects (over 512 bytes each,
+    # Python asks malloc for them) among it.
+    heading = second.splitlines()[0]
+    assert "C heap" in heading, heading
+    in_use = float(heading.split("C heap: ")[1].split(" MiB in use")[0])
+    assert in_use > 18, heading
