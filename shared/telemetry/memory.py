@@ -3,7 +3,8 @@ environment writes, on SIGUSR2, the source lines holding the most live memory an
 grew since its previous report, to ``<state dir>/memory/<service id>.txt`` (each report
 appended, headed by the time, the total traced and the C heap's figures: what native code
 holds beyond Python's objects, and what the heap holds free: ``shared/telemetry/heap.py``).
-Tracing slows the process: for a diagnosis (a soak's growth: ``bench/soak.py --trace-memory``), not for serving. Off, nothing is installed."""
+Tracing slows the process: for a diagnosis (a soak's growth: ``bench/soak.py
+--trace-memory``), not for serving. Off, nothing is installed."""
 
 from __future__ import annotations
 
