@@ -28,14 +28,11 @@ MIB = 2**20
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+MALLINFO2 = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [  # noqa: RUF012 (glibc's struct mallinfo2, in its order)
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-            "fordblks", "keepcost",
-        )
-    ]
+    _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2.split()]  # noqa: RUF012 (glibc's order)
 
 
 def _glibc() -> ctypes.CDLL | None:
