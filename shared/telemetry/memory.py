@@ -9,8 +9,11 @@ Tracing slows the process: for a diagnosis (a soak's growth: ``bench/soak.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
 import signal
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -29,6 +32,7 @@ class MemoryReports:
         self._last: tracemalloc.Snapshot | None = None
 
     def write(self) -> None:
+        garbage = garbage_lines()
         snapshot = tracemalloc.take_snapshot().filter_traces(IGNORED)
         if self._last is None:
             stats = snapshot.statistics("lineno")
@@ -49,8 +53,60 @@ class MemoryReports:
                 f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} traced {total / 2**20:.1f} MiB"
                 f"{'' if (heap := figures()) is None else f'; {heap}'}\n"
             )
-            out.write("\n".join(lines) + "\n\n")
+            out.write("\n".join(lines) + "\n")
+            out.write("\n".join(garbage) + "\n\n")
         log.info("memory report written to %s", self.path)
+
+
+def garbage_lines() -> list[str]:
+    """What a full collection finds unreachable but for cycles (held until the collector's
+    oldest generation runs: rarely, in a service), by type: count and bytes (a tensor's and a
+    buffer's own, past their object), and the buffers and strings they refer to. Then freed."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found = list(gc.garbage)
+        gc.garbage.clear()
+    finally:
+        gc.set_debug(0)
+    # With what only they hold: buffers and strings are not the collector's (no references),
+    # so not among the cycles' objects themselves.
+    held = {id(obj): obj for obj in found}
+    for obj in found:
+        for ref in gc.get_referents(obj):
+            if not gc.is_tracked(ref):
+                held.setdefault(id(ref), ref)
+    by_type: dict[str, list[int]] = {}
+    for obj in held.values():
+        entry = by_type.setdefault(_type_name(obj), [0, 0])
+        entry[0] += 1
+        entry[1] += _bytes_of(obj)
+    del found, held
+    gc.collect()
+    total = sum(b for _, b in by_type.values())
+    top = sorted(by_type.items(), key=lambda kv: -kv[1][1])[:TOP]
+    return [
+        f"## garbage in cycles, and what it holds: {sum(n for n, _ in by_type.values())} objects, "
+        f"{total / 2**20:.1f} MiB",
+        *(f"{b / 1024:10.0f} KiB {n:8d}  {name}" for name, (n, b) in top),
+    ]
+
+
+def _type_name(obj: object) -> str:
+    name = type(obj).__qualname__
+    code = getattr(obj, "cr_code", None) or getattr(obj, "f_code", None)
+    if code is not None:  # a coroutine or frame: which
+        name += f" {code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}"
+    return name
+
+
+def _bytes_of(obj: object) -> int:
+    size = sys.getsizeof(obj, 0)
+    storage = getattr(obj, "untyped_storage", None)
+    if callable(storage):  # a tensor: its storage, allocated apart
+        with contextlib.suppress(Exception):
+            size += storage().nbytes()
+    return size
 
 
 def _where(traceback: tracemalloc.Traceback) -> str:

@@ -29,3 +29,24 @@ def test_a_report_names_the_line_that_grew(tmp_path: Path) -> None:
     assert "C heap" in heading, heading
     in_use = float(heading.split("C heap: ")[1].split(" MiB in use")[0])
     assert in_use > 18, heading
+
+
+def test_a_report_names_what_cycles_hold_until_the_collector_runs(tmp_path: Path) -> None:
+    class Turn:  # a request's state that refers to itself (a callback, a traceback)
+        pass
+
+    for _ in range(3):
+        turn = Turn()
+        turn.me, turn.kv = turn, bytes(4 << 20)  # type: ignore[attr-defined]
+    del turn
+    tracemalloc.start()
+    try:
+        MemoryReports(tmp_path / "memory" / "decode-0.txt").write()
+    finally:
+        tracemalloc.stop()
+    report = (tmp_path / "memory" / "decode-0.txt").read_text()
+    heading = next(line for line in report.splitlines() if line.startswith("## garbage"))
+    assert float(heading.split(", ")[-1].removesuffix(" MiB")) >= 12, heading
+    by_type = report.split(heading)[1].splitlines()[1:4]
+    assert by_type[0].split()[-1] == "bytes" and int(by_type[0].split()[2]) >= 3, by_type
+    assert any(line.split()[-1].endswith("Turn") for line in by_type), by_type
