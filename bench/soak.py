@@ -14,9 +14,9 @@ hashes it keeps, every serving process's recent traces and the KV event stream o
 (300,000 tokens, 200 conversations, 600 traces and 1 MiB here: the defaults, 4 million,
 4,096, 4,096 and 2 GiB, take hours or days to fill at this load). Every ``--sample-s``: each
 process's resident memory and open file descriptors (its children's too; decode's engine
-process apart), the
-KV blocks the workers hold, the requests queued, and each process's NATS backlog (its
-/metrics). Growth per hour is the slope of a least-squares line through the samples after the
+process apart), the KV blocks the workers hold, the requests queued, and each process's NATS
+backlog and C heap in use (its /metrics: what is allocated, apart from what the heap only
+holds). Growth per hour is the slope of a least-squares line through the samples after the
 plateau (of a process's current run: one restarted is measured from a minute after), ± twice
 its standard error.
 
@@ -185,6 +185,7 @@ class Sample:
     prefixes: float  # the router's conversations' hashes, its share used
     events: float  # the KV event stream on NATS, its share of its bound (cachemeta's figure)
     nats_pending: dict[str, float]
+    heap_mb: dict[str, float]  # each service's C heap in use (its /metrics): allocated, not held
 
 
 def process_figures(pid: int) -> dict[str, tuple[float, int]]:
@@ -223,7 +224,7 @@ def sample(stack: Stack, t: float) -> Sample:
     store = 0.0
     with contextlib.suppress(OSError, KeyError):
         store = get_json(f"{stack.advertised('cachemeta-0')}/health")[1]["storage_tier"]["bytes"]
-    pending, token_cache, traces, prefixes, events = {}, 0.0, [], 0.0, 0.0
+    pending, token_cache, traces, prefixes, events, heap = {}, 0.0, [], 0.0, 0.0, {}
     for sid in pids:
         if sid == "nats-server" or not (url := stack.advertised(sid)):
             continue
@@ -232,6 +233,8 @@ def sample(stack: Stack, t: float) -> Sample:
             pending[sid] = sum(
                 v for (name, _), v in m.items() if name == "kvmesh_nats_pending_bytes"
             )
+            if (in_use := m.get(("kvmesh_heap_bytes", (("of", "in_use"),)))) is not None:
+                heap[sid] = in_use / 2**20
             if sid.startswith(("router", *WORKERS)):
                 kept = m.get(("kvmesh_recent_traces", ()), 0.0)
                 traces.append(kept / RECENT_TRACES)
@@ -260,6 +263,7 @@ def sample(stack: Stack, t: float) -> Sample:
         prefixes=prefixes,
         events=events,
         nats_pending=pending,
+        heap_mb=heap,
     )
 
 
@@ -574,7 +578,7 @@ def report(
     )
     print(
         f"{'process':12} {'RSS MB: start':>13} {'plateau':>8} {'end':>7} {'MB/h':>14}"
-        f" {'fds: start':>10} {'plateau':>8} {'end':>5} {'fds/h':>12}"
+        f" {'fds: start':>10} {'plateau':>8} {'end':>5} {'fds/h':>12} {'heap in use MB/h':>17}"
     )
     processes = {}
     for name in names:
@@ -582,6 +586,7 @@ def report(
         after = [s for s in samples if s.t >= since and name in s.rss_mb]
         rss_h, rss_err = slope_per_h([(s.t, s.rss_mb[name]) for s in after])
         fds_h, fds_err = slope_per_h([(s.t, s.fds[name]) for s in after])
+        heap_h, heap_err = slope_per_h([(s.t, s.heap_mb[name]) for s in after if name in s.heap_mb])
         row = {
             "rss_mb": [
                 round(x.rss_mb.get(name, math.nan), 1) for x in (first, at_plateau, samples[-1])
@@ -589,6 +594,7 @@ def report(
             "rss_mb_per_h": [round(rss_h, 1), round(rss_err, 1)],
             "fds": [x.fds.get(name, -1) for x in (first, at_plateau, samples[-1])],
             "fds_per_h": [round(fds_h, 1), round(fds_err, 1)],
+            "heap_in_use_mb_per_h": [round(heap_h, 1), round(heap_err, 1)],
             "measured_from_s": round(since),
         }
         processes[name] = row
@@ -596,7 +602,7 @@ def report(
         print(
             f"{name:12} {r[0]:>13.1f} {r[1]:>8.1f} {r[2]:>7.1f} "
             f"{rss_h:>+7.1f} ±{rss_err:<5.1f} {f[0]:>10} {f[1]:>8} {f[2]:>5} "
-            f"{fds_h:>+6.1f} ±{fds_err:<4.1f}"
+            f"{fds_h:>+6.1f} ±{fds_err:<4.1f} {heap_h:>+9.1f} ±{heap_err:<5.1f}"
         )
     print(f"\n{'at s':>6}  fault")
     for fault in faults.done:

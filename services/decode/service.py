@@ -448,8 +448,20 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
         self.svc = service
 
     async def Handoff(self, request_iterator, context):  # noqa: ANN001, ANN201, N802
+        # The call's messages come from an async generator of gRPC's that refers to itself:
+        # left suspended (this reads up to `done`, not to the stream's end), it would hold the
+        # call and its buffers until the garbage collector's next young pass (minutes apart
+        # here: ~0.5 MB a hand-over, ~500 MB between passes). Closed at the end, freed then.
+        async with (
+            contextlib.aclosing(aiter(request_iterator)) as messages,
+            contextlib.aclosing(self._handoff(messages, context)) as statuses,
+        ):
+            async for status in statuses:
+                yield status
+
+    async def _handoff(self, messages, context):  # noqa: ANN001, ANN202
         svc = self.svc
-        first = await anext(aiter(request_iterator), None)
+        first = await anext(messages, None)
         if first is None or not first.reserve:
             yield kv_pb2.HandoffStatus(ok=False, code="internal", error="no reserve message")
             return
@@ -489,7 +501,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
             started: float | None = None
             started_ns = time.time_ns()
             done: HandoffDone | None = None
-            async for chunk in request_iterator:
+            async for chunk in messages:
                 if chunk.data:
                     if started is None:
                         started, started_ns = time.perf_counter(), time.time_ns()

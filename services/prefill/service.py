@@ -461,12 +461,17 @@ class PrefillService(WorkerService):
                 raise HandoffFailed(f"{task.decode_id} closed the handoff", "cancelled")
             if not joined.ok:
                 raise HandoffFailed(f"{task.decode_id}: {joined.error}", joined.code or "internal")
+            # Ended on both sides, not cancelled: the decode worker's status sent on a call
+            # cancelled under it fails, and gRPC then never frees that send's operations
+            # (grpc#43360): small leaks, one a hand-over, that keep the heap from shrinking.
+            await self._step(call.done_writing(), timeout)
+            await self._step(call.code(), timeout)
         except grpc.aio.AioRpcError as err:
             span.set_status(StatusCode.ERROR, err.details() or "")
             raise self._rpc_failed(task, err) from None
         finally:
             span.end()
-            call.cancel()
+            call.cancel()  # (one that ended: nothing to do)
 
     @staticmethod
     def _rpc_failed(task: GenerateTask, err: grpc.aio.AioRpcError) -> HandoffFailed:
