@@ -10,9 +10,10 @@ taking new blocks and evicting old ones.
 
 "Full" is when the storage tier reached its eviction watermark, every prefill worker's memory
 tier is nine-tenths used, and so are the router's tokenizer cache, the conversations whose
-hashes it keeps, every serving process's recent traces and the KV event stream on NATS
-(300,000 tokens, 200 conversations, 600 traces and 1 MiB here: the defaults, 4 million,
-4,096, 4,096 and 2 GiB, take hours or days to fill at this load). Every ``--sample-s``: each
+hashes it keeps, the conversations it keeps to explain cache misses, every serving process's
+recent traces and the KV event stream on NATS (300,000 tokens, 200 conversations, 2 MiB, 600
+traces and 1 MiB here: the defaults, 4 million, 4,096, 64 MiB, 4,096 and 2 GiB, take hours or
+days to fill at this load). Every ``--sample-s``: each
 process's resident memory and open file descriptors (its children's too; decode's engine
 process apart), the KV blocks the workers hold, the requests queued, and each process's NATS
 backlog and C heap in use (its /metrics: what is allocated, apart from what the heap only
@@ -75,6 +76,7 @@ TOKEN_CACHE = 300_000  # the router's tokenizer cache, in tokens (~50 bytes each
 RECENT_TRACES = 600  # each process's traces kept for the operator page
 PREFIX_PROMPTS = 200  # conversations whose block hashes the router keeps
 EVENTS_MIB = 1  # the KV event stream's bound on NATS (the default, 2 GiB, takes days here)
+EXPLAIN_MIB = 2  # the router's recent conversations for cache-miss explanations (64 MiB: hours)
 EVENTS = "KVMESH_KV_EVENTS"
 SETTINGS = {
     "KVMESH_FAULT_HOOKS": "true",
@@ -91,6 +93,7 @@ SETTINGS = {
     "KVMESH_RECENT_TRACES": str(RECENT_TRACES),
     "KVMESH_ROUTER_PREFIX_PROMPTS": str(PREFIX_PROMPTS),
     "KVMESH_CACHEMETA_EVENTS_STREAM_BYTES": str(EVENTS_MIB << 20),
+    "KVMESH_ROUTER_CACHE_EXPLAIN_BYTES": str(EXPLAIN_MIB << 20),
 }
 WORKERS = ("prefill", "decode")
 WATERMARK = 0.9  # cachemeta's default high watermark
@@ -184,6 +187,7 @@ class Sample:
     traces: float  # the emptiest trace buffer of the router and the workers, its share used
     prefixes: float  # the router's conversations' hashes, its share used
     events: float  # the KV event stream on NATS, its share of its bound (cachemeta's figure)
+    explain: float  # the router's conversations kept to explain cache misses, share used
     nats_pending: dict[str, float]
     heap_mb: dict[str, float]  # each service's C heap in use (its /metrics): allocated, not held
 
@@ -224,7 +228,7 @@ def sample(stack: Stack, t: float) -> Sample:
     store = 0.0
     with contextlib.suppress(OSError, KeyError):
         store = get_json(f"{stack.advertised('cachemeta-0')}/health")[1]["storage_tier"]["bytes"]
-    pending, token_cache, traces, prefixes, events, heap = {}, 0.0, [], 0.0, 0.0, {}
+    pending, token_cache, traces, prefixes, events, explain, heap = {}, 0.0, [], 0.0, 0.0, 0.0, {}
     for sid in pids:
         if sid == "nats-server" or not (url := stack.advertised(sid)):
             continue
@@ -242,6 +246,8 @@ def sample(stack: Stack, t: float) -> Sample:
                 cached = [v for (n, _), v in m.items() if n == "kvmesh_router_token_cache_tokens"]
                 token_cache = sum(cached) / TOKEN_CACHE
                 prefixes = m.get(("kvmesh_router_prefix_prompts", ()), 0.0) / PREFIX_PROMPTS
+                kept = m.get(("kvmesh_router_cache_explain_bytes", ()), 0.0)
+                explain = kept / (EXPLAIN_MIB << 20)
             if sid.startswith("cachemeta"):
                 stream = {
                     of: m.get(("kvmesh_stream_bytes", (("of", of), ("stream", EVENTS))), 0.0)
@@ -262,6 +268,7 @@ def sample(stack: Stack, t: float) -> Sample:
         traces=min(traces, default=0.0),
         prefixes=prefixes,
         events=events,
+        explain=explain,
         nats_pending=pending,
         heap_mb=heap,
     )
@@ -457,7 +464,7 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
                 continue
             samples.append(s)
             store_full = s.store_mb >= WATERMARK * STORE_MIB * 0.97
-            filled = (s.memory_tiers, s.token_cache, s.traces, s.prefixes, s.events)
+            filled = (s.memory_tiers, s.token_cache, s.traces, s.prefixes, s.events, s.explain)
             full = store_full and min(filled) >= 0.9
             if full_at is None and full:
                 full_at = t
@@ -471,7 +478,7 @@ def soak(stack: Stack, tier: Path | None, args: argparse.Namespace) -> int:
                 f"{t:6.0f} s  {tally.requests:6d} requests  {sum(tally.errors.values())} errors"
                 f"  store {s.store_mb:5.1f}/{STORE_MIB} MiB  memory tiers {s.memory_tiers:4.0%}"
                 f"  token cache {s.token_cache:4.0%}  traces {s.traces:4.0%}"
-                f"  prefixes {s.prefixes:4.0%}  events {s.events:4.0%}"
+                f"  prefixes {s.prefixes:4.0%}  events {s.events:4.0%}  explain {s.explain:4.0%}"
                 f"  RSS {sum(s.rss_mb.values()):6.0f} MB  fds {sum(s.fds.values()):4d}"
                 f"  queued {s.queued}"
             )
