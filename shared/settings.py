@@ -201,8 +201,8 @@ class CommonSettings(KvmeshSettings):
         ge=0,
         description="every this many seconds, the C heap's free pages are given back to the "
         "system (glibc's malloc_trim, on a thread): without it a long-running process keeps "
-        "what it freed, in holes between live objects (a soak measured the router and the "
-        "decode workers growing 0.05-1.4 GB an hour that way); 0: never",
+        "what it freed in holes between live objects (buffers of every size: KV blocks, gRPC "
+        "frames, JSON bodies), resident; 0: never",
     )
 
     # How an image becomes placeholder tokens: the router counts them, the encoder makes
