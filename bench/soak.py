@@ -246,8 +246,8 @@ def sample(stack: Stack, t: float) -> Sample:
                 cached = [v for (n, _), v in m.items() if n == "kvmesh_router_token_cache_tokens"]
                 token_cache = sum(cached) / TOKEN_CACHE
                 prefixes = m.get(("kvmesh_router_prefix_prompts", ()), 0.0) / PREFIX_PROMPTS
-                kept = m.get(("kvmesh_router_cache_explain_bytes", ()), 0.0)
-                explain = kept / (EXPLAIN_MIB << 20)
+                explained = m.get(("kvmesh_router_cache_explain_bytes", ()), 0.0)
+                explain = explained / (EXPLAIN_MIB << 20)
             if sid.startswith("cachemeta"):
                 stream = {
                     of: m.get(("kvmesh_stream_bytes", (("of", of), ("stream", EVENTS))), 0.0)

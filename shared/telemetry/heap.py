@@ -14,15 +14,12 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-import logging
 import os
 import time
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-log = logging.getLogger(__name__)
 
 MIB = 2**20
 PAGE = os.sysconf("SC_PAGE_SIZE")

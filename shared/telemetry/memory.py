@@ -72,8 +72,8 @@ def garbage_lines() -> list[str]:
         gc.garbage.clear()
     finally:
         gc.set_debug(0)
-    # With what only they hold: buffers and strings are not the collector's (no references),
-    # so not among the cycles' objects themselves.
+    # With the buffers and strings they refer to: those are not the collector's (they refer
+    # to nothing), so not among the cycles' objects themselves.
     held = {id(obj): obj for obj in found}
     for obj in found:
         for ref in gc.get_referents(obj):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from types import SimpleNamespace
 
 import grpc
@@ -20,9 +21,9 @@ CALLS = 20
 AHEAD = 2  # call states the server makes ahead for calls to come (a count that varies)
 
 
-def live_calls() -> int:
-    """gRPC's server-side state of calls still alive in this process."""
-    return sum(type(o).__name__ == "RPCState" for o in gc.get_objects())
+def live_calls() -> list[object]:
+    """gRPC's server-side states of calls alive in this process."""
+    return [o for o in gc.get_objects() if type(o).__name__ == "RPCState"]
 
 
 async def hand_over(stub: kv_pb2_grpc.KvHandoffStub, n: int) -> kv_pb2.HandoffStatus:
@@ -45,7 +46,9 @@ async def hand_over(stub: kv_pb2_grpc.KvHandoffStub, n: int) -> kv_pb2.HandoffSt
     return status
 
 
-async def handovers_refused() -> tuple[list[kv_pb2.HandoffStatus], int, int]:
+async def handovers_refused() -> tuple[list[kv_pb2.HandoffStatus], int]:
+    """The statuses of CALLS refused hand-overs, and how many call states are alive after
+    them that were not before."""
     worker = SimpleNamespace(handoff_secret=b"s" * 32, service_id="decode-0")
     server = grpc_server()
     kv_pb2_grpc.add_KvHandoffServicer_to_server(KvReceiver(worker), server)
@@ -55,14 +58,16 @@ async def handovers_refused() -> tuple[list[kv_pb2.HandoffStatus], int, int]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = kv_pb2_grpc.KvHandoffStub(channel)
             await hand_over(stub, -1)  # (the server waits for calls with state made ahead)
-            await asyncio.sleep(0.1)
-            before = live_calls()
+            before = {id(o): o for o in live_calls()}  # (held: no id of theirs is reused)
+
+            def new() -> int:
+                return sum(id(o) not in before for o in live_calls())
+
             statuses = [await hand_over(stub, n) for n in range(CALLS)]
-            for _ in range(50):  # (the server's side ends a moment after the client's)
-                if live_calls() <= before + AHEAD:
-                    break
+            deadline = time.monotonic() + 5.0  # (the server's side ends after the client's)
+            while new() > AHEAD and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            return statuses, before, live_calls()
+            return statuses, new()
     finally:
         await server.stop(None)
 
@@ -71,8 +76,8 @@ def test_each_hand_over_is_let_go_when_it_ends() -> None:
     gc.collect()
     gc.disable()  # (what the collector would free later does not count)
     try:
-        statuses, before, after = asyncio.run(handovers_refused())
+        statuses, held = asyncio.run(handovers_refused())
     finally:
         gc.enable()
     assert all(s.code == "unauthorized" and not s.ok for s in statuses), statuses[0]
-    assert after - before <= AHEAD, f"{after - before} of {CALLS} calls still held"
+    assert held <= AHEAD, f"{held} of {CALLS} calls still held"

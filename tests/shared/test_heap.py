@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.procs import REPO
 
 # Buffers of 100 KB (under glibc's threshold for mapping one apart: from the heap), each
 # followed by a small object that stays: freeing the buffers leaves holes below live objects,
