@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 import tracemalloc
+import types
 from pathlib import Path
 
 from shared.telemetry.heap import figures
@@ -97,18 +98,25 @@ def garbage_lines() -> list[str]:
 
 def _type_name(obj: object) -> str:
     name = type(obj).__qualname__
-    code = getattr(obj, "cr_code", None) or getattr(obj, "f_code", None)
-    if code is not None:  # a coroutine or frame: which
+    # A coroutine's or a frame's code says which. Asked by type: some objects answer any
+    # attribute (pyparsing's results give "" for a name they do not hold).
+    code = (
+        obj.cr_code
+        if isinstance(obj, types.CoroutineType)
+        else obj.f_code
+        if isinstance(obj, types.FrameType)
+        else None
+    )
+    if code is not None:
         name += f" {code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}"
     return name
 
 
 def _bytes_of(obj: object) -> int:
     size = sys.getsizeof(obj, 0)
-    storage = getattr(obj, "untyped_storage", None)
-    if callable(storage):  # a tensor: its storage, allocated apart
+    if hasattr(type(obj), "untyped_storage"):  # a tensor: its storage, allocated apart
         with contextlib.suppress(Exception):
-            size += storage().nbytes()
+            size += obj.untyped_storage().nbytes()  # type: ignore[attr-defined]
     return size
 
 
