@@ -250,7 +250,7 @@ def test_a_client_leaving_mid_prefill_stops_the_prefill(stack: Stack) -> None:
         finally:
             conn.close()  # the client is gone
         spans = wait_until(
-            lambda: [
+            lambda rid=rid: [
                 s
                 for s in request_trace(read_spans(stack.dir / "traces"), rid)
                 if s["name"] == "prefill" and s["status"] == "error"
