@@ -9,7 +9,11 @@ line one JSON object with the tiny model's figures at 8 clients: ttft_p50_ms, tt
 tpot_p50_ms, rps, kv_transfer_mb_s, mesh_overhead_p50_ms; mesh_overhead_p50_ms_1 (1
 client); the fake-paced stack's fake_overhead_p50_ms[_1] and its ratio to the anchor's best
 (of its two connection modes), fake_vs_anchor[_1]; each stack's hop table
-(hops_ms_<stack>_<clients>); and the anchor's: anchor_overhead_p50_ms (8 clients),
+(hops_ms_<stack>_<clients>), its processes' CPU per request
+(cpu_ms_per_request_<stack>_<clients>: router, prefill, decode, its engine's process,
+nats-server...) and the token events' transit from worker to router
+(token_transit_ms_<stack>_<clients>: mean, p50, p99, from the router's
+kvmesh_token_transit_seconds); and the anchor's: anchor_overhead_p50_ms (8 clients),
 anchor_overhead_p50_ms_1, and the same on kept-alive connections
 (anchor_keepalive_overhead_p50_ms[_1]).
 
@@ -49,6 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.harness import Stack, emit, free_port, pct, say, wait_http  # noqa: E402
+from tests.procs import metrics  # noqa: E402
 
 FAKE_STEP_MS = 1  # the fake-paced decode's step: paced, no compute (its time is the engine's)
 PROMPT = (
@@ -283,6 +288,49 @@ def hops(trace_dir: Path, results: list[dict]) -> dict[str, float]:
     return {name: round(statistics.median(v), 2) for name, v in per_hop.items()}
 
 
+PROCESS_ORDER = (
+    "router",
+    "prefill",
+    "decode",
+    "decode engine",
+    "nats-server",
+    "cachemeta",
+    "encoder",
+)
+
+
+def cpu_per_request(before: dict[str, float], after: dict[str, float], n: int) -> dict:
+    """Each process's CPU while ``n`` requests ran, ms per request."""
+    return {
+        k: round((after[k] - before.get(k, 0.0)) / n * 1e3, 2)
+        for k in sorted(after, key=PROCESS_ORDER.index)
+    }
+
+
+def transit(before: dict, after: dict) -> dict[str, float | None]:
+    """The router's kvmesh_token_transit_seconds between two scrapes: mean, and the bucket
+    bounds under which half and 99% of the messages came (ms)."""
+    name = "kvmesh_token_transit_seconds"
+
+    def delta(sample: str, labels: tuple = ()) -> float:
+        key = (f"{name}_{sample}", labels)
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    count = delta("count")
+    if not count:
+        return {"mean": None, "p50": None, "p99": None}
+    buckets = sorted(
+        (float(dict(labels)["le"]), delta("bucket", labels))
+        for (sample, labels) in after
+        if sample == f"{name}_bucket"
+    )
+    out: dict[str, float | None] = {"mean": round(delta("sum") / count * 1e3, 3)}
+    for q in (50, 99):
+        bound = next((le for le, n in buckets if n >= count * q / 100), float("inf"))
+        out[f"p{q}"] = round(bound * 1e3, 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--skip-real", action="store_true", help="only the tiny model")
@@ -351,9 +399,15 @@ def main() -> None:
         stack = Stack(model, 1, extra, args=served if model == small else ())
         try:
             stack.wait_ready()
+            # Warmed first: a process's first requests build what it keeps (imports, schemas,
+            # the tokenizer's caches), at a cost that is no request's.
+            asyncio.run(drive(stack.url, model, 2, 3, args.max_tokens))
             for clients in (1, 8, 32):
                 say(f"{name}: {clients} clients x {per_client} requests")
+                cpu, seen = stack.cpu_seconds(), metrics(stack.url)
                 fig = asyncio.run(drive(stack.url, model, clients, per_client, args.max_tokens))
+                fig["cpu_ms"] = cpu_per_request(cpu, stack.cpu_seconds(), fig["requests"] + 1)
+                fig["transit_ms"] = transit(seen, metrics(stack.url))
                 time.sleep(1.0)  # the services write their spans within half a second
                 fig["hops"] = hops(stack.dir / "traces", fig.pop("results"))
                 rows.append((name, clients, fig))
@@ -366,6 +420,8 @@ def main() -> None:
                     summary[key] = fig["mesh_overhead_p50_ms"]
                 if name in ("tiny", "fake") and clients in (1, 8, 32):
                     summary[f"hops_ms_{name}_{clients}"] = fig["hops"]
+                    summary[f"cpu_ms_per_request_{name}_{clients}"] = fig["cpu_ms"]
+                    summary[f"token_transit_ms_{name}_{clients}"] = fig["transit_ms"]
         finally:
             stack.stop()
     head = (
@@ -392,6 +448,15 @@ def main() -> None:
         print(f"{'hop':<36}" + "".join(f"{f'{m[:7]} x{c}':>12}" for m, c, _ in shown))
         for name, _, _ in HOPS + BESIDE:
             print(f"{name:<36}" + "".join(f"{f['hops'].get(name, 0):>12.2f}" for *_, f in shown))
+    print("\nCPU per request (ms), by process (the stack's whole CPU while it ran, by requests):")
+    kinds = sorted({k for *_, f in rows for k in f["cpu_ms"]}, key=PROCESS_ORDER.index)
+    print(f"{'process':<36}" + "".join(f"{f'{m[:7]} x{c}':>12}" for m, c, _ in rows))
+    for kind in kinds:
+        print(f"{kind:<36}" + "".join(f"{f['cpu_ms'].get(kind, 0):>12.2f}" for *_, f in rows))
+    print(f"{'all':<36}" + "".join(f"{sum(f['cpu_ms'].values()):>12.2f}" for *_, f in rows))
+    print("\ntoken events, a worker's send to the router's receipt (ms; p50, p99: bucket bounds):")
+    for stat in ("mean", "p50", "p99"):
+        print(f"{stat:<36}" + "".join(f"{f['transit_ms'][stat] or 0:>12.3f}" for *_, f in rows))
     anchor = measure_anchor(args.max_tokens, args.anchor_rounds)
     print(
         f"anchor (sglang-router over a fake upstream, {args.max_tokens} chunks), added p50: "

@@ -158,6 +158,28 @@ class Up:
         stop(self.proc, timeout_s)
         self.log.close()
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user and system) of each process the stack runs, by what it is:
+        router, prefill, decode, decode engine (the engine's own process), cachemeta,
+        encoder, nats-server (several of a kind: added together)."""
+        import psutil  # (here: the extras install it, and most benches run without it)
+
+        out: dict[str, float] = {}
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                line = " ".join(p.cmdline())
+                if "shared.hosting.process" in line:
+                    name = "decode engine"
+                elif "nats-server" in line:
+                    name = "nats-server"
+                elif "services." in line:
+                    name = line.split("services.", 1)[1].split()[0]
+                else:
+                    continue
+                t = p.cpu_times()
+                out[name] = out.get(name, 0.0) + t.user + t.system
+        return out
+
 
 class Stack(Up):
     """`kvmesh up` for this bench: ``model`` on both pools, ``threads`` each, every request's

@@ -613,7 +613,7 @@ class WorkerService(Service):
         """Events already JSON (``TokenEvents.encoded``, ``PlainTokens``), in one message."""
         assert self.bus is not None
         try:
-            await self.bus.publish_bytes(subject, TokenEvents.joined(events))
+            await self.bus.publish_bytes(subject, TokenEvents.joined(events, time.time_ns()))
         except Exception as err:  # the router notices the silence and retries or fails
             log.warning("could not send %d token events to %s: %s", len(events), subject, err)
 

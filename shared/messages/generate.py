@@ -228,15 +228,16 @@ class TokenEvents(Message):
     request's in order (one message per decode step for all of them, not one per token)."""
 
     events: list[TokenEvent]
+    sent_ns: int = 0  # when the worker sent it (its clock): the router's transit histogram
 
     def to_bytes(self) -> bytes:
         # Sent every step: an event's unset fields stay off the wire (a third of the bytes).
         return self.model_dump_json(exclude_defaults=True).encode()
 
     @staticmethod
-    def joined(events: list[bytes]) -> bytes:
+    def joined(events: list[bytes], sent_ns: int = 0) -> bytes:
         """The message of events each already JSON (``encoded``, ``PlainTokens.event``)."""
-        return b'{"events":[' + b",".join(events) + b"]}"
+        return b'{"events":[' + b",".join(events) + b'],"sent_ns":%d}' % sent_ns
 
     @staticmethod
     def encoded(event: TokenEvent) -> bytes:

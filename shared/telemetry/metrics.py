@@ -42,6 +42,12 @@ TPOT = Histogram(
     "time per output token after the first, per request",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+TOKEN_TRANSIT = Histogram(
+    "kvmesh_token_transit_seconds",
+    "a message of token events from a worker's send to this router's receipt (NATS both ways: "
+    "the worker's publish, the server, the router's read; by the two hosts' clocks)",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+)
 INPUT_TOKENS = Counter(
     "kvmesh_input_tokens", "prompt tokens by where their KV came from", ["source"]
 )  # computed, memory, storage

@@ -29,6 +29,7 @@ from services.router.errors import ApiError
 from services.router.settings import DispatchSettings
 from shared.bus import Bus, subjects
 from shared.messages.generate import Cancel, TokenEvent, TokenEvents
+from shared.telemetry.metrics import TOKEN_TRANSIT
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,8 @@ class Replies:
             await asyncio.gather(self._watchdog, return_exceptions=True)
 
     async def _on_events(self, message: TokenEvents) -> None:
+        if message.sent_ns:
+            TOKEN_TRANSIT.observe(max(0, time.time_ns() - message.sent_ns) / 1e9)
         self.deliver(message.events)
 
     def deliver(self, events: list[TokenEvent]) -> None:
