@@ -165,6 +165,11 @@ def test_metrics_parse_on_every_service_and_move_with_traffic(stack: Stack) -> N
     )
     assert computed + cached == resp.usage.prompt_tokens
     assert moved("router", "kvmesh_ttft_seconds_count") == 1
+    # Token events came in messages (the first token's from prefill, decode's after it), each
+    # timed from its worker's send, within the request's own time.
+    transits = moved("router", "kvmesh_token_transit_seconds_count")
+    assert 2 <= transits <= resp.usage.completion_tokens
+    assert 0 < moved("router", "kvmesh_token_transit_seconds_sum") / transits < 1
     assert moved("prefill", "kvmesh_bytes_total", link="handoff", direction="out") > 0
     assert moved("decode", "kvmesh_bytes_total", link="handoff", direction="in") > 0
     assert moved("prefill", "kvmesh_bytes_total", link="store", direction="write") > 0
