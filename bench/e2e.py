@@ -11,9 +11,11 @@ client); the fake-paced stack's fake_overhead_p50_ms[_1] and its ratio to the an
 (of its two connection modes), fake_vs_anchor[_1]; each stack's hop table
 (hops_ms_<stack>_<clients>), its processes' CPU per request
 (cpu_ms_per_request_<stack>_<clients>: router, prefill, decode, its engine's process,
-nats-server...) and the token events' transit from worker to router
-(token_transit_ms_<stack>_<clients>: mean, p50, p99, from the router's
-kvmesh_token_transit_seconds); and the anchor's: anchor_overhead_p50_ms (8 clients),
+nats-server...) and wake-ups per request (wakeups_per_request_<stack>_<clients>: its
+threads' voluntary context switches, each a message that woke it, about: on a VM each costs
+tens of microseconds of the sender's and the receiver's CPU), and the token events'
+transit from worker to router (token_transit_ms_<stack>_<clients>: mean, p50, p99, from
+the router's kvmesh_token_transit_seconds); and the anchor's: anchor_overhead_p50_ms (8 clients),
 anchor_overhead_p50_ms_1, and the same on kept-alive connections
 (anchor_keepalive_overhead_p50_ms[_1]).
 
@@ -299,12 +301,13 @@ PROCESS_ORDER = (
 )
 
 
-def cpu_per_request(before: dict[str, float], after: dict[str, float], n: int) -> dict:
-    """Each process's CPU while ``n`` requests ran, ms per request."""
-    return {
-        k: round((after[k] - before.get(k, 0.0)) / n * 1e3, 2)
-        for k in sorted(after, key=PROCESS_ORDER.index)
-    }
+def per_request(before: dict, after: dict, n: int) -> tuple[dict, dict]:
+    """Each process's CPU (ms) and wake-ups (``Up.cpu_and_wakeups``) while ``n`` requests
+    ran, per request."""
+    kinds = sorted(after, key=PROCESS_ORDER.index)
+    cpu = {k: round((after[k][0] - before.get(k, (0.0, 0))[0]) / n * 1e3, 2) for k in kinds}
+    woken = {k: round((after[k][1] - before.get(k, (0.0, 0))[1]) / n, 1) for k in kinds}
+    return cpu, woken
 
 
 def transit(before: dict, after: dict) -> dict[str, float | None]:
@@ -404,9 +407,11 @@ def main() -> None:
             asyncio.run(drive(stack.url, model, 2, 3, args.max_tokens))
             for clients in (1, 8, 32):
                 say(f"{name}: {clients} clients x {per_client} requests")
-                cpu, seen = stack.cpu_seconds(), metrics(stack.url)
+                cpu, seen = stack.cpu_and_wakeups(), metrics(stack.url)
                 fig = asyncio.run(drive(stack.url, model, clients, per_client, args.max_tokens))
-                fig["cpu_ms"] = cpu_per_request(cpu, stack.cpu_seconds(), fig["requests"] + 1)
+                fig["cpu_ms"], fig["wakeups"] = per_request(
+                    cpu, stack.cpu_and_wakeups(), fig["requests"] + 1
+                )
                 fig["transit_ms"] = transit(seen, metrics(stack.url))
                 time.sleep(1.0)  # the services write their spans within half a second
                 fig["hops"] = hops(stack.dir / "traces", fig.pop("results"))
@@ -421,6 +426,7 @@ def main() -> None:
                 if name in ("tiny", "fake") and clients in (1, 8, 32):
                     summary[f"hops_ms_{name}_{clients}"] = fig["hops"]
                     summary[f"cpu_ms_per_request_{name}_{clients}"] = fig["cpu_ms"]
+                    summary[f"wakeups_per_request_{name}_{clients}"] = fig["wakeups"]
                     summary[f"token_transit_ms_{name}_{clients}"] = fig["transit_ms"]
         finally:
             stack.stop()
@@ -454,6 +460,10 @@ def main() -> None:
     for kind in kinds:
         print(f"{kind:<36}" + "".join(f"{f['cpu_ms'].get(kind, 0):>12.2f}" for *_, f in rows))
     print(f"{'all':<36}" + "".join(f"{sum(f['cpu_ms'].values()):>12.2f}" for *_, f in rows))
+    print("\nwake-ups per request, by process (its threads' voluntary context switches):")
+    for kind in kinds:
+        print(f"{kind:<36}" + "".join(f"{f['wakeups'].get(kind, 0):>12.1f}" for *_, f in rows))
+    print(f"{'all':<36}" + "".join(f"{sum(f['wakeups'].values()):>12.1f}" for *_, f in rows))
     print("\ntoken events, a worker's send to the router's receipt (ms; p50, p99: bucket bounds):")
     for stat in ("mean", "p50", "p99"):
         print(f"{stat:<36}" + "".join(f"{f['transit_ms'][stat] or 0:>12.3f}" for *_, f in rows))

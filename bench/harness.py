@@ -89,6 +89,17 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30, group: bool = False) -> 
         proc.wait()
 
 
+def _waits(pid: int) -> int:
+    """Voluntary context switches of all of a process's threads (/proc's per thread)."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        with contextlib.suppress(OSError):
+            for line in status.read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+    return total
+
+
 class Up:
     """`kvmesh up ARGS` in a state dir of its own (a new temporary one unless ``state``), its
     NATS and router on free ports of 127.0.0.1, with ``env`` on top of the environment (less
@@ -162,9 +173,14 @@ class Up:
         """CPU seconds (user and system) of each process the stack runs, by what it is:
         router, prefill, decode, decode engine (the engine's own process), cachemeta,
         encoder, nats-server (several of a kind: added together)."""
+        return {k: cpu for k, (cpu, _) in self.cpu_and_wakeups().items()}
+
+    def cpu_and_wakeups(self) -> dict[str, tuple[float, int]]:
+        """``cpu_seconds``, each with its process's voluntary context switches (its threads'
+        waits for something to read: each message that woke it, about)."""
         import psutil  # (here: the extras install it, and most benches run without it)
 
-        out: dict[str, float] = {}
+        out: dict[str, tuple[float, int]] = {}
         for p in psutil.Process(self.proc.pid).children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
                 line = " ".join(p.cmdline())
@@ -176,8 +192,9 @@ class Up:
                     name = line.split("services.", 1)[1].split()[0]
                 else:
                     continue
-                t = p.cpu_times()
-                out[name] = out.get(name, 0.0) + t.user + t.system
+                t, waits = p.cpu_times(), _waits(p.pid)
+                cpu, woken = out.get(name, (0.0, 0))
+                out[name] = (cpu + t.user + t.system, woken + waits)
         return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -18,6 +19,17 @@ CONFIG = Path(__file__).with_name("nats.conf")  # what every configuration start
 
 class NatsServerError(Exception):
     """The embedded nats-server could not start; the message says why and what to do."""
+
+
+# The embedded server's Go scheduler on one core, unless GOMAXPROCS says otherwise: a mesh
+# on one machine sends it many small messages, and on more cores each is handed between
+# threads that wake each other (bench/e2e.py on 2 vCPUs: a third to a half fewer of its
+# wake-ups and 15-35% less of its CPU per request, latency unchanged).
+EMBEDDED_GOMAXPROCS = "1"
+
+
+def server_env() -> dict[str, str]:
+    return {"GOMAXPROCS": EMBEDDED_GOMAXPROCS, **os.environ}
 
 
 def nats_server_binary() -> Path:
@@ -129,6 +141,7 @@ class NatsServer:
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd,
+            env=server_env(),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a terminal's Ctrl-C must not stop NATS before the services
