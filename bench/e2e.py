@@ -33,6 +33,7 @@ kept-alive connections (where the router's unset TCP_NODELAY meets the client's 
 in turn; the JSON gains <variant>_ttft_p50_ms and security_added_p50_ms.
 
     .venv/bin/python bench/e2e.py [--skip-real] [--requests 3] [--auth] [--tls]
+        [--token-links on|off]
 """
 
 from __future__ import annotations
@@ -369,8 +370,17 @@ def main() -> None:
         help="where decode's engine loop runs: a process of its own (the default) or a thread "
         "of the worker (KVMESH_DECODE_ENGINE_PROCESS)",
     )
+    ap.add_argument(
+        "--token-links",
+        choices=("on", "off"),
+        default="on",
+        help="workers' token events on links straight to the router (the default), or NATS",
+    )
     args = ap.parse_args()
-    placement = {"KVMESH_DECODE_ENGINE_PROCESS": str(args.decode_engine == "process").lower()}
+    placement = {
+        "KVMESH_DECODE_ENGINE_PROCESS": str(args.decode_engine == "process").lower(),
+        "KVMESH_ROUTER_TOKEN_LINKS": str(args.token_links == "on").lower(),
+    }
     # (name, model, engine env, requests per client): the tiny model computing on both
     # workers; the fake-paced engine (no model compute: the mesh alone, beside the anchor);
     # the real model.

@@ -21,6 +21,7 @@ router_added_itl_p50_ms, router_added_itl_p99_ms, anchor_tokens_s, anchor_tokens
 anchor_added_itl_p99_ms, and every concurrency's figures.
 
     .venv/bin/python bench/router_capacity.py [--streams 64 256 1024] [--seconds 8]
+        [--token-links on|off]
 """
 
 from __future__ import annotations
@@ -244,6 +245,7 @@ def kvmesh_stack(args: argparse.Namespace) -> tuple[Up, int]:
         KVMESH_DECODE_MEMORY_TIER_BYTES="0",
         KVMESH_DECODE_MAX_RUNNING=str(max(args.streams) + 64),
         KVMESH_ROUTER_MAX_INFLIGHT=str(max(args.streams) * 2),
+        KVMESH_ROUTER_TOKEN_LINKS=str(args.token_links == "on").lower(),
     )
     up = Up(["--decode", str(args.decode), "--encoder", "0"], env)
     up.wait_ready(180)
@@ -295,6 +297,12 @@ def main() -> None:
     )
     ap.add_argument("--decode", type=int, default=1, help="kvmesh decode workers")
     ap.add_argument("--skip-anchor", action="store_true")
+    ap.add_argument(
+        "--token-links",
+        choices=("on", "off"),
+        default="on",
+        help="decode's token events on links straight to the router (the default), or NATS",
+    )
     args = ap.parse_args()
     results: dict[str, list[dict]] = {"kvmesh": [], "anchor": []}
 

@@ -7,8 +7,9 @@ refused them); ``kv_feed`` (a vLLM worker's engine cache events are dropped as t
 if its feed went quiet); ``engine_step`` (a decode step raises); ``engine_prefill`` (a prompt's
 compute raises, on a prefill worker or decode's local prefill); ``poison_token_<id>`` (an
 engine call on a prompt holding that token id raises: its prefill, or a decode step while it
-is in the batch: a request that makes every engine fail). A process that runs part of itself
-elsewhere (decode's engine process) passes the switches on (``LISTENERS``).
+is in the batch: a request that makes every engine fail); ``token_links`` (a router closes
+its workers' token links and takes none: shared/bus/tokens.py). A process that runs part of
+itself elsewhere (decode's engine process) passes the switches on (``LISTENERS``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from shared.messages.kvevents import MEMORY, STORE, memory_location
 from shared.model.catalog import resolve
 from shared.service import ServiceSettings
 from shared.settings import CommonSettings, SettingsError, env_name
-from shared.worker import Tasks, WorkerService, WorkerSettings
+from shared.worker import WorkerService, WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class OwningWorker(WorkerService):
         stack.push_async_callback(engine.stop)
         self.say_ready(started, engine.stats(), " (it owns its KV)")
         await bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
-        await Tasks(self.on_task).serve(bus, subjects.tasks(self.role, self.service_id))
+        await self.serve_tasks(bus, subjects.tasks(self.role, self.service_id), self.on_task)
 
     def engine_options(self) -> EngineOptions:
         """The worker's engine options, with the storage tier the engine reads and writes."""

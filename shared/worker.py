@@ -19,6 +19,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from pydantic import Field, field_validator
 
 from shared.bus import Bus, subjects
+from shared.bus.tokens import TokenLinks
 from shared.engine import ops
 from shared.engine.interface import (
     Engine,
@@ -51,6 +52,7 @@ from shared.messages.heartbeat import Load
 from shared.messages.kvevents import MEMORY, STORAGE, ResyncRequest
 from shared.model.catalog import ModelError, resolve
 from shared.model.text import check_model
+from shared.security import tls
 from shared.service import Service, ServiceSettings
 from shared.settings import CommonSettings, SettingsError, env_name
 from shared.telemetry.metrics import BYTES, ENGINE_FAILURES, PREFILL_TOKENS
@@ -70,8 +72,13 @@ class Tasks:
     one at a time (a second is read after the first's answer); a refused task is not
     remembered (asked again, it may be taken)."""
 
-    def __init__(self, on_task: Callable[[GenerateTask], Awaitable[TaskAck]]) -> None:
+    def __init__(
+        self,
+        on_task: Callable[[GenerateTask], Awaitable[TaskAck]],
+        seen: Callable[[GenerateTask], None] = lambda _: None,
+    ) -> None:
         self.on_task = on_task
+        self.seen = seen  # each task asked (the worker learns its router's token link)
         self.taken: dict[str, float] = {}  # request id -> when (oldest first)
 
     async def serve(self, bus: Bus, subject: str) -> None:
@@ -83,6 +90,7 @@ class Tasks:
             del self.taken[next(iter(self.taken))]
         if task.request_id in self.taken:
             return TaskAck(accepted=True, again=True)
+        self.seen(task)
         ack = await self.on_task(task)
         if ack.accepted:
             self.taken[task.request_id] = now
@@ -236,6 +244,14 @@ class WorkerService(Service):
         self.spans: dict[str, Span] = {}  # each request's span here, open until it leaves
         self.engine_failures = 0  # in a row: past settings.max_engine_failures it is failing
         self._failed_prompts: set[bytes] = set()  # the prompts those failures held
+        # Token events straight to their routers where they listen (else on NATS).
+        self.links = TokenLinks(self.service_id, tls.mesh_client_context(common))
+
+    async def serve_tasks(
+        self, bus: Bus, subject: str, on_task: Callable[[GenerateTask], Awaitable[TaskAck]]
+    ) -> None:
+        """Take tasks on ``subject`` (``Tasks``), each router's token link learnt from them."""
+        await Tasks(on_task, self.links.learn).serve(bus, subject)
 
     # -- an engine that raises --------------------------------------------------------------
 
@@ -610,10 +626,13 @@ class WorkerService(Service):
         await self.send_encoded(subject, [TokenEvents.encoded(e) for e in events])
 
     async def send_encoded(self, subject: str, events: list[bytes]) -> None:
-        """Events already JSON (``TokenEvents.encoded``, ``PlainTokens``), in one message."""
+        """Events already JSON (``TokenEvents.encoded``, ``PlainTokens``), in one message: on
+        the router's token link when it is up, else on NATS."""
         assert self.bus is not None
+        message = TokenEvents.joined(events, time.time_ns())
         try:
-            await self.bus.publish_bytes(subject, TokenEvents.joined(events, time.time_ns()))
+            if not await self.links.send(subject, message):
+                await self.bus.publish_bytes(subject, message)
         except Exception as err:  # the router notices the silence and retries or fails
             log.warning("could not send %d token events to %s: %s", len(events), subject, err)
 

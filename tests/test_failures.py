@@ -458,6 +458,40 @@ def fault(stack: Stack, sid: str, name: str, on: bool = True) -> None:
     urllib.request.urlopen(urllib.request.Request(url, method="PUT" if on else "DELETE"), timeout=5)
 
 
+def test_a_router_losing_its_token_links_moves_the_answers_they_carried(stack: Stack) -> None:
+    """Decode sends the router its tokens on a connection of its own (a token link). The
+    router closes its links mid-answer (as a connection that broke would, events perhaps
+    lost with it): the answer goes on from the tokens its client has, its tokens over NATS
+    while no link is taken, and ends whole."""
+    messages = "kvmesh_token_messages_total"
+    resumed = ("kvmesh_request_moves_total", (("kind", "resumed"),))
+    before = metrics(stack.url)
+    stream, chunks = streaming(stack, 400)
+    early = metrics(stack.url)
+    assert early[(messages, (("path", "link"),))] > before.get((messages, (("path", "link"),)), 0)
+    fault(stack, "router-0", "token_links")
+    try:
+        rest = list(chunks)
+        after = metrics(stack.url)
+    finally:
+        fault(stack, "router-0", "token_links", on=False)
+        stream.close()
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert sum(len(c.choices[0].text) > 0 for c in rest if c.choices) >= 100
+    assert after[resumed] - before.get(resumed, 0) >= 1  # it moved on from its tokens
+    assert after[(messages, (("path", "nats"),))] > early.get((messages, (("path", "nats"),)), 0)
+    # Once the links are taken again, the workers use them (they connect again by themselves).
+    wait_until(
+        lambda: (
+            stack.client().completions.create(model="tiny", prompt="Hi", max_tokens=4)
+            and metrics(stack.url)[(messages, (("path", "link"),))]
+            > after[(messages, (("path", "link"),))]
+        ),
+        30,  # (a worker waits longer after each failed try, a few seconds here)
+        what="tokens on a link again",
+    )
+
+
 def test_a_request_that_breaks_every_engine_fails_after_two_and_takes_no_worker_down(
     stack: Stack,
 ) -> None:

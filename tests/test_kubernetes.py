@@ -228,10 +228,20 @@ def test_the_storage_tier_is_one_shared_volume_and_only_routers_face_clients(
         spec = policy["spec"]
         selects_router = "router" in spec["podSelector"].get("matchLabels", {}).values()
         for rule in spec["ingress"]:
-            if selects_router:
+            ports = {p["port"] for p in rule.get("ports", ())}
+            if selects_router and ports <= {8000, 50051}:
                 assert "from" not in rule  # clients, from anywhere
-            else:  # kvmesh's own pods only (and Prometheus)
+            else:  # kvmesh's own pods only (and Prometheus): a router's token links too
                 assert rule["from"] and all("podSelector" in f for f in rule["from"])
+    (router,) = [c for role, c, _ in kvmesh_containers(rendered) if role == "router"]
+    token_port = int(env_of(router)["KVMESH_ROUTER_TOKEN_PORT"])
+    assert token_port in {p["containerPort"] for p in router["ports"]}
+    assert any(  # the workers reach it, and only they
+        rule.get("from") and {p["port"] for p in rule["ports"]} == {token_port}
+        for policy in policies
+        if "router" in policy["spec"]["podSelector"].get("matchLabels", {}).values()
+        for rule in policy["spec"]["ingress"]
+    )
     (internal,) = [p for p in policies if "matchExpressions" in p["spec"]["podSelector"]]
     (excluded,) = internal["spec"]["podSelector"]["matchExpressions"]
     assert excluded["operator"] == "NotIn" and excluded["values"] == ["router"]

@@ -45,7 +45,7 @@ from shared.telemetry.metrics import (
     register_load,
 )
 from shared.telemetry.tracing import attached, extract, tracer
-from shared.worker import ImagesMissing, Tasks, WorkerService
+from shared.worker import ImagesMissing, WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class DecodeService(WorkerService):
         await server.start()
         stack.push_async_callback(server.stop, 1.0)
         self.kv_address = f"{self.settings.advertised_host()}:{port}"
-        await Tasks(self.on_task).serve(bus, subjects.tasks(self.role, self.service_id))
+        await self.serve_tasks(bus, subjects.tasks(self.role, self.service_id), self.on_task)
         sender = asyncio.create_task(self._send_outbox())
         stack.push_async_callback(self._stop_sending, sender)
         self.runner.start_stepping(self.publish, self.step_failed)
@@ -474,6 +474,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
             log.warning("refused a KV push for %s from %s: %s", rid, context.peer(), why)
             yield kv_pb2.HandoffStatus(ok=False, code="unauthorized", error=f"refused: {why}")
             return
+        svc.links.learn(task)  # (only from a task its router signed: where its tokens go)
         if svc.status != "ready" or task.model != svc.settings.model or not svc.has_room(task):
             yield kv_pb2.HandoffStatus(ok=False, code="busy", error=f"{svc.service_id} not taking")
             return

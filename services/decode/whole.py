@@ -22,7 +22,6 @@ from shared.owning_worker import OwningWorker
 from shared.security.handoff import HANDOFF_SECRET, handoff_refusal
 from shared.security.secret import load_or_create
 from shared.settings import CommonSettings
-from shared.worker import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ class WholeRequests(OwningWorker):
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await super().start(stack, bus)
-        await Tasks(self.on_handover).serve(bus, subjects.handovers(self.service_id))
+        await self.serve_tasks(bus, subjects.handovers(self.service_id), self.on_handover)
 
     async def on_handover(self, task: GenerateTask) -> TaskAck:
         if task.handover is None:

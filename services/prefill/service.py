@@ -34,7 +34,7 @@ from shared.security import tls
 from shared.settings import CommonSettings
 from shared.telemetry.metrics import BYTES
 from shared.telemetry.tracing import inject, tracer
-from shared.worker import ImagesMissing, Tasks, WorkerService
+from shared.worker import ImagesMissing, WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class PrefillService(WorkerService):
 
     async def start(self, stack: AsyncExitStack, bus: Bus) -> None:
         await self.start_engine(stack, bus)
-        await Tasks(self.on_task).serve(bus, subjects.tasks(self.role, self.service_id))
+        await self.serve_tasks(bus, subjects.tasks(self.role, self.service_id), self.on_task)
         worker = asyncio.create_task(self.work())
         stack.callback(worker.cancel)
         stack.push_async_callback(self._close_channels)

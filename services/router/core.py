@@ -54,7 +54,8 @@ class Core:
         policy = s.policy(router_id)
         upstreams = Upstreams(s, mesh)
         dispatcher = Dispatcher(
-            bus, router_id, mesh.registry, mesh.breakers, mesh.kv, policy, s, secrets, upstreams
+            *(bus, router_id, mesh.registry, mesh.breakers, mesh.kv, policy, s, secrets),
+            *(upstreams, mesh.links_tls),
         )
         tenancy = Tenancy(s, secrets, mesh.lag)
         images = ImageReader(s, common)
@@ -91,7 +92,8 @@ class Core:
         await self.mesh.start(stack, self.bus)
         await self.upstreams.start(stack)
         await self.recorder.start(stack, self.bus, self.settings)
-        await self.dispatcher.start()
+        s = self.settings
+        await self.dispatcher.start(s.http_host, s.advertised_host())
         stack.push_async_callback(self.dispatcher.stop)
 
     async def drained(self) -> None:

@@ -148,6 +148,8 @@ class DispatchSettings(Section):
     ack_timeout_s: float = Field(
         default=2.0, gt=0, description="a worker must queue or refuse a task within this"
     )
+    token_links: bool = Field(default=True, description="token events on links, not NATS")
+    token_port: int = Field(default=0, ge=0, le=65535, description="where token links connect")
     prefix_prompts: int = Field(
         default=4096,
         ge=0,
@@ -189,9 +191,7 @@ class DispatchSettings(Section):
         "cannot retry an answer half sent",
     )
     local_prefill_max_tokens: int = Field(
-        default=64,
-        ge=0,
-        description="uncached prompt tokens at most this: decode prefills it, no KV moves",
+        default=64, ge=0, description="an uncached prompt this short is prefilled on decode"
     )
     liveness_check_s: float = Field(
         default=0.25,

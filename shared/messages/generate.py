@@ -79,6 +79,10 @@ class GenerateTask(Message):
     token_ids: list[int] = Field(default_factory=list)
     sampling: SamplingParams
     reply_subject: str
+    # The router's token link (shared/bus/tokens.py): where it listens, and the key it asks
+    # for ("": its events go on reply_subject alone).
+    reply_address: str = ""
+    reply_key: str = ""
     decode_id: str
     decode_kv_address: str = Field(description="host:port of the decode worker's KV server")
     deadline: float = Field(description="unix time after which nobody waits for the answer")

@@ -37,6 +37,24 @@ def server_context(common: CommonSettings) -> ssl.SSLContext | None:
     return context
 
 
+def mesh_server_context(common: CommonSettings) -> ssl.SSLContext | None:
+    """A listener only the mesh reaches: its clients show a certificate the mesh's CA signed
+    (mutual TLS); None without TLS."""
+    context = server_context(common)
+    if context is not None:
+        assert common.tls_ca_file is not None
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=str(common.tls_ca_file))
+    return context
+
+
+def mesh_client_context(common: CommonSettings) -> ssl.SSLContext | None:
+    """A connection to another service (``mesh_server_context``'s), or None without TLS."""
+    if common.tls_ca_file is None:
+        return None
+    return client_context(common.tls_ca_file, common.tls_cert_file, common.tls_key_file)
+
+
 def grpc_server(**kwargs: object) -> grpc.aio.Server:
     """A gRPC server that owns its port: gRPC shares a port with any other socket that allows
     it (SO_REUSEPORT, on by default), so a second kvmesh process told the same port would

@@ -48,6 +48,12 @@ TOKEN_TRANSIT = Histogram(
     "the worker's publish, the server, the router's read; by the two hosts' clocks)",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
 )
+TOKEN_MESSAGES = Counter(
+    "kvmesh_token_messages",
+    "messages of token events this router received, by path: link (a worker's token link, "
+    "shared/bus/tokens.py) or nats",
+    ["path"],
+)
 INPUT_TOKENS = Counter(
     "kvmesh_input_tokens", "prompt tokens by where their KV came from", ["source"]
 )  # computed, memory, storage

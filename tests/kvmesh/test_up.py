@@ -12,6 +12,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,6 +114,15 @@ def test_up_tls_everywhere(state_dir: Path) -> None:
             model="tiny", prompt=list(range(100, 300)), max_tokens=8, temperature=0
         )
         assert done.usage.completion_tokens == 8
+
+        # The workers' token links come up (mutual TLS too): tokens reach the router on them.
+        def on_links() -> bool:
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=4)
+            with urllib.request.urlopen(f"{api}/metrics", timeout=10, context=ca) as resp:
+                text = resp.read().decode()
+            return 'kvmesh_token_messages_total{path="link"}' in text
+
+        wait_until(on_links, 30, interval_s=0.5, what="tokens on the token links")
         # Plain HTTP, and HTTPS from a client that does not trust the mesh's CA: no answer.
         for base, verify in ((f"http://127.0.0.1:{http_port}", True), (api, True)):
             plain = openai.OpenAI(

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
@@ -155,6 +156,7 @@ class Dispatcher:
         settings: DispatchSettings,
         secrets_dir: Path,
         direct: Direct | None = None,
+        links_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.bus = bus
         self.registry = registry
@@ -164,15 +166,20 @@ class Dispatcher:
         self.settings = settings
         self.plans = CachePlanner(kv, settings.prefix_prompts, settings.prefix_bytes)
         self.inflight = InFlight(policy, breakers)
-        self.sender = Sender(bus, router_id, registry, self.inflight, settings, secrets_dir, direct)
-        self.replies = Replies(bus, router_id, registry, breakers, settings, direct)
+        self.replies = Replies(bus, router_id, registry, breakers, settings, direct, links_tls)
+        self.sender = Sender(
+            *(bus, router_id, registry, self.inflight, settings, secrets_dir, direct),
+            self.replies.tokens,
+        )
         # A burst of requests takes turns to start: the replies of those already asking
         # (the workers' acks) are not left waiting behind a thousand others.
         self._starting = asyncio.Semaphore(settings.max_starting)
         self.resumes_waiting = Waiting()  # answers half sent, waiting for a worker
 
-    async def start(self) -> None:
-        await self.replies.start()
+    async def start(self, host: str = "127.0.0.1", advertised_host: str = "127.0.0.1") -> None:
+        """``host``: where the workers' token links connect, ``advertised_host`` what they are
+        told (the router's own addresses)."""
+        await self.replies.start(host, advertised_host)
 
     async def stop(self) -> None:
         await self.replies.stop()

@@ -28,6 +28,7 @@ from services.router.dispatch.workers import Breakers, LoopLag, WorkerRecord, Wo
 from services.router.settings import WorkerSettings
 from shared.bus import Bus, subjects
 from shared.messages.heartbeat import Heartbeat, RegistryQuery, RegistrySnapshot
+from shared.security import tls
 from shared.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Mesh:
         self.breakers = Breakers(settings.breaker_faults, settings.breaker_cooldown_s)
         self.lag = LoopLag()
         self.beat_interval_s = common.heartbeat_interval_s
+        self.links_tls = tls.mesh_server_context(common)  # (the workers' token links)
         self.gone: dict[str, tuple[str, float]] = {}  # services stopped or lost: role, when
         # Called after each sweep with (unix time, ready prefill and decode workers).
         self.on_sweep: list[Callable[[float, int], None]] = []

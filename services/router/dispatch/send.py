@@ -29,6 +29,7 @@ from services.router.errors import ApiError, overloaded
 from services.router.routing.route import Route, RouteRequest, RoutingPolicy
 from services.router.settings import DispatchSettings
 from shared.bus import Bus, BusError, subjects
+from shared.bus.tokens import TokenServer
 from shared.messages.generate import GenerateTask, TaskAck, TokenEvent
 from shared.security.handoff import HANDOFF_SECRET, handoff_token
 from shared.security.secret import load_or_create
@@ -133,10 +134,12 @@ class Sender:
         settings: DispatchSettings,
         secrets_dir: Path,
         direct: Direct,
+        tokens: TokenServer | None = None,
     ) -> None:
         self.bus = bus
         self.direct = direct
         self.reply_subject = subjects.replies(router_id)
+        self.tokens = tokens
         self.registry = registry
         self.inflight = inflight
         self.settings = settings
@@ -176,17 +179,26 @@ class Sender:
     def _task(self, attempt: Attempt, decode_id: str) -> GenerateTask:
         job = attempt.job
         decode = self.registry.get(decode_id)
+        tokens = self.tokens
         return generate_task(
             job,
             reply_subject=self.reply_subject,
             decode_id=decode_id,
             decode_kv_address=decode.heartbeat.addresses.get("kv", "") if decode else "",
             handoff=handoff_token(self.handoff_secret, job.request_id, decode_id, job.deadline),
+            reply_address=tokens.address if tokens is not None else "",
+            reply_key=tokens.key if tokens is not None and tokens.address else "",
         )
 
 
 def generate_task(
-    job: Job, reply_subject: str, decode_id: str, decode_kv_address: str, handoff: str
+    job: Job,
+    reply_subject: str,
+    decode_id: str,
+    decode_kv_address: str,
+    handoff: str,
+    reply_address: str = "",
+    reply_key: str = "",
 ) -> GenerateTask:
     """The task a worker is sent for ``job``: made from what the router checked, not checked
     again, its prompt packed from the segments it was tokenized from (where it has no images:
@@ -199,6 +211,8 @@ def generate_task(
         token_ids=job.prompt_ids,
         sampling=job.sampling,
         reply_subject=reply_subject,
+        reply_address=reply_address,
+        reply_key=reply_key,
         decode_id=decode_id,
         decode_kv_address=decode_kv_address,
         deadline=job.deadline,

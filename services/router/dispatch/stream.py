@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from secrets import token_hex
 
 from services.router.dispatch.job import Attempt, Failed
 from services.router.dispatch.send import Direct
@@ -28,8 +30,9 @@ from services.router.dispatch.workers import Breakers, WorkerRegistry
 from services.router.errors import ApiError
 from services.router.settings import DispatchSettings
 from shared.bus import Bus, subjects
+from shared.bus.tokens import TokenServer
 from shared.messages.generate import Cancel, TokenEvent, TokenEvents
-from shared.telemetry.metrics import TOKEN_TRANSIT
+from shared.telemetry.metrics import TOKEN_MESSAGES, TOKEN_TRANSIT
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +129,13 @@ class Replies:
         breakers: Breakers,
         settings: DispatchSettings,
         direct: Direct,
+        links_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.bus = bus
+        # The workers' token links (shared/bus/tokens.py), under a key new at each start.
+        self.tokens: TokenServer | None = None
+        if settings.token_links:
+            self.tokens = TokenServer(token_hex(16), links_tls, self._on_link, self._link_lost)
         self.direct = direct
         self.router_id = router_id
         self.registry = registry
@@ -136,20 +144,46 @@ class Replies:
         self.waiting: dict[str, Waiting] = {}
         self._watchdog: asyncio.Task | None = None  # (held: the loop keeps only weak refs)
 
-    async def start(self) -> None:
+    async def start(self, host: str, advertised_host: str) -> None:
         await self.bus.subscribe(subjects.replies(self.router_id), TokenEvents, self._on_events)
         self.bus.on_reconnect.append(self._reconnected)
         self._watchdog = asyncio.create_task(self._watch())
+        if self.tokens is not None:
+            await self.tokens.start(host, self.settings.token_port, advertised_host)
 
     async def stop(self) -> None:
+        if self.tokens is not None:
+            await self.tokens.stop()
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
 
     async def _on_events(self, message: TokenEvents) -> None:
+        self._received(message, "nats")
+
+    def _on_link(self, payload: bytes) -> None:
+        self._received(TokenEvents.from_bytes(payload), "link")
+
+    def _received(self, message: TokenEvents, path: str) -> None:
+        TOKEN_MESSAGES.labels(path).inc()
         if message.sent_ns:
             TOKEN_TRANSIT.observe(max(0, time.time_ns() - message.sent_ns) / 1e9)
         self.deliver(message.events)
+
+    def _link_lost(self, worker: str) -> None:
+        """Events the worker wrote to its token link as it broke may be lost: its answers in
+        flight here move on from the tokens they sent (no fault of the worker's: the link
+        may have broken between)."""
+        for rid, waiting in self.waiting.items():
+            if worker in waiting.attempt.workers and not waiting.attempt.finished:
+                waiting.put(
+                    TokenEvent(
+                        request_id=rid,
+                        index=-1,
+                        error=f"{worker}'s token link to this router was lost",
+                        error_code="unavailable",
+                    )
+                )
 
     def deliver(self, events: list[TokenEvent]) -> None:
         """Token events of answers this router waits for (those of others are dropped)."""
