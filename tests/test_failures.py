@@ -492,6 +492,35 @@ def test_a_router_losing_its_token_links_moves_the_answers_they_carried(stack: S
     )
 
 
+def test_a_prefill_worker_stopping_moves_no_answer_it_handed_over(stack: Stack) -> None:
+    """A prefill worker stops (SIGTERM) while an answer it prefilled streams from decode: its
+    token link to the router closes, and the answer, which owes it nothing more, goes on
+    where it is (a rolling restart of the prefill pool moves no answer)."""
+    resumed = ("kvmesh_request_moves_total", (("kind", "resumed"),))
+    on_link = ("kvmesh_token_messages_total", (("path", "link"),))
+    client = stack.client()
+    for n in range(2):  # (a prompt prefill computes; the second's first token on its link)
+        prompt = [(i * 7919 + n) % 40000 + 100 for i in range(300)]
+        seen = metrics(stack.url).get(on_link, 0)
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    assert metrics(stack.url).get(on_link, 0) == seen + 1  # (prefill's one event, on it)
+    before = metrics(stack.url).get(resumed, 0)
+    prompt = [(i * 7919 + 2) % 40000 + 100 for i in range(300)]
+    stream = client.completions.create(
+        stream=True, **{**LONG_ANSWER, "prompt": prompt, "max_tokens": 2000}
+    )
+    try:
+        chunks = iter(stream)
+        next(chunks)
+        assert own_load(stack, "decode-0")["inflight"] == 1
+        assert stack.procs["prefill-0"].stop() == 0
+        rest = list(chunks)
+    finally:
+        stream.close()
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert metrics(stack.url).get(resumed, 0) == before
+
+
 def test_a_request_that_breaks_every_engine_fails_after_two_and_takes_no_worker_down(
     stack: Stack,
 ) -> None:

@@ -47,7 +47,16 @@ class Waiting:
     wakeup: asyncio.Future[None] | None = None  # the reader's, while nothing is there
     heard_at: float = field(default_factory=time.monotonic)  # the task went, or an event came
     started: bool = False  # an event came
+    decoding: bool = False  # an event came from its decode worker: prefill is done with it
     told: bool = False  # the watchdog gave up on it
+
+    def owed(self) -> tuple[str, ...]:
+        """The workers the answer still waits on: its decode worker, and its prefill worker
+        until decode has taken over (the KV handed over, decode's first event here)."""
+        attempt = self.attempt
+        if self.decoding:
+            return tuple(w for w in attempt.workers if w != attempt.prefill)
+        return attempt.workers
 
     def put(self, item: TokenEvent | Exception) -> None:
         self.items.append(item)
@@ -171,11 +180,12 @@ class Replies:
         self.deliver(message.events)
 
     def _link_lost(self, worker: str) -> None:
-        """Events the worker wrote to its token link as it broke may be lost: its answers in
-        flight here move on from the tokens they sent (no fault of the worker's: the link
-        may have broken between)."""
+        """Events the worker wrote to its token link as it broke may be lost: the answers in
+        flight here that still wait on it (``Waiting.owed``) move on from the tokens they
+        sent (no fault of the worker's: the link may have broken between). A prefill worker
+        that stops when its prompts are handed over moves nothing."""
         for rid, waiting in self.waiting.items():
-            if worker in waiting.attempt.workers and not waiting.attempt.finished:
+            if worker in waiting.owed() and not waiting.attempt.finished:
                 waiting.put(
                     TokenEvent(
                         request_id=rid,
@@ -192,6 +202,7 @@ class Replies:
             w = waiting.get(event.request_id)
             if w is not None:
                 w.heard_at, w.started = now, True
+                w.decoding = w.decoding or event.worker_id == w.attempt.decode
                 w.put(event)
 
     def _reconnected(self) -> None:
@@ -282,7 +293,7 @@ class Replies:
             return ApiError(504, "request deadline passed", code="timeout")
         if not attempt.workers:  # not sent yet (a move waiting for a worker)
             return None
-        gone = [w for w in attempt.workers if not self._alive(w)]
+        gone = [worker for worker in w.owed() if not self._alive(worker)]
         if gone:
             return Failed(f"worker {gone[0]} went away", *gone, silent=True)
         bound = s.token_timeout_s if w.started else s.first_token_timeout_s
