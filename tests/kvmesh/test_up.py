@@ -122,7 +122,7 @@ def test_up_tls_everywhere(state_dir: Path) -> None:
                 text = resp.read().decode()
             return 'kvmesh_token_messages_total{path="link"}' in text
 
-        wait_until(on_links, 30, interval_s=0.5, what="tokens on the token links")
+        wait_until(on_links, 30, interval_s=0.05, what="tokens on the token links")
         # Plain HTTP, and HTTPS from a client that does not trust the mesh's CA: no answer.
         for base, verify in ((f"http://127.0.0.1:{http_port}", True), (api, True)):
             plain = openai.OpenAI(
