@@ -82,7 +82,7 @@ class GenerateTask(Message):
     # The router's token link (shared/bus/tokens.py): where it listens, and the key it asks
     # for ("": its events go on reply_subject alone).
     reply_address: str = ""
-    reply_key: str = ""
+    reply_key: str = Field(default="", repr=False)  # (not in a task's repr: logs, errors)
     decode_id: str
     decode_kv_address: str = Field(description="host:port of the decode worker's KV server")
     deadline: float = Field(description="unix time after which nobody waits for the answer")
