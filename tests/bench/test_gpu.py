@@ -31,6 +31,9 @@ def test_the_gpu_script_runs_dry_on_the_cpu(tmp_path) -> None:
     assert mesh["cold"]["memory_tokens"] == 0 and mesh["cold"]["storage_tokens"] == 0
     assert mesh["memory"]["memory_tokens"] >= 960  # (the next turn: its prefix from memory)
     assert mesh["storage"]["storage_tokens"] >= 960  # (evicted from memory: from storage)
-    assert figures["fake_overhead_p50_ms_1"] > 0 and figures["anchor_overhead_p50_ms"] > 0
+    assert figures["fake_overhead_p50_ms_1"] > 0
+    # The anchor's added latency is a difference of two medians of ~1 ms: measured, but on a
+    # loaded machine it can come out below zero.
+    assert isinstance(figures["anchor_overhead_p50_ms"], float)
     table = (tmp_path / "gpu.txt").read_text()
     assert "96% cached ms" in table and "mesh turn" in table and "targets:" in table
