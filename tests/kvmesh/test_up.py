@@ -155,7 +155,7 @@ def test_up_tls_everywhere(state_dir: Path) -> None:
         kv = asyncio.run(decode_kv_address(nats_url, {**cli, "tls": with_cert}))
         for options in ({**cli, "tls": client_context(tls_dir / "ca.crt")}, cli):
             with pytest.raises(BusError):
-                asyncio.run(Bus.connect(nats_url, "no-cert", 3, options))
+                asyncio.run(Bus.connect(nats_url, "no-cert", 1, options))
         with grpc.secure_channel(kv, credentials) as channel:  # the CA, no certificate
             call = kv_pb2_grpc.KvHandoffStub(channel).Handoff(iter([kv_pb2.KvChunk()]), timeout=10)
             with pytest.raises(grpc.RpcError) as err:
