@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from shared.eplb.balancer import BalancerStats
+    from shared.model.lora import AdapterSpec
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -97,6 +98,10 @@ class EngineOptions:
     pd_role: str = ""  # "prefill" or "decode"
     bootstrap_host: str = ""
     bootstrap_port: int = 8998
+    # LoRA adapters (shared/model/lora.py): how many are resident at once (the rest read
+    # from disk when needed, least recently used out), and the largest rank taken.
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,9 @@ class EngineStats:
     draft_tokens: int = 0  # speculation, since start: drafted tokens verified
     accepted_tokens: int = 0  # ... of which accepted
     eplb: BalancerStats | None = None  # expert placement, on a MoE model with it on
+    adapters: tuple[str, ...] = ()  # LoRA adapters resident (computing without a load)
+    adapter_loads: int = 0  # adapters loaded since start, and the seconds that took
+    adapter_load_s: float = 0.0
 
 
 class Engine(ABC):
@@ -255,6 +263,16 @@ class Engine(ABC):
     def prefill_batch(self, requests: list[PrefillRequest]) -> list[StepOutput | Exception]:
         """Several short prompts in one pass; per request, its first token or the error it
         alone got (ValueError, PoolExhausted); the others are unaffected."""
+
+    def register_adapter(self, spec: AdapterSpec) -> None:
+        """Serve the LoRA adapter ``spec`` as the model ``spec.name``: a sequence whose
+        ``params.adapter`` names it computes with it (loaded when first needed; LoraError
+        then for an adapter that does not fit the model)."""
+        raise ValueError(f"the {type(self).__name__} serves no LoRA adapters")
+
+    def unregister_adapter(self, name: str) -> None:
+        """Serve ``name`` no more (sequences computing with it finish first)."""
+        return  # (an engine that serves none has none to forget)
 
     @abstractmethod
     def reserve(self, seq_id: str, token_ids: list[int], params: SamplingParams) -> None:

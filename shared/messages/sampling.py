@@ -58,6 +58,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # What the answer must match (shared/model/grammar.py: llguidance's grammar text), or None.
     grammar: str | None = None
+    # The LoRA adapter that computes the sequence (the model name it is served as; "": the
+    # base model). Not a sampling choice, but it goes wherever the sampling goes: to every
+    # engine call that admits a sequence (shared/model/lora.py).
+    adapter: str = ""
 
     def __post_init__(self) -> None:
         checks = [

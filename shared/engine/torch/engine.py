@@ -33,6 +33,7 @@ from shared.engine.torch.blocks import BlockPool
 from shared.engine.torch.graphs import DecodeGraphs
 from shared.engine.torch.kvio import KvIO
 from shared.engine.torch.loader import LoadedModel, load_model
+from shared.engine.torch.lora import BASE, AdapterSlots, LoraPass
 from shared.engine.torch.model import KVCache, Segment, Transformer
 from shared.engine.torch.sampler import held_back, logprobs_of, sample
 from shared.engine.torch.sequence import Sequence
@@ -50,6 +51,7 @@ from shared.messages.sampling import SamplingParams, TokenLogprobs, stop_string_
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 from shared.model.grammar import GrammarError, Matcher, vocabulary
+from shared.model.lora import AdapterSpec
 
 SCORE_ROWS = 256  # prompt rows whose logits are made at once (prompt_logprobs)
 log = logging.getLogger(__name__)
@@ -104,6 +106,9 @@ class TorchEngine(Engine):
         self.acceptance = AcceptanceTable()  # every sequence's, by match length and position
         self.drafted = self.accepted = 0
         self.balancer = self._balancer(model.config, options)
+        self.adapters = AdapterSlots(
+            model.config, options.max_loras, options.max_lora_rank, self.dtype, self.device
+        )
 
     def _balancer(self, config: ModelConfig, options: EngineOptions) -> ExpertBalancer | None:
         """Expert placement, for a MoE model when eplb_cards is set."""
@@ -260,6 +265,7 @@ class TorchEngine(Engine):
                 [seg],
                 self.cache,
                 self._embeds(tokens, start, images),
+                self._lora([(seq, end - start)]),
             )
             if params.prompt_logprobs is not None:
                 self._score_prompt(seq, hidden, start)
@@ -301,8 +307,11 @@ class TorchEngine(Engine):
                     for r, t in zip(rows, tokens, strict=True)
                 ]
             )
+        lora = self._lora(
+            [(seq, s.q_len) for s, (_, seq, _) in zip(segments, admitted, strict=True)]
+        )
         hidden = self.model.forward(
-            all_tokens, torch.tensor(positions), segments, self.cache, embeds
+            all_tokens, torch.tensor(positions), segments, self.cache, embeds, lora
         )
         last_rows = torch.tensor([seg.q_start + seg.q_len - 1 for seg in segments])
         logits = self.model.logits(hidden[last_rows])
@@ -337,11 +346,18 @@ class TorchEngine(Engine):
         n_cached = prefix.n_tokens if prefix else 0
         assert n_cached < n, "a prefix must leave at least one token to compute"
         matcher = self._matcher(req.token_ids, params)  # (a bad grammar takes no blocks)
-        # A handed-off sequence needs KV for its prompt only: the answer is decoded elsewhere.
-        new_blocks = self.pool.allocate(self._blocks_needed(n, params, prefix, not req.handoff))
+        slot = self._adapter(params)
+        try:
+            # A handed-off sequence needs KV for its prompt only: the answer is decoded
+            # elsewhere.
+            new_blocks = self.pool.allocate(self._blocks_needed(n, params, prefix, not req.handoff))
+        except PoolExhausted:
+            self.adapters.release(slot)
+            raise
         if prefix:
             self.pool.share(list(prefix.block_ids))
         seq = Sequence(req.seq_id, list(req.token_ids), params, matcher=matcher)
+        seq.adapter_slot = slot
         seq.block_table = [*(prefix.block_ids if prefix else ()), *new_blocks]
         seq.n_cached = n_cached
         self.seqs[req.seq_id] = seq
@@ -378,9 +394,33 @@ class TorchEngine(Engine):
     def reserve(self, seq_id: str, token_ids: list[int], params: SamplingParams) -> None:
         self._check_fits(seq_id, len(token_ids), params)
         matcher = self._matcher(token_ids, params)
-        seq = Sequence(seq_id, list(token_ids), params, matcher=matcher)
-        seq.block_table = self.pool.allocate(self._blocks_needed(len(token_ids), params, None))
+        slot = self._adapter(params)
+        try:
+            blocks = self.pool.allocate(self._blocks_needed(len(token_ids), params, None))
+        except PoolExhausted:
+            self.adapters.release(slot)
+            raise
+        seq = Sequence(seq_id, list(token_ids), params, matcher=matcher, adapter_slot=slot)
+        seq.block_table = blocks
         self.seqs[seq_id] = seq
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    def register_adapter(self, spec: AdapterSpec) -> None:
+        self.adapters.register(spec)
+
+    def unregister_adapter(self, name: str) -> None:
+        self.adapters.unregister(name)
+
+    def _adapter(self, params: SamplingParams) -> int:
+        """The slot of the adapter a new sequence computes with (loaded when needed)."""
+        return self.adapters.acquire(params.adapter) if params.adapter else BASE
+
+    def _lora(self, rows: list[tuple[Sequence, int]]) -> LoraPass | None:
+        """A pass's adapters: (sequence, its rows in the pass), in row order."""
+        if all(seq.adapter_slot == BASE for seq, _ in rows):
+            return None
+        return self.adapters.batch([seq.adapter_slot for seq, n in rows for _ in range(n)])
 
     def write_kv(self, seq_id: str, source: bytes | BinaryIO) -> None:
         seq = self.seqs[seq_id]
@@ -421,11 +461,12 @@ class TorchEngine(Engine):
         bound = [s for s in seqs if s.matcher is not None]
         masks = self._masker.submit(lambda: [s.matcher.allowed() for s in bound]) if bound else None
         started = time.perf_counter()
-        if self.graphs is not None and row == len(seqs) and self.graphs.fits(row):
+        lora = self._lora([(seq, s.q_len) for seq, s in zip(seqs, segments, strict=True)])
+        if self.graphs is not None and lora is None and row == len(seqs) and self.graphs.fits(row):
             logits, best = self.graphs.step(tokens, positions, [s.slots for s in segments])
         else:
             hidden = self.model.forward(
-                torch.tensor(tokens), torch.tensor(positions), segments, self.cache
+                torch.tensor(tokens), torch.tensor(positions), segments, self.cache, lora=lora
             )
             logits = self.model.logits(hidden)
             best = logits.argmax(-1).tolist()  # (every row's greedy token in one call)
@@ -593,6 +634,7 @@ class TorchEngine(Engine):
         if seq_id in self.running:
             self.running.remove(seq_id)
         self.pool.free(seq.block_table)
+        self.adapters.release(seq.adapter_slot)
 
     # -- what is held ----------------------------------------------------------------------
 
@@ -612,6 +654,9 @@ class TorchEngine(Engine):
             draft_tokens=self.drafted,
             accepted_tokens=self.accepted,
             eplb=self.balancer.stats() if self.balancer else None,
+            adapters=tuple(self.adapters.resident),
+            adapter_loads=self.adapters.loads,
+            adapter_load_s=self.adapters.load_seconds,
         )
 
     # -- KV in the block format -------------------------------------------------------------
@@ -653,3 +698,9 @@ class TorchEngine(Engine):
         for b, count in held.items():
             assert self.pool.refcount[b] >= count, f"block {b} used by more than it counts"
         assert set(self.running) <= set(self.seqs)
+        self.adapters.check_integrity()
+        users = [0] * self.adapters.n_slots
+        for seq in self.seqs.values():
+            if seq.adapter_slot != BASE:
+                users[seq.adapter_slot] += 1
+        assert users == self.adapters.users, "adapter slots' users are not the sequences'"

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from shared.engine.torch.lora import LoraPass
 from shared.engine.torch.weights import Weights
 from shared.model.config import ModelConfig
 
@@ -185,10 +186,12 @@ class Transformer:
         segments: list[Segment],
         cache: KVCache,
         embeds: torch.Tensor | None = None,
+        lora: LoraPass | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [N, D]. Writes the new tokens' KV to the cache.
 
-        ``embeds`` ([N, D]) replaces the token embeddings where given (image placeholders).
+        ``embeds`` ([N, D]) replaces the token embeddings where given (image placeholders);
+        ``lora``: the rows' adapters (``shared/engine/torch/lora.py``), when any row has one.
         The inputs may be on the host: they are moved to the model's device once, here.
         """
         dev = self.device
@@ -203,7 +206,12 @@ class Transformer:
             self.slot_counts.zero_()
             self._turn += 1
         return self._layers(
-            x, positions, new_slots, cache, lambda i, q: self._attention(i, q, segments, cache)
+            x,
+            positions,
+            new_slots,
+            cache,
+            lambda i, q: self._attention(i, q, segments, cache),
+            lora,
         )
 
     @torch.inference_mode()
@@ -239,6 +247,7 @@ class Transformer:
         new_slots: torch.Tensor,
         cache: KVCache,
         attend: Callable[[int, torch.Tensor], torch.Tensor],
+        lora: LoraPass | None = None,
     ) -> torch.Tensor:
         """The decoder's layers over ``x`` [N, D] at ``positions``, the new tokens' KV written
         to ``new_slots``; ``attend(layer, q)`` their attention ([N, H, E])."""
@@ -248,7 +257,7 @@ class Transformer:
         for i in range(c.n_layers):
             p = f"layers.{i}."
             h = self._norm(x, self.w[p + "attn_norm"])
-            qkv = _project(h, self.w[p + "wqkv"])
+            qkv = self._linear(h, i, "wqkv", lora)
             if c.qkv_bias:
                 qkv = qkv + self.w[p + "bqkv"]
             v = qkv[:, q_dim + c.kv_dim :].view(-1, c.n_kv_heads, c.head_dim)
@@ -261,17 +270,26 @@ class Transformer:
                 q, k = qk[:, : c.n_heads], qk[:, c.n_heads :]
             cache.k[i].index_copy_(0, new_slots, k.to(cache.k.dtype))
             cache.v[i].index_copy_(0, new_slots, v.to(cache.v.dtype))
-            x = x + _project(attend(i, q).reshape(-1, q_dim), self.w[p + "wo"])
+            x = x + self._linear(attend(i, q).reshape(-1, q_dim), i, "wo", lora)
             h = self._norm(x, self.w[p + "ffn_norm"])
-            x = x + (self._moe(i, h) if c.is_moe(i) else self._mlp(h, p))
+            x = x + (self._moe(i, h) if c.is_moe(i) else self._mlp(h, i, lora))
         return self._norm(x, self.w["norm"])
+
+    def _linear(
+        self, x: torch.Tensor, layer: int, name: str, lora: LoraPass | None
+    ) -> torch.Tensor:
+        """x times the layer's weight ``name`` transposed, plus what the rows' adapters add."""
+        y = _project(x, self.w[f"layers.{layer}.{name}"])
+        if lora is not None and (delta := lora.delta(layer, name, x)) is not None:
+            y = y + delta
+        return y
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return _project(hidden, self.lm_head).float()
 
-    def _mlp(self, h: torch.Tensor, prefix: str) -> torch.Tensor:
-        gate, up = _project(h, self.w[prefix + "w13"]).chunk(2, dim=-1)
-        return _project(F.silu(gate) * up, self.w[prefix + "w2"])
+    def _mlp(self, h: torch.Tensor, layer: int, lora: LoraPass | None = None) -> torch.Tensor:
+        gate, up = self._linear(h, layer, "w13", lora).chunk(2, dim=-1)
+        return self._linear(F.silu(gate) * up, layer, "w2", lora)
 
     def _moe(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Top-k routed experts (softmax gate, renormalized over the k) plus a shared expert.
@@ -308,7 +326,7 @@ class Transformer:
             ys[where] = F.linear(F.silu(gate) * up, w2[e])
         out = (ys.view(-1, moe.top_k, h.shape[-1]) * weights.unsqueeze(-1)).sum(1)
         if moe.shared_expert:
-            out = out + self._mlp(h, p)
+            out = out + self._mlp(h, layer)
         return out
 
     def _attention(

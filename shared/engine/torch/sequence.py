@@ -29,6 +29,7 @@ class Sequence:
     drafted: int = 0  # drafted tokens verified, and accepted, over its answer
     accepted: int = 0
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # (when asked for)
+    adapter_slot: int = -1  # the slot of the LoRA adapter computing it (-1: none)
 
     @property
     def tokens(self) -> list[int]:
