@@ -165,8 +165,8 @@ class OwningWorker(WorkerService):
         """Why the task is not taken ("busy" when full); "" when it is."""
         if self.status != "ready" or self.owning is None:
             return "busy"
-        if task.model != self.worker_settings.model:
-            return f"this worker serves {self.worker_settings.model}"
+        if not self.serves(task):
+            return f"this worker serves {', '.join(self.models())}"
         if len(self.answers) >= self.worker_settings.max_running + self.max_queued:
             return "busy"
         return ""

@@ -159,6 +159,13 @@ class CommonSettings(KvmeshSettings):
         "directory (a JSON object; or [models] in the settings file, or kvmesh up --model "
         "NAME=PATH); the bundled smollm2-135m-instruct and the tiny test models need none",
     )
+    loras: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters served as models of their own: served name → BASE:PATH "
+        "(the base model's name, a PEFT adapter directory: adapter_config.json and "
+        "adapter_model.safetensors); a JSON object, or kvmesh up --lora NAME=BASE:PATH. More "
+        "are loaded at run time through a router's /v1/load_lora_adapter",
+    )
 
     kv_store_dir: Path | None = Field(
         default=None,
@@ -243,6 +250,13 @@ class CommonSettings(KvmeshSettings):
             raise ValueError("KVMESH_TLS_CERT_FILE needs KVMESH_TLS_CA_FILE (the mesh's CA)")
         if self.nats_user and not self.nats_password.get_secret_value():
             raise ValueError("KVMESH_NATS_USER needs KVMESH_NATS_PASSWORD")
+        from shared.model.lora import LoraError, parse_spec
+
+        for name, where in self.loras.items():
+            try:
+                parse_spec(f"{name}={where}")
+            except LoraError as err:
+                raise ValueError(f"KVMESH_LORAS: {err}") from None
         return self
 
     @property

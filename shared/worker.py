@@ -19,6 +19,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from pydantic import Field, field_validator
 
 from shared.bus import Bus, subjects
+from shared.bus.adapters import Adapters, from_settings
 from shared.bus.tokens import TokenLinks
 from shared.engine import ops
 from shared.engine.interface import (
@@ -51,6 +52,7 @@ from shared.messages.generate import (
 from shared.messages.heartbeat import Load
 from shared.messages.kvevents import MEMORY, STORAGE, ResyncRequest
 from shared.model.catalog import ModelError, resolve
+from shared.model.lora import AdapterSpec, LoraError, kv_fingerprint
 from shared.model.text import check_model
 from shared.security import tls
 from shared.service import Service, ServiceSettings
@@ -134,6 +136,14 @@ class WorkerSettings(ServiceSettings):
     )
     prefill_chunk: int = Field(default=512, ge=1, description="tokens per prefill forward pass")
     max_running: int = Field(default=64, ge=1, description="sequences held at once")
+    max_loras: int = Field(
+        default=4,
+        ge=1,
+        le=256,
+        description="LoRA adapters resident at once (the torch engine); others are read when a "
+        "request needs one, the least recently used out",
+    )
+    max_lora_rank: int = Field(default=64, ge=1, le=1024, description="LoRA adapters' most rank")
     memory_tier_bytes: int = Field(
         default=1 << 30, ge=0, description="host-memory KV tier of this worker (LRU), bytes"
     )
@@ -211,6 +221,8 @@ class WorkerSettings(ServiceSettings):
             cpu_cores=self.cpu_cores,
             prefill_chunk=self.prefill_chunk,
             max_running=self.max_running,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
         )
 
 
@@ -233,6 +245,10 @@ class WorkerService(Service):
         except ModelError as err:
             setting = env_name(type(settings), "model")
             raise SettingsError(f"{setting}={settings.model}: {err}") from None
+        try:
+            from_settings(common.loras)
+        except LoraError as err:
+            raise SettingsError(f"KVMESH_LORAS: {err}") from None
 
     def __init__(self, common: CommonSettings, settings: WorkerSettings) -> None:
         super().__init__(common, settings)
@@ -246,6 +262,7 @@ class WorkerService(Service):
         self._failed_prompts: set[bytes] = set()  # the prompts those failures held
         # Token events straight to their routers where they listen (else on NATS).
         self.links = TokenLinks(self.service_id, tls.mesh_client_context(common))
+        self.adapters: dict[str, AdapterSpec] = {}  # LoRA adapters its engine serves
 
     async def serve_tasks(
         self, bus: Bus, subject: str, on_task: Callable[[GenerateTask], Awaitable[TaskAck]]
@@ -369,6 +386,29 @@ class WorkerService(Service):
         )
         await self.tiers.start(stack)
         await bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+        await Adapters(bus, self.common.loras, self.adapter_changed).start()
+
+    def adapter_changed(self, spec: AdapterSpec, served: bool) -> None:
+        """An adapter of the mesh's came or went: served by this worker's engine when it
+        adapts this worker's model (the engine reads it when a request first needs it)."""
+        if spec.base != self.worker_settings.model or self.runner is None:
+            return
+        if not served:
+            self.adapters.pop(spec.name, None)
+            self.runner.call(ops.unregister_adapter, spec.name)
+            self.beat_now.set()
+            return
+
+        def registered(done: asyncio.Future) -> None:
+            if done.cancelled() or done.exception() is not None:
+                why = "cancelled" if done.cancelled() else done.exception()
+                log.warning("LoRA adapter %s is not served here: %s", spec.name, why)
+                return
+            self.adapters[spec.name] = spec
+            log.info("LoRA adapter %s served (%s, from %s)", spec.name, spec.digest, spec.path)
+            self.beat_now.set()
+
+        self.runner.call(ops.register_adapter, spec).add_done_callback(registered)
 
     async def start_kv_events(self, stack: AsyncExitStack, bus: Bus) -> KvEventPublisher:
         """This worker's KV events, and resyncs of them when a holder of the index asks."""
@@ -450,6 +490,8 @@ class WorkerService(Service):
             kv_store_error=self.tiers.store_error,
             memory_tier_bytes=self.tiers.memory.used_bytes,
             memory_tier_capacity=self.tiers.memory.capacity_bytes,
+            adapters=list(stats.adapters),
+            adapter_load_s=round(stats.adapter_load_s / max(1, stats.adapter_loads), 4),
             **figures,
         )
 
@@ -568,7 +610,7 @@ class WorkerService(Service):
             hashes = block_hashes(
                 token_ids,
                 self.engine.block_size,
-                self.engine.config.fingerprint,
+                self.kv_fingerprint(task),
                 task.salt,
                 known=known or task.block_hashes,
                 images=task.images,
@@ -581,6 +623,16 @@ class WorkerService(Service):
             task.pinned_until,
         )
         return hashes
+
+    def kv_fingerprint(self, task: GenerateTask) -> str:
+        """The fingerprint of the KV the task computes: the model's, and its adapter's."""
+        fingerprint = self.engine.config.fingerprint
+        adapter = task.sampling.adapter
+        if not adapter:
+            return fingerprint
+        spec = self.adapters.get(adapter)
+        assert spec is not None, f"a task of adapter {adapter} taken where it is not served"
+        return kv_fingerprint(fingerprint, spec.digest)
 
     @property
     def store_dtype(self) -> str | None:
@@ -637,7 +689,15 @@ class WorkerService(Service):
             log.warning("could not send %d token events to %s: %s", len(events), subject, err)
 
     def models(self) -> list[str]:
-        return [self.worker_settings.model]
+        return [self.worker_settings.model, *sorted(self.adapters)]
+
+    def serves(self, task: GenerateTask) -> bool:
+        """Whether this worker computes the task's model: its own, or one of the adapters of
+        it that it serves (then the task's adapter is the model it names)."""
+        adapter = task.sampling.adapter
+        if adapter:
+            return task.model == adapter and adapter in self.adapters
+        return task.model == self.worker_settings.model
 
 
 def prompt_key(token_ids: Sequence[int]) -> bytes:

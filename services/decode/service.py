@@ -141,8 +141,8 @@ class DecodeService(WorkerService):
         """A short prompt to prefill here (no KV moves)."""
         if self.status != "ready" or self.pending >= self.settings.max_queued:
             return TaskAck(accepted=False, reason="busy", queued=self.pending)
-        if task.model != self.settings.model:
-            return TaskAck(accepted=False, reason=f"this worker serves {self.settings.model}")
+        if not self.serves(task):
+            return TaskAck(accepted=False, reason=f"this worker serves {', '.join(self.models())}")
         if task.handover is not None:  # (its KV comes over gRPC, with the first token)
             return TaskAck(accepted=False, reason="a hand-over through the storage tier")
         params = task.sampling
@@ -475,7 +475,7 @@ class KvReceiver(kv_pb2_grpc.KvHandoffServicer):
             yield kv_pb2.HandoffStatus(ok=False, code="unauthorized", error=f"refused: {why}")
             return
         svc.links.learn(task)  # (only from a task its router signed: where its tokens go)
-        if svc.status != "ready" or task.model != svc.settings.model or not svc.has_room(task):
+        if svc.status != "ready" or not svc.serves(task) or not svc.has_room(task):
             yield kv_pb2.HandoffStatus(ok=False, code="busy", error=f"{svc.service_id} not taking")
             return
         params = task.sampling

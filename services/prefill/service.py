@@ -119,8 +119,8 @@ class PrefillService(WorkerService):
         room = self.settings.max_queued * QUEUE_SHARE[task.priority]
         if self.status != "ready" or queued >= room:
             return TaskAck(accepted=False, reason="busy", queued=queued)
-        if task.model != self.settings.model:
-            return TaskAck(accepted=False, reason=f"this worker serves {self.settings.model}")
+        if not self.serves(task):
+            return TaskAck(accepted=False, reason=f"this worker serves {', '.join(self.models())}")
         self.open_span(
             task.request_id, "prefill", prompt_tokens=len(task.token_ids), images=len(task.images)
         )

@@ -23,6 +23,7 @@ from services.router.settings import RouterSettings
 from services.router.tenancy.admission import Tenancy
 from services.router.upstream.fleet import Upstreams
 from shared.bus import Bus
+from shared.bus.adapters import Adapters
 from shared.settings import CommonSettings
 
 
@@ -39,6 +40,7 @@ class Core:
     answers: Answers
     recorder: RequestRecorder
     upstreams: Upstreams
+    adapters: Adapters
 
     @classmethod
     def build(
@@ -59,7 +61,10 @@ class Core:
         )
         tenancy = Tenancy(s, secrets, mesh.lag)
         images = ImageReader(s, common)
-        preparer = Preparer(s, images, dispatcher, tenancy, Path(common.state_dir), common.models)
+        adapters = Adapters(bus, common.loras, owner=True)
+        preparer = Preparer(
+            s, images, dispatcher, tenancy, Path(common.state_dir), common.models, adapters
+        )
         upstreams.connect(dispatcher.replies.deliver, preparer.renderer.text_model)
         explainer = None
         if s.cache_explain_bytes:  # why a prompt missed the cache, in its response
@@ -86,11 +91,13 @@ class Core:
             answers,
             recorder,
             upstreams,
+            adapters,
         )
 
     async def start(self, stack: AsyncExitStack) -> None:
         await self.mesh.start(stack, self.bus)
         await self.upstreams.start(stack)
+        await self.adapters.start()
         await self.recorder.start(stack, self.bus, self.settings)
         s = self.settings
         await self.dispatcher.start(s.http_host, s.advertised_host())

@@ -121,6 +121,8 @@ def _worker(role: str) -> Permissions:
     ]
     # Images' embeddings, from the encoder's stream (decode prefills short prompts itself).
     publish += _stream_reader(subjects.EMBEDS_STREAM)
+    # The LoRA adapters loaded at run time, followed (routers write them).
+    publish += [*_stream_creator(subjects.LORAS_STREAM), *_stream_reader(subjects.LORAS_STREAM)]
     # P/D with engines that own their KV: prefill hands the rest of a request to decode (with
     # the router's handoff token, which decode checks), on a subject of its own.
     if role == "prefill":
@@ -166,6 +168,10 @@ def _permissions(role: str) -> Permissions:
             *_bucket(f"OBJ_{subjects.FILES_BUCKET}", f"$O.{subjects.FILES_BUCKET}"),
             *_bucket(f"KV_{subjects.BATCHES_BUCKET}", f"$KV.{subjects.BATCHES_BUCKET}"),
             *_bucket(f"KV_{subjects.RESULTS_BUCKET}", f"$KV.{subjects.RESULTS_BUCKET}"),
+            # LoRA adapters loaded and unloaded at run time (the operator's, through any router).
+            subjects.LORAS_ALL,
+            *_stream_owner(subjects.LORAS_STREAM),
+            *_stream_reader(subjects.LORAS_STREAM),
         ]
         subscribe = [
             subjects.HEARTBEAT_ALL,

@@ -149,3 +149,14 @@ RESULTS_BUCKET = "KVMESH_BATCH_RESULTS"
 # Request/reply to every service at once (no queue group): its recent spans of a trace (the
 # operator page's waterfall); the asker gathers the replies for a moment.
 SPANS_QUERY = f"{PREFIX}.spans.query"
+
+
+# LoRA adapters loaded at run time (shared/bus/adapters.py): one message per adapter name, the
+# last kept, on a stream routers write (the operator's load and unload) and every router and
+# worker follows from its start.
+LORAS_STREAM = "KVMESH_LORAS"
+LORAS_ALL = f"{PREFIX}.lora.>"
+
+
+def lora(name: str) -> str:
+    return f"{PREFIX}.lora.{name.encode().hex()}"  # (names have dots and slashes)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from shared import faults
 from shared.engine.interface import Engine, ImageEmbeds, PrefillRequest, Prefix, StepOutput
 from shared.messages.sampling import SamplingParams
+from shared.model.lora import AdapterSpec
 
 
 def step(engine: Engine) -> list[StepOutput]:
@@ -155,6 +156,14 @@ def export_new(
     return export_upto(engine, seq_id, first, None, dtype, True)[0]
 
 
+def register_adapter(engine: Engine, spec: AdapterSpec) -> None:
+    engine.register_adapter(spec)
+
+
+def unregister_adapter(engine: Engine, name: str) -> None:
+    engine.unregister_adapter(name)
+
+
 OPS: dict[str, Callable] = {
     f.__name__: f
     for f in (
@@ -170,5 +179,7 @@ OPS: dict[str, Callable] = {
         timed_prefill,
         export_blocks,
         export_upto,
+        register_adapter,
+        unregister_adapter,
     )
 }

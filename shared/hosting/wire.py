@@ -31,6 +31,7 @@ from shared.eplb.balancer import BalancerStats
 from shared.messages.sampling import SamplingParams, TokenLogprobs
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig, MoEConfig, RopeScaling
+from shared.model.lora import AdapterSpec, LoraError
 
 HEAD = struct.Struct("<II")
 PART = struct.Struct("<Q")
@@ -49,6 +50,7 @@ TYPES: dict[str, type] = {
         ModelConfig,
         MoEConfig,
         RopeScaling,
+        AdapterSpec,
     )
 }
 ERRORS: dict[str, type[BaseException]] = {
@@ -57,6 +59,7 @@ ERRORS: dict[str, type[BaseException]] = {
         PoolExhausted,
         Cancelled,
         KVFormatError,
+        LoraError,
         ValueError,
         KeyError,
         AssertionError,

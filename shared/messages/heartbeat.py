@@ -50,6 +50,14 @@ class Load(Message):
         description="workers: how long the oldest blocks of new KV computed here have waited "
         "for their KV event (0 when none wait)",
     )
+    adapters: list[str] = Field(
+        default_factory=list,
+        description="workers: LoRA adapters resident in the engine (a request of one starts "
+        "without loading it)",
+    )
+    adapter_load_s: float = Field(
+        default=0.0, ge=0, description="workers: seconds an adapter's load took, on average"
+    )
 
 
 class Heartbeat(Message):

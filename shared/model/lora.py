@@ -23,10 +23,12 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from shared.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -62,14 +64,6 @@ class AdapterSpec:
     base: str
     path: str
     digest: str = ""
-
-    def to_json(self) -> bytes:
-        return json.dumps(self.__dict__, sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> AdapterSpec:
-        d = json.loads(data)
-        return cls(str(d["name"]), str(d["base"]), str(d["path"]), str(d.get("digest", "")))
 
 
 def parse_spec(text: str) -> AdapterSpec:
@@ -242,73 +236,114 @@ class Adapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
-def read_adapter(path: str | Path, config: ModelConfig, max_rank: int = 0) -> Adapter:
-    """The adapter at ``path``, checked against the base ``config`` (its targets, every
-    tensor's name and shape, its rank against ``max_rank`` when set): LoraError otherwise."""
-    from safetensors import SafetensorError, safe_open
+@dataclass(frozen=True)
+class Checked:
+    """An adapter directory checked against its base: its config, each (layer, module)'s
+    rank, and its identity."""
 
+    directory: Path
+    lora: LoraConfig
+    ranks: dict[tuple[int, str], int]
+    digest: str
+
+    @property
+    def rank(self) -> int:
+        return max(self.ranks.values())
+
+
+def check_adapter(path: str | Path, config: ModelConfig, max_rank: int = 0) -> Checked:
+    """The adapter at ``path`` checked against the base ``config`` from its files' headers
+    (no tensor read): its targets, every tensor's name and shape, its rank against
+    ``max_rank`` when set. LoraError, naming the file and the mismatch, otherwise."""
     directory = Path(path)
     lora = read_config(directory)
     digest = digest_of(directory)
     file = directory / WEIGHTS_FILE
-    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    try:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                m = _KEY.fullmatch(key)
-                if m is None:
-                    raise LoraError(
-                        f"{file}: tensor {key} is not a q/k/v/o/gate/up/down LoRA A or B"
-                    )
-                layer, module, which = int(m[1]), m[2], m[3]
-                if module not in lora.targets:
-                    raise LoraError(
-                        f"{file}: tensor {key}: {module} is not in the config's target_modules"
-                    )
-                if layer >= config.n_layers:
-                    raise LoraError(
-                        f"{file}: tensor {key}: layer {layer}, but {config.name} has "
-                        f"{config.n_layers} layers"
-                    )
-                if module in ("gate_proj", "up_proj", "down_proj") and config.is_moe(layer):
-                    raise LoraError(
-                        f"{file}: tensor {key}: layer {layer}'s MLP is a mixture of experts"
-                    )
-                found.setdefault((layer, module), {})[which] = f.get_tensor(key).float()
-    except SafetensorError as err:
-        raise LoraError(f"{file}: not a safetensors file ({err})") from None
+    found: dict[tuple[int, str], dict[str, list[int]]] = {}
+    for key, shape in _shapes(file).items():
+        m = _KEY.fullmatch(key)
+        if m is None:
+            raise LoraError(f"{file}: tensor {key} is not a q/k/v/o/gate/up/down LoRA A or B")
+        layer, module, which = int(m[1]), m[2], m[3]
+        if module not in lora.targets:
+            raise LoraError(f"{file}: tensor {key}: {module} is not in the config's target_modules")
+        if layer >= config.n_layers:
+            raise LoraError(
+                f"{file}: tensor {key}: layer {layer}, but {config.name} has "
+                f"{config.n_layers} layers"
+            )
+        if module in ("gate_proj", "up_proj", "down_proj") and config.is_moe(layer):
+            raise LoraError(f"{file}: tensor {key}: layer {layer}'s MLP is a mixture of experts")
+        found.setdefault((layer, module), {})[which] = shape
     if not found:
         raise LoraError(f"{file}: no LoRA tensors")
     ranks: dict[tuple[int, str], int] = {}
-    for (layer, module), ab in found.items():
+    for (layer, module), ab in sorted(found.items()):
         where = f"{file}: layer {layer} {module}"
         if set(ab) != {"A", "B"}:
             raise LoraError(f"{where}: lora_{'B' if 'A' in ab else 'A'} is missing")
         out, in_ = _module_shape(config, module)
         a, b = ab["A"], ab["B"]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_ or b.shape != (out, r):
+        if len(a) != 2 or len(b) != 2 or a[1] != in_ or b != [out, a[0]]:
             raise LoraError(
-                f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
+                f"{where}: lora_A {tuple(a)} and lora_B {tuple(b)} do not fit "
                 f"{config.name}'s {module} [{out}, {in_}] (A [r, {in_}], B [{out}, r] expected)"
             )
-        if max_rank and r > max_rank:
-            raise LoraError(f"{where}: rank {r} is over the worker's max_lora_rank of {max_rank}")
-        ranks[(layer, module)] = r
+        if max_rank and a[0] > max_rank:
+            raise LoraError(
+                f"{where}: rank {a[0]} is over the worker's max_lora_rank of {max_rank}"
+            )
+        ranks[(layer, module)] = a[0]
+    return Checked(directory, lora, ranks, digest)
+
+
+MAX_HEADER = 100 << 20
+
+
+def _shapes(file: Path) -> dict[str, list[int]]:
+    """Each tensor's shape, from a safetensors file's header."""
+    try:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= MAX_HEADER:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+        return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    except FileNotFoundError:
+        raise LoraError(_missing(file.parent, file.name)) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise LoraError(f"{file}: not a safetensors file ({err})") from None
+
+
+def read_adapter(path: str | Path, config: ModelConfig, max_rank: int = 0) -> Adapter:
+    """The adapter at ``path``, checked (``check_adapter``), in the engine's fused layout."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    checked = check_adapter(path, config, max_rank)
+    file = checked.directory / WEIGHTS_FILE
+    tensors: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                m = _KEY.fullmatch(key)
+                assert m is not None  # (checked)
+                tensors.setdefault((int(m[1]), m[2]), {})[m[3]] = f.get_tensor(key).float()
+    except SafetensorError as err:
+        raise LoraError(f"{file}: not a safetensors file ({err})") from None
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    layers = sorted({layer for layer, _ in found})
-    for layer in layers:
+    for layer in sorted({layer for layer, _ in tensors}):
         for projection in PROJECTIONS:
-            parts = [(m, row) for m, row in _parts(config, projection) if (layer, m) in found]
+            parts = [(m, row) for m, row in _parts(config, projection) if (layer, m) in tensors]
             if not parts:
                 continue
             out, _ = projection_shape(config, projection)
-            a = torch.cat([found[(layer, m)]["A"] for m, _ in parts])  # [R, in]
+            a = torch.cat([tensors[(layer, m)]["A"] for m, _ in parts])  # [R, in]
             b = torch.zeros(out, a.shape[0])
             col = 0
             for m, row in parts:
-                part = found[(layer, m)]["B"] * lora.scale(ranks[(layer, m)])
+                part = tensors[(layer, m)]["B"] * checked.lora.scale(checked.ranks[(layer, m)])
                 b[row : row + part.shape[0], col : col + part.shape[1]] = part
                 col += part.shape[1]
             weights[(layer, projection)] = (a.contiguous(), b)
-    return Adapter(digest, max(ranks.values()), weights)
+    return Adapter(checked.digest, checked.rank, weights)

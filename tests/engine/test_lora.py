@@ -214,10 +214,11 @@ def test_a_bad_adapter_is_refused_naming_the_file_and_the_mismatch(
     with pytest.raises(LoraError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
         read_adapter(path, ours.config, max_rank)
     assert str(path) in str(err.value)
-    # ... and through the engine, at the first request: refused, and the engine serves on.
+    # ... and by the engine, when it is registered: refused, and the engine serves on.
     engine = make_engine(ours, max_lora_rank=max_rank or 64)
-    engine.register_adapter(AdapterSpec("bad", "mine", str(path)))
-    with pytest.raises(LoraError):
+    with pytest.raises(LoraError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        engine.register_adapter(AdapterSpec("bad", "mine", str(path)))
+    with pytest.raises(ValueError, match="no such adapter"):
         engine.prefill("s", PROMPT, SamplingParams(max_tokens=2, adapter="bad"))
     assert greedy(engine, "t", PROMPT, 2) and not engine.seqs
     engine.check_integrity()

@@ -20,6 +20,7 @@ from services.router.observe.capacity import Capacity
 from services.router.observe.stats import RollingStats
 from services.router.upstream.fleet import Upstreams
 from shared import __version__
+from shared.bus.adapters import Adapters
 from shared.messages.heartbeat import ROLES
 
 
@@ -33,8 +34,10 @@ class OperatorApi:
         auth: bool,
         capacity: Capacity,
         upstreams: Upstreams,
+        adapters: Adapters,
     ) -> None:
         self.router_id = router_id
+        self.adapters = adapters
         self.mesh = mesh
         self.upstreams = upstreams
         self.stats = stats
@@ -93,11 +96,14 @@ class OperatorApi:
         return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        """Models that a ready prefill worker and a ready decode worker both serve."""
-        data = [
-            {"id": m, "object": "model", "created": int(t), "owned_by": "kvmesh"}
-            for m, t in sorted(self.mesh.served_models().items())
-        ]
+        """Models that a ready prefill worker and a ready decode worker both serve (a LoRA
+        adapter with its base model as ``parent``, as vLLM lists them)."""
+        data = []
+        for m, t in sorted(self.mesh.served_models().items()):
+            model = {"id": m, "object": "model", "created": int(t), "owned_by": "kvmesh"}
+            base = self.adapters.base_of(m)
+            model.update({"root": m, "parent": base} if base else {"root": m, "parent": None})
+            data.append(model)
         return web.json_response({"object": "list", "data": data})
 
     async def plan(self, request: web.Request) -> web.Response:

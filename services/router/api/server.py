@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack
 
 from aiohttp import web
 
+from services.router.api.adapters import AdapterApi
 from services.router.api.dashboard import Dashboard
 from services.router.api.grpc import GrpcApi, Interceptor, serve_grpc
 from services.router.api.http import HttpApi
@@ -34,7 +35,9 @@ class Servers:
             s.keys_file is not None,
             core.recorder.capacity,
             core.upstreams,
+            core.adapters,
         )
+        self.adapters = AdapterApi(core.router_id, core.adapters, core.preparer.renderer, core.mesh)
         self.dashboard = Dashboard(
             core.router_id, core.mesh, core.recorder.stats, core.recorder.recent, core.bus, s
         )
@@ -57,6 +60,7 @@ class Servers:
         )
         self.routes = [
             *self.operator.routes(),
+            *self.adapters.routes(),
             *self.http.routes(),
             *((route, TENANT) for route in self.batches.routes()),
             *self.dashboard.routes(),

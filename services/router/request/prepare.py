@@ -43,7 +43,9 @@ from services.router.request.image_reader import ImageReader
 from services.router.request.render import Renderer
 from services.router.settings import RequestSettings
 from services.router.tenancy.admission import PLAIN, KvOptions, Tenancy
+from shared.bus.adapters import Adapters
 from shared.messages.generate import Priority, TokenEvent
+from shared.model.lora import kv_fingerprint
 from shared.model.text import TextModel
 
 EXPLAINED = 4  # candidates listed in a response (all with the header x-kvmesh-explain: all)
@@ -200,12 +202,14 @@ class Preparer:
         tenancy: Tenancy,
         state_dir: Path,
         models: Mapping[str, str],
+        adapters: Adapters | None = None,
     ) -> None:
         self.settings = settings
         self.images = images
         self.dispatcher = dispatcher
         self.tenancy = tenancy
-        self.renderer = Renderer(settings.token_cache_tokens, state_dir, models)
+        self.adapters = adapters
+        self.renderer = Renderer(settings.token_cache_tokens, state_dir, models, adapters)
 
     async def prepare(
         self,
@@ -288,17 +292,22 @@ class Preparer:
         if encodes is not None and not self.images.settings.encode_ahead:
             self._encode(encodes, conv.model)  # head start off (for comparison): encode now,
             await encodes.wait()  # and only then route
+        adapter = self.adapters.specs.get(conv.model) if self.adapters else None
         job = Job(
             request_id=rid,
             model=conv.model,
             prompt_ids=ids,
             sampling=replace(
-                conv.sampling, max_tokens=max_tokens, grammar=checked(conv, text, max_tokens)
+                conv.sampling,
+                max_tokens=max_tokens,
+                grammar=checked(conv, text, max_tokens),
+                adapter=adapter.name if adapter else "",
             ),
             deadline=time.time() + self.settings.request_timeout_s,
             retention=kv.retention,
             salt=salt,
-            fingerprint=text.config.fingerprint,
+            # (an adapter's KV is its own: never shared with its base's or another's)
+            fingerprint=kv_fingerprint(text.config.fingerprint, adapter.digest if adapter else ""),
             segments=rendered.segments,
             images=rendered.images,
             priority=priority,

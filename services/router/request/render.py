@@ -34,6 +34,7 @@ from services.router.dispatch.job import Segments
 from services.router.errors import ApiError
 from services.router.request.conversation import Conversation, Image
 from services.router.request.messages import chat_messages, part_text, template_messages, tool_spec
+from shared.bus.adapters import Adapters
 from shared.kvstore.hashing import image_stream, pack_tokens
 from shared.messages.generate import ImageRef
 from shared.model.grammar import vocabulary
@@ -67,11 +68,22 @@ class Renderer:
         token_cache_tokens: int,
         state_dir: Path | None = None,
         models: Mapping[str, str] | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
         self.token_cache_tokens = token_cache_tokens
         self.state_dir = state_dir  # where models' text sides are cached (shared/model/text)
         self.models = dict(models or {})  # a team's own: name → path (KVMESH_MODELS)
-        self.names = frozenset(model_names(self.models))  # every model the mesh can serve
+        self.known = frozenset(model_names(self.models))  # every base model the mesh can serve
+        self.adapters = adapters  # LoRA adapters: rendered as their base model is
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Every model the mesh can serve: base models and adapters."""
+        return self.known | set(self.adapters.specs) if self.adapters else self.known
+
+    def base(self, name: str) -> str:
+        """The model whose tokenizer, template and weights ``name`` uses (an adapter's base)."""
+        return (self.adapters.base_of(name) if self.adapters else None) or name
         self._tokenizers: dict[str, PromptTokenizer] = {}
         self._models: dict[str, TextModel] = {}
         self._loading = asyncio.Lock()
@@ -86,7 +98,9 @@ class Renderer:
     async def text_model(self, name: str) -> TextModel:
         """A model's text side (config, tokenizer, chat template), loaded once, off the loop,
         with the tables built from it (the vocabulary grammars are checked against, each
-        token's bytes for the detokenizer); rendered for from then on."""
+        token's bytes for the detokenizer); rendered for from then on. An adapter's: its
+        base model's."""
+        name = self.base(name)
         if name not in self._models:
             async with self._loading:
                 if name not in self._models:
@@ -122,9 +136,9 @@ class Renderer:
                     f"messages: the model's chat template refused them: {err}",
                     param="messages",
                 ) from None
-            return await self._with_images(conv.model, text, marker, images)
+            return await self._with_images(self.base(conv.model), text, marker, images)
         if isinstance(conv.prompt, str):
-            return Rendered(*await self.encode(conv.model, conv.prompt))
+            return Rendered(*await self.encode(self.base(conv.model), conv.prompt))
         assert conv.prompt is not None
         vocab = model.config.vocab_size
         bad = next((t for t in conv.prompt if not 0 <= t < vocab), None)

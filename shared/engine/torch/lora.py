@@ -26,7 +26,14 @@ import torch
 
 from shared.engine.interface import PoolExhausted
 from shared.model.config import ModelConfig
-from shared.model.lora import Adapter, AdapterSpec, LoraError, projection_shape, read_adapter
+from shared.model.lora import (
+    Adapter,
+    AdapterSpec,
+    LoraError,
+    check_adapter,
+    projection_shape,
+    read_adapter,
+)
 
 BASE = -1  # a row's slot when no adapter computes it
 
@@ -65,8 +72,15 @@ class AdapterSlots:
     # -- the registry ------------------------------------------------------------------------
 
     def register(self, spec: AdapterSpec) -> None:
-        """Serve ``spec.name`` from ``spec.path`` (checked when first needed). A name
-        registered again with other files takes effect for sequences admitted after."""
+        """Serve ``spec.name`` from ``spec.path``, checked now against the model from its
+        files' headers (LoraError), its tensors read when first needed. A name registered
+        again with other files takes effect for sequences admitted after."""
+        checked = check_adapter(spec.path, self.config, self.max_rank)
+        if spec.digest and checked.digest != spec.digest:
+            raise LoraError(
+                f"{spec.path}: its files are not those registered as {spec.name!r} (digest "
+                f"{checked.digest}, registered {spec.digest}): the same path on every host?"
+            )
         old = self.specs.get(spec.name)
         self.specs[spec.name] = spec
         if old is not None and old.digest != spec.digest:
