@@ -114,9 +114,7 @@ def test_one_batch_of_several_adapters_gives_each_what_it_gets_alone(
 
     batch = engine.prefill_batch(
         [
-            PrefillRequest(
-                f"b{i}", p, SamplingParams(max_tokens=1, temperature=0, adapter=a)
-            )
+            PrefillRequest(f"b{i}", p, SamplingParams(max_tokens=1, temperature=0, adapter=a))
             for i, (p, a) in enumerate(zip(prompts, names, strict=True))
         ]
     )

@@ -8,7 +8,6 @@ once the base model's workers serve the adapter (or after ``WAIT_S``), saying wh
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 from aiohttp import web
@@ -16,9 +15,11 @@ from aiohttp import web
 from services.router.api.middleware import ADMIN, Route
 from services.router.dispatch.mesh import Mesh
 from services.router.errors import ApiError
+from services.router.formats.adapters import LoadAdapter, UnloadAdapter
+from services.router.formats.wire import parse_body
 from services.router.request.render import Renderer
 from shared.bus.adapters import Adapters
-from shared.model.lora import AdapterSpec, LoraError, check_adapter, check_name
+from shared.model.lora import AdapterSpec, LoraError, check_adapter
 
 WAIT_S = 10.0  # how long a load waits for the base model's workers to serve it
 
@@ -37,20 +38,21 @@ class AdapterApi:
         ]
 
     async def load(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        name, path = _field(body, "lora_name"), _field(body, "lora_path")
-        base = body.get("base_model") or self._only_base()
-        if not isinstance(base, str) or base not in self.renderer.known:
+        body = parse_body(await request.read(), LoadAdapter)
+        assert isinstance(body, LoadAdapter)
+        name, path = body.lora_name, body.lora_path
+        base = body.base_model or self._only_base()
+        if base not in self.renderer.known:
             known = ", ".join(sorted(self.renderer.known))
             raise ApiError(
                 400, f"base_model: {base!r} is not a model of this mesh ({known})", "base_model"
             )
-        try:
-            check_name(name)
-        except LoraError as err:
-            raise ApiError(400, str(err), param="lora_name") from None
         if name in self.renderer.known:
             raise ApiError(400, f"lora_name: {name!r} is a base model's name", param="lora_name")
+        if name in self.adapters.fixed:
+            raise ApiError(
+                400, f"lora_name: {name!r} is set in the settings (KVMESH_LORAS)", "lora_name"
+            )
         config = (await self.renderer.text_model(base)).config
         try:  # (reads the two files' headers: off the loop)
             checked = await asyncio.to_thread(check_adapter, path, config)
@@ -70,7 +72,9 @@ class AdapterApi:
         )
 
     async def unload(self, request: web.Request) -> web.Response:
-        name = _field(await _body(request), "lora_name")
+        body = parse_body(await request.read(), UnloadAdapter)
+        assert isinstance(body, UnloadAdapter)
+        name = body.lora_name
         try:
             spec = await self.adapters.unload(name, self.router_id)
         except KeyError:
@@ -101,20 +105,3 @@ class AdapterApi:
             if not rest or time.monotonic() >= deadline:
                 return served, rest
             await asyncio.sleep(0.05)
-
-
-async def _body(request: web.Request) -> dict:
-    try:
-        body = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"request body: not JSON ({err})") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body: a JSON object expected")
-    return body
-
-
-def _field(body: dict, name: str) -> str:
-    value = body.get(name)
-    if not isinstance(value, str) or not value:
-        raise ApiError(400, f"{name}: a non-empty string is required", param=name)
-    return value

@@ -13,6 +13,7 @@ from pydantic.json_schema import models_json_schema
 
 from services.router.api.dashboard import MAX_LISTED, MAX_SERIES_MINUTES
 from services.router.batch.api import MAX_LISTED as MAX_BATCHES_LISTED
+from services.router.formats.adapters import LoadAdapter, UnloadAdapter
 from services.router.formats.anthropic import CountRequest
 from services.router.formats.batches import BatchCreate
 from services.router.formats.endpoints import COUNT_TOKENS, ENDPOINTS
@@ -68,6 +69,16 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, tuple[int, ...]]] = {
         "The prefill and decode pools the recent traffic needs for the plan's targets",
         None,
         (401, 403),
+    ),
+    "/v1/load_lora_adapter": (
+        "Serve a LoRA adapter as a model of its own, from every worker of its base model",
+        LoadAdapter,
+        (400, 401, 403),
+    ),
+    "/v1/unload_lora_adapter": (
+        "Serve a LoRA adapter no more (its requests in progress finish)",
+        UnloadAdapter,
+        (400, 401, 403, 404),
     ),
     "/health": ("Each role with its services; 503 while a role has none ready", None, ()),
     "/metrics": ("Prometheus metrics", None, ()),

@@ -75,6 +75,9 @@ class Renderer:
         self.models = dict(models or {})  # a team's own: name → path (KVMESH_MODELS)
         self.known = frozenset(model_names(self.models))  # every base model the mesh can serve
         self.adapters = adapters  # LoRA adapters: rendered as their base model is
+        self._tokenizers: dict[str, PromptTokenizer] = {}
+        self._models: dict[str, TextModel] = {}
+        self._loading = asyncio.Lock()
 
     @property
     def names(self) -> frozenset[str]:
@@ -84,9 +87,6 @@ class Renderer:
     def base(self, name: str) -> str:
         """The model whose tokenizer, template and weights ``name`` uses (an adapter's base)."""
         return (self.adapters.base_of(name) if self.adapters else None) or name
-        self._tokenizers: dict[str, PromptTokenizer] = {}
-        self._models: dict[str, TextModel] = {}
-        self._loading = asyncio.Lock()
 
     def add(self, name: str, model: TextModel) -> None:
         """Render for the model ``name`` from now on (its tokenizer, with a cache of
