@@ -107,7 +107,8 @@ class TorchEngine(Engine):
         self.drafted = self.accepted = 0
         self.balancer = self._balancer(model.config, options)
         self.adapters = AdapterSlots(
-            model.config, options.max_loras, options.max_lora_rank, self.dtype, self.device
+            *(model.config, options.max_loras, options.max_lora_rank, self.dtype, self.device),
+            weights=self.model.w if self.device.type == "cpu" else None,
         )
 
     def _balancer(self, config: ModelConfig, options: EngineOptions) -> ExpertBalancer | None:

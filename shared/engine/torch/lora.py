@@ -21,10 +21,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from shared.engine.interface import PoolExhausted
+from shared.engine.torch.model import _project
 from shared.model.config import ModelConfig
 from shared.model.lora import (
     Adapter,
@@ -40,8 +42,22 @@ BASE = -1  # a row's slot when no adapter computes it
 
 @dataclass
 class _Stack:
-    a: torch.Tensor  # [slots, R, in]
-    bt: torch.Tensor  # [slots, R, out]
+    """One (layer, projection)'s adapters: A [slots, R, in]; ``cat`` [out, base + slots·R],
+    the base weight's columns first where it is fused (``base``: their count, 0 on a GPU),
+    then each slot's B (times its scale) in R columns of its own."""
+
+    a: torch.Tensor
+    cat: torch.Tensor
+    base: int
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[1]
+
+    def b(self, slot: int) -> torch.Tensor:
+        """The slot's B columns, [out, R]."""
+        start = self.base + slot * self.rank
+        return self.cat[:, start : start + self.rank]
 
 
 class AdapterSlots:
@@ -53,8 +69,13 @@ class AdapterSlots:
         dtype: torch.dtype,
         device: torch.device,
         n_host: int = 0,
+        weights: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.config = config
+        # The model's weights, where an adapted projection's base weight is fused with its
+        # adapters' B (one matrix product computes the base and every row's adapter: on a
+        # CPU, where many small products in a pass cost more than their bytes); None: apart.
+        self.weights = weights
         self.n_slots = n_slots
         self.max_rank = max_rank
         self.dtype, self.device = dtype, device
@@ -165,7 +186,7 @@ class AdapterSlots:
             stack = self._stack(layer, projection, a.shape[0])
             r = a.shape[0]
             stack.a[slot, :r] = a.to(self.device, self.dtype)
-            stack.bt[slot, :r] = b.t().to(self.device, self.dtype)
+            stack.b(slot)[:, :r] = b.to(self.device, self.dtype)
         self.held[slot] = spec
         self.recent[slot] = None
         self.loads += 1
@@ -174,23 +195,31 @@ class AdapterSlots:
     def _clear(self, slot: int) -> None:
         for stack in self.stacks.values():
             stack.a[slot].zero_()
-            stack.bt[slot].zero_()
+            stack.b(slot).zero_()
         self.held[slot] = None
         self.recent.pop(slot, None)
 
     def _stack(self, layer: int, projection: str, rank: int) -> _Stack:
         """The (layer, projection) stack, with room for ``rank`` (grown, zero-padded)."""
         stack = self.stacks.get((layer, projection))
-        have = stack.a.shape[1] if stack else 0
+        have = stack.rank if stack else 0
         if rank <= have:
             return stack
         out, in_ = projection_shape(self.config, projection)
-        a = torch.zeros(self.n_slots, rank, in_, dtype=self.dtype, device=self.device)
-        bt = torch.zeros(self.n_slots, rank, out, dtype=self.dtype, device=self.device)
+        key = f"layers.{layer}.{projection}"
+        base = in_ if self.weights is not None else 0
+        zeros = partial(torch.zeros, dtype=self.dtype, device=self.device)
+        grown = _Stack(zeros(self.n_slots, rank, in_), zeros(out, base + self.n_slots * rank), base)
+        if self.weights is not None:
+            grown.cat[:, :in_] = self.weights[key]
         if stack is not None:
-            a[:, :have], bt[:, :have] = stack.a, stack.bt
-        self.stacks[(layer, projection)] = stack = _Stack(a, bt)
-        return stack
+            grown.a[:, :have] = stack.a
+            for slot in range(self.n_slots):
+                grown.b(slot)[:, :have] = stack.b(slot)
+        if self.weights is not None:
+            self.weights[key] = grown.cat[:, :in_]  # (the base's own, a view now)
+        self.stacks[(layer, projection)] = grown
+        return grown
 
     # -- forward passes ----------------------------------------------------------------------------
 
@@ -223,6 +252,8 @@ class LoraPass:
             (row_slots - lo).unsqueeze(1) == torch.arange(k, device=row_slots.device)
         ).to(slots.dtype)
         self._masks: dict[int, torch.Tensor] = {}
+        # Every row of the pass under one adapter: no mask needed.
+        self.uniform = lo == hi and bool((row_slots == lo).all())
 
     def _mask(self, rank: int) -> torch.Tensor:
         """[N, K·R]: each row's own slot's R columns."""
@@ -230,16 +261,30 @@ class LoraPass:
             self._masks[rank] = self.onehot.repeat_interleave(rank, dim=1)
         return self._masks[rank]
 
-    def delta(self, layer: int, projection: str, x: torch.Tensor) -> torch.Tensor | None:
-        """What the rows' adapters add to ``projection`` of x [N, in]: [N, out] (None when no
-        adapter resident adapts it)."""
+    def project(
+        self, layer: int, projection: str, x: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
+        """x [N, in] times the base weight ``w`` transposed, plus what each row's adapter adds
+        to ``projection``: [N, out]."""
         stack = self.stacks.get((layer, projection))
         if stack is None:
-            return None
-        a, bt = stack.a[self.lo : self.hi + 1], stack.bt[self.lo : self.hi + 1]
+            return _project(x, w)
+        a = stack.a[self.lo : self.hi + 1]
         k, r = a.shape[0], a.shape[1]
         u = x @ a.reshape(k * r, -1).t()  # [N, K·R]
-        return (u * self._mask(r)) @ bt.reshape(k * r, -1)
+        if not self.uniform:
+            u.mul_(self._mask(r))
+        first = stack.base + self.lo * r  # (the pass's first slot's first B column)
+        if not stack.base:  # apart (a GPU's): the base's product, then the adapters' added
+            y = _project(x, w)
+            return y.addmm_(u, stack.cat[:, first : first + k * r].t())
+        # [x | 0 for the slots before the pass's first | u] times [W | B of slots 0..hi]ᵀ
+        cols = first + k * r
+        joined = x.new_empty(x.shape[0], cols)
+        joined[:, : stack.base] = x
+        joined[:, stack.base : first] = 0
+        joined[:, first:] = u
+        return _project(joined, stack.cat[:, :cols])
 
 
 __all__ = ["BASE", "AdapterSlots", "LoraError", "LoraPass"]

@@ -10,14 +10,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shared.engine.torch.lora import LoraPass
 from shared.engine.torch.weights import Weights
 from shared.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from shared.engine.torch.lora import LoraPass
 
 
 @dataclass
@@ -72,7 +75,7 @@ def _project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out_dim, in_dim = w.shape
     if out_dim % PANELS or x.is_cuda:  # (a GPU's own kernels split the work themselves)
         return F.linear(x, w)
-    blocks = w.view(PANELS, out_dim // PANELS, in_dim)
+    blocks = w.unflatten(0, (PANELS, out_dim // PANELS))  # (w may be strided: LoRA's fused)
     if m > SMALL_M:
         y = torch.bmm(x.unsqueeze(0).expand(PANELS, -1, -1), blocks.transpose(1, 2))
         return y.transpose(0, 1).reshape(m, out_dim)  # [P, M, out/P] → [M, out]
@@ -279,10 +282,8 @@ class Transformer:
         self, x: torch.Tensor, layer: int, name: str, lora: LoraPass | None
     ) -> torch.Tensor:
         """x times the layer's weight ``name`` transposed, plus what the rows' adapters add."""
-        y = _project(x, self.w[f"layers.{layer}.{name}"])
-        if lora is not None and (delta := lora.delta(layer, name, x)) is not None:
-            y = y + delta
-        return y
+        w = self.w[f"layers.{layer}.{name}"]
+        return _project(x, w) if lora is None else lora.project(layer, name, x, w)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return _project(hidden, self.lm_head).float()
