@@ -124,7 +124,9 @@ def bench_engine(args: argparse.Namespace, root: Path) -> dict:
         figures[f"decode_b8_{n}_adapters_tok_s"] = statistics.median(rounds[str(n)])
     figures["decode_b8_0_adapters_cost"] = 1 - figures["decode_b8_0_adapters_tok_s"] / base
     for n in (1, 4, 8):
-        figures[f"decode_b8_{n}_adapters_cost"] = 1 - figures[f"decode_b8_{n}_adapters_tok_s"] / base
+        figures[f"decode_b8_{n}_adapters_cost"] = (
+            1 - figures[f"decode_b8_{n}_adapters_tok_s"] / base
+        )
 
     # Load times: cold (read from disk: a fresh engine's first use), warm (its host copy, after
     # its slot went to another adapter).
@@ -149,7 +151,7 @@ def bench_engine(args: argparse.Namespace, root: Path) -> dict:
     # Time to first token (a 512-token prompt's prefill): its adapter resident, and not.
     ids = prompt * 3
     ttft_resident, ttft_loading = [], []
-    for i, spec in enumerate(specs):
+    for spec in specs:
         params = replace_adapter(one, spec.name)
         started = time.perf_counter()
         small.prefill("cold", ids[:512], params)  # (its slot held another's: loaded now)
@@ -161,9 +163,7 @@ def bench_engine(args: argparse.Namespace, root: Path) -> dict:
         small.free("warm")
     figures["ttft_adapter_resident_ms"] = 1e3 * statistics.median(ttft_resident)
     figures["ttft_adapter_loaded_ms"] = 1e3 * statistics.median(ttft_loading)
-    figures["adapter_mb"] = sum(
-        p.stat().st_size for p in Path(specs[0].path).iterdir()
-    ) / 2**20
+    figures["adapter_mb"] = sum(p.stat().st_size for p in Path(specs[0].path).iterdir()) / 2**20
     return figures
 
 
@@ -187,6 +187,78 @@ def print_engine(f: dict, rank: int) -> None:
     )
 
 
+SIM_POLICIES = (("ttft", False), ("ttft", True), ("round_robin", False), ("least_loaded", False))
+
+
+def label(policy: str, blind: bool) -> str:
+    return f"{policy} (adapter-blind)" if blind else policy
+
+
+def bench_sim(args: argparse.Namespace) -> dict:
+    """The default policy told and not told where adapters are resident, and the balancers,
+    on synthetic chat traces with adapters (each conversation under one)."""
+    from dataclasses import replace
+
+    from simulator.replay import SimConfig, infinite_cache_hit_ratio, simulate
+    from simulator.replay import speed_for_utilization as speed_for
+    from simulator.synthetic import Workload, generate
+
+    runs: dict[tuple[str, bool], list[dict]] = {k: [] for k in SIM_POLICIES}
+    bounds = []
+    for seed in args.seeds:
+        workload = Workload(
+            rate=4.0,
+            requests=args.sim_requests,
+            input_mean=8192,
+            output_mean=256,
+            reuse=0.9,
+            systems=8,
+            block_size=512,
+            seed=seed,
+            adapters=args.adapters,
+            adapter_skew=args.skew,
+        )
+        requests, earlier = generate(workload)
+        unique = len({h for r in requests for h in r.hashes})
+        cfg = SimConfig(
+            prefill=args.workers,
+            decode=args.workers,
+            memory_blocks=max(50, int(unique * 0.3 / args.workers)),
+            max_loras=args.max_loras,
+            adapter_load_s=args.load_ms / 1e3,
+        )
+        cfg = replace(cfg, speed=speed_for(requests, 512, cfg, args.load))
+        bounds.append(infinite_cache_hit_ratio(requests, 512))
+        for policy, blind in SIM_POLICIES:
+            say(f"simulator, seed {seed}: {label(policy, blind)}")
+            result = simulate(
+                requests, 512, replace(cfg, adapter_blind=blind), policy, None, earlier
+            )
+            runs[(policy, blind)].append(result.summary(args.workers))
+    figures: dict = {"sim_hit_bound_trace_only": statistics.fmean(bounds)}
+    for (policy, blind), summaries in runs.items():
+        key = f"sim_{policy}{'_blind' if blind else ''}"
+        for what in ("ttft_mean_s", "ttft_p99_s", "hit_ratio", "adapter_loads"):
+            figures[f"{key}_{what}"] = statistics.fmean(s[what] for s in summaries)
+    return figures
+
+
+def print_sim(f: dict, args: argparse.Namespace) -> None:
+    print(
+        f"\nsimulator: {args.adapters} adapters (Zipf {args.skew:g}) over {args.workers} prefill "
+        f"workers holding {args.max_loras} each, a load {args.load_ms:g} ms; "
+        f"{round(args.load * 100)}% busy; mean of seeds {','.join(map(str, args.seeds))}"
+    )
+    print(f"{'policy':<28} {'TTFT mean s':>12} {'p99 s':>8} {'hit ratio':>10} {'loads':>8}")
+    for policy, blind in SIM_POLICIES:
+        key = f"sim_{policy}{'_blind' if blind else ''}"
+        print(
+            f"{label(policy, blind):<28} {f[key + '_ttft_mean_s']:>12.3f} "
+            f"{f[key + '_ttft_p99_s']:>8.3f} {f[key + '_hit_ratio']:>10.3f} "
+            f"{f[key + '_adapter_loads']:>8.0f}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rank", type=int, default=16)
@@ -194,12 +266,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--sim", action="store_true", help="the simulator's part too")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--adapters", type=int, default=32)
+    ap.add_argument("--skew", type=float, default=1.0)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--max-loras", type=int, default=4)
+    ap.add_argument("--load-ms", type=float, default=10.0)
+    ap.add_argument("--load", type=float, default=0.8, help="the pool's share busy")
+    ap.add_argument("--sim-requests", type=int, default=3000)
     args = ap.parse_args()
+    args.seeds = [int(x) for x in args.seeds.split(",")]
     figures: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.no_engine:
             figures.update(bench_engine(args, Path(tmp)))
             print_engine(figures, args.rank)
+    if args.sim:
+        figures.update(bench_sim(args))
+        print_sim(figures, args)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}))
 
 

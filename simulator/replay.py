@@ -53,6 +53,13 @@ class SimConfig:
     # events), "none" (only the workers' memory tiers: the prefill worker finds the rest).
     storage_answer: str = "exact"
     world: WorldSettings | None = None  # None: the policy's own estimate (simulator/world.py)
+    # LoRA adapters (requests of a trace that has them): each prefill worker holds this many
+    # resident, least recently used out, and loads another in ``adapter_load_s`` before the
+    # pass that needs it; ``adapter_blind``: the router is not told a request's adapter (its
+    # blocks are still the adapter's own: only where adapters are resident is unknown to it).
+    max_loras: int = 4
+    adapter_load_s: float = 0.05
+    adapter_blind: bool = False
 
     def make_world(self) -> World:
         if self.world is None:
@@ -74,6 +81,7 @@ class SimResult:
     first_arrival: float = 0.0
     last_done: float = 0.0
     output_tokens: int = 0
+    adapter_loads: int = 0
     estimate_mape: float = 0.0  # the policy's TTFT estimates against the replay's TTFTs
     estimate_terms: dict = field(default_factory=dict)  # what the pool's estimate learned
 
@@ -102,6 +110,7 @@ class SimResult:
             "throughput_tok_s": (self.input_tokens + self.output_tokens) / span,
             "output_tok_s": self.output_tokens / span,
             "requests": len(ttft),
+            "adapter_loads": self.adapter_loads,
             "estimate_mape": self.estimate_mape,
             "estimate_terms": self.estimate_terms,
         }
@@ -254,6 +263,7 @@ def simulate(
     store = _Lru(cfg.store_blocks)
     queues: dict[str, deque] = {p: deque() for p in prefills}
     running = dict.fromkeys(prefills, 0)  # requests in the worker's pass now (0: it is idle)
+    resident: dict[str, OrderedDict[str, None]] = {p: OrderedDict() for p in prefills}
     # Decode workers: a pool of their own, or (aggregated) the prefill workers themselves.
     decoders = prefills if world.aggregated else [f"d{k}" for k in range(cfg.decode)]
     decode_active = dict.fromkeys(decoders, 0)
@@ -311,6 +321,21 @@ def simulate(
             if budget <= 0:
                 break
         took, services = world.batch(p, [b[3] for b in batch], now)
+        loads = 0  # (the adapters its pass needs and lacks, loaded before it)
+        for i, *_ in batch:
+            adapter = requests[i].adapter
+            if adapter and adapter not in resident[p]:
+                loads += 1
+                resident[p][adapter] = None
+                if len(resident[p]) > cfg.max_loras:
+                    resident[p].popitem(last=False)
+            if adapter:
+                resident[p].move_to_end(adapter)
+        if loads:
+            took += loads * cfg.adapter_load_s
+            result.adapter_loads += loads
+            extra = loads * cfg.adapter_load_s
+            services = [replace(sv, compute_s=sv.compute_s + extra) for sv in services]
         if world.aggregated and decode_active[p]:  # each pass steps its answers too
             uncached = sum(b[3].uncached for b in batch)
             passes = -(-max(1, uncached) // world.batch_tokens) if world.batch_tokens else 1
@@ -331,7 +356,11 @@ def simulate(
             counts = index.lookup(r.hashes, now)  # the blocks found are used now
             if cfg.storage_answer == "none":
                 counts.pop(STORE, None)
-            route = RouteRequest(str(i), r.n_in, block_size, r.hashes, counts, now)
+            adapter = "" if cfg.adapter_blind else r.adapter
+            route = RouteRequest(str(i), r.n_in, block_size, r.hashes, counts, now, 0, adapter)
+            if adapter:  # (what their heartbeats say)
+                for p in prefills:
+                    policy.resident(p, list(resident[p]), cfg.adapter_load_s)
             if world.aggregated:  # (what their heartbeats say: the answers they decode)
                 for p in prefills:
                     held = decode_active[p] + policy.state(p).inflight

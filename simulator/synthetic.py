@@ -42,6 +42,10 @@ class Workload:
     agent_share: float = 0.0  # of conversations, agents' (their retention class)
     block_size: int = 512
     seed: int = 0
+    # LoRA adapters: each conversation computed under one of ``adapters`` (0: none), picked
+    # with Zipf popularity (the k-th most used ∝ 1 / k^adapter_skew); its KV is its own.
+    adapters: int = 0
+    adapter_skew: float = 1.0
 
     def check(self) -> None:
         """ValueError naming the field and its limit."""
@@ -93,6 +97,7 @@ def generate(w: Workload) -> tuple[list[TraceRequest], list[TraceRequest]]:
     # Conversations start so that turns arrive at ``rate`` on average, from before the trace
     # begins (it opens in the steady state, not with every conversation at its first turn);
     # the trace keeps the first ``requests`` turns from 0 on.
+    popularity = [1 / (k + 1) ** w.adapter_skew for k in range(w.adapters)]
     start_rate = w.rate / w.turns
     horizon = 1.5 * w.requests / w.rate  # (at least: then cut to ``requests``)
     t, c, sigma = -w.turns * w.think_s * math.exp(0.5), 0, 0.5
@@ -102,14 +107,17 @@ def generate(w: Workload) -> tuple[list[TraceRequest], list[TraceRequest]]:
         system = rng.randrange(w.systems)
         retention = "agent" if rng.random() < w.agent_share else "chat"
         turns = int(w.turns) + (rng.random() < w.turns % 1)
-        history = [f"s{system}b{i}" for i in range(w.system_tokens // bs)]
+        adapter = ""
+        if popularity:
+            adapter = f"lora{rng.choices(range(w.adapters), popularity)[0]}"
+        history = [f"{adapter}s{system}b{i}" for i in range(w.system_tokens // bs)]
         tokens, at = w.system_tokens, t
         turns_at: list[tuple[float, TraceRequest]] = []
         for _ in range(turns):
             tokens += max(1, round(own_mean * math.exp(rng.gauss(-(sigma**2) / 2, sigma))))
             history = history + [f"c{c}b{i}" for i in range(len(history), tokens // bs)]
             n_out = max(1, round(rng.expovariate(1 / w.output_mean)))
-            turns_at.append((at, TraceRequest(at, tokens, n_out, history, retention)))
+            turns_at.append((at, TraceRequest(at, tokens, n_out, history, retention, adapter)))
             tokens += n_out  # (the answer is in the next turn's history)
             if rng.random() < w.come_back:
                 # Days later: the turns before are moved back by as much, so the conversation
@@ -126,7 +134,7 @@ def generate(w: Workload) -> tuple[list[TraceRequest], list[TraceRequest]]:
     out.sort(key=lambda x: x[0])
     out = out[: w.requests]
     t0 = out[0][0] if out else 0.0
-    requests = [TraceRequest(at - t0, r.n_in, r.n_out, r.hashes, r.retention) for at, r in out]
+    requests = [replace(r, t=at - t0) for at, r in out]
     earlier.sort(key=lambda r: r.t)
-    before = [TraceRequest(r.t - t0, r.n_in, r.n_out, r.hashes, r.retention) for r in earlier]
+    before = [replace(r, t=r.t - t0) for r in earlier]
     return requests, before

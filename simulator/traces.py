@@ -18,6 +18,7 @@ class TraceRequest:
     n_out: int
     hashes: list[str]  # the prompt's blocks, in order (shared prefixes share hashes)
     retention: str = "chat"
+    adapter: str = ""  # the LoRA adapter computing it (its blocks are that adapter's own)
 
 
 class TraceError(ValueError):

@@ -20,10 +20,10 @@ from shared.model.lora import AdapterSpec, digest_of, kv_fingerprint
 from shared.model.text import load_config, load_text_model
 from tests.engine.conftest import make_engine
 from tests.engine.lora_adapters import peft_adapter
-from tests.procs import wait_until
+from tests.procs import metrics, wait_until
 from tests.stack import Stack
 
-IDS = ("cachemeta-0", "router-0", "prefill-0", "decode-0")
+IDS = ("cachemeta-0", "router-0", "prefill-0", "prefill-1", "decode-0")
 PROMPT = [(i * 104729) % 40000 + 100 for i in range(200)]
 
 
@@ -131,6 +131,37 @@ def test_an_adapter_is_served_as_its_own_model_with_its_own_kv(
     wait_until(lambda: stack.health()["decode-0"]["load"]["adapters"] == ["tiny-fixed"], 5)
 
 
+def test_requests_of_an_adapter_go_to_the_prefill_worker_holding_it(stack: Stack) -> None:
+    def resident() -> dict[str, list[str]]:
+        health = stack.health()
+        return {p: health[p]["load"]["adapters"] for p in ("prefill-0", "prefill-1")}
+
+    # (the test before computed it on one of the two; its heartbeat says so)
+    holder = wait_until(
+        lambda: [p for p, held in resident().items() if "tiny-fixed" in held], timeout_s=5
+    )
+    for k in range(4):  # prompts nothing cached favors: balanced, but for the adapter's load
+        ids = [(k * 7919 + i * 31) % 40000 + 100 for i in range(200)]
+        r = stack.client().completions.create(
+            model="tiny-fixed", prompt=ids, max_tokens=2, temperature=0
+        )
+        assert r.choices[0].text is not None
+    assert [p for p, held in resident().items() if "tiny-fixed" in held] == holder
+    # ... while prompts of the base model are spread over both
+    before = {p: computed(stack, p) for p in ("prefill-0", "prefill-1")}
+    for k in range(8):  # (by tokens given each: the one given less first)
+        ids = [(k * 6007 + i * 37) % 40000 + 100 for i in range(200)]
+        stack.client().completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0)
+    after = {p: computed(stack, p) for p in ("prefill-0", "prefill-1")}
+    assert all(after[p] > before[p] for p in after), (before, after)
+
+
+def computed(stack: Stack, service: str) -> float:
+    """Prompt tokens the worker computed, by its /metrics."""
+    found = metrics(stack.health()[service]["address"])
+    return found.get(("kvmesh_prefill_tokens_total", (("kind", "computed"),)), 0.0)
+
+
 def test_an_adapter_loaded_at_run_time_is_served_then_unloaded(
     stack: Stack, expected, adapter_dirs
 ) -> None:  # noqa: ANN001
@@ -139,7 +170,8 @@ def test_an_adapter_loaded_at_run_time_is_served_then_unloaded(
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["base_model"] == "tiny" and body["rank"] == 4
-    assert sorted(body["served_by"]) == ["decode-0", "prefill-0"] and not body["not_served_by"]
+    assert sorted(body["served_by"]) == ["decode-0", "prefill-0", "prefill-1"]
+    assert not body["not_served_by"]
     assert models(stack)["tiny-loaded"] == "tiny"
     assert complete(stack, "tiny-loaded") == (expected["tiny-loaded"], 0)
     assert complete(stack, "tiny-loaded")[1] >= 128

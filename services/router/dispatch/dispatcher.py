@@ -65,8 +65,9 @@ def route_attributes(policy: str, ranked: list[Ranked]) -> dict:
     }
 
 
-def decode_score(w: WorkerRecord, inflight: int) -> DecodeScore:
-    """A decode worker as routing sees it, from its heartbeat and what this router sent it."""
+def decode_score(w: WorkerRecord, inflight: int, adapter: str = "") -> DecodeScore:
+    """A decode worker as routing sees it, from its heartbeat and what this router sent it
+    (``adapter``: the request's LoRA adapter, whether it holds it resident)."""
     load = w.heartbeat.load
     return DecodeScore(
         w.service_id,
@@ -76,6 +77,7 @@ def decode_score(w: WorkerRecord, inflight: int) -> DecodeScore:
         load.queued_tokens,
         w.heartbeat.pd_only,
         load.kv_blocks_used * load.kv_block_size,
+        not adapter or adapter in load.adapters,
     )
 
 
@@ -260,16 +262,22 @@ class Dispatcher:
         # others over gRPC.
         whole = any(w.heartbeat.whole for w in decoders)
         peered = any(w.heartbeat.pd_only for w in decoders)
+        adapter = job.sampling.adapter
         decodes = [
-            decode_score(w, self.inflight[w.service_id])
+            decode_score(w, self.inflight[w.service_id], adapter)
             for w in decoders
             if w.heartbeat.whole == whole
         ]
-        prefills = {
-            w.service_id: w.heartbeat.load.queued_tokens
+        prefillers = [
+            w
             for w in self.candidates("prefill", job.model, excluded)
             if w.heartbeat.whole == whole and ("bootstrap" in w.heartbeat.addresses) == peered
-        }
+        ]
+        prefills = {w.service_id: w.heartbeat.load.queued_tokens for w in prefillers}
+        if adapter:  # (where it is resident, what loading it takes: their heartbeats)
+            for w in (*prefillers, *(d for d in decoders if d.heartbeat.whole)):
+                load = w.heartbeat.load
+                self.policy.resident(w.service_id, load.adapters, load.adapter_load_s)
         req = RouteRequest(
             job.request_id,
             len(job.prompt_ids),
@@ -278,6 +286,7 @@ class Dispatcher:
             job.cached_blocks,
             time.monotonic(),
             min(job.sampling.max_tokens, job.expected_tokens or job.sampling.max_tokens),
+            adapter,
         )
         # A candidate whose prompt a decode worker holds (``near``) computes under a block
         # there, sharing the rest, whatever the bound on prompts prefilled on decode.

@@ -75,10 +75,13 @@ class Mooncake(RoutingPolicy):
                 req.at,
                 self.look_ahead,
                 known,
+                w.adapter_s(req.adapter) if self.knows_adapters else 0.0,
             )
             for s, w in states.items()
         ]
-        if self.balances_cold and len(scores) > 1 and cold(scores):
+        # (a cold prompt of an adapter some workers lack is placed by cost, its load in it)
+        alike = not (self.knows_adapters and req.adapter) or len({s.load_s for s in scores}) < 2
+        if self.balances_cold and len(scores) > 1 and alike and cold(scores):
             ranked = balance_cold(scores, states, self.salt, self.size_band())
         else:
             ranked = rank_prefill(scores, states, self.guard, self.salt, self.unsure())
@@ -101,6 +104,7 @@ class Ttft(Mooncake):
     guard = True
     fitted = True
     balances_cold = True
+    knows_adapters = True
 
     def size_band(self) -> float:
         """Token counts this close (a share) place a cold prompt by its size (``balance_cold``):

@@ -40,6 +40,7 @@ class RouteRequest:
     counts: dict[str, int] = field(default_factory=dict)  # location → leading blocks held
     at: float = 0.0  # when it is routed (the router's monotonic clock, or simulated time)
     answer_tokens: int = 0  # the most it may generate (the KV a decode worker must hold)
+    adapter: str = ""  # the LoRA adapter computing it ("": the base model)
 
     def memory_blocks(self, service_id: str) -> int:
         return self.counts.get(memory_location(service_id), 0)
@@ -72,6 +73,8 @@ class Ranked:
 class RoutingPolicy(ABC):
     name: ClassVar[str]
     fitted: ClassVar[bool] = False  # the service-time estimate: fitted terms, or plain rates
+    # A worker lacking a request's LoRA adapter loads it first: counted in its estimate.
+    knows_adapters: ClassVar[bool] = False
 
     def __init__(self, defaults: CostDefaults = DEFAULTS, salt: str = "") -> None:
         self.defaults = defaults
@@ -129,14 +132,16 @@ class RoutingPolicy(ABC):
         self, req: RouteRequest, service_id: str, view: StoreView | None = None
     ) -> PrefillScore:
         """The TTFT model's terms for the request on this worker."""
+        w = self.state(service_id)
         return score_prefill(
-            self.state(service_id),
+            w,
             req.n_prompt,
             req.hashes,
             req.block_size,
             req.memory_blocks(service_id),
             self.store_view(req) if view is None else view,
             req.at,
+            adapter_s=w.adapter_s(req.adapter) if self.knows_adapters else 0.0,
         )
 
     # -- what happened to a routed request (every policy tracks in-flight work) --------------
@@ -145,7 +150,10 @@ class RoutingPolicy(ABC):
         rid, scores = self.scored
         s = scores.get(service_id) if rid == req.request_id else None
         s = s or self.score(req, service_id)
-        self.state(service_id).dispatched(req.request_id, req.hashes, s.work_s, req.at, s)
+        w = self.state(service_id)
+        w.dispatched(req.request_id, req.hashes, s.work_s, req.at, s)
+        if req.adapter:  # (resident there by the time the requests after it begin)
+            w.adapters_coming[req.adapter] += 1
         stored_at = req.at + s.ttft_s
         for h in req.hashes[req.store_blocks :]:
             c = self.computing.get(h)
@@ -164,7 +172,11 @@ class RoutingPolicy(ABC):
     ) -> None:
         """Its first token came (or it failed): the prefill worker is done with it, and says
         what it took (``PrefillWorkerState.prefilled``)."""
-        self.state(service_id).prefilled(
+        w = self.state(service_id)
+        if req.adapter and w.adapters_coming[req.adapter] > 0:
+            w.adapters_coming[req.adapter] -= 1
+            w.adapters |= {req.adapter}  # (loaded there now, as far as the router knows)
+        w.prefilled(
             req.request_id,
             req.hashes,
             now,
@@ -192,6 +204,13 @@ class RoutingPolicy(ABC):
         decoding = max(0, active - w.inflight)
         w.decodes(decoding, active_tokens if decoding else 0)
 
+    def resident(self, service_id: str, adapters: list[str], load_s: float) -> None:
+        """The LoRA adapters the worker holds resident, and what loading one took there on
+        average (its heartbeats)."""
+        w = self.state(service_id)
+        w.adapters = frozenset(adapters)
+        w.adapter_load_s = load_s or w.adapter_load_s
+
     def forget(self, service_id: str) -> None:
         w = self.workers.pop(service_id, None)
         if w is not None:
@@ -210,17 +229,20 @@ class DecodeScore:
     queued_tokens: int = 0  # (whole) prompt tokens its last heartbeat says wait there
     pd_only: bool = False  # (whole) it decodes only what a prefill engine hands it (SGLang P/D)
     used_tokens: int = 0  # (whole) tokens of KV its sequences hold
+    has_adapter: bool = True  # it holds the request's LoRA adapter resident (or none is asked)
 
 
 def rank_decode(scores: list[DecodeScore], needed_blocks: int) -> list[DecodeScore]:
     """Workers with any KV room: those with room for the whole answer first; within each
-    group the fewest active sequences, then the most headroom."""
+    group the fewest active sequences, then those holding the request's LoRA adapter, then
+    the most headroom."""
     room = [s for s in scores if s.headroom_blocks > 0]
     return sorted(
         room,
         key=lambda s: (
             s.headroom_blocks < needed_blocks,
             s.active,
+            not s.has_adapter,
             -s.headroom_blocks,
             s.service_id,
         ),

@@ -107,11 +107,13 @@ def score_prefill(
     now: float = 0.0,
     look_ahead: bool = True,
     known: dict | None = None,
+    adapter_s: float = 0.0,
 ) -> PrefillScore:
     """``memory_blocks``: leading blocks in this worker's memory tier (the index); ``store``:
     leading blocks in the storage tier, now or (a ``StoreView``) as they will be. Without
     ``look_ahead`` only what the tiers hold now counts. ``known``: what one decision has
-    estimated so far (most workers hold none of the prompt, and are estimated alike)."""
+    estimated so far (most workers hold none of the prompt, and are estimated alike).
+    ``adapter_s``: the wait for its LoRA adapter to load there (not resident)."""
     ahead = worker.ahead_s(now)
     estimate = worker.estimate
     wait = estimate.wait_s(ahead)
@@ -146,7 +148,7 @@ def score_prefill(
         compute_s = max(0.0, compute_s - estimate.pass_s(shape))
     return PrefillScore(
         *(worker.service_id, shape.memory, shape.loaded, shape.uncached, wait, compute_s),
-        *(load_s, 0.0, ahead, shape.sharing, estimate.error.recent, worker.decoding),
+        *(load_s + adapter_s, 0.0, ahead, shape.sharing, estimate.error.recent, worker.decoding),
         *(worker.decoding_tokens, shape.chunk, joins, shape),
     )
 

@@ -43,6 +43,9 @@ class Scored(Protocol):
     def shape(self) -> Shape: ...
 
 
+ADAPTER_LOAD_S = 0.05  # a LoRA adapter's load, until a worker reports its own
+
+
 @dataclass(frozen=True)
 class CostDefaults:
     """Starting rates, until workers report their own (tokens per second)."""
@@ -146,6 +149,11 @@ class PrefillWorkerState:
     tie: bytes | None = None  # (tie_key)
     tail_room: int = 0  # uncached tokens the pass queued last (not begun) can still take
     pending: Counter[str] = field(default_factory=Counter)  # block → requests bringing it
+    # LoRA adapters: those it holds resident (its heartbeats, and requests that loaded one
+    # since), those requests in flight there bring, and what a load takes there.
+    adapters: frozenset[str] = frozenset()
+    adapters_coming: Counter[str] = field(default_factory=Counter)
+    adapter_load_s: float = ADAPTER_LOAD_S
 
     @classmethod
     def fresh(
@@ -180,6 +188,13 @@ class PrefillWorkerState:
         """How long a request arriving at ``now`` waits (the estimate's factor on the work
         ahead)."""
         return self.estimate.wait_s(self.ahead_s(now))
+
+    def adapter_s(self, adapter: str) -> float:
+        """What a request of ``adapter`` waits here for it to load (0 when resident, or
+        brought by a request ahead)."""
+        if not adapter or adapter in self.adapters or self.adapters_coming[adapter]:
+            return 0.0
+        return self.adapter_load_s
 
     def tie_key(self, salt: str) -> bytes:
         """Its place in the order of a router's ties (``salt``: the router's id)."""
