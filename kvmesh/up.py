@@ -35,7 +35,8 @@ from shared.bus.auth import connect_options
 from shared.logs import setup_logging
 from shared.messages.heartbeat import PlanQuery, PlanReply, RegistryQuery, RegistrySnapshot
 from shared.model.catalog import SETTING, ModelError
-from shared.model.text import check_model
+from shared.model.lora import LoraError, check_adapter, parse_spec
+from shared.model.text import check_model, load_config
 from shared.offline import offline_env
 from shared.security.tls import client_context
 from shared.settings import CommonSettings, SettingsError, load_settings
@@ -74,6 +75,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="serve this model (repeatable): --prefill and --decode workers of its own; PATH "
         "(a GGUF file or a Hugging Face directory) serves that checkpoint as NAME. Without "
         "it, the workers serve their KVMESH_PREFILL_MODEL / KVMESH_DECODE_MODEL",
+    )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=BASE:PATH",
+        help="serve a LoRA adapter as the model NAME (repeatable): a PEFT adapter directory "
+        "(adapter_config.json, adapter_model.safetensors) of the model BASE, computed by BASE's "
+        "workers (KVMESH_LORAS; more load at run time: POST /v1/load_lora_adapter)",
     )
     p.add_argument(
         "--upstream",
@@ -211,6 +221,8 @@ class Stack:
         env.update(KVMESH_NATS_URL=self.nats_url, KVMESH_SERVICE_ID=child.name)
         if self.common.models:  # what --model added, for every service
             env[SETTING] = json.dumps({k: str(v) for k, v in self.common.models.items()})
+        if self.common.loras:  # ... and --lora
+            env["KVMESH_LORAS"] = json.dumps(self.common.loras)
         env.update(child.env)
         if self.nats_nodes > 1 and "KVMESH_JETSTREAM_REPLICAS" not in env:
             env["KVMESH_JETSTREAM_REPLICAS"] = str(min(3, self.nats_nodes))
@@ -496,6 +508,30 @@ def with_models(common: CommonSettings, options: list[str]) -> tuple[CommonSetti
     return common, list(models)
 
 
+def with_loras(common: CommonSettings, options: list[str]) -> CommonSettings:
+    """The settings with ``--lora`` adapters added, each read and checked against its base
+    model (ValueError naming the option, the file and the mismatch)."""
+    loras = dict(common.loras)
+    for option in options:
+        try:
+            spec = parse_spec(option)
+        except LoraError as err:
+            raise ValueError(f"--lora {option!r}: {err}") from None
+        if spec.name in loras:
+            raise ValueError(f"--lora {spec.name}: given twice (here or in KVMESH_LORAS)")
+        path = str(Path(spec.path).expanduser().resolve())
+        try:
+            config = load_config(spec.base, Path(common.state_dir), models=common.models)
+        except ModelError as err:
+            raise ValueError(f"--lora {spec.name}: base model {spec.base}: {err}") from None
+        try:
+            check_adapter(path, config)
+        except LoraError as err:
+            raise ValueError(f"--lora {spec.name}: {err}") from None
+        loras[spec.name] = f"{spec.base}:{path}"
+    return common.model_copy(update={"loras": loras})
+
+
 def run(args: argparse.Namespace) -> int:
     unset = 0 if args.upstream else 1  # (in front of servers of its own: no workers unasked)
     asked = {"prefill": args.prefill, "decode": args.decode, "encoder": args.encoder}
@@ -529,6 +565,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(common.log_level)
     try:
         common, models = with_models(common, args.model)
+        common = with_loras(common, args.lora)
     except ValueError as err:
         print(f"kvmesh up: {err}", file=sys.stderr)
         return 2

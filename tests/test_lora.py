@@ -19,32 +19,12 @@ from shared.messages.sampling import SamplingParams
 from shared.model.lora import AdapterSpec, digest_of, kv_fingerprint
 from shared.model.text import load_config, load_text_model
 from tests.engine.conftest import make_engine
-from tests.engine.lora_adapters import peft_adapter
+from tests.engine.lora_adapters import peft_adapter, tiny_shaped_base
 from tests.procs import metrics, wait_until
 from tests.stack import Stack
 
 IDS = ("cachemeta-0", "router-0", "prefill-0", "prefill-1", "decode-0")
 PROMPT = [(i * 104729) % 40000 + 100 for i in range(200)]
-
-
-def tiny_shaped_base():  # noqa: ANN201
-    """A transformers model shaped as kvmesh's tiny model (what an adapter of it must fit)."""
-    import transformers
-
-    from shared.model.config import TINY_CONFIGS
-
-    c = TINY_CONFIGS["tiny"]
-    config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.dim,
-        intermediate_size=c.ffn_dim,
-        num_hidden_layers=c.n_layers,
-        num_attention_heads=c.n_heads,
-        num_key_value_heads=c.n_kv_heads,
-        head_dim=c.head_dim,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +109,32 @@ def test_an_adapter_is_served_as_its_own_model_with_its_own_kv(
     assert not set(ours) & set(base)
     # The decode worker says it holds the adapter resident (its next heartbeat).
     wait_until(lambda: stack.health()["decode-0"]["load"]["adapters"] == ["tiny-fixed"], 5)
+
+
+def test_every_api_format_serves_an_adapter_by_its_name(stack: Stack) -> None:
+    import anthropic
+
+    said = "Name three rivers."
+    answers = {}
+    for model in ("tiny", "tiny-fixed"):
+        chat = stack.client().chat.completions.create(
+            model=model, messages=[{"role": "user", "content": said}], max_tokens=6, temperature=0
+        )
+        assert chat.model == model
+        messages = anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0)
+        message = messages.messages.create(  # (the SDK names no sampling field)
+            model=model,
+            messages=[{"role": "user", "content": said}],
+            max_tokens=6,
+            extra_body={"temperature": 0},
+        )
+        response = stack.client().responses.create(
+            model=model, input=said, max_output_tokens=6, temperature=0
+        )
+        texts = (chat.choices[0].message.content, message.content[0].text, response.output_text)
+        assert len(set(texts)) == 1, texts  # (one conversation, whichever format carried it)
+        answers[model] = texts[0]
+    assert answers["tiny"] != answers["tiny-fixed"]
 
 
 def test_requests_of_an_adapter_go_to_the_prefill_worker_holding_it(stack: Stack) -> None:

@@ -44,3 +44,23 @@ def peft_adapter(  # noqa: ANN201
                 p.normal_(0, 0.3)
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+def tiny_shaped_base():  # noqa: ANN201
+    """A transformers model shaped as kvmesh's tiny model (what an adapter of it must fit)."""
+    import transformers
+
+    from shared.model.config import TINY_CONFIGS
+
+    c = TINY_CONFIGS["tiny"]
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.dim,
+        intermediate_size=c.ffn_dim,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(config).eval()

@@ -374,6 +374,29 @@ def test_up_with_a_model_path_that_does_not_exist_starts_nothing(state_dir: Path
     assert kvmesh_pids(str(state_dir)) == []
 
 
+def test_up_serves_the_lora_adapters_it_is_given_checked_first(
+    state_dir: Path, tmp_path: Path
+) -> None:
+    from kvmesh.up import with_loras
+    from shared.settings import CommonSettings
+    from tests.engine.lora_adapters import peft_adapter, tiny_shaped_base
+
+    peft_adapter(tiny_shaped_base(), tmp_path / "sql", seed=1)
+    common = CommonSettings(state_dir=state_dir)
+    added = with_loras(common, [f"sql=tiny:{tmp_path / 'sql'}"])
+    assert added.loras == {"sql": f"tiny:{tmp_path / 'sql'}"}
+    with pytest.raises(ValueError, match="--lora sql: given twice"):
+        with_loras(added, [f"sql=tiny:{tmp_path / 'sql'}"])
+    # An adapter that does not fit its base: nothing starts, the file and the mismatch named.
+    env = up_env(state_dir, free_port(), free_port())
+    done = kvmesh(["up", "--lora", f"sql=smollm2-135m-instruct:{tmp_path / 'sql'}"], env)
+    assert done.returncode == 2
+    assert "--lora sql:" in done.stderr and "do not fit smollm2-135m-instruct" in done.stderr
+    done = kvmesh(["up", "--lora", "sql=tiny"], env)
+    assert done.returncode == 2 and "NAME=BASE:PATH" in done.stderr
+    assert kvmesh_pids(str(state_dir)) == []
+
+
 def test_each_vllm_worker_up_starts_gets_cores_of_its_own() -> None:
     """Left to itself, every vLLM engine on a host binds its threads to the same first core."""
     from kvmesh.up import pinned, workers
