@@ -45,8 +45,11 @@ from shared.model.lora import MODULES, AdapterSpec, _module_shape, digest_of  # 
 BATCH = 8
 
 
-def write_adapter(directory: Path, config: ModelConfig, rank: int, seed: int) -> AdapterSpec:
-    """A random adapter of every projection, in PEFT's files."""
+def write_adapter(
+    directory: Path, config: ModelConfig, rank: int, seed: int, b_scale: float = 0.01
+) -> AdapterSpec:
+    """A random adapter of every projection, in PEFT's files (``b_scale``: how far its B
+    moves the model: 0.3 changes a greedy answer within a few tokens)."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -58,7 +61,7 @@ def write_adapter(directory: Path, config: ModelConfig, rank: int, seed: int) ->
             out, in_ = _module_shape(config, module)
             key = f"base_model.model.model.layers.{layer}.{part}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_, generator=g) * in_**-0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * b_scale
     save_file(tensors, directory / "adapter_model.safetensors")
     (directory / "adapter_config.json").write_text(
         json.dumps(

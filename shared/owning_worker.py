@@ -18,12 +18,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from shared.bus import Bus, subjects
+from shared.bus.adapters import Adapters
 from shared.engine.interface import EngineOptions, OwningEngine
 from shared.engine.registry import engine_class, load_owning_engine
 from shared.messages.generate import Cancel, GenerateTask, TaskAck
 from shared.messages.heartbeat import Load
 from shared.messages.kvevents import MEMORY, STORE, memory_location
 from shared.model.catalog import resolve
+from shared.model.lora import AdapterSpec
 from shared.service import ServiceSettings
 from shared.settings import CommonSettings, SettingsError, env_name
 from shared.worker import WorkerService, WorkerSettings
@@ -82,7 +84,21 @@ class OwningWorker(WorkerService):
         stack.push_async_callback(engine.stop)
         self.say_ready(started, engine.stats(), " (it owns its KV)")
         await bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+        await Adapters(bus, self.common.loras, self.adapter_changed).start()
         await self.serve_tasks(bus, subjects.tasks(self.role, self.service_id), self.on_task)
+
+    def register_adapter(self, spec: AdapterSpec) -> None:
+        assert self.owning is not None
+        try:
+            self.owning.register_adapter(spec)
+        except (ValueError, OSError) as err:
+            self.adapter_served(spec, err)
+        else:
+            self.adapter_served(spec)
+
+    def unregister_adapter(self, name: str) -> None:
+        assert self.owning is not None
+        self.owning.unregister_adapter(name)
 
     def engine_options(self) -> EngineOptions:
         """The worker's engine options, with the storage tier the engine reads and writes."""

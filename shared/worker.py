@@ -144,6 +144,11 @@ class WorkerSettings(ServiceSettings):
         "request needs one, the least recently used out",
     )
     max_lora_rank: int = Field(default=64, ge=1, le=1024, description="LoRA adapters' most rank")
+    enable_lora: bool = Field(
+        default=False,
+        description="vLLM workers: serve LoRA adapters (vLLM's LoRA layers, which every step "
+        "of its base model pays for; the torch engine serves them always)",
+    )
     memory_tier_bytes: int = Field(
         default=1 << 30, ge=0, description="host-memory KV tier of this worker (LRU), bytes"
     )
@@ -223,6 +228,7 @@ class WorkerSettings(ServiceSettings):
             max_running=self.max_running,
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
+            enable_lora=self.enable_lora,
         )
 
 
@@ -391,24 +397,39 @@ class WorkerService(Service):
     def adapter_changed(self, spec: AdapterSpec, served: bool) -> None:
         """An adapter of the mesh's came or went: served by this worker's engine when it
         adapts this worker's model (the engine reads it when a request first needs it)."""
-        if spec.base != self.worker_settings.model or self.runner is None:
+        if spec.base != self.worker_settings.model:
             return
-        if not served:
+        if served:
+            self.register_adapter(spec)
+        else:
             self.adapters.pop(spec.name, None)
-            self.runner.call(ops.unregister_adapter, spec.name)
+            self.unregister_adapter(spec.name)
             self.beat_now.set()
-            return
+
+    def register_adapter(self, spec: AdapterSpec) -> None:
+        """The engine told (on its thread or in its process), then ``adapter_served``."""
+        assert self.runner is not None
 
         def registered(done: asyncio.Future) -> None:
             if done.cancelled() or done.exception() is not None:
-                why = "cancelled" if done.cancelled() else done.exception()
-                log.warning("LoRA adapter %s is not served here: %s", spec.name, why)
-                return
-            self.adapters[spec.name] = spec
-            log.info("LoRA adapter %s served (%s, from %s)", spec.name, spec.digest, spec.path)
-            self.beat_now.set()
+                self.adapter_served(spec, "cancelled" if done.cancelled() else done.exception())
+            else:
+                self.adapter_served(spec)
 
         self.runner.call(ops.register_adapter, spec).add_done_callback(registered)
+
+    def unregister_adapter(self, name: str) -> None:
+        assert self.runner is not None
+        self.runner.call(ops.unregister_adapter, name)
+
+    def adapter_served(self, spec: AdapterSpec, error: object = None) -> None:
+        """The engine took the adapter (listed in heartbeats from now), or ``error``."""
+        if error is not None:
+            log.warning("LoRA adapter %s is not served here: %s", spec.name, error)
+            return
+        self.adapters[spec.name] = spec
+        log.info("LoRA adapter %s served (%s, from %s)", spec.name, spec.digest, spec.path)
+        self.beat_now.set()
 
     async def start_kv_events(self, stack: AsyncExitStack, bus: Bus) -> KvEventPublisher:
         """This worker's KV events, and resyncs of them when a holder of the index asks."""

@@ -123,6 +123,10 @@ def vllm_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         KVMESH_PREFILL_CPU_CORES=str(cores[0]),
         KVMESH_DECODE_CPU_CORES=str(cores[-1]),
         KVMESH_FAULT_HOOKS="true",  # (a test quiets vLLM's cache events)
+        KVMESH_PREFILL_ENABLE_LORA="true",  # (a test loads an adapter)
+        KVMESH_DECODE_ENABLE_LORA="true",
+        KVMESH_PREFILL_MAX_LORA_RANK="8",
+        KVMESH_DECODE_MAX_LORA_RANK="8",
     )
     yield stack
     stack.stop()

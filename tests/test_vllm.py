@@ -8,14 +8,16 @@ test_vllm_pd.py's."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import anthropic
 import pytest
 
+from shared.kvstore.hashing import XXH3, scheme_block_hashes
 from shared.messages.kvevents import memory_location
 from shared.model.catalog import resolve
-from shared.model.text import text_of
+from shared.model.text import load_config, text_of
 from shared.offline import OFFLINE
 from tests.conftest import REAL, VLLM_DECODE, VLLM_PREFILLS
 from tests.procs import children_of, environment_of, get_json, metrics, wait_until
@@ -253,6 +255,68 @@ def test_vllms_cache_is_in_cachemeta_under_kvmeshs_hashes_and_tenants_stay_apart
     assert ask("customs").model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0  # another salt
     other = vllm_stack.hashes(ids, tenant="nobody", model=REAL)
     assert here not in (vllm_stack.lookup(other) or {})
+
+
+def test_a_lora_adapter_through_vllm_answers_as_the_torch_engine_computes_it(
+    vllm_stack: Stack, tmp_path: Path
+) -> None:
+    import requests
+
+    from bench.lora import write_adapter
+    from shared.engine.interface import EngineOptions
+    from shared.engine.torch.engine import TorchEngine
+    from shared.engine.torch.loader import load_model
+    from shared.messages.sampling import SamplingParams
+    from shared.model.lora import kv_fingerprint
+
+    model = load_model(REAL, tmp_path / "state")
+    spec = write_adapter(tmp_path / "harbour", model.config, 8, seed=0, b_scale=0.3)
+    body = {"lora_name": "smol-harbour", "lora_path": spec.path}
+    loaded = requests.post(f"{vllm_stack.url}/v1/load_lora_adapter", json=body, timeout=30)
+    assert loaded.status_code == 200, loaded.text
+    assert set(loaded.json()["served_by"]) == {*VLLM_PREFILLS, VLLM_DECODE}
+    try:
+        ids = list(range(2000, 2200))  # (three full blocks of 64, no other test's)
+        engine = TorchEngine(model, EngineOptions(block_size=64, kv_cache_tokens=4096))
+        engine.register_adapter(replace(spec, name="smol-harbour"))
+        expected = {}
+        for name in ("", "smol-harbour"):
+            params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, adapter=name)
+            out = [engine.prefill("s", ids, params).token_id]
+            while engine.running:
+                out += [o.token_id for o in engine.step()]
+            engine.free("s")
+            expected[name or REAL] = engine.tokenizer.decode(out)
+        assert expected[REAL] != expected["smol-harbour"]
+
+        def ask(name: str):  # noqa: ANN202
+            return vllm_stack.client().completions.create(
+                model=name,
+                prompt=ids,
+                max_tokens=10,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+
+        first = ask("smol-harbour")
+        assert first.choices[0].text == expected["smol-harbour"]  # vLLM's LoRA, token for token
+        assert first.model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0
+        # vLLM's cache of it is indexed under the adapter's own hashes...
+        fingerprint = kv_fingerprint(load_config(REAL, vllm_stack.dir).fingerprint, spec.digest)
+        ours = scheme_block_hashes(XXH3, ids, 64, fingerprint, "")
+        wait_until(
+            lambda: max((vllm_stack.lookup(ours) or {}).values(), default=0) == 3,
+            20,
+            what="the adapter's three blocks in cachemeta, under its own hashes",
+        )
+        assert ask("smol-harbour").model_extra["kvmesh"]["prompt_cache_hit_tokens"] >= 192
+        # ... and the base model shares none of it
+        base = ask(REAL)
+        assert base.choices[0].text == expected[REAL]
+        assert base.model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0
+    finally:
+        body = {"lora_name": "smol-harbour"}
+        requests.post(f"{vllm_stack.url}/v1/unload_lora_adapter", json=body, timeout=30)
 
 
 def test_a_vllm_worker_whose_cache_events_stop_while_it_computes_is_flagged(

@@ -102,6 +102,7 @@ class EngineOptions:
     # from disk when needed, least recently used out), and the largest rank taken.
     max_loras: int = 4
     max_lora_rank: int = 64
+    enable_lora: bool = False  # (vLLM: its LoRA layers, which its base model's steps pay for)
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,21 @@ class EngineStats:
     adapter_load_s: float = 0.0
 
 
-class Engine(ABC):
+class AdapterHost:
+    """LoRA adapters, for an engine that serves them (the torch engine, vLLM's)."""
+
+    def register_adapter(self, spec: AdapterSpec) -> None:
+        """Serve the LoRA adapter ``spec`` as the model ``spec.name``: a sequence whose
+        ``params.adapter`` names it computes with it (loaded when first needed; LoraError
+        then for an adapter that does not fit the model)."""
+        raise ValueError(f"the {type(self).__name__} serves no LoRA adapters")
+
+    def unregister_adapter(self, name: str) -> None:
+        """Serve ``name`` no more (sequences computing with it finish first)."""
+        return  # (an engine that serves none has none to forget)
+
+
+class Engine(AdapterHost, ABC):
     """A compute engine behind a worker. Not thread-safe: the worker calls it from one thread
     (``shared/hosting/runner.py``), so calls never overlap and need no locks inside.
 
@@ -263,16 +278,6 @@ class Engine(ABC):
     def prefill_batch(self, requests: list[PrefillRequest]) -> list[StepOutput | Exception]:
         """Several short prompts in one pass; per request, its first token or the error it
         alone got (ValueError, PoolExhausted); the others are unaffected."""
-
-    def register_adapter(self, spec: AdapterSpec) -> None:
-        """Serve the LoRA adapter ``spec`` as the model ``spec.name``: a sequence whose
-        ``params.adapter`` names it computes with it (loaded when first needed; LoraError
-        then for an adapter that does not fit the model)."""
-        raise ValueError(f"the {type(self).__name__} serves no LoRA adapters")
-
-    def unregister_adapter(self, name: str) -> None:
-        """Serve ``name`` no more (sequences computing with it finish first)."""
-        return  # (an engine that serves none has none to forget)
 
     @abstractmethod
     def reserve(self, seq_id: str, token_ids: list[int], params: SamplingParams) -> None:
@@ -395,7 +400,7 @@ Peer = tuple[str, int, int]
 BlockEvents = Callable[[str, list[str], str, str, int], Awaitable[None]]
 
 
-class OwningEngine(ABC):
+class OwningEngine(AdapterHost, ABC):
     """An engine that schedules, batches, keeps its own prefix cache and moves its own KV
     (vLLM: shared/engine/vllm/). It runs on the worker's event loop: ``generate`` streams
     one request's answer while others stream beside it; nothing here blocks the loop.

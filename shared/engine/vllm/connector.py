@@ -43,6 +43,7 @@ from shared.engine import kvformat
 from shared.engine.vllm.events import STORAGE_MEDIUM as MEDIUM
 from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import block_hashes
+from shared.model.lora import digest_of, kv_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,6 +105,7 @@ class KvmeshStorageConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.store = FileStore(Path(extra["store_dir"]))
         self.fingerprint: str = extra["fingerprint"]
+        self.digests: dict[str, str] = {}  # LoRA adapters' identities, by their directory
         self.block_size = vllm_config.cache_config.block_size
         self.store_dtype: str = extra.get("store_dtype") or "float32"
         # the scheduler's half
@@ -124,8 +126,18 @@ class KvmeshStorageConnector(KVConnectorBase_V1):
         if len(t.hashes) < n_blocks:
             tokens = t.request.all_token_ids[: n_blocks * self.block_size]
             salt = t.request.cache_salt or ""
-            t.hashes = block_hashes(tokens, self.block_size, self.fingerprint, salt, known=t.hashes)
+            fingerprint = self.fingerprint_of(t.request)
+            t.hashes = block_hashes(tokens, self.block_size, fingerprint, salt, known=t.hashes)
         return t.hashes[:n_blocks]
+
+    def fingerprint_of(self, request: Request) -> str:
+        """The fingerprint of the request's KV: the model's, and its LoRA adapter's."""
+        lora = request.lora_request
+        if lora is None:
+            return self.fingerprint
+        if lora.lora_path not in self.digests:  # (read once: the adapter's two files)
+            self.digests[lora.lora_path] = digest_of(lora.lora_path)
+        return kv_fingerprint(self.fingerprint, self.digests[lora.lora_path])
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -7,12 +7,15 @@ once per machine, under the state dir (``shared/model/export.py``). vLLM starts 
 core as a process of its own; its KV pool is sized from ``kv_cache_tokens``, its block size is
 kvmesh's, and it runs eagerly (no compilation: answers equal across runs, start in seconds).
 A request's tenant salt is vLLM's ``cache_salt``: one tenant's cached prefix is never
-another's.
+another's. LoRA adapters (``enable_lora``) are vLLM's own, one ``LoRARequest`` each, under the
+name they are served as; their KV is theirs in vLLM's prefix cache and in kvmesh's hashes (the
+adapter's digest in the fingerprint: ``lora_fingerprint``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -33,6 +36,7 @@ from shared.messages.sampling import SamplingParams, TokenLogprobs
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 from shared.model.export import hf_directory
+from shared.model.lora import AdapterSpec, LoraError, check_adapter
 from shared.model.text import text_of
 from shared.orphans import spawned_children_die_with_us
 
@@ -53,6 +57,9 @@ class VllmEngine(OwningEngine):
         self._engine = None  # vllm's AsyncLLM, once started
         self._stats = _Stats()
         self._bridge: VllmEventBridge | None = None
+        self._loras: dict[str, object] = {}  # served name → vLLM's LoRARequest
+        self._digests: dict[str, str] = {}  # ... and the adapter's digest
+        self._lora_ids = itertools.count(1)
 
     @classmethod
     def refusal(cls, options: EngineOptions) -> str:
@@ -100,6 +107,7 @@ class VllmEngine(OwningEngine):
         events = None
         if on_blocks is not None:  # its cache's events, bridged into kvmesh's hashes
             self._bridge = VllmEventBridge(self.config.fingerprint, self.block_size, on_blocks)
+            self._bridge.digests = self._digests
             endpoint = self._bridge.bind()
             events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
 
@@ -128,6 +136,7 @@ class VllmEngine(OwningEngine):
             structured_outputs_config={"backend": "guidance"},
             kv_events_config=events,
             kv_transfer_config=self.storage_connector(),
+            **self.lora_args(),
         )
         self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
         total = self._engine.vllm_config.cache_config.num_gpu_blocks or 0
@@ -137,6 +146,34 @@ class VllmEngine(OwningEngine):
         log.info(
             "vLLM ready: %s, %d KV blocks of %d tokens", self.directory, total, self.block_size
         )
+
+    def lora_args(self) -> dict:
+        """vLLM's LoRA settings: none unless asked (its LoRA layers cost every step)."""
+        o = self.options
+        if not o.enable_lora:
+            return {}
+        return {
+            "enable_lora": True,
+            "max_loras": o.max_loras,
+            "max_lora_rank": o.max_lora_rank,
+            "max_cpu_loras": 4 * o.max_loras,
+        }
+
+    def register_adapter(self, spec: AdapterSpec) -> None:
+        """Served as vLLM's LoRARequest of that name (vLLM reads it at its first request)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.options.enable_lora:
+            raise ValueError("LoRA adapters on a vLLM worker need KVMESH_<ROLE>_ENABLE_LORA=true")
+        checked = check_adapter(spec.path, self.config, self.options.max_lora_rank)
+        if spec.digest and checked.digest != spec.digest:
+            raise LoraError(f"{spec.path}: its files are not those registered as {spec.name!r}")
+        self._loras[spec.name] = LoRARequest(spec.name, next(self._lora_ids), spec.path)
+        self._digests[spec.name] = checked.digest
+
+    def unregister_adapter(self, name: str) -> None:
+        self._loras.pop(name, None)  # (vLLM drops it from its slots as others need them)
+        self._digests.pop(name, None)
 
     async def generate(
         self,
@@ -161,7 +198,14 @@ class VllmEngine(OwningEngine):
         first, cached = True, 0
         asked = vllm_params(params)
         asked.extra_args = {**(asked.extra_args or {}), RETENTION_KEY: retention}
-        stream = self._engine.generate(prompt, asked, request_id=seq_id, priority=rank)
+        lora = None
+        if params.adapter:
+            lora = self._loras.get(params.adapter)
+            if lora is None:
+                raise ValueError(f"model {params.adapter!r}: no such adapter on this worker")
+        stream = self._engine.generate(
+            prompt, asked, request_id=seq_id, priority=rank, lora_request=lora
+        )
         try:
             async for out in stream:
                 piece = out.outputs[0]

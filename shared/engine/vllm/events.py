@@ -21,6 +21,7 @@ from shared.engine.bridge import KvEventBridge
 from shared.engine.interface import BlockEvents
 from shared.kvstore.hashing import pack_tokens, packed_block_hashes
 from shared.messages.kvevents import STORAGE
+from shared.model.lora import kv_fingerprint
 
 # The medium of the storage connector's events, which carry kvmesh's hashes already:
 # "kvmesh:<retention>:<bytes of each block's file>" (vLLM's events have no field for a size).
@@ -35,6 +36,7 @@ class VllmEventBridge(KvEventBridge):
     ) -> None:
         super().__init__(block_size, publish, replay_endpoint)
         self.fingerprint = fingerprint
+        self.digests: dict[str, str] = {}  # LoRA adapters' digests, by their vLLM name
 
     async def other(self, event: Any) -> bool:
         medium = getattr(event, "medium", None) or ""
@@ -49,10 +51,15 @@ class VllmEventBridge(KvEventBridge):
     def chain(self, event: Any, parent: str | None) -> list[str]:
         salt = ""
         extra = (event.extra_keys or [None])[0] if parent is None else None
-        for key in extra or ():
+        adapter = getattr(event, "lora_name", None) or ""
+        keys = list(extra or ())
+        if adapter and keys and keys[0] == adapter:  # (the adapter's name comes first)
+            keys = keys[1:]
+        for key in keys:
             if isinstance(key, str):
                 salt = key
+        fingerprint = kv_fingerprint(self.fingerprint, self.digests.get(adapter, ""))
         known = [] if parent is None else [parent]
         return packed_block_hashes(
-            pack_tokens(event.token_ids), self.block_size, self.fingerprint, salt, (), known, 0
+            pack_tokens(event.token_ids), self.block_size, fingerprint, salt, (), known, 0
         )[len(known) :]
