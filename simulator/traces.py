@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -43,7 +43,9 @@ def _mooncake(path: Path) -> list[TraceRequest]:
                 continue
             try:
                 r = json.loads(line)
-                hashes = [str(h) for h in r["hash_ids"]]
+                # (a line's LoRA adapter, when it names one: its blocks are that adapter's)
+                adapter = str(r.get("adapter") or "")
+                hashes = [f"{adapter}/{h}" if adapter else str(h) for h in r["hash_ids"]]
                 retention = r.get("class", "chat")
                 if retention not in ("chat", "agent"):
                     raise ValueError(f"class must be chat or agent, not {retention!r}")
@@ -54,13 +56,14 @@ def _mooncake(path: Path) -> list[TraceRequest]:
                         int(r["output_length"]),
                         hashes,
                         retention,
+                        adapter,
                     )
                 )
             except (ValueError, KeyError, TypeError) as err:
                 raise TraceError(f"{path}:{n}: not a Mooncake trace line ({err})") from None
     out.sort(key=lambda r: r.t)
     t0 = out[0].t if out else 0.0
-    return [TraceRequest(r.t - t0, r.n_in, r.n_out, r.hashes, r.retention) for r in out]
+    return [replace(r, t=r.t - t0) for r in out]
 
 
 def _azure(path: Path) -> list[TraceRequest]:

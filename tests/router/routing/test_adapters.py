@@ -6,6 +6,7 @@ ahead of itself blind to adapters, and of round robin, on mean and p99 TTFT."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 from services.router.routing.policies import POLICIES
@@ -94,3 +95,18 @@ def test_in_the_simulator_knowing_adapters_is_ahead_of_not_knowing_them() -> Non
         assert aware["ttft_mean_s"] < summary[other]["ttft_mean_s"], (other, summary)
         assert aware["ttft_p99_s"] < summary[other]["ttft_p99_s"], (other, summary)
         assert aware["adapter_loads"] < summary[other]["adapter_loads"]
+
+
+def test_a_trace_line_names_its_adapter_and_its_blocks_are_the_adapters(tmp_path) -> None:  # noqa: ANN001
+    from simulator.traces import read_trace
+
+    lines = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2]},
+        {"timestamp": 5, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2],
+         "adapter": "sql"},
+    ]  # fmt: skip
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    base, sql = read_trace(path)[0]
+    assert (base.adapter, sql.adapter) == ("", "sql")
+    assert not set(base.hashes) & set(sql.hashes)
