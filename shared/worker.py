@@ -57,7 +57,7 @@ from shared.model.text import check_model
 from shared.security import tls
 from shared.service import Service, ServiceSettings
 from shared.settings import CommonSettings, SettingsError, env_name
-from shared.telemetry.metrics import BYTES, ENGINE_FAILURES, PREFILL_TOKENS
+from shared.telemetry.metrics import BYTES, ENGINE_FAILURES, LORA, PREFILL_TOKENS
 from shared.telemetry.tracing import REQUEST_ID, mark_span, tracer
 
 log = logging.getLogger(__name__)
@@ -502,6 +502,9 @@ class WorkerService(Service):
         if self.runner is None or self.tiers is None:
             return Load(**figures)
         stats = self.engine.stats()
+        LORA.labels("resident").set(len(stats.adapters))
+        LORA.labels("loads").set(stats.adapter_loads)
+        LORA.labels("load_seconds").set(stats.adapter_load_s)
         return Load(
             **self.kv_event_figures(),
             kv_blocks_used=stats.kv_blocks_used,

@@ -107,8 +107,13 @@ def test_an_adapter_is_served_as_its_own_model_with_its_own_kv(
     base = stack.hashes(PROMPT)
     assert wait_until(lambda: all(h in stack.store for h in ours + base), timeout_s=10)
     assert not set(ours) & set(base)
-    # The decode worker says it holds the adapter resident (its next heartbeat).
+    # The decode worker says it holds the adapter resident (its next heartbeat), and what
+    # loading it took.
     wait_until(lambda: stack.health()["decode-0"]["load"]["adapters"] == ["tiny-fixed"], 5)
+    found = metrics(stack.health()["decode-0"]["address"])
+    assert found[("kvmesh_lora", (("what", "resident"),))] == 1
+    assert found[("kvmesh_lora", (("what", "loads"),))] == 1
+    assert 0 < found[("kvmesh_lora", (("what", "load_seconds"),))] < 5
 
 
 def test_every_api_format_serves_an_adapter_by_its_name(stack: Stack) -> None:

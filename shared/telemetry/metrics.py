@@ -83,6 +83,12 @@ SPEC_TOKENS = Counter(
     "speculative decoding: drafted tokens verified (kind=drafted) and accepted (kind=accepted)",
     ["kind"],
 )
+LORA = Gauge(
+    "kvmesh_lora",
+    "LoRA adapters on a worker: resident (what=resident), loaded since start (what=loads) and "
+    "the seconds those loads took (what=load_seconds)",
+    ["what"],
+)
 ENGINE_FAILURES = Counter(
     "kvmesh_engine_failures",
     "engine calls that raised, by what (decode_step, prefill): each failed the requests it held",
