@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -115,13 +116,15 @@ def bench_engine(args: argparse.Namespace, root: Path) -> dict:
         engine.adapters.release(engine.adapters.acquire(spec.name))
     figures: dict[str, float] = {}
     rounds: dict[str, list[float]] = {k: [] for k in ("base", "0", "1", "4", "8")}
-    for r in range(args.rounds):  # (interleaved: each figure the median of its rounds)
-        say(f"decode, batch 8, the base model alone (round {r + 1}/{args.rounds})")
-        rounds["base"].append(decode_tok_s(plain, [], args.steps, prompt))
-        for n in (0, 1, 4, 8):
-            say(f"decode, batch 8, {n} distinct adapters (round {r + 1}/{args.rounds})")
-            names = [s.name for s in specs[:n]]
-            rounds[str(n)].append(decode_tok_s(engine, names, args.steps, prompt))
+    order = random.Random(0)
+    for r in range(args.rounds):  # (each round in its own order: the median of the rounds)
+        for key in order.sample(list(rounds), len(rounds)):
+            say(f"decode, batch 8, {key} (round {r + 1}/{args.rounds})")
+            if key == "base":
+                rounds[key].append(decode_tok_s(plain, [], args.steps, prompt))
+            else:
+                names = [s.name for s in specs[: int(key)]]
+                rounds[key].append(decode_tok_s(engine, names, args.steps, prompt))
     figures["decode_b8_base_tok_s"] = base = statistics.median(rounds["base"])
     for n in (0, 1, 4, 8):
         figures[f"decode_b8_{n}_adapters_tok_s"] = statistics.median(rounds[str(n)])

@@ -226,10 +226,12 @@ class AdapterSlots:
     def batch(self, row_slots: list[int]) -> LoraPass | None:
         """What a pass whose rows are computed by these slots (``BASE``: none) adds to each
         adapted projection; None when no row is adapted."""
-        used = [s for s in set(row_slots) if s != BASE]
+        distinct = set(row_slots)
+        used = [s for s in distinct if s != BASE]
         if not used:
             return None
-        return LoraPass(self, torch.tensor(row_slots, device=self.device), min(used), max(used))
+        rows = torch.tensor(row_slots, device=self.device)
+        return LoraPass(self, rows, min(used), max(used), uniform=len(distinct) == 1)
 
     def check_integrity(self) -> None:
         for slot, held in enumerate(self.held):
@@ -243,7 +245,9 @@ class AdapterSlots:
 class LoraPass:
     """One forward pass's low-rank products: rows' slots [N], slots lo..hi the pass uses."""
 
-    def __init__(self, slots: AdapterSlots, row_slots: torch.Tensor, lo: int, hi: int) -> None:
+    def __init__(
+        self, slots: AdapterSlots, row_slots: torch.Tensor, lo: int, hi: int, uniform: bool
+    ) -> None:
         self.stacks = slots.stacks
         self.lo, self.hi = lo, hi
         k = hi - lo + 1
@@ -252,8 +256,7 @@ class LoraPass:
             (row_slots - lo).unsqueeze(1) == torch.arange(k, device=row_slots.device)
         ).to(slots.dtype)
         self._masks: dict[int, torch.Tensor] = {}
-        # Every row of the pass under one adapter: no mask needed.
-        self.uniform = lo == hi and bool((row_slots == lo).all())
+        self.uniform = uniform  # every row under one adapter: no mask needed
 
     def _mask(self, rank: int) -> torch.Tensor:
         """[N, K·R]: each row's own slot's R columns."""
@@ -271,7 +274,7 @@ class LoraPass:
             return _project(x, w)
         a = stack.a[self.lo : self.hi + 1]
         k, r = a.shape[0], a.shape[1]
-        u = x @ a.reshape(k * r, -1).t()  # [N, K·R]
+        u = _project(x, a.reshape(k * r, -1))  # [N, K·R]
         if not self.uniform:
             u.mul_(self._mask(r))
         first = stack.base + self.lo * r  # (the pass's first slot's first B column)
@@ -285,6 +288,3 @@ class LoraPass:
         joined[:, stack.base : first] = 0
         joined[:, first:] = u
         return _project(joined, stack.cat[:, :cols])
-
-
-__all__ = ["BASE", "AdapterSlots", "LoraError", "LoraPass"]
