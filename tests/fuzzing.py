@@ -44,6 +44,9 @@ RULES = re.compile(
             r"min_tokens: at most",  # the least answer length within the most (max_tokens)
             r"only with echo|best_of: at least n|more than n cannot stream",  # two fields
             r"do not fit one message",  # a prompt's scores, by its length (tokens, not bytes)
+            # a LoRA adapter: what its path holds, its name and base against the mesh's models
+            r"adapter directory|adapter_config\.json|adapter_model|not a directory path",
+            r"is not a model of this mesh|is a base model's name|set in the settings",
         ]
     )
 )

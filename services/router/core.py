@@ -23,7 +23,6 @@ from services.router.settings import RouterSettings
 from services.router.tenancy.admission import Tenancy
 from services.router.upstream.fleet import Upstreams
 from shared.bus import Bus
-from shared.bus.adapters import Adapters
 from shared.settings import CommonSettings
 
 
@@ -40,7 +39,6 @@ class Core:
     answers: Answers
     recorder: RequestRecorder
     upstreams: Upstreams
-    adapters: Adapters
 
     @classmethod
     def build(
@@ -61,9 +59,8 @@ class Core:
         )
         tenancy = Tenancy(s, secrets, mesh.lag)
         images = ImageReader(s, common)
-        adapters = Adapters(bus, common.loras, owner=True)
         preparer = Preparer(
-            s, images, dispatcher, tenancy, Path(common.state_dir), common.models, adapters
+            s, images, dispatcher, tenancy, Path(common.state_dir), common.models, common.loras
         )
         upstreams.connect(dispatcher.replies.deliver, preparer.renderer.text_model)
         explainer = None
@@ -91,13 +88,12 @@ class Core:
             answers,
             recorder,
             upstreams,
-            adapters,
         )
 
     async def start(self, stack: AsyncExitStack) -> None:
         await self.mesh.start(stack, self.bus)
         await self.upstreams.start(stack)
-        await self.adapters.start()
+        await self.preparer.served.adapters.start()  # (LoRA adapters loaded at run time)
         await self.recorder.start(stack, self.bus, self.settings)
         s = self.settings
         await self.dispatcher.start(s.http_host, s.advertised_host())

@@ -90,15 +90,25 @@ def kv_fingerprint(fingerprint: str, digest: str) -> str:
 
 def digest_of(path: str | Path) -> str:
     """An adapter directory's identity: the hash of its config and its weights."""
-    directory = Path(path)
+    directory = adapter_directory(path)
     h = hashlib.sha256()
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         try:
             h.update((directory / name).read_bytes())
         except FileNotFoundError:
             raise LoraError(_missing(directory, name)) from None
+        except OSError as err:
+            raise LoraError(f"{directory / name}: unreadable ({err.strerror})") from None
         h.update(b"\0")
     return h.hexdigest()[:16]
+
+
+def adapter_directory(path: str | Path) -> Path:
+    """``path`` as a directory path (LoraError for one no file system takes)."""
+    text = str(path)
+    if not text or "\0" in text or len(text) > 4096:
+        raise LoraError(f"{text[:80]!r}: not a directory path")
+    return Path(text)
 
 
 def _missing(directory: Path, name: str) -> str:
@@ -129,11 +139,13 @@ class LoraConfig:
 
 
 def read_config(directory: Path) -> LoraConfig:
-    path = directory / CONFIG_FILE
+    path = adapter_directory(directory) / CONFIG_FILE
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise LoraError(_missing(directory, CONFIG_FILE)) from None
+    except OSError as err:
+        raise LoraError(f"{path}: unreadable ({err.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise LoraError(f"{path}: not JSON ({err})") from None
     if not isinstance(raw, dict):
@@ -255,7 +267,7 @@ def check_adapter(path: str | Path, config: ModelConfig, max_rank: int = 0) -> C
     """The adapter at ``path`` checked against the base ``config`` from its files' headers
     (no tensor read): its targets, every tensor's name and shape, its rank against
     ``max_rank`` when set. LoraError, naming the file and the mismatch, otherwise."""
-    directory = Path(path)
+    directory = adapter_directory(path)
     lora = read_config(directory)
     digest = digest_of(directory)
     file = directory / WEIGHTS_FILE
@@ -311,6 +323,8 @@ def _shapes(file: Path) -> dict[str, list[int]]:
         return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
     except FileNotFoundError:
         raise LoraError(_missing(file.parent, file.name)) from None
+    except OSError as err:
+        raise LoraError(f"{file}: unreadable ({err.strerror})") from None
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise LoraError(f"{file}: not a safetensors file ({err})") from None
 

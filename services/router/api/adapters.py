@@ -17,18 +17,18 @@ from services.router.dispatch.mesh import Mesh
 from services.router.errors import ApiError
 from services.router.formats.adapters import LoadAdapter, UnloadAdapter
 from services.router.formats.wire import parse_body
-from services.router.request.render import Renderer
-from shared.bus.adapters import Adapters
+from services.router.request.prepare import Preparer
 from shared.model.lora import AdapterSpec, LoraError, check_adapter
 
 WAIT_S = 10.0  # how long a load waits for the base model's workers to serve it
 
 
 class AdapterApi:
-    def __init__(self, router_id: str, adapters: Adapters, renderer: Renderer, mesh: Mesh) -> None:
+    def __init__(self, router_id: str, preparer: Preparer, mesh: Mesh) -> None:
         self.router_id = router_id
-        self.adapters = adapters
-        self.renderer = renderer
+        self.adapters = preparer.served.adapters
+        self.known = preparer.served.known  # the base models
+        self.renderer = preparer.renderer
         self.mesh = mesh
 
     def routes(self) -> list[Route]:
@@ -42,12 +42,12 @@ class AdapterApi:
         assert isinstance(body, LoadAdapter)
         name, path = body.lora_name, body.lora_path
         base = body.base_model or self._only_base()
-        if base not in self.renderer.known:
-            known = ", ".join(sorted(self.renderer.known))
+        if base not in self.known:
+            known = ", ".join(sorted(self.known))
             raise ApiError(
                 400, f"base_model: {base!r} is not a model of this mesh ({known})", "base_model"
             )
-        if name in self.renderer.known:
+        if name in self.known:
             raise ApiError(400, f"lora_name: {name!r} is a base model's name", param="lora_name")
         if name in self.adapters.fixed:
             raise ApiError(

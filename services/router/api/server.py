@@ -35,9 +35,9 @@ class Servers:
             s.keys_file is not None,
             core.recorder.capacity,
             core.upstreams,
-            core.adapters,
+            core.preparer.served.adapters,
         )
-        self.adapters = AdapterApi(core.router_id, core.adapters, core.preparer.renderer, core.mesh)
+        self.adapters = AdapterApi(core.router_id, core.preparer, core.mesh)
         self.dashboard = Dashboard(
             core.router_id, core.mesh, core.recorder.stats, core.recorder.recent, core.bus, s
         )

@@ -274,10 +274,9 @@ class Dispatcher:
             if w.heartbeat.whole == whole and ("bootstrap" in w.heartbeat.addresses) == peered
         ]
         prefills = {w.service_id: w.heartbeat.load.queued_tokens for w in prefillers}
-        if adapter:  # (where it is resident, what loading it takes: their heartbeats)
-            for w in (*prefillers, *(d for d in decoders if d.heartbeat.whole)):
-                load = w.heartbeat.load
-                self.policy.resident(w.service_id, load.adapters, load.adapter_load_s)
+        for w in prefillers if adapter else ():  # (where adapters are: their heartbeats)
+            load = w.heartbeat.load
+            self.policy.resident(w.service_id, load.adapters, load.adapter_load_s)
         req = RouteRequest(
             job.request_id,
             len(job.prompt_ids),

@@ -8,11 +8,13 @@ asks for within its key's ceiling. Each a 400 (or 404) naming the field."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 from services.router.errors import ApiError
 from services.router.request.conversation import Conversation, ToolError
 from services.router.tenancy.admission import PRIORITY_HEADER, KvOptions
+from shared.bus import Bus
+from shared.bus.adapters import Adapters
 from shared.messages.generate import RANKS, Priority
 from shared.model.grammar import (
     ANY_OBJECT,
@@ -22,9 +24,42 @@ from shared.model.grammar import (
     tool_call_grammar,
     vocabulary,
 )
+from shared.model.lora import kv_fingerprint
 from shared.model.text import TextModel
 
 _CHECKED_SCHEMAS: set[str] = set()  # tool schemas the library compiled (agents resend them)
+
+
+class ServedModels:
+    """The models a request may name: the mesh's base models (``known``) and the LoRA
+    adapters of them (``adapters``: the settings' and those loaded at run time)."""
+
+    def __init__(self, known: Collection[str], adapters: Adapters) -> None:
+        self.known = frozenset(known)
+        self.adapters = adapters
+
+    @classmethod
+    def of(cls, bus: Bus, known: Collection[str], loras: Mapping[str, str]) -> ServedModels:
+        """``loras``: the settings' adapters; a router writes the adapters stream (it is
+        followed once ``adapters.start`` is awaited)."""
+        return cls(known, Adapters(bus, loras, owner=True))
+
+    @property
+    def names(self) -> frozenset[str]:
+        return self.known | self.adapters.specs.keys()
+
+    def base(self, name: str) -> str:
+        """The model whose tokenizer, template and weights ``name`` uses (an adapter's base)."""
+        return self.adapters.base_of(name) or name
+
+    def identity(self, name: str, fingerprint: str) -> tuple[str, str]:
+        """The adapter a request of ``name`` computes with ("": none) and the fingerprint of
+        its KV (its base's ``fingerprint``, with the adapter's own identity: an adapter's KV
+        is never its base's or another adapter's)."""
+        spec = self.adapters.specs.get(name)
+        if spec is None:
+            return "", fingerprint
+        return spec.name, kv_fingerprint(fingerprint, spec.digest)
 
 
 def check_model(conv: Conversation, models: Collection[str], served: Collection[str]) -> None:

@@ -31,6 +31,7 @@ from services.router.dispatch.encodes import Encodes, ImageInput, check_encoders
 from services.router.dispatch.job import Job
 from services.router.errors import ApiError
 from services.router.request.checks import (
+    ServedModels,
     answer_length,
     check_choices,
     check_model,
@@ -43,9 +44,7 @@ from services.router.request.image_reader import ImageReader
 from services.router.request.render import Renderer
 from services.router.settings import RequestSettings
 from services.router.tenancy.admission import PLAIN, KvOptions, Tenancy
-from shared.bus.adapters import Adapters
 from shared.messages.generate import Priority, TokenEvent
-from shared.model.lora import kv_fingerprint
 from shared.model.text import TextModel
 
 EXPLAINED = 4  # candidates listed in a response (all with the header x-kvmesh-explain: all)
@@ -202,14 +201,17 @@ class Preparer:
         tenancy: Tenancy,
         state_dir: Path,
         models: Mapping[str, str],
-        adapters: Adapters | None = None,
+        loras: Mapping[str, str] | None = None,
     ) -> None:
+        """``models``: a team's own (KVMESH_MODELS); ``loras``: the settings' LoRA adapters
+        (KVMESH_LORAS; more come at run time)."""
         self.settings = settings
         self.images = images
         self.dispatcher = dispatcher
         self.tenancy = tenancy
-        self.adapters = adapters
-        self.renderer = Renderer(settings.token_cache_tokens, state_dir, models, adapters)
+        self.renderer = Renderer(settings.token_cache_tokens, state_dir, models)
+        self.served = ServedModels.of(dispatcher.bus, self.renderer.names, loras or {})
+        self.renderer.base = self.served.base
 
     async def prepare(
         self,
@@ -240,7 +242,7 @@ class Preparer:
     async def _prompt(
         self, conv: Conversation, rid: str, kv: KvOptions, priority: Priority
     ) -> Prepared:
-        check_model(conv, self.renderer.names, self.dispatcher.registry.models_served)
+        check_model(conv, self.served.names, self.dispatcher.registry.models_served)
         self.dispatcher.check_servable(conv.model)
         salt = self.tenancy.salt(kv.tenant)
         images = await self._images(conv, salt)
@@ -260,7 +262,7 @@ class Preparer:
     async def count(self, conv: Conversation, kv: KvOptions = PLAIN) -> int:
         """The prompt's tokens, exactly as ``prepare`` renders them (images read and
         measured, not encoded; no worker involved)."""
-        check_model(conv, self.renderer.names, self.dispatcher.registry.models_served)
+        check_model(conv, self.served.names, self.dispatcher.registry.models_served)
         images = await self._images(conv, self.tenancy.salt(kv.tenant))
         text = await self.renderer.text_model(conv.model)
         return len((await self.renderer.render(conv, text, images)).ids)
@@ -292,22 +294,17 @@ class Preparer:
         if encodes is not None and not self.images.settings.encode_ahead:
             self._encode(encodes, conv.model)  # head start off (for comparison): encode now,
             await encodes.wait()  # and only then route
-        adapter = self.adapters.specs.get(conv.model) if self.adapters else None
+        adapter, fingerprint = self.served.identity(conv.model, text.config.fingerprint)
+        sampling = replace(conv.sampling, max_tokens=max_tokens, adapter=adapter)
         job = Job(
             request_id=rid,
             model=conv.model,
             prompt_ids=ids,
-            sampling=replace(
-                conv.sampling,
-                max_tokens=max_tokens,
-                grammar=checked(conv, text, max_tokens),
-                adapter=adapter.name if adapter else "",
-            ),
+            sampling=replace(sampling, grammar=checked(conv, text, max_tokens)),
             deadline=time.time() + self.settings.request_timeout_s,
             retention=kv.retention,
             salt=salt,
-            # (an adapter's KV is its own: never shared with its base's or another's)
-            fingerprint=kv_fingerprint(text.config.fingerprint, adapter.digest if adapter else ""),
+            fingerprint=fingerprint,
             segments=rendered.segments,
             images=rendered.images,
             priority=priority,

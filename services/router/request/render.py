@@ -21,7 +21,7 @@ import struct
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -34,7 +34,6 @@ from services.router.dispatch.job import Segments
 from services.router.errors import ApiError
 from services.router.request.conversation import Conversation, Image
 from services.router.request.messages import chat_messages, part_text, template_messages, tool_spec
-from shared.bus.adapters import Adapters
 from shared.kvstore.hashing import image_stream, pack_tokens
 from shared.messages.generate import ImageRef
 from shared.model.grammar import vocabulary
@@ -68,25 +67,16 @@ class Renderer:
         token_cache_tokens: int,
         state_dir: Path | None = None,
         models: Mapping[str, str] | None = None,
-        adapters: Adapters | None = None,
+        base: Callable[[str], str] = str,
     ) -> None:
         self.token_cache_tokens = token_cache_tokens
         self.state_dir = state_dir  # where models' text sides are cached (shared/model/text)
         self.models = dict(models or {})  # a team's own: name → path (KVMESH_MODELS)
-        self.known = frozenset(model_names(self.models))  # every base model the mesh can serve
-        self.adapters = adapters  # LoRA adapters: rendered as their base model is
+        self.names = frozenset(model_names(self.models))  # every base model the mesh can serve
+        self.base = base  # the model a name is rendered as (a LoRA adapter's: its base's)
         self._tokenizers: dict[str, PromptTokenizer] = {}
         self._models: dict[str, TextModel] = {}
         self._loading = asyncio.Lock()
-
-    @property
-    def names(self) -> frozenset[str]:
-        """Every model the mesh can serve: base models and adapters."""
-        return self.known | set(self.adapters.specs) if self.adapters else self.known
-
-    def base(self, name: str) -> str:
-        """The model whose tokenizer, template and weights ``name`` uses (an adapter's base)."""
-        return (self.adapters.base_of(name) if self.adapters else None) or name
 
     def add(self, name: str, model: TextModel) -> None:
         """Render for the model ``name`` from now on (its tokenizer, with a cache of

@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 from shared.engine.interface import PoolExhausted
-from shared.engine.torch.model import _project
+from shared.engine.torch.project import project
 from shared.model.config import ModelConfig
 from shared.model.lora import (
     Adapter,
@@ -271,15 +271,15 @@ class LoraPass:
         to ``projection``: [N, out]."""
         stack = self.stacks.get((layer, projection))
         if stack is None:
-            return _project(x, w)
+            return project(x, w)
         a = stack.a[self.lo : self.hi + 1]
         k, r = a.shape[0], a.shape[1]
-        u = _project(x, a.reshape(k * r, -1))  # [N, K·R]
+        u = project(x, a.reshape(k * r, -1))  # [N, K·R]
         if not self.uniform:
             u.mul_(self._mask(r))
         first = stack.base + self.lo * r  # (the pass's first slot's first B column)
         if not stack.base:  # apart (a GPU's): the base's product, then the adapters' added
-            y = _project(x, w)
+            y = project(x, w)
             return y.addmm_(u, stack.cat[:, first : first + k * r].t())
         # [x | 0 for the slots before the pass's first | u] times [W | B of slots 0..hi]ᵀ
         cols = first + k * r
@@ -287,4 +287,4 @@ class LoraPass:
         joined[:, : stack.base] = x
         joined[:, stack.base : first] = 0
         joined[:, first:] = u
-        return _project(joined, stack.cat[:, :cols])
+        return project(joined, stack.cat[:, :cols])
