@@ -97,6 +97,23 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="(with a profiled --world) each prefill worker decodes its own requests, in the "
         "same steps as its next prompts, as vLLM's and SGLang's whole-request servers do",
     )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=d.max_loras,
+        help="(a trace whose lines name an adapter) LoRA adapters each prefill worker holds",
+    )
+    p.add_argument(
+        "--adapter-load-ms",
+        type=float,
+        default=d.adapter_load_s * 1e3,
+        help="what loading an adapter a worker lacks takes, before the pass that needs it",
+    )
+    p.add_argument(
+        "--adapter-blind",
+        action="store_true",
+        help="the router is not told requests' adapters (their blocks stay theirs)",
+    )
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     p.add_argument("--png", type=Path, help="write the TTFT CDF of each policy here")
     p.set_defaults(run=run)
@@ -112,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         return fail(f"--policy: unknown {', '.join(unknown)}; one of {', '.join(POLICIES)}, all")
-    for flag in ("prefill", "decode", "memory_blocks", "store_blocks"):
+    if args.adapter_load_ms < 0:
+        return fail("--adapter-load-ms: 0 or more")
+    for flag in ("prefill", "decode", "memory_blocks", "store_blocks", "max_loras"):
         if getattr(args, flag) < 1:
             return fail(f"--{flag.replace('_', '-')}: at least 1")
     if args.target_util is not None and not 0 < args.target_util < 1.5:
@@ -150,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
         decode_tok_s=args.decode_tok_s,
         memory_blocks=args.memory_blocks,
         store_blocks=args.store_blocks,
+        max_loras=args.max_loras,
+        adapter_load_s=args.adapter_load_ms / 1e3,
+        adapter_blind=args.adapter_blind,
     )
     if args.retention_s:
         cfg = replace(cfg, ttl_s=(("chat", args.retention_s), ("agent", args.retention_s)))
@@ -183,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         "load_max_over_mean",
         "utilization",
         "estimate_mape",
+        "adapter_loads",
     )
     out: dict = {n: {k: round(s[k], 6) for k in keys} for n, s in summaries.items()}
     for n, s in summaries.items():
