@@ -85,9 +85,6 @@ class Adapters:
         except Exception:
             log.exception("adapter %s: its change was not applied", spec.name)
 
-    def of_base(self, base: str) -> list[AdapterSpec]:
-        return [s for s in self.specs.values() if s.base == base]
-
     def base_of(self, name: str) -> str | None:
         spec = self.specs.get(name)
         return spec.base if spec else None
@@ -98,9 +95,7 @@ class Adapters:
         """Serve ``spec`` everywhere from now on (checked by the caller; LoraError for a
         name the settings give)."""
         self._not_fixed(spec.name)
-        record = AdapterRecord(
-            name=spec.name, base=spec.base, path=spec.path, digest=spec.digest, by=by
-        )
+        record = AdapterRecord.of(spec, by)
         await self.bus.publish_durable(subjects.lora(spec.name), record, retry_s=5.0)
         self._on_record(record, False)
 
@@ -111,9 +106,7 @@ class Adapters:
         spec = self.specs.get(name)
         if spec is None:
             raise KeyError(name)
-        record = AdapterRecord(
-            name=name, base=spec.base, path=spec.path, digest=spec.digest, loaded=False, by=by
-        )
+        record = AdapterRecord.of(spec, by, loaded=False)
         await self.bus.publish_durable(subjects.lora(name), record, retry_s=5.0)
         self._on_record(record, False)
         return spec

@@ -17,6 +17,12 @@ class AdapterRecord(Message):
     loaded: bool = Field(default=True, description="False: unloaded")
     by: str = Field(default="", description="the router that wrote it")
 
+    @classmethod
+    def of(cls, spec: AdapterSpec, by: str, loaded: bool = True) -> AdapterRecord:
+        return cls(
+            name=spec.name, base=spec.base, path=spec.path, digest=spec.digest, loaded=loaded, by=by
+        )
+
     @property
     def spec(self) -> AdapterSpec:
         return AdapterSpec(self.name, self.base, self.path, self.digest)

@@ -309,6 +309,18 @@ def check_adapter(path: str | Path, config: ModelConfig, max_rank: int = 0) -> C
     return Checked(directory, lora, ranks, digest)
 
 
+def check_spec(spec: AdapterSpec, config: ModelConfig, max_rank: int = 0) -> Checked:
+    """``check_adapter`` of a registered adapter, whose files must be those it was registered
+    with (its digest, when the registry gives one)."""
+    checked = check_adapter(spec.path, config, max_rank)
+    if spec.digest and checked.digest != spec.digest:
+        raise LoraError(
+            f"{spec.path}: its files are not those registered as {spec.name!r} (digest "
+            f"{checked.digest}, registered {spec.digest}): the same path on every host?"
+        )
+    return checked
+
+
 MAX_HEADER = 100 << 20
 
 

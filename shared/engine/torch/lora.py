@@ -32,7 +32,7 @@ from shared.model.lora import (
     Adapter,
     AdapterSpec,
     LoraError,
-    check_adapter,
+    check_spec,
     projection_shape,
     read_adapter,
 )
@@ -96,12 +96,7 @@ class AdapterSlots:
         """Serve ``spec.name`` from ``spec.path``, checked now against the model from its
         files' headers (LoraError), its tensors read when first needed. A name registered
         again with other files takes effect for sequences admitted after."""
-        checked = check_adapter(spec.path, self.config, self.max_rank)
-        if spec.digest and checked.digest != spec.digest:
-            raise LoraError(
-                f"{spec.path}: its files are not those registered as {spec.name!r} (digest "
-                f"{checked.digest}, registered {spec.digest}): the same path on every host?"
-            )
+        check_spec(spec, self.config, self.max_rank)
         old = self.specs.get(spec.name)
         self.specs[spec.name] = spec
         if old is not None and old.digest != spec.digest:

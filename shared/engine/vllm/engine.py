@@ -36,7 +36,7 @@ from shared.messages.sampling import SamplingParams, TokenLogprobs
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 from shared.model.export import hf_directory
-from shared.model.lora import AdapterSpec, LoraError, check_adapter
+from shared.model.lora import AdapterSpec, check_spec
 from shared.model.text import text_of
 from shared.orphans import spawned_children_die_with_us
 
@@ -165,9 +165,7 @@ class VllmEngine(OwningEngine):
 
         if not self.options.enable_lora:
             raise ValueError("LoRA adapters on a vLLM worker need KVMESH_<ROLE>_ENABLE_LORA=true")
-        checked = check_adapter(spec.path, self.config, self.options.max_lora_rank)
-        if spec.digest and checked.digest != spec.digest:
-            raise LoraError(f"{spec.path}: its files are not those registered as {spec.name!r}")
+        checked = check_spec(spec, self.config, self.options.max_lora_rank)
         self._loras[spec.name] = LoRARequest(spec.name, next(self._lora_ids), spec.path)
         self._digests[spec.name] = checked.digest
 
