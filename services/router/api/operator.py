@@ -18,9 +18,9 @@ from services.router.api.openapi import document
 from services.router.dispatch.mesh import Mesh
 from services.router.observe.capacity import Capacity
 from services.router.observe.stats import RollingStats
+from services.router.request.checks import ServedModels
 from services.router.upstream.fleet import Upstreams
 from shared import __version__
-from shared.bus.adapters import Adapters
 from shared.messages.heartbeat import ROLES
 
 
@@ -34,10 +34,10 @@ class OperatorApi:
         auth: bool,
         capacity: Capacity,
         upstreams: Upstreams,
-        adapters: Adapters,
+        served: ServedModels,
     ) -> None:
         self.router_id = router_id
-        self.adapters = adapters
+        self.served = served  # (the names a request may give)
         self.mesh = mesh
         self.upstreams = upstreams
         self.stats = stats
@@ -96,12 +96,16 @@ class OperatorApi:
         return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        """Models that a ready prefill worker and a ready decode worker both serve (a LoRA
-        adapter with its base model as ``parent``, as vLLM lists them)."""
+        """Models that a ready prefill worker and a ready decode worker both serve and a
+        request may name (a LoRA adapter with its base model as ``parent``, as vLLM lists
+        them; one just unloaded is gone though a worker's last beat still lists it)."""
         data = []
+        names = self.served.names
         for m, t in sorted(self.mesh.served_models().items()):
+            if m not in names:
+                continue
             model = {"id": m, "object": "model", "created": int(t), "owned_by": "kvmesh"}
-            base = self.adapters.base_of(m)
+            base = self.served.adapters.base_of(m)
             model.update({"root": m, "parent": base} if base else {"root": m, "parent": None})
             data.append(model)
         return web.json_response({"object": "list", "data": data})

@@ -35,7 +35,7 @@ class Servers:
             s.keys_file is not None,
             core.recorder.capacity,
             core.upstreams,
-            core.preparer.served.adapters,
+            core.preparer.served,
         )
         self.adapters = AdapterApi(core.router_id, core.preparer, core.mesh)
         self.dashboard = Dashboard(
