@@ -28,7 +28,7 @@ from shared.model.catalog import resolve
 from shared.model.lora import AdapterSpec
 from shared.service import ServiceSettings
 from shared.settings import CommonSettings, SettingsError, env_name
-from shared.worker import WorkerService, WorkerSettings
+from shared.worker import WorkerService, WorkerSettings, adapter_figures
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,7 @@ class OwningWorker(WorkerService):
             kv_blocks_used=stats.kv_blocks_used,
             kv_blocks_total=stats.kv_blocks_total,
             kv_block_size=stats.block_size,
+            **adapter_figures(stats),
         )
 
     async def drain(self) -> None:

@@ -502,9 +502,6 @@ class WorkerService(Service):
         if self.runner is None or self.tiers is None:
             return Load(**figures)
         stats = self.engine.stats()
-        LORA.labels("resident").set(len(stats.adapters))
-        LORA.labels("loads").set(stats.adapter_loads)
-        LORA.labels("load_seconds").set(stats.adapter_load_s)
         return Load(
             **self.kv_event_figures(),
             kv_blocks_used=stats.kv_blocks_used,
@@ -514,8 +511,7 @@ class WorkerService(Service):
             kv_store_error=self.tiers.store_error,
             memory_tier_bytes=self.tiers.memory.used_bytes,
             memory_tier_capacity=self.tiers.memory.capacity_bytes,
-            adapters=list(stats.adapters),
-            adapter_load_s=round(stats.adapter_load_s / max(1, stats.adapter_loads), 4),
+            **adapter_figures(stats),
             **figures,
         )
 
@@ -727,3 +723,13 @@ class WorkerService(Service):
 def prompt_key(token_ids: Sequence[int]) -> bytes:
     """A prompt's identity among the engine's failures (its tokens' digest)."""
     return hashlib.blake2b(pack_tokens(token_ids), digest_size=16).digest()
+
+
+def adapter_figures(stats: EngineStats) -> dict:
+    """A heartbeat's LoRA figures (and the metric's): the adapters resident, a load's mean
+    seconds."""
+    LORA.labels("resident").set(len(stats.adapters))
+    LORA.labels("loads").set(stats.adapter_loads)
+    LORA.labels("load_seconds").set(stats.adapter_load_s)
+    mean = stats.adapter_load_s / max(1, stats.adapter_loads)
+    return {"adapters": list(stats.adapters), "adapter_load_s": round(mean, 4)}

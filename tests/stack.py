@@ -26,6 +26,7 @@ from shared.kvindex.view import KvIndex, SnapshotError
 from shared.kvstore.backend import FileStore
 from shared.kvstore.hashing import XXH3, scheme_block_hashes
 from shared.messages.kvevents import LookupReply, LookupRequest
+from shared.model.lora import kv_fingerprint
 from shared.model.text import load_config
 from shared.security.salt import SALT_SECRET, tenant_salt
 from shared.security.secret import load_or_create
@@ -113,18 +114,26 @@ class Stack:
         return FileStore(self.dir / "kvstore")
 
     def hashes(
-        self, ids: list[int], tenant: str = "", model: str = "tiny", scheme: str = XXH3
+        self,
+        ids: list[int],
+        tenant: str = "",
+        model: str = "tiny",
+        scheme: str = XXH3,
+        adapter: str = "",
     ) -> list[str]:
         """The block hashes of a prompt's full blocks, as the router and workers make them
-        (``scheme``: the workers' hash scheme, SGLang's for its workers)."""
+        (``scheme``: the workers' hash scheme, SGLang's for its workers; ``adapter``: the
+        digest of the LoRA adapter of ``model`` it computes with)."""
         salt = tenant_salt(load_or_create(secrets_dir(self.dir), SALT_SECRET), tenant)
-        return self.hashes_with_salt(ids, salt, model, scheme)
+        return self.hashes_with_salt(ids, salt, model, scheme, adapter)
 
     def hashes_with_salt(
-        self, ids: list[int], salt: str, model: str = "tiny", scheme: str = XXH3
+        self, ids: list[int], salt: str, model: str = "tiny", scheme: str = XXH3, adapter: str = ""
     ) -> list[str]:
-        config = load_config(model, self.dir)
-        return scheme_block_hashes(scheme, ids, BLOCK_SIZE, config.fingerprint, salt)
+        fingerprint = load_config(model, self.dir).fingerprint
+        if adapter:
+            fingerprint = kv_fingerprint(fingerprint, adapter)
+        return scheme_block_hashes(scheme, ids, BLOCK_SIZE, fingerprint, salt)
 
     @property
     def snapshot_path(self) -> Path:

@@ -10,7 +10,9 @@ recorder and publisher inside the stand-in.
 - SGLang's own P/D: the prefill worker advertises its engine's bootstrap server, the decode
   worker takes only hand-overs; the prompt reaches the decode engine through a room at the
   prefill engine's bootstrap port (the stand-in's ``fake`` transfer), and the prefill
-  worker's reuse figures reach the client."""
+  worker's reuse figures reach the client.
+- LoRA: an adapter loaded at run time is SGLang's own (the stand-in answers an adapter's
+  request backwards), its pages indexed under the adapter's own hashes."""
 
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ def aggregated(stacks, release) -> Stack:
         KVMESH_DECODE_ENGINE="sglang",
         KVMESH_DECODE_MODEL=REAL,
         KVMESH_PREFILL_MODEL=REAL,
+        KVMESH_DECODE_ENABLE_LORA="true",
+        KVMESH_DECODE_MAX_LORA_RANK="8",
         PYTHONPATH=STAND_IN,
     )
 
@@ -67,9 +71,9 @@ def heartbeat(stack: Stack, sid: str) -> dict:
     return get_json(f"{stack.advertised(sid)}/health")[1]
 
 
-def ask(stack: Stack, ids: list[int], tenant: str, max_tokens: int = 5):  # noqa: ANN201
+def ask(stack: Stack, ids: list[int], tenant: str, max_tokens: int = 5, model: str = REAL):  # noqa: ANN201
     return stack.client().completions.create(
-        model=REAL,
+        model=model,
         prompt=ids,
         max_tokens=max_tokens,
         temperature=0,
@@ -114,3 +118,40 @@ def test_sglangs_own_pd_moves_the_prompt_engine_to_engine(
     again = ask(disaggregated, list(range(2000, 2300)), "harbour", max_tokens=4)
     # The prefill worker's figures: its engine found the prompt's four pages this time.
     assert again.model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 256
+
+
+def test_an_adapter_on_an_sglang_worker_is_sglangs_own_under_its_own_hashes(
+    aggregated: Stack, real_text: TextModel, tmp_path: Path
+) -> None:
+    import requests
+
+    from bench.lora import write_adapter
+
+    spec = write_adapter(tmp_path / "harbour", real_text.config, 8, seed=0)
+    body = {"lora_name": "smol-harbour", "lora_path": spec.path}
+    loaded = requests.post(f"{aggregated.url}/v1/load_lora_adapter", json=body, timeout=30)
+    assert loaded.status_code == 200 and loaded.json()["served_by"] == [DECODE], loaded.text
+    try:
+        ids = list(range(3000, 3200))  # (three full pages of 64, no other test's)
+        first = ask(aggregated, ids, "harbour", model="smol-harbour")
+        assert first.choices[0].text == real_text.tokenizer.decode(ids[::-1][:5])  # its LoRA's
+        hashes = aggregated.hashes(ids, "harbour", REAL, SGLANG, adapter=spec.digest)
+        here = memory_location(DECODE)
+        wait_until(
+            lambda: (aggregated.lookup(hashes) or {}).get(here) == 3,
+            20,
+            what="the adapter's three pages in cachemeta, under its own hashes",
+        )
+        again = ask(aggregated, ids, "harbour", model="smol-harbour")
+        assert again.model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 192
+        base = ask(aggregated, ids, "harbour")  # (the base model shares none of it)
+        assert base.choices[0].text == real_text.tokenizer.decode(ids[:5])
+        assert base.model_extra["kvmesh"]["prompt_cache_hit_tokens"] == 0
+        wait_until(
+            lambda: heartbeat(aggregated, DECODE)["load"]["adapters"] == ["smol-harbour"],
+            10,
+            what="the adapter loaded in SGLang, in the worker's next beat",
+        )
+    finally:
+        body = {"lora_name": "smol-harbour"}
+        requests.post(f"{aggregated.url}/v1/unload_lora_adapter", json=body, timeout=30)

@@ -192,7 +192,7 @@ class EngineStats:
 
 
 class AdapterHost:
-    """LoRA adapters, for an engine that serves them (the torch engine, vLLM's)."""
+    """LoRA adapters, for an engine that serves them (the torch engine, vLLM's, SGLang's)."""
 
     def register_adapter(self, spec: AdapterSpec) -> None:
         """Serve the LoRA adapter ``spec`` as the model ``spec.name``: a sequence whose

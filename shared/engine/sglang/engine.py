@@ -9,7 +9,8 @@ worker's memory tier is SGLang's host memory (HiCache), and the storage tier is 
 backend (``storage.py``); its KV events come to ``events.py`` over ZMQ. Each request's
 ``cache_salt`` carries the model's fingerprint, the block size and the tenant's salt, so
 SGLang's page hashes are the router's (``shared/kvstore/hashing.py``) and one tenant's cached
-prefix is never another's.
+prefix is never another's. LoRA adapters are SGLang's own (``lora.py``), their KV named by
+the adapter's digest as well.
 
 With its tokenizer skipped SGLang applies no stop strings: the worker does, on the tokens as
 they come, with the model's tokenizer (the request is aborted in SGLang at the stop). Seeded
@@ -42,6 +43,7 @@ from shared.engine.interface import (
     OwningEngine,
     Peer,
 )
+from shared.engine.sglang.lora import SglangAdapters, StorageNames, lora_args
 from shared.engine.sglang.params import (
     logprob_fields,
     logprobs_of,
@@ -54,6 +56,7 @@ from shared.messages.sampling import SamplingParams, stop_string_hit
 from shared.model.catalog import ModelSource
 from shared.model.config import ModelConfig
 from shared.model.export import hf_directory
+from shared.model.lora import AdapterSpec
 from shared.model.text import text_of
 from shared.orphans import spawned_children_die_with_us
 
@@ -88,6 +91,8 @@ class SglangEngine(OwningEngine):
         self._reports: Any = None
         self._tasks: list[asyncio.Task] = []
         self._load: Any = None  # SGLang's last load snapshot
+        self.adapters = SglangAdapters(config, options)
+        self._names: StorageNames | None = None  # (LoRA and a storage tier: page names told)
         # A page's retention class, for the storage backend's reports (it sees hashes only).
         self._retention: OrderedDict[str, str] = OrderedDict()
 
@@ -108,10 +113,12 @@ class SglangEngine(OwningEngine):
 
     # -- SGLang's arguments -------------------------------------------------------------------
 
-    def server_args(self, events: str = "", replay: str = "", report: str = "") -> dict:
+    def server_args(
+        self, events: str = "", replay: str = "", report: str = "", names: str = ""
+    ) -> dict:
         """``sglang.Engine``'s arguments (``ServerArgs`` fields) for this worker: ``events``,
         ``replay``: where its KV events go and are replayed from; ``report``: where its
-        storage backend says what it wrote."""
+        storage backend says what it wrote; ``names``: where it is told adapters' pages'."""
         o = self.options
         args: dict[str, Any] = {
             "model_path": str(self.directory),
@@ -131,7 +138,7 @@ class SglangEngine(OwningEngine):
             "enable_priority_scheduling": True,
             "schedule_low_priority_values_first": True,
             "log_level": "error",
-        }
+        } | lora_args(o)
         if o.memory_tier_bytes or o.kv_store_dir:  # SGLang's host memory: the memory tier
             args |= {
                 "enable_hierarchical_cache": True,
@@ -142,7 +149,8 @@ class SglangEngine(OwningEngine):
         if o.kv_store_dir:
             from shared.engine.sglang.storage import storage_args
 
-            extra = storage_args(o.kv_store_dir, self.config.fingerprint, o.store_dtype, report)
+            fingerprint = self.config.fingerprint
+            extra = storage_args(o.kv_store_dir, fingerprint, o.store_dtype, report, names)
             args |= {
                 "hicache_storage_backend": "dynamic",
                 "hicache_storage_backend_extra_config": json.dumps(extra),
@@ -176,8 +184,12 @@ class SglangEngine(OwningEngine):
             events = self._bridge.bind()
             if self.options.kv_store_dir:
                 report = self._bind_reports(on_blocks)
+        if self.options.enable_lora and self.options.kv_store_dir:
+            self._names = StorageNames()
+        names = self._names.endpoint if self._names is not None else ""
         spawned_children_die_with_us(self.state_dir)  # its processes go with this worker
-        self._engine = sglang.Engine(**self.server_args(events, replay, report))
+        self._engine = sglang.Engine(**self.server_args(events, replay, report, names))
+        self.adapters.engine = self._engine
         if self._bridge is not None:
             self._bridge.start()
         self._tasks.append(asyncio.create_task(self._read_load()))
@@ -222,11 +234,19 @@ class SglangEngine(OwningEngine):
                 log.debug("SGLang's load not read: %s", err)
             await asyncio.sleep(LOAD_EVERY_S)
 
-    def pages(self, token_ids: list[int], salt: str) -> list[str]:
-        """The hashes SGLang names the prompt's full pages by (in storage too)."""
+    def pages(
+        self, token_ids: list[int], salt: str, adapter: str = "", lora_id: str = ""
+    ) -> list[str]:
+        """The hashes the router names the prompt's full pages by (in storage too), told to
+        the storage backend where SGLang's differ (an adapter's) or may (LoRA on)."""
         n = len(token_ids) // self.block_size * self.block_size
         packed = pack_tokens(token_ids[:n])
-        return packed_sglang_hashes(packed, self.block_size, self.config.fingerprint, salt)
+        fingerprint = self.adapters.fingerprint(adapter)
+        names = packed_sglang_hashes(packed, self.block_size, fingerprint, salt)
+        if self._names is not None:
+            cache_salt = sglang_cache_salt(fingerprint, self.block_size, salt)
+            self._names.tell(packed, self.block_size, cache_salt, lora_id, names)
+        return names
 
     def remember(self, pages: list[str], retention: str) -> None:
         """The retention class of a request's pages, by their hashes (the storage backend
@@ -256,26 +276,40 @@ class SglangEngine(OwningEngine):
                 if self.options.pd_transfer
                 else "this SGLang engine is not in P/D: no bootstrap room"
             )
-        # The prompt's pages go to the storage tier as SGLang backs them up (a P/D prefill
-        # worker handing over through the tier waits for them: ``Generated.stored``).
-        pages = self.pages(token_ids, salt) if self.options.kv_store_dir else []
-        self.remember(pages, retention)
-        where = {}
-        if peer is not None:
-            host, port, room = peer
-            where = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
-        stream = await self._engine.async_generate(
-            input_ids=list(token_ids),
-            sampling_params=sglang_params(params),
-            stream=True,
-            rid=seq_id,
-            priority=rank,
-            cache_salt=sglang_cache_salt(self.config.fingerprint, self.block_size, salt),
-            **logprob_fields(params),
-            **where,
-        )
-        async for piece in pieces(stream, params, self.tokenizer, seq_id, self.abort):
-            yield replace(piece, stored=pages) if piece.finish_reason and not peer else piece
+        adapter = params.adapter
+        lora_id = await self.adapters.acquire(adapter) if adapter else ""
+        try:
+            # The prompt's pages go to the storage tier as SGLang backs them up (a P/D
+            # prefill worker handing over through the tier waits for them: ``stored``).
+            stores = self.options.kv_store_dir
+            pages = self.pages(token_ids, salt, adapter, lora_id) if stores else []
+            self.remember(pages, retention)
+            where = {"lora_path": adapter} if adapter else {}
+            if peer is not None:
+                host, port, room = peer
+                where |= {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+            fingerprint = self.adapters.fingerprint(adapter)
+            stream = await self._engine.async_generate(
+                input_ids=list(token_ids),
+                sampling_params=sglang_params(params),
+                stream=True,
+                rid=seq_id,
+                priority=rank,
+                cache_salt=sglang_cache_salt(fingerprint, self.block_size, salt),
+                **logprob_fields(params),
+                **where,
+            )
+            async for piece in pieces(stream, params, self.tokenizer, seq_id, self.abort):
+                yield replace(piece, stored=pages) if piece.finish_reason and not peer else piece
+        finally:
+            if adapter:
+                self.adapters.release(adapter)
+
+    def register_adapter(self, spec: AdapterSpec) -> None:
+        self.adapters.register(spec)
+
+    def unregister_adapter(self, name: str) -> None:
+        self.adapters.unregister(name)
 
     def peer_address(self) -> str:
         o = self.options
@@ -292,15 +326,15 @@ class SglangEngine(OwningEngine):
             self._engine.tokenizer_manager.abort_request(rid=seq_id)
 
     def stats(self) -> EngineStats:
-        load = self._load
+        load, a = self._load, self.adapters
+        lora = {"adapters": a.resident, "adapter_loads": a.loads, "adapter_load_s": a.load_seconds}
         if load is None:  # (not read yet)
-            return EngineStats(
-                0, self.options.kv_cache_tokens // self.block_size, self.block_size, 0, 0
-            )
+            total = self.options.kv_cache_tokens // self.block_size
+            return EngineStats(0, total, self.block_size, 0, 0, **lora)
         total = max(1, load.max_total_num_tokens // self.block_size)
         used = load.num_used_tokens // self.block_size
         held = load.num_running_reqs + load.num_waiting_reqs
-        return EngineStats(used, total, self.block_size, held, load.num_running_reqs)
+        return EngineStats(used, total, self.block_size, held, load.num_running_reqs, **lora)
 
     def cached_blocks(self) -> list[str]:
         return self._bridge.cached() if self._bridge is not None else []
@@ -311,8 +345,11 @@ class SglangEngine(OwningEngine):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._bridge is not None:
             await self._bridge.stop()
+        await self.adapters.stop()
         if self._reports is not None:
             self._reports.close(linger=0)
+        if self._names is not None:
+            self._names.close()
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None

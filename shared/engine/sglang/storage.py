@@ -18,6 +18,10 @@ the files:
   layout is read by one with another. A damaged file, or another model's, is a miss: deleted,
   reported, and SGLang computes the page again;
 - **no eviction** here: cachemeta owns expiry and eviction of the tier;
+- **an adapter's pages** (a worker with LoRA on) are filed under the names the worker told it
+  before the request (``shared/engine/sglang/lora.py``: SGLang seeds an adapter's page hashes
+  with its load's random id, the router with the adapter's digest); a chain it was not told of
+  is not written;
 - **what it wrote and what it found damaged** goes to the worker (which has the NATS
   connection) over a ZMQ socket the worker binds (``report``): SGLang publishes no events for
   its storage tier, and cachemeta must index it.
@@ -39,6 +43,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from shared.engine import kvformat
+from shared.engine.sglang.lora import ToldNames
 from shared.kvstore.backend import FileStore
 
 log = logging.getLogger(__name__)
@@ -48,9 +53,13 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 DTYPE_NAMES = {dtype: name for name, dtype in kvformat.DTYPES.items()}
 
 
-def storage_args(store_dir: str, fingerprint: str, store_dtype: str, report: str) -> dict:
-    """SGLang's ``hicache_storage_backend_extra_config`` that loads this backend."""
-    return {
+def storage_args(
+    store_dir: str, fingerprint: str, store_dtype: str, report: str, names: str = ""
+) -> dict:
+    """SGLang's ``hicache_storage_backend_extra_config`` that loads this backend (``names``:
+    where the worker tells page names, with LoRA on)."""
+    told = {"names": names, "hicache_storage_pass_prefix_keys": True} if names else {}
+    return told | {
         "backend_name": BACKEND,
         "module_path": __name__,
         "class_name": KvmeshHiCacheStorage.__name__,
@@ -128,6 +137,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):
         self.fingerprint: str = extra["fingerprint"]
         self.store_dtype: str = extra.get("store_dtype") or ""
         self.reporter = Reporter(extra.get("report", ""))
+        self.told = ToldNames(extra["names"]) if extra.get("names") else None
         self.pool: Any = None
         self.written = self.loaded = self.damaged = 0
 
@@ -144,38 +154,51 @@ class KvmeshHiCacheStorage(HiCacheStorage):
     # -- what SGLang asks --------------------------------------------------------------------
 
     def exists(self, key: str) -> bool:
-        return key in self.store
+        (name,) = self._names([key], None, writing=False)
+        return name is not None and name in self.store
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """The leading keys whose pages are in the tier."""
-        for i, key in enumerate(keys):
-            if key not in self.store:
+        for i, name in enumerate(self._names(keys, extra_info, writing=False)):
+            if name is None or name not in self.store:
                 return i
         return len(keys)
+
+    def _names(self, keys: list[str], extra_info: Any, writing: bool) -> list[str | None]:
+        """Each page's name in the tier (None: not to be read or written): SGLang's, but
+        for an adapter's chain, whose names the worker told (its head: the chain's first)."""
+        if self.told is None or not keys:
+            return list(keys)
+        prefix = getattr(extra_info, "prefix_keys", None)
+        return self.told.of(prefix[0] if prefix else keys[0], keys, writing)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         """Each page read into the host pool at its slots; False for a page missing, damaged
         or another model's (SGLang computes it again; it stops at the first False)."""
-        return self._each(keys, host_indices, self._read)
+        return self._each(self._names(keys, extra_info, False), host_indices, self._read)
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         """Each page written from the host pool (a page already in the tier is not written
         again); False for one that could not be (a full or read-only tier)."""
-        return self._each(keys, host_indices, self._write)
+        return self._each(self._names(keys, extra_info, True), host_indices, self._write)
 
     def _each(
-        self, keys: list[str], host_indices: torch.Tensor, one: Callable[..., bool]
+        self, keys: list[str | None], host_indices: torch.Tensor, one: Callable[..., bool]
     ) -> list[bool]:
+        """``one`` for each page named (one not named: a miss to read, nothing to write)."""
         assert self.pool is not None, "register_mem_pool_host first"
         size = self.pool.page_size
         stored: list[tuple[str, int]] = []
         damaged: list[str] = []
         out = []
         for i, key in enumerate(keys):
+            if key is None:
+                out.append(one == self._write)  # (a write skipped is no failure)
+                continue
             try:
                 out.append(one(key, int(host_indices[i * size]), stored, damaged))
             except Exception as err:  # never raised to SGLang's I/O threads: a failed page

@@ -9,7 +9,9 @@ cached per ``cache_salt`` and reported as SGLang reports them, by SGLang's own e
 (its page hashes) and ZMQ publisher, to the ``kv_events_config`` endpoint; ``cached_tokens``
 says the leading pages found; in P/D (``disaggregation_mode``), the prefill engine leaves the
 prompt in a room of its bootstrap port (a file: the ``fake`` transfer) and the decode engine
-answers only from what it finds there.
+answers only from what it finds there. LoRA adapters (``enable_lora``) are kept in SGLang's own
+registry (``async_load_lora_adapter``: a random id per load, which namespaces the adapter's
+pages as SGLang's extra key does); an adapter's answer is the prompt's last tokens, backwards.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ ROOMS = Path(tempfile.gettempdir()) / "scripted-sglang-rooms"
 
 
 class _Key:
-    def __init__(self, token_ids: list[int], cache_salt: str | None) -> None:
+    def __init__(
+        self, token_ids: list[int], cache_salt: str | None, extra_key: str | None = None
+    ) -> None:
         self.token_ids, self.cache_salt, self.extra_key, self.is_bigram = (
             token_ids,
             cache_salt,
-            None,
+            extra_key,
             False,
         )
 
@@ -74,7 +78,24 @@ class Engine:
                 endpoint=config["endpoint"],
                 replay_endpoint=config.get("replay_endpoint"),
             )
-        self.tokenizer_manager = SimpleNamespace(abort_request=self._abort, get_loads=self._loads)
+        from sglang.srt.lora.lora_registry import LoRARegistry
+
+        self.loras = LoRARegistry()
+        self.tokenizer_manager = SimpleNamespace(
+            abort_request=self._abort, get_loads=self._loads, lora_registry=self.loras
+        )
+
+    async def async_load_lora_adapter(self, lora_name: str, lora_path: str) -> SimpleNamespace:
+        from sglang.srt.lora.lora_registry import LoRARef
+
+        if not self.args.get("enable_lora"):
+            return SimpleNamespace(success=False, error_message="LoRA is not enabled")
+        await self.loras.register(LoRARef(lora_name=lora_name, lora_path=lora_path))
+        return SimpleNamespace(success=True, error_message="")
+
+    async def async_unload_lora_adapter(self, lora_name: str) -> SimpleNamespace:
+        await self.loras.unregister(lora_name)
+        return SimpleNamespace(success=True, error_message="")
 
     def _abort(self, rid: str = "", abort_all: bool = False) -> None:
         self.aborted.add(rid)
@@ -90,16 +111,16 @@ class Engine:
             )
         ]
 
-    def _cache(self, tokens: list[int], salt: str | None) -> int:
+    def _cache(self, tokens: list[int], salt: str | None, lora_id: str | None = None) -> int:
         """The prompt's full pages into the cache; the tokens found there before."""
         parent, found, new = self.root, 0, []
         for end in range(self.page, len(tokens) + 1, self.page):
-            key = (salt, tuple(tokens[:end]))
+            key = (salt, lora_id, tuple(tokens[:end]))
             node = self.cached.get(key)
             if node is None:
                 node = SimpleNamespace(
                     parent=parent,
-                    key=_Key(tokens[end - self.page : end], salt),
+                    key=_Key(tokens[end - self.page : end], salt, lora_id),
                     hash_value=None,
                     event_hash_value=None,
                 )
@@ -125,15 +146,21 @@ class Engine:
         bootstrap_host=None,
         bootstrap_port=None,
         bootstrap_room=None,
+        lora_path=None,
         **_,
     ):  # noqa: ANN003, ANN201
         if (self.mode != "null") != (bootstrap_room is not None):
             raise ValueError(f"{self.mode} mode and bootstrap room {bootstrap_room}")
+        lora_id = None
+        if lora_path is not None:
+            lora_id = await self.loras.acquire(lora_path)  # (ValueError: not loaded)
+            await self.loras.release(lora_id)
+        where = (bootstrap_port, bootstrap_room)
         return self._answer(
-            list(input_ids), sampling_params or {}, rid, cache_salt, bootstrap_port, bootstrap_room
+            list(input_ids), sampling_params or {}, rid, cache_salt, *where, lora_id
         )
 
-    async def _answer(self, ids, params, rid, salt, port, room):  # noqa: ANN001, ANN202
+    async def _answer(self, ids, params, rid, salt, port, room, lora_id):  # noqa: ANN001, ANN202
         self.running += 1
         try:
             if self.mode == "decode":  # the prompt comes from the prefill engine's room
@@ -146,13 +173,13 @@ class Engine:
                 path.unlink()
                 await asyncio.sleep(0.05)  # (the KV's way over, as SGLang's decode waits for it)
             else:
-                cached = self._cache(ids, salt)
+                cached = self._cache(ids, salt, lora_id)
             if self.mode == "prefill":
                 (ROOMS / str(self.port)).mkdir(parents=True, exist_ok=True)
                 (ROOMS / str(self.port) / f"{room}.json").write_text(json.dumps(ids))
                 answer = ids[:1]
             else:
-                answer = ids[: params.get("max_new_tokens", 16)]
+                answer = (ids[::-1] if lora_id else ids)[: params.get("max_new_tokens", 16)]
             details = {"device": cached, "host": 0, "storage": 0}
             for i, token in enumerate(answer):
                 await asyncio.sleep(0.005)
