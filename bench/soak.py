@@ -190,6 +190,7 @@ class Sample:
     explain: float  # the router's conversations kept to explain cache misses, share used
     nats_pending: dict[str, float]
     heap_mb: dict[str, float]  # each service's C heap in use (its /metrics): allocated, not held
+    maps_mb: dict[str, dict[str, float]]  # each process's resident MB by kind of mapping
 
 
 def process_figures(pid: int) -> dict[str, tuple[float, int]]:
@@ -204,6 +205,59 @@ def process_figures(pid: int) -> dict[str, tuple[float, int]]:
             figures[0] += p.memory_info().rss
             figures[1] += p.num_fds()
     return {part: (rss / 2**20, fds) for part, (rss, fds) in out.items()}
+
+
+ARENA_BYTES = 64 << 20  # a glibc thread arena's heap: reserved 64 MiB at a time, so aligned
+STACK_BYTES = 8 << 20  # a thread's stack (the default ulimit)
+
+
+def mapping_kind(start: int, size: int, path: str) -> str:
+    """What a mapping of /proc/PID/smaps holds: glibc's main heap (``heap``: brk), a thread
+    arena's heap (``arena``), a thread's or the main ``stack``, a ``file`` (code, mapped
+    files), else other anonymous memory (``anon``: large blocks malloc maps apart, gRPC's and
+    torch's own, NATS's Go heap)."""
+    if path == "[heap]":
+        return "heap"
+    if path == "[stack]" or (not path and size == STACK_BYTES):
+        return "stack"
+    if path.startswith("/"):
+        return "file"
+    if not path and start % ARENA_BYTES == 0 and size <= ARENA_BYTES:
+        return "arena"
+    return "anon"
+
+
+def mapping_figures(pid: int) -> dict[str, float]:
+    """A process's resident MB by kind of mapping (``mapping_kind``); {} when it is gone."""
+    out: dict[str, float] = {}
+    kind = "anon"
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head, _, rest = line.partition(" ")
+                if "-" in head and not head.endswith(":"):  # a mapping's first line
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    fields = rest.split(None, 4)
+                    kind = mapping_kind(lo, hi - lo, fields[4].strip() if len(fields) > 4 else "")
+                elif head == "Rss:":
+                    out[kind] = out.get(kind, 0.0) + int(rest.split()[0]) / 1024
+    except OSError:
+        return {}
+    return out
+
+
+def sample_mappings(pids: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Each process's resident MB by kind of mapping, named as its RSS is (a decode worker's
+    engine process under ``ID/engine``)."""
+    out = {}
+    for sid, pid in pids.items():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            out[sid] = mapping_figures(pid)
+            for child in proc.children(recursive=True):
+                if "shared.hosting.process" in " ".join(child.cmdline()):
+                    out[f"{sid}/engine"] = mapping_figures(child.pid)
+    return out
 
 
 def sample(stack: Stack, t: float) -> Sample:
@@ -271,7 +325,19 @@ def sample(stack: Stack, t: float) -> Sample:
         explain=explain,
         nats_pending=pending,
         heap_mb=heap,
+        maps_mb=sample_mappings(pids),
     )
+
+
+def mapping_slopes(after: list[Sample], name: str) -> dict[str, list[float]]:
+    """Each kind of mapping's resident MB/h (± 2 SE) over ``after``, for process ``name``."""
+    kinds = dict.fromkeys(k for s in after for k in s.maps_mb.get(name, {}))
+    out = {}
+    for kind in kinds:
+        points = [(s.t, s.maps_mb[name].get(kind, 0.0)) for s in after if s.maps_mb.get(name)]
+        slope, err = slope_per_h(points)
+        out[kind] = [round(slope, 1), round(err, 1)]
+    return out
 
 
 def slope_per_h(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -396,12 +462,20 @@ def main() -> int:
         help="these services traced by tracemalloc (slower): a report at the plateau and at "
         "the end of what grew between, by source line (shared/telemetry/memory.py)",
     )
+    parser.add_argument(
+        "--arena-max",
+        type=int,
+        default=0,
+        help="MALLOC_ARENA_MAX for every service (glibc's heaps for threads; 0: glibc's own)",
+    )
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory(prefix="kvmesh-soak-") as tmp,
         storage_tier(Path(tmp) / "tier") as tier,
     ):
         settings = {**SETTINGS, **({"KVMESH_KV_STORE_DIR": str(tier)} if tier else {})}
+        if args.arena_max:
+            settings["MALLOC_ARENA_MAX"] = str(args.arena_max)
         say("starting a tiny stack (two prefill, two decode workers)")
         stack = start_stack("soak", Path(tmp) / "stack", IDS, **settings)
         for sid in args.trace_memory:
@@ -602,6 +676,7 @@ def report(
             "fds": [x.fds.get(name, -1) for x in (first, at_plateau, samples[-1])],
             "fds_per_h": [round(fds_h, 1), round(fds_err, 1)],
             "heap_in_use_mb_per_h": [round(heap_h, 1), round(heap_err, 1)],
+            "maps_mb_per_h": mapping_slopes(after, name),
             "measured_from_s": round(since),
         }
         processes[name] = row
@@ -611,6 +686,13 @@ def report(
             f"{rss_h:>+7.1f} ±{rss_err:<5.1f} {f[0]:>10} {f[1]:>8} {f[2]:>5} "
             f"{fds_h:>+6.1f} ±{fds_err:<4.1f} {heap_h:>+9.1f} ±{heap_err:<5.1f}"
         )
+    kinds = ("heap", "arena", "anon", "stack", "file")
+    print(f"\nresident MB/h after the plateau by kind of mapping (/proc/PID/smaps)\n{'process':12}"
+          + "".join(f" {k:>14}" for k in kinds))  # fmt: skip
+    for name, row in processes.items():
+        by = row["maps_mb_per_h"]
+        cells = [f"{by[k][0]:>+7.1f} ±{by[k][1]:<5.1f}" if k in by else f"{'—':>14}" for k in kinds]
+        print(f"{name:12} " + " ".join(cells))
     print(f"\n{'at s':>6}  fault")
     for fault in faults.done:
         rest = {k: v for k, v in fault.items() if k not in ("at_s", "fault")}
