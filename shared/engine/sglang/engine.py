@@ -118,7 +118,7 @@ class SglangEngine(OwningEngine):
     ) -> dict:
         """``sglang.Engine``'s arguments (``ServerArgs`` fields) for this worker: ``events``,
         ``replay``: where its KV events go and are replayed from; ``report``: where its
-        storage backend says what it wrote; ``names``: where it is told adapters' pages'."""
+        storage backend says what it wrote; ``names``: where it is told pages' names (LoRA on)."""
         o = self.options
         args: dict[str, Any] = {
             "model_path": str(self.directory),
