@@ -194,14 +194,17 @@ class Sample:
 
 
 def process_figures(pid: int) -> dict[str, tuple[float, int]]:
-    """RSS (MB) and open fds of a process with its children, under "": but its engine's own
-    process (decode's, shared.hosting.process), which is under "engine", apart."""
+    """RSS (MB) and open fds of a process under "", its engine's own process (decode's,
+    shared.hosting.process) under "engine", and any other children under "children"."""
     proc = psutil.Process(pid)
     out: dict[str, list[int]] = {"": [0, 0]}
     for p in [proc, *proc.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
-            engine = p is not proc and "shared.hosting.process" in " ".join(p.cmdline())
-            figures = out.setdefault("engine" if engine else "", [0, 0])
+            part = ""
+            if p is not proc:
+                engine = "shared.hosting.process" in " ".join(p.cmdline())
+                part = "engine" if engine else "children"
+            figures = out.setdefault(part, [0, 0])
             figures[0] += p.memory_info().rss
             figures[1] += p.num_fds()
     return {part: (rss / 2**20, fds) for part, (rss, fds) in out.items()}
