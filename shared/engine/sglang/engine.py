@@ -235,16 +235,15 @@ class SglangEngine(OwningEngine):
             await asyncio.sleep(LOAD_EVERY_S)
 
     def pages(
-        self, token_ids: list[int], salt: str, adapter: str = "", lora_id: str = ""
+        self, token_ids: list[int], salt: str, fingerprint: str, cache_salt: str, lora_id: str
     ) -> list[str]:
         """The hashes the router names the prompt's full pages by (in storage too), told to
-        the storage backend where SGLang's differ (an adapter's) or may (LoRA on)."""
+        the storage backend where SGLang's differ (an adapter's: ``lora_id``) or may (LoRA
+        on). ``fingerprint``, ``cache_salt``: the request's KV's, as SGLang is given them."""
         n = len(token_ids) // self.block_size * self.block_size
         packed = pack_tokens(token_ids[:n])
-        fingerprint = self.adapters.fingerprint(adapter)
         names = packed_sglang_hashes(packed, self.block_size, fingerprint, salt)
         if self._names is not None:
-            cache_salt = sglang_cache_salt(fingerprint, self.block_size, salt)
             self._names.tell(packed, self.block_size, cache_salt, lora_id, names)
         return names
 
@@ -281,21 +280,23 @@ class SglangEngine(OwningEngine):
         try:
             # The prompt's pages go to the storage tier as SGLang backs them up (a P/D
             # prefill worker handing over through the tier waits for them: ``stored``).
-            stores = self.options.kv_store_dir
-            pages = self.pages(token_ids, salt, adapter, lora_id) if stores else []
+            fingerprint = self.adapters.fingerprint(adapter)
+            cache_salt = sglang_cache_salt(fingerprint, self.block_size, salt)
+            pages = []
+            if self.options.kv_store_dir:
+                pages = self.pages(token_ids, salt, fingerprint, cache_salt, lora_id)
             self.remember(pages, retention)
             where = {"lora_path": adapter} if adapter else {}
             if peer is not None:
                 host, port, room = peer
                 where |= {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
-            fingerprint = self.adapters.fingerprint(adapter)
             stream = await self._engine.async_generate(
                 input_ids=list(token_ids),
                 sampling_params=sglang_params(params),
                 stream=True,
                 rid=seq_id,
                 priority=rank,
-                cache_salt=sglang_cache_salt(fingerprint, self.block_size, salt),
+                cache_salt=cache_salt,
                 **logprob_fields(params),
                 **where,
             )

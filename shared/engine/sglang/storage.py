@@ -177,19 +177,26 @@ class KvmeshHiCacheStorage(HiCacheStorage):
     ) -> list[bool]:
         """Each page read into the host pool at its slots; False for a page missing, damaged
         or another model's (SGLang computes it again; it stops at the first False)."""
-        return self._each(self._names(keys, extra_info, False), host_indices, self._read)
+        names = self._names(keys, extra_info, False)
+        return self._each(names, host_indices, self._read, unnamed=False)
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         """Each page written from the host pool (a page already in the tier is not written
         again); False for one that could not be (a full or read-only tier)."""
-        return self._each(self._names(keys, extra_info, True), host_indices, self._write)
+        names = self._names(keys, extra_info, True)
+        return self._each(names, host_indices, self._write, unnamed=True)
 
     def _each(
-        self, keys: list[str | None], host_indices: torch.Tensor, one: Callable[..., bool]
+        self,
+        keys: list[str | None],
+        host_indices: torch.Tensor,
+        one: Callable[..., bool],
+        unnamed: bool,
     ) -> list[bool]:
-        """``one`` for each page named (one not named: a miss to read, nothing to write)."""
+        """``one`` for each page named; ``unnamed`` for each not (a miss to read: False;
+        nothing to write: True, no failure)."""
         assert self.pool is not None, "register_mem_pool_host first"
         size = self.pool.page_size
         stored: list[tuple[str, int]] = []
@@ -197,7 +204,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):
         out = []
         for i, key in enumerate(keys):
             if key is None:
-                out.append(one == self._write)  # (a write skipped is no failure)
+                out.append(unnamed)
                 continue
             try:
                 out.append(one(key, int(host_indices[i * size]), stored, damaged))
