@@ -27,6 +27,7 @@ from shared.messages.sampling import SamplingParams
 from shared.model.config import TINY_CONFIGS
 from shared.model.lora import AdapterSpec, LoraError, kv_fingerprint
 from tests.engine.lora_adapters import peft_adapter, tiny_shaped_base
+from tests.procs import wait_until
 from tests.sglang_release import HostPoolStandIn, load, storage_config
 
 CONFIG = TINY_CONFIGS["tiny"]
@@ -81,6 +82,14 @@ class LoraSglang:
 
     def shutdown(self) -> None:
         return
+
+
+async def until(condition, what: str, timeout_s: float = 5.0) -> None:  # noqa: ANN001
+    """Wait on the running loop for ``condition()`` (work off the request path goes on)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
+        await asyncio.sleep(0.01)
 
 
 def engine_with(tmp_path: Path, options: EngineOptions = OPTIONS) -> SglangEngine:
@@ -162,7 +171,7 @@ def test_adapters_need_lora_on_and_the_least_recently_used_idle_one_is_unloaded(
         for model in ["a", "b", "c", "d", "a", "e"]:
             await ask(engine, model, [1, 2, 3, 4, 5])
         engine.unregister_adapter("c")
-        await asyncio.sleep(0.05)  # (unloaded off the request path)
+        await until(lambda: ("unload", "c") in sglang.calls, "the unregistered adapter unloaded")
         await engine.adapters.stop()
 
     asyncio.run(run())
@@ -258,10 +267,10 @@ def test_an_adapters_pages_stored_by_one_worker_are_read_by_another(
 
     async def told(engine: SglangEngine, backend, model: str) -> list[str]:  # noqa: ANN001
         done = await ask(engine, model, prompt)
-        for _ in range(200):  # (the backend's thread takes what it was told)
-            if set(their_keys(engine, model)) <= backend.told.names.keys():
-                break
-            await asyncio.sleep(0.01)
+        await until(  # (the backend's thread takes what it was told)
+            lambda: set(their_keys(engine, model)) <= backend.told.names.keys(),
+            "the backend told the prompt's names",
+        )
         return done[-1].stored
 
     (one, backend_one), (two, backend_two) = workers
@@ -287,10 +296,7 @@ def test_an_adapters_pages_stored_by_one_worker_are_read_by_another(
 
     # A base model's chain (its first page told): its pages, the answer's too, as SGLang names them.
     base = asyncio.run(ask(one, "", prompt))[-1].stored
-    for _ in range(200):
-        if base[0] in backend_one.told.base_heads:
-            break
-        time.sleep(0.01)
+    wait_until(lambda: base[0] in backend_one.told.base_heads, 5, what="the base chain told")
     after = SimpleNamespace(prefix_keys=base)  # (SGLang's HiCacheStorageExtraInfo)
     assert backend_one.batch_set_v1(base, slots[:12]) == [True] * 3
     assert backend_one.batch_set_v1(["ef" * 32], slots[:4], after) == [True]
