@@ -17,6 +17,7 @@ import sys
 import time
 import tracemalloc
 import types
+from collections import Counter, deque
 from pathlib import Path
 
 from shared.telemetry.heap import figures
@@ -24,6 +25,8 @@ from shared.telemetry.heap import figures
 log = logging.getLogger(__name__)
 
 TOP = 25  # lines in a report
+GROWN = 8  # types whose live objects grew, each with what holds its newest
+HOLDER_DEPTH = 10
 IGNORED = (tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<unknown>"))
 
 
@@ -31,9 +34,11 @@ class MemoryReports:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._last: tracemalloc.Snapshot | None = None
+        self._counts: Counter[str] | None = None
 
     def write(self) -> None:
         garbage = garbage_lines()
+        grown = self._grown_lines()
         snapshot = tracemalloc.take_snapshot().filter_traces(IGNORED)
         if self._last is None:
             stats = snapshot.statistics("lineno")
@@ -55,8 +60,53 @@ class MemoryReports:
                 f"{'' if (heap := figures()) is None else f'; {heap}'}\n"
             )
             out.write("\n".join(lines) + "\n")
-            out.write("\n".join(garbage) + "\n\n")
+            out.write("\n".join(garbage + grown) + "\n\n")
         log.info("memory report written to %s", self.path)
+
+    def _grown_lines(self) -> list[str]:
+        """The types whose live objects grew most in number since the last report, each with
+        what holds its newest one (tracemalloc names where an object was made, not who keeps
+        it)."""
+        objects = gc.get_objects()
+        counts = Counter(_type_name(obj) for obj in objects)
+        last, self._counts = self._counts, counts
+        if last is None:
+            return []
+        grown = [(name, n) for name, n in (counts - last).most_common(GROWN)]
+        lines = ["## live objects that grew in number since the last report, by type"]
+        for name, n in grown:
+            newest = [obj for obj in reversed(objects) if _type_name(obj) == name][0]
+            lines.append(f"{n:+10d} {counts[name]:8d}  {name}  held by {_holders(newest, objects)}")
+        return lines
+
+
+def _holders(obj: object, objects: list) -> str:
+    """The chain of objects that keeps ``obj`` alive, nearest first, up to a module's names,
+    a class or HOLDER_DEPTH steps (frames and this report's own list skipped)."""
+    chain, seen = [], {id(objects)}
+    for _ in range(HOLDER_DEPTH):
+        seen.add(id(obj))
+        # (Loops, not comprehensions: on Python 3.11 a comprehension's cell would hold obj.)
+        for holder in gc.get_referrers(obj):
+            if id(holder) not in seen and not isinstance(holder, types.FrameType):
+                break
+        else:
+            break
+        if isinstance(holder, dict):
+            key = f"dict of {len(holder)}"
+            for k, v in holder.items():
+                if v is obj:
+                    key = f"dict[{repr(k)[:40]}]"
+                    break
+            chain.append(key)
+        elif isinstance(holder, list | tuple | set | deque):
+            chain.append(f"{_type_name(holder)} of {len(holder)}")
+        else:
+            chain.append(_type_name(holder))
+        if isinstance(holder, type) or (isinstance(holder, dict) and "__name__" in holder):
+            break  # a class, or a module's names
+        obj = holder
+    return " <- ".join(chain) or "nothing found"
 
 
 def garbage_lines() -> list[str]:

@@ -51,3 +51,29 @@ def test_a_report_names_what_cycles_hold_until_the_collector_runs(tmp_path: Path
     by_type = report.split(heading)[1].splitlines()[1:4]
     assert by_type[0].split()[-1] == "bytes" and int(by_type[0].split()[2]) >= 3, by_type
     assert any(line.split()[-1].endswith("Turn") for line in by_type), by_type
+
+
+class Request:  # what a service would keep by mistake, one per request
+    pass
+
+
+KEPT: dict[str, list[Request]] = {"answered": []}
+
+
+def test_a_report_names_the_type_that_grew_in_number_and_what_holds_it(tmp_path: Path) -> None:
+    tracemalloc.start()
+    try:
+        reports = MemoryReports(tmp_path / "memory" / "router-0.txt")
+        reports.write()
+        reports.write()  # (what the first report's own work made, counted before this one)
+        KEPT["answered"].extend(Request() for _ in range(5_000))
+        reports.write()
+    finally:
+        tracemalloc.stop()
+        KEPT["answered"].clear()
+    second = (tmp_path / "memory" / "router-0.txt").read_text().split("\n# ")[-1]
+    heading = "## live objects that grew in number since the last report, by type"
+    grown = second.split(heading)[1].strip().splitlines()
+    line = next(line for line in grown if line.split()[2] == "Request")
+    assert int(line.split()[0]) == 5_000, line
+    assert line.split("held by ")[1] == "list of 5000 <- dict['answered'] <- dict['KEPT']", line
