@@ -65,48 +65,84 @@ class MemoryReports:
 
     def _grown_lines(self) -> list[str]:
         """The types whose live objects grew most in number since the last report, each with
-        what holds its newest one (tracemalloc names where an object was made, not who keeps
+        what holds its newest one (tracemalloc names where an object was made, not what keeps
         it)."""
         objects = gc.get_objects()
         counts = Counter(_type_name(obj) for obj in objects)
         last, self._counts = self._counts, counts
         if last is None:
             return []
-        grown = [(name, n) for name, n in (counts - last).most_common(GROWN)]
-        lines = ["## live objects that grew in number since the last report, by type"]
-        for name, n in grown:
-            newest = [obj for obj in reversed(objects) if _type_name(obj) == name][0]
-            lines.append(f"{n:+10d} {counts[name]:8d}  {name}  held by {_holders(newest, objects)}")
-        return lines
+        grown = (counts - last).most_common(GROWN)
+        newest: dict[str, object] = {}
+        for obj in reversed(objects):  # (the youngest generation last)
+            name = _type_name(obj)
+            if name not in newest and counts[name] > last[name]:
+                newest[name] = obj
+        targets = [newest[name] for name, _ in grown]
+        newest.clear()  # (else it would be their holder)
+        chains = _holders(targets, objects)
+        return [
+            "## live objects that grew in number since the last report, by type",
+            *(
+                f"{n:+10d} {counts[name]:8d}  {name}  held by {chain}"
+                for (name, n), chain in zip(grown, chains, strict=True)
+            ),
+        ]
 
 
-def _holders(obj: object, objects: list) -> str:
-    """The chain of objects that keeps ``obj`` alive, nearest first, up to a module's names,
-    a class or HOLDER_DEPTH steps (frames and this report's own list skipped)."""
-    chain, seen = [], {id(objects)}
+def _holders(targets: list[object], objects: list) -> list[str]:
+    """For each of ``targets``, the chain of objects that keeps it alive, nearest first, up to
+    a module's names, a class or HOLDER_DEPTH steps (frames and this report's own lists
+    skipped): one scan of the heap a step, for every chain at once."""
+    chains: list[list[str]] = [[] for _ in targets]
+    current: list[object] = list(targets)
+    done = [False] * len(targets)
+    seen = {id(objects), id(targets), id(current)}
     for _ in range(HOLDER_DEPTH):
-        seen.add(id(obj))
-        # (Loops, not comprehensions: on Python 3.11 a comprehension's cell would hold obj.)
-        for holder in gc.get_referrers(obj):
-            if id(holder) not in seen and not isinstance(holder, types.FrameType):
+        live = [obj for obj, end in zip(current, done, strict=True) if not end]
+        if not live:
+            break
+        seen.update(id(obj) for obj in live)
+        referrers = gc.get_referrers(*live)
+        seen.update((id(live), id(referrers)))
+        for i, obj in enumerate(current):
+            if not done[i]:
+                done[i] = not _step(obj, referrers, seen, chains[i], current, i)
+        del live, referrers
+    return [" <- ".join(chain) or "nothing found" for chain in chains]
+
+
+def _step(
+    obj: object, referrers: list, seen: set[int], chain: list[str], current: list, i: int
+) -> bool:
+    """One step up ``obj``'s chain: its holder among ``referrers``, named on ``chain`` and put
+    in its place in ``current``; False where the chain ends there. (Loops, not
+    comprehensions: on Python 3.11 a comprehension's cell would hold obj.)"""
+    for holder in referrers:
+        if id(holder) in seen or isinstance(holder, types.FrameType):
+            continue
+        for ref in gc.get_referents(holder):
+            if ref is obj:
                 break
         else:
-            break
-        if isinstance(holder, dict):
-            key = f"dict of {len(holder)}"
-            for k, v in holder.items():
-                if v is obj:
-                    key = f"dict[{repr(k)[:40]}]"
-                    break
-            chain.append(key)
-        elif isinstance(holder, list | tuple | set | deque):
-            chain.append(f"{_type_name(holder)} of {len(holder)}")
-        else:
-            chain.append(_type_name(holder))
-        if isinstance(holder, type) or (isinstance(holder, dict) and "__name__" in holder):
-            break  # a class, or a module's names
-        obj = holder
-    return " <- ".join(chain) or "nothing found"
+            continue
+        break
+    else:
+        return False
+    if isinstance(holder, dict):
+        key = f"dict of {len(holder)}"
+        for k, v in holder.items():
+            if v is obj:
+                key = f"dict[{repr(k)[:40]}]"
+                break
+        chain.append(key)
+    elif isinstance(holder, list | tuple | set | deque):
+        chain.append(f"{_type_name(holder)} of {len(holder)}")
+    else:
+        chain.append(_type_name(holder))
+    current[i] = holder
+    # A class, or a module's names, ends it.
+    return not isinstance(holder, type) and not (isinstance(holder, dict) and "__name__" in holder)
 
 
 def garbage_lines() -> list[str]:
