@@ -6,9 +6,10 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Message(BaseModel):
-    """Base of every wire message: immutable, JSON on the wire, tolerant of newer fields."""
+    """Base of every wire message: immutable, JSON on the wire, tolerant of newer fields.
+    Only keys go to pydantic's string cache (process-wide): ids and hashes never repeat."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", cache_strings="keys")
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()

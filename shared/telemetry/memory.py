@@ -34,7 +34,7 @@ class MemoryReports:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._last: tracemalloc.Snapshot | None = None
-        self._counts: Counter[str] | None = None
+        self._counts: Counter[type] | None = None
 
     def write(self) -> None:
         garbage = garbage_lines()
@@ -68,24 +68,23 @@ class MemoryReports:
         what holds its newest one (tracemalloc names where an object was made, not what keeps
         it)."""
         objects = gc.get_objects()
-        counts = Counter(_type_name(obj) for obj in objects)
+        counts: Counter[type] = Counter(map(type, objects))
         last, self._counts = self._counts, counts
         if last is None:
             return []
         grown = (counts - last).most_common(GROWN)
-        newest: dict[str, object] = {}
+        newest: dict[type, object] = {kind: None for kind, _ in grown}
         for obj in reversed(objects):  # (the youngest generation last)
-            name = _type_name(obj)
-            if name not in newest and counts[name] > last[name]:
-                newest[name] = obj
-        targets = [newest[name] for name, _ in grown]
+            if newest.get(type(obj), 0) is None:
+                newest[type(obj)] = obj
+        targets = list(newest.values())
         newest.clear()  # (else it would be their holder)
         chains = _holders(targets, objects)
         return [
             "## live objects that grew in number since the last report, by type",
             *(
-                f"{n:+10d} {counts[name]:8d}  {name}  held by {chain}"
-                for (name, n), chain in zip(grown, chains, strict=True)
+                f"{n:+10d} {counts[kind]:8d}  {_type_name(obj)}  held by {chain}"
+                for (kind, n), obj, chain in zip(grown, targets, chains, strict=True)
             ),
         ]
 

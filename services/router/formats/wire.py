@@ -41,9 +41,10 @@ FalseOnly = Annotated[bool, AfterValidator(_only_false), Field(json_schema_extra
 class StrictBody(BaseModel):
     """A request body (or a part of one). Strict: "5" is not a number. A field the API does
     not define is refused (as OpenAI and Anthropic do), so nothing a client sends is silently
-    ignored."""
+    ignored. Only keys go to pydantic's string cache: a body's texts rarely repeat, and the
+    cache (process-wide) would keep them."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", cache_strings="keys")
 
 
 def parse_body(body: bytes, kind: type[BaseModel]) -> BaseModel:
