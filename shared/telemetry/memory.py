@@ -94,28 +94,34 @@ def _holders(targets: list[object], objects: list) -> list[str]:
     a module's names, a class or HOLDER_DEPTH steps (frames and this report's own lists
     skipped): one scan of the heap a step, for every chain at once."""
     chains: list[list[str]] = [[] for _ in targets]
-    current: list[object] = list(targets)
-    done = [False] * len(targets)
+    current: list[object | None] = list(targets)  # None: the chain has ended
     seen = {id(objects), id(targets), id(current)}
     for _ in range(HOLDER_DEPTH):
-        live = [obj for obj, end in zip(current, done, strict=True) if not end]
+        live = [obj for obj in current if obj is not None]
         if not live:
             break
         seen.update(id(obj) for obj in live)
         referrers = gc.get_referrers(*live)
         seen.update((id(live), id(referrers)))
         for i, obj in enumerate(current):
-            if not done[i]:
-                done[i] = not _step(obj, referrers, seen, chains[i], current, i)
+            step = None if obj is None else _holder(obj, referrers, seen)
+            if step is not None:
+                holder, name = step
+                chains[i].append(name)
+                # A class, or a module's names, ends the chain.
+                ends = isinstance(holder, type) or (
+                    isinstance(holder, dict) and "__name__" in holder
+                )
+                current[i] = None if ends else holder
+            else:
+                current[i] = None
+            step = holder = None  # (a holder kept here would be the next step's referrer)
         del live, referrers
     return [" <- ".join(chain) or "nothing found" for chain in chains]
 
 
-def _step(
-    obj: object, referrers: list, seen: set[int], chain: list[str], current: list, i: int
-) -> bool:
-    """One step up ``obj``'s chain: its holder among ``referrers``, named on ``chain`` and put
-    in its place in ``current``; False where the chain ends there. (Loops, not
+def _holder(obj: object, referrers: list, seen: set[int]) -> tuple[object, str] | None:
+    """What among ``referrers`` holds ``obj``, and its name on a chain. (Loops, not
     comprehensions: on Python 3.11 a comprehension's cell would hold obj.)"""
     for holder in referrers:
         if id(holder) in seen or isinstance(holder, types.FrameType):
@@ -127,21 +133,15 @@ def _step(
             continue
         break
     else:
-        return False
+        return None
     if isinstance(holder, dict):
-        key = f"dict of {len(holder)}"
         for k, v in holder.items():
             if v is obj:
-                key = f"dict[{repr(k)[:40]}]"
-                break
-        chain.append(key)
-    elif isinstance(holder, list | tuple | set | deque):
-        chain.append(f"{_type_name(holder)} of {len(holder)}")
-    else:
-        chain.append(_type_name(holder))
-    current[i] = holder
-    # A class, or a module's names, ends it.
-    return not isinstance(holder, type) and not (isinstance(holder, dict) and "__name__" in holder)
+                return holder, f"dict[{repr(k)[:40]}]"
+        return holder, f"dict of {len(holder)}"
+    if isinstance(holder, list | tuple | set | deque):
+        return holder, f"{_type_name(holder)} of {len(holder)}"
+    return holder, _type_name(holder)
 
 
 def garbage_lines() -> list[str]:
