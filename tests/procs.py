@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import signal
@@ -197,10 +198,14 @@ def wait_until(check, timeout_s: float, interval_s: float = 0.1, what: str = "co
 
 
 async def until(check, timeout_s: float, what: str, interval_s: float = 0.05):  # noqa: ANN001, ANN201
-    """``wait_until`` for coroutines: await ``check()`` until it is truthy; return it."""
+    """``wait_until`` on the running loop (what else runs on it goes on): ``check()``, awaited
+    where it is a coroutine, until it is truthy; return it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if value := await check():
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
             return value
         await asyncio.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")

@@ -27,7 +27,7 @@ from shared.messages.sampling import SamplingParams
 from shared.model.config import TINY_CONFIGS
 from shared.model.lora import AdapterSpec, LoraError, kv_fingerprint
 from tests.engine.lora_adapters import peft_adapter, tiny_shaped_base
-from tests.procs import wait_until
+from tests.procs import until, wait_until
 from tests.sglang_release import HostPoolStandIn, load, storage_config
 
 CONFIG = TINY_CONFIGS["tiny"]
@@ -82,14 +82,6 @@ class LoraSglang:
 
     def shutdown(self) -> None:
         return
-
-
-async def until(condition, what: str, timeout_s: float = 5.0) -> None:  # noqa: ANN001
-    """Wait on the running loop for ``condition()`` (work off the request path goes on)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def engine_with(tmp_path: Path, options: EngineOptions = OPTIONS) -> SglangEngine:
@@ -171,7 +163,7 @@ def test_adapters_need_lora_on_and_the_least_recently_used_idle_one_is_unloaded(
         for model in ["a", "b", "c", "d", "a", "e"]:
             await ask(engine, model, [1, 2, 3, 4, 5])
         engine.unregister_adapter("c")
-        await until(lambda: ("unload", "c") in sglang.calls, "the unregistered adapter unloaded")
+        await until(lambda: ("unload", "c") in sglang.calls, 5, "the unregistered adapter unloaded")
         await engine.adapters.stop()
 
     asyncio.run(run())
@@ -269,6 +261,7 @@ def test_an_adapters_pages_stored_by_one_worker_are_read_by_another(
         done = await ask(engine, model, prompt)
         await until(  # (the backend's thread takes what it was told)
             lambda: set(their_keys(engine, model)) <= backend.told.names.keys(),
+            5,
             "the backend told the prompt's names",
         )
         return done[-1].stored
