@@ -120,6 +120,7 @@ def export(source: ModelSource, state_dir: Path, to: Path, dtype: str = "float32
 
 
 def _tensors(path: Path, config: ModelConfig, dtype: type) -> dict[str, np.ndarray]:
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     out: dict[str, np.ndarray] = {}
@@ -127,7 +128,7 @@ def _tensors(path: Path, config: ModelConfig, dtype: type) -> dict[str, np.ndarr
         name = gguf.hf_name(t.name)
         if name is None:
             continue
-        x = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        x = dequantize(t.data, GGMLQuantizationType(t.tensor_type)).astype(np.float32, copy=False)
         if gguf.permuted(config, name):
             heads = config.n_heads if "q_proj" in name else config.n_kv_heads
             x = gguf.unpermute_rope(x, heads)

