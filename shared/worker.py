@@ -12,7 +12,6 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TypeVar
 
-import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
@@ -23,6 +22,8 @@ from shared.bus.adapters import Adapters, from_settings
 from shared.bus.tokens import TokenLinks
 from shared.engine import ops
 from shared.engine.interface import (
+    KV_DTYPES,
+    BadBlock,
     Engine,
     EngineOptions,
     EngineStats,
@@ -31,7 +32,6 @@ from shared.engine.interface import (
     Prefix,
     StepOutput,
 )
-from shared.engine.kvformat import DTYPES, BadBlock
 from shared.engine.registry import BENCH_ONLY, ENGINES, load_engine
 from shared.hosting.process import ProcessRunner
 from shared.hosting.runner import EngineRunner
@@ -205,8 +205,8 @@ class WorkerSettings(ServiceSettings):
     @field_validator("store_dtype", "dtype")
     @classmethod
     def _known_dtype(cls, name: str) -> str:
-        if name and name not in DTYPES:
-            raise ValueError(f"empty or one of {', '.join(DTYPES)}")
+        if name and name not in KV_DTYPES:
+            raise ValueError(f"empty or one of {', '.join(KV_DTYPES)}")
         return name
 
     @field_validator("engine")
@@ -548,6 +548,8 @@ class WorkerService(Service):
                     f"image {i}'s embeddings are {tokens}×{hidden}, the prompt needs "
                     f"{ref.tokens}×{dim}"
                 )
+            import torch  # (here: a worker whose engine has its own process needs none else)
+
             rows = torch.frombuffer(bytearray(data), dtype=torch.float32).view(tokens, hidden)
             BYTES.labels("embeds", "in").inc(len(data))
             return ref.start, rows

@@ -16,8 +16,7 @@ from opentelemetry import context as otel_context
 from services.decode.settings import DecodeSettings
 from shared.bus import Bus, subjects
 from shared.engine import ops
-from shared.engine.interface import PoolExhausted, Prefix, StepOutput
-from shared.engine.kvformat import KVFormatError
+from shared.engine.interface import KVFormatError, PoolExhausted, Prefix, StepOutput
 from shared.engine.registry import OWNING
 from shared.eplb.balancer import BalancerStats
 from shared.kvstore.tiers import CachedPrefix

@@ -42,6 +42,19 @@ if TYPE_CHECKING:
     from shared.model.lora import AdapterSpec
 
 FinishReason = Literal["stop", "length", "abort"]
+KV_DTYPES = ("float32", "bfloat16", "float16")  # what KV is kept and shipped as (by name)
+
+
+class KVFormatError(Exception):
+    """The bytes are not valid KV for this engine (wrong model, damaged, truncated)."""
+
+
+class BadBlock(KVFormatError):
+    """Block ``index`` of several being loaded is not valid KV (damaged, or another model's)."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"block {index}: {reason}")
+        self.index = index
 
 
 class PoolExhausted(Exception):

@@ -19,12 +19,10 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
+from shared.engine.interface import KV_DTYPES, KVFormatError
+
 MAGIC = b"KVMESH\x01\n"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class KVFormatError(Exception):
-    """The bytes are not valid KV for this engine (wrong model, damaged, truncated)."""
+DTYPES = {name: getattr(torch, name) for name in KV_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -58,14 +56,6 @@ def first_needed_block(window: int, n_tokens: int, block_size: int) -> int:
     if not window:
         return 0
     return max(0, n_tokens - window + 1) // block_size
-
-
-class BadBlock(KVFormatError):
-    """Block ``index`` of several being loaded is not valid KV (damaged, or another model's)."""
-
-    def __init__(self, index: int, reason: str) -> None:
-        super().__init__(f"block {index}: {reason}")
-        self.index = index
 
 
 def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

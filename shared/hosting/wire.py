@@ -12,21 +12,22 @@ import asyncio
 import dataclasses
 import json
 import struct
+import sys
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
-
 from shared.engine.interface import (
+    KV_DTYPES,
+    BadBlock,
     Cancelled,
     EngineOptions,
     EngineStats,
+    KVFormatError,
     Paused,
     PoolExhausted,
     Prefix,
     StepOutput,
 )
-from shared.engine.kvformat import BadBlock, KVFormatError
 from shared.eplb.balancer import BalancerStats
 from shared.messages.sampling import SamplingParams, TokenLogprobs
 from shared.model.catalog import ModelSource
@@ -67,7 +68,6 @@ ERRORS: dict[str, type[BaseException]] = {
         MemoryError,
     )
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class WireError(ValueError):
@@ -81,7 +81,8 @@ def encode(value: Any, parts: list) -> Any:
     if isinstance(value, (bytes, bytearray, memoryview)):
         parts.append(value)
         return {"$b": len(parts) - 1}
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # (a process that never imported it holds no tensor)
+    if torch is not None and isinstance(value, torch.Tensor):
         t = value.detach().contiguous().cpu()
         parts.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         return {"$t": len(parts) - 1, "shape": list(t.shape), "dtype": str(t.dtype)[6:]}
@@ -108,7 +109,11 @@ def decode(value: Any, parts: list[bytes]) -> Any:
     if "$b" in value:
         return parts[value["$b"]]
     if "$t" in value:
-        dtype = DTYPES[value["dtype"]]
+        import torch  # (here: a worker whose engine has its own process is sent none)
+
+        if value["dtype"] not in KV_DTYPES:
+            raise WireError(f"not a float tensor: {value['dtype']!r}")
+        dtype = getattr(torch, value["dtype"])
         data = bytearray(parts[value["$t"]])
         return (
             torch.frombuffer(data, dtype=dtype).view(value["shape"])

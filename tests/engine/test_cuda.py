@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from shared.engine.kvformat import BadBlock
+from shared.engine.interface import BadBlock
 from shared.engine.torch.engine import compute_device
 from shared.engine.torch.graphs import DecodeGraphs
 from shared.messages.sampling import SamplingParams

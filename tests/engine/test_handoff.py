@@ -6,8 +6,7 @@ import threading
 
 import pytest
 
-from shared.engine.interface import Cancelled
-from shared.engine.kvformat import KVFormatError
+from shared.engine.interface import Cancelled, KVFormatError
 from shared.messages.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 from tests.engine.test_batching import run_alone

@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 
-from shared.engine.kvformat import BadBlock, KVFormatError
+from shared.engine.interface import BadBlock, KVFormatError
 from shared.engine.torch.loader import LoadedModel
 from shared.messages.sampling import SamplingParams
 from tests.engine.conftest import make_engine

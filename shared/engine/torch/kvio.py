@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from shared.engine import kvformat
-from shared.engine.interface import Prefix
+from shared.engine.interface import BadBlock, Prefix
 from shared.engine.torch.blocks import BlockPool
 from shared.engine.torch.model import KVCache
 from shared.engine.torch.sequence import Sequence
@@ -116,7 +116,7 @@ class KvIO:
                         cell = kvformat.read_cell(f, header, data_start, layer, 0, i >= trusted)
                         self._put(layer, blocks[i], *cell)
                 except kvformat.KVFormatError as err:
-                    raise kvformat.BadBlock(i, str(err)) from None
+                    raise BadBlock(i, str(err)) from None
         except Exception:
             self.pool.free(blocks)
             raise
@@ -151,7 +151,7 @@ class KvIO:
                 if header.dtype != (headers[0].dtype if headers else header.dtype):
                     raise kvformat.KVFormatError(f"dtype {header.dtype}, not {headers[0].dtype}")
             except kvformat.KVFormatError as err:
-                raise kvformat.BadBlock(i, str(err)) from None
+                raise BadBlock(i, str(err)) from None
             headers.append(header)
             starts.append(start)
         shape = (len(sources), c.n_layers, 2, bs, c.n_kv_heads, c.head_dim)
@@ -162,7 +162,7 @@ class KvIO:
                 view = memoryview(sources[i]).cast("B")[starts[i] :]
                 data = kvformat.checked(headers[i], view, check=i >= trusted)
             except kvformat.KVFormatError as err:
-                raise kvformat.BadBlock(i, str(err)) from None
+                raise BadBlock(i, str(err)) from None
             kvformat.raw_view(staged[i])[:] = np.frombuffer(data, dtype=np.uint8)
 
         if sum(len(s) for s in sources) <= CHECK_ALONE_BYTES:
