@@ -175,8 +175,10 @@ class Engine:
             else:
                 cached = self._cache(ids, salt, lora_id)
             if self.mode == "prefill":
-                (ROOMS / str(self.port)).mkdir(parents=True, exist_ok=True)
-                (ROOMS / str(self.port) / f"{room}.json").write_text(json.dumps(ids))
+                part = ROOMS / str(self.port) / f"{room}.part"  # (whole once it is there)
+                part.parent.mkdir(parents=True, exist_ok=True)
+                part.write_text(json.dumps(ids))
+                part.rename(part.with_suffix(".json"))
                 answer = ids[:1]
             else:
                 answer = (ids[::-1] if lora_id else ids)[: params.get("max_new_tokens", 16)]
