@@ -189,7 +189,7 @@ def test_metrics_parse_on_every_service_and_move_with_traffic(stack: Stack) -> N
         assert ("kvmesh_nats_pending_messages", (("role", role),)) in after[role]
     trims = ("kvmesh_heap_trims_total", ())
     for role, url in urls.items():  # every process's C heap, given back as it goes
-        assert after[role][("kvmesh_heap_bytes", (("of", "in_use"),))] > 20 << 20  # (its imports)
+        assert after[role][("kvmesh_heap_bytes", (("of", "in_use"),))] > 10 << 20  # (its imports)
         assert ("kvmesh_heap_bytes", (("of", "free"),)) in after[role]
         wait_until(
             lambda u=url, r=role: metrics(u)[trims] > after[r][trims],
