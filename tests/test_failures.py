@@ -41,6 +41,8 @@ def stack(stacks) -> Stack:
         **TINY_ENCODER,
         KVMESH_ENCODER_CACHE_BYTES=str(IMAGE_EMBEDS * 3 // 2),  # room for one image's
         KVMESH_FAULT_HOOKS="true",  # (tests switch engine faults on: shared/faults.py)
+        # An answer left with no decode worker (one worker here) waits 1 s for one, not 10
+        KVMESH_ROUTER_RESUME_WAIT_S="1",
     )
 
 
@@ -291,10 +293,9 @@ def test_a_grpc_client_cancelling_frees_decode(stack: Stack) -> None:
 # -- draining ------------------------------------------------------------------------------
 
 
-def streaming(stack: Stack, max_tokens: int, url: str = ""):
-    """A long streamed answer (through the router at ``url``, or the stack's), its first chunk
-    read, decode holding it."""
-    stream = stack.client(url).completions.create(
+def streaming(stack: Stack, max_tokens: int):
+    """A long streamed answer, its first chunk read, decode holding it."""
+    stream = stack.client().completions.create(
         stream=True, **{**LONG_ANSWER, "max_tokens": max_tokens}
     )
     chunks = iter(stream)
@@ -325,20 +326,16 @@ def test_the_drain_bound_stops_a_worker_that_would_take_longer(stack: Stack) -> 
     """Past its drain bound the worker stops anyway; the answer it held finds no decode worker
     to resume on (after a wait of 1 s here) and ends with an error naming it, not a hang."""
     stack.restart("decode-0", KVMESH_DRAIN_TIMEOUT_S="0.5")
-    url = stack.router("router-drain", KVMESH_ROUTER_RESUME_WAIT_S="1")
-    try:
-        stack.wait_ready(["decode-0"])
-        stream, chunks = streaming(stack, 4000, url)
-        decode = stack.procs["decode-0"]
-        decode.signal(signal.SIGTERM)
-        assert decode.wait(30) == 0
-        assert "drain took over 0.5 s; stopping anyway" in decode.output()
-        with pytest.raises(openai.APIError) as err:
-            list(chunks)
-        assert "decode-0" in str(err.value)
-        stream.close()
-    finally:
-        stack.procs["router-drain"].stop()
+    stack.wait_ready(["decode-0"])
+    stream, chunks = streaming(stack, 4000)
+    decode = stack.procs["decode-0"]
+    decode.signal(signal.SIGTERM)
+    assert decode.wait(30) == 0
+    assert "drain took over 0.5 s; stopping anyway" in decode.output()
+    with pytest.raises(openai.APIError) as err:
+        list(chunks)
+    assert "decode-0" in str(err.value)
+    stream.close()
 
 
 def engine_process_of(pid: int) -> int:

@@ -363,12 +363,12 @@ class Bus:
         reply_type: type[R],
         timeout_s: float,
         resend_s: float = ASK_RESEND_S,
-        nobody_again: bool = True,
+        nobody_again: bool | Callable[[], bool] = True,
         blob: bytes | None = None,
     ) -> R:
         """``request``, sent again until answered within ``timeout_s``: every ``resend_s``
-        unanswered, and soon after "nobody serves" (unless ``nobody_again`` is False: then
-        NoResponders at once). NATS delivers at most once: an ask written to a node as it dies
+        unanswered, and soon after "nobody serves" while ``nobody_again`` holds (False, or a
+        check that says False: NoResponders at once; e.g. a worker its router has dropped). NATS delivers at most once: an ask written to a node as it dies
         is lost, as is one that reaches a node before a reconnecting subscriber is back. Only
         for a handler that takes the same message twice as once (``shared.worker.Tasks``); a
         late answer to an earlier send is dropped."""
@@ -379,7 +379,8 @@ class Bus:
                 wait = max(0.05, min(left, resend_s))
                 return await self.request(subject, msg, reply_type, wait, blob)
             except NoResponders:
-                if not nobody_again or left <= NO_RESPONDERS_RETRY_S:
+                again = nobody_again() if callable(nobody_again) else nobody_again
+                if not again or left <= NO_RESPONDERS_RETRY_S:
                     raise
                 await asyncio.sleep(NO_RESPONDERS_RETRY_S)
             except NoReply:

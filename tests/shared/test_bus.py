@@ -123,6 +123,29 @@ async def test_an_ask_unanswered_is_sent_again_and_a_task_is_taken_once(
         await bus.close()
 
 
+async def test_nobody_serving_is_asked_again_only_while_its_check_holds(
+    open_nats_url: str,
+) -> None:
+    """An ask to a subject nobody serves goes on while its check says the server may come
+    back (a worker reconnecting), and stops at once when it says not (a worker its router has
+    dropped): not after the whole bound."""
+    bus = await Bus.connect(open_nats_url, "t-gone")
+    checks = 0
+
+    def registered() -> bool:
+        nonlocal checks
+        checks += 1
+        return checks < 3
+
+    try:
+        asked = bus.ask("test.gone", Ping(n=1), Pong, timeout_s=60, nobody_again=registered)
+        with pytest.raises(NoResponders, match="nobody serves test.gone"):
+            await asyncio.wait_for(asked, 10)  # (not the ask's 60 s)
+        assert checks == 3
+    finally:
+        await bus.close()
+
+
 async def test_a_nats_node_gone_silent_is_left_within_lost_after_s(tmp_path: Path) -> None:
     """A NATS node that stops answering (here frozen: a host cut off sends no reset either)
     is taken as lost within lost_after_s, and the bus is back once a node answers. The
