@@ -368,8 +368,9 @@ class Bus:
     ) -> R:
         """``request``, sent again until answered within ``timeout_s``: every ``resend_s``
         unanswered, and soon after "nobody serves" while ``nobody_again`` holds (False, or a
-        check that says False: NoResponders at once; e.g. a worker its router has dropped). NATS delivers at most once: an ask written to a node as it dies
-        is lost, as is one that reaches a node before a reconnecting subscriber is back. Only
+        check that says False: NoResponders at once; e.g. a worker its router has dropped).
+        NATS delivers at most once: an ask written to a node as it dies is lost, as is one
+        that reaches a node before a reconnecting subscriber is back. Only
         for a handler that takes the same message twice as once (``shared.worker.Tasks``); a
         late answer to an earlier send is dropped."""
         deadline = time.monotonic() + timeout_s
