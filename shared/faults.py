@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from aiohttp import web
-
 ACTIVE: set[str] = set()
 LISTENERS: list[Callable[[set[str]], None]] = []  # told of every switch
 
@@ -37,16 +35,14 @@ def poisoned(prompts: Iterable[Sequence[int]]) -> bool:
     return bool(tokens) and any(not tokens.isdisjoint(ids) for ids in prompts)
 
 
-async def _switch(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
-    if request.method == "PUT":
+def switch(name: str, active: bool) -> list[str]:
+    """Turn the fault ``name`` on or off, every listener told; the faults on now. (Served as
+    ``PUT``/``DELETE /faults/{name}`` by ``shared.service``: this module imports no HTTP
+    library, for the engine's process that only reads the switches.)"""
+    if active:
         ACTIVE.add(name)
     else:
         ACTIVE.discard(name)
     for listener in LISTENERS:
         listener(set(ACTIVE))
-    return web.json_response({"faults": sorted(ACTIVE)})
-
-
-def routes() -> list[web.RouteDef]:
-    return [web.put("/faults/{name}", _switch), web.delete("/faults/{name}", _switch)]
+    return sorted(ACTIVE)

@@ -197,10 +197,21 @@ def build_app(service: Service) -> web.Application:
             web.get("/health", service.health),
             web.get("/metrics", metrics_handler),
             *service.routes(),
-            *(faults.routes() if service.common.fault_hooks else ()),
+            *(FAULT_ROUTES if service.common.fault_hooks else ()),
         ]
     )
     return app
+
+
+async def _switch_fault(request: web.Request) -> web.Response:
+    on = request.method == "PUT"
+    return web.json_response({"faults": faults.switch(request.match_info["name"], on)})
+
+
+FAULT_ROUTES = (
+    web.put("/faults/{name}", _switch_fault),
+    web.delete("/faults/{name}", _switch_fault),
+)
 
 
 async def claim_id(service: Service, bus: Bus) -> None:
