@@ -21,7 +21,7 @@ from shared.engine.torch.engine import TorchEngine
 from shared.engine.torch.loader import load_model
 from shared.messages.sampling import SamplingParams
 from shared.proto import api_pb2, api_pb2_grpc
-from tests.procs import wait_until
+from tests.procs import children_of, wait_until
 from tests.stack import Stack
 
 LOCAL_MAX = 16  # prompts of at most this many tokens are prefilled on decode
@@ -79,10 +79,11 @@ def decode_blocks_used(stack: Stack) -> int:
 # -- answers ---------------------------------------------------------------------------------
 
 
-def test_the_router_serves_without_torch(client, stack) -> None:
-    """After chat requests (template, tokens, routing, streaming) the live router has not
-    loaded torch: libtorch is not mapped in its process. The workers' is, so the check sees
-    torch where it is."""
+def test_the_router_and_a_decode_worker_serve_without_torch(client, stack) -> None:
+    """After chat requests (template, tokens, routing, streaming, KV handed over) the live
+    router has not loaded torch: libtorch is not mapped in its process; nor in the decode
+    worker's, whose engine computes in a process of its own (that one holds torch). The
+    prefill worker's engine is in its process, so the check sees torch where it is."""
     for stream in (False, True):
         resp = client.chat.completions.create(
             model="tiny",
@@ -95,9 +96,15 @@ def test_the_router_serves_without_torch(client, stack) -> None:
             assert [c.choices[0].finish_reason for c in resp if c.choices][-1] == "length"
         else:
             assert resp.usage.completion_tokens == 4
+
+    def torch_in(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
     procs = stack.procs
-    assert "libtorch" not in Path(f"/proc/{procs['router-0'].pid}/maps").read_text()
-    assert "libtorch" in Path(f"/proc/{procs['prefill-0'].pid}/maps").read_text()
+    assert not torch_in(procs["router-0"].pid)
+    assert not torch_in(procs["decode-0"].pid)
+    assert [torch_in(pid) for pid in children_of(procs["decode-0"].pid)] == [True]
+    assert torch_in(procs["prefill-0"].pid)
 
 
 def test_chat_greedy_answer_equals_the_engine_in_one_process(client, reference) -> None:
