@@ -162,9 +162,9 @@ class Sender:
                         self._task(attempt, decode),
                         TaskAck,
                         self.settings.ack_timeout_s,
-                        # (asked again while the worker is registered: one whose connection
+                        # (asked again while the worker may answer: one whose connection
                         # closed, a process that ended, is not waited on for the whole bound)
-                        nobody_again=lambda worker=worker: self.registry.get(worker) is not None,
+                        nobody_again=lambda worker=worker: self.registry.alive(worker),
                     )
             except BusError as err:
                 self.inflight.put_back(attempt)

@@ -293,7 +293,7 @@ class Replies:
             return ApiError(504, "request deadline passed", code="timeout")
         if not attempt.workers:  # not sent yet (a move waiting for a worker)
             return None
-        gone = [worker for worker in w.owed() if not self._alive(worker)]
+        gone = [worker for worker in w.owed() if not self.registry.alive(worker)]
         if gone:
             return Failed(f"worker {gone[0]} went away", *gone, silent=True)
         bound = s.token_timeout_s if w.started else s.first_token_timeout_s
@@ -303,7 +303,3 @@ class Replies:
         which = "next" if w.started else "first"
         why = f"no {which} token within {bound:g} s from {', '.join(blamed)}"
         return Failed(why, *blamed, silent=True)
-
-    def _alive(self, service_id: str) -> bool:
-        record = self.registry.get(service_id)
-        return record is not None and record.heartbeat.status != "stopped"

@@ -104,6 +104,12 @@ class WorkerRegistry:
     def get(self, service_id: str) -> WorkerRecord | None:
         return self._by_id.get(service_id)
 
+    def alive(self, service_id: str) -> bool:
+        """Whether the service may still answer: registered, its last beat not "stopped"
+        (dropped, expired or stopped: gone)."""
+        record = self._by_id.get(service_id)
+        return record is not None and record.heartbeat.status != "stopped"
+
     def workers(self, role: str | None = None) -> list[WorkerRecord]:
         """Known services (ready or draining), of one role or all, ordered by id."""
         ids = self._by_id.keys() if role is None else self._by_role[role]
