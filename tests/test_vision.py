@@ -4,6 +4,7 @@ encoder that is slow or gone fails image requests fast while text goes on."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import signal
@@ -11,11 +12,15 @@ import signal
 import grpc
 import openai
 import pytest
+from nats.aio.msg import Msg
 from PIL import Image
 
+from services.router.dispatch.encodes import ENCODE_RESEND_S
+from shared.bus import subjects
+from shared.messages.encode import EncodeRequest, unframe
 from shared.proto import api_pb2, api_pb2_grpc
 from tests.images import ask, data_url, image, png
-from tests.procs import wait_until
+from tests.procs import connect_as, secrets_dir, wait_until
 from tests.stack import Stack
 
 TAIL = "Now say what you see, in detail, " * 25  # text after the image: blocks past it
@@ -195,6 +200,37 @@ def test_embeddings_in_the_storage_tier_outlive_the_encoder(stack: Stack) -> Non
     stack.wait_ready(["encoder-0"])
     again = chat(stack, messages).model_extra["kvmesh"]["images"][0]
     assert (again["cached"], again["source"]) == (True, "storage")
+
+
+def test_an_encode_sent_again_is_still_the_requests_own(stack: Stack) -> None:
+    """An encoder slower than the router's resend gets the image twice from one request: the
+    answer says it was encoded for it, not shared with another request nor cached."""
+    encoder = stack.procs["encoder-0"]
+    messages = ask("What is in this picture?", image(data_url(png(11))), "Say it.")
+
+    async def sent_twice() -> dict:
+        watcher = await connect_as(stack.nats_url, "encoder", secrets_dir(stack.dir))
+        sends: list[EncodeRequest] = []
+
+        async def seen(raw: Msg) -> None:
+            sends.append(EncodeRequest.model_validate_json(unframe(raw.data)[0]))
+
+        await watcher.nc.subscribe(subjects.ENCODE, cb=seen)  # (beside the pool)
+        encoder.signal(signal.SIGSTOP)
+        try:
+            answer = asyncio.get_running_loop().run_in_executor(None, chat, stack, messages, 4)
+            async with asyncio.timeout(ENCODE_RESEND_S * 4):
+                while len(sends) < 2:
+                    await asyncio.sleep(0.1)
+        finally:
+            encoder.signal(signal.SIGCONT)
+            await watcher.close()
+        assert len({req.ask for req in sends}) == 1  # one request's one ask, sent again
+        return (await answer).model_extra["kvmesh"]["images"][0]
+
+    report = asyncio.run(sent_twice())
+    assert (report["cached"], report["source"]) == (False, "encoded")
+    assert report["encode_ms"] > 0
 
 
 def test_a_slow_encoder_fails_image_requests_at_the_encode_timeout(stack: Stack) -> None:

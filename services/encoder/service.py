@@ -44,6 +44,7 @@ class _Job:
     data: bytes
     tokens: int
     done: asyncio.Future[tuple[bytes, float]] = field(repr=False)  # embeddings, seconds
+    ask: str = ""  # the ask that started it (sent again, it joins its own encode)
 
 
 class EncoderService(Service):
@@ -58,7 +59,7 @@ class EncoderService(Service):
         self.files = (
             FileStore(common.resolved_kv_store_dir / "embeds") if settings.store_embeds else None
         )
-        self.inflight: dict[str, asyncio.Future[tuple[bytes, float]]] = {}
+        self.inflight: dict[str, _Job] = {}  # "model:hash" → its encode
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="tower")
         self.bus: Bus | None = None
@@ -179,13 +180,15 @@ class EncoderService(Service):
             source = "storage"
         if embeds is None:
             job = self.inflight.get(key)
-            source = "shared" if job else "encoded"  # another request is encoding it: share
+            # Another request is encoding it: share (the same ask sent again joins its own).
+            source = "shared" if job and (job.ask != req.ask or not req.ask) else "encoded"
             if job is None:
-                job = self.inflight[key] = asyncio.get_running_loop().create_future()
-                job.add_done_callback(lambda _: self.inflight.pop(key, None))
-                self.queue.put_nowait(_Job(req.model, data, req.tokens, job))
+                done = asyncio.get_running_loop().create_future()
+                job = self.inflight[key] = _Job(req.model, data, req.tokens, done, req.ask)
+                done.add_done_callback(lambda _: self.inflight.pop(key, None))
+                self.queue.put_nowait(job)
             try:
-                embeds, took = await asyncio.shield(job)
+                embeds, took = await asyncio.shield(job.done)
             except BadImage as err:
                 return failed(str(err), "bad_image")
             except Exception as err:

@@ -21,6 +21,7 @@ class EncodeRequest(Message):
     image_hash: str  # content_hash of the bytes that follow, salted with ``salt``
     tokens: int = Field(ge=1, description="embeddings the router counted for it")
     salt: str = Field(default="", max_length=64, description="the tenant's (shared/security)")
+    ask: str = Field(default="", max_length=64, description="the same on an ask sent again")
 
 
 class EncodeReply(Message):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -130,7 +131,13 @@ class Encodes:
 
 
 async def _encode(bus: Bus, model: str, img: ImageInput, timeout_s: float) -> EncodeReply:
-    req = EncodeRequest(model=model, image_hash=img.image_hash, tokens=img.tokens, salt=img.salt)
+    req = EncodeRequest(
+        model=model,
+        image_hash=img.image_hash,
+        tokens=img.tokens,
+        salt=img.salt,
+        ask=secrets.token_hex(8),  # (sent again, it is still this request's encode)
+    )
     attributes = {"image_hash": img.image_hash, "tokens": img.tokens, "bytes": len(img.data)}
     with tracer.start_as_current_span(
         "encode", kind=SpanKind.CLIENT, attributes=attributes
