@@ -15,7 +15,10 @@ Measured in this process, on this machine's CPU:
 4. A router's CPU for a 77K-token turn whose history it has seen: the request's JSON parsed and
    checked (the Chat Completions model), the chat template rendered, the prompt tokenized by
    segment (the history's segments cached), its block hashes (the history's reused), looked up
-   in the index and the workers ranked (64, the ttft policy).
+   in the index and the workers ranked (64, the ttft policy), the task's bytes made; each turn
+   answered before the next comes (the policy told it was prefilled). Beside it,
+   ``reference_p50_ms``: ``sum(range(100_000))`` timed in the same turns, as this machine's
+   speed at the time (it varies twofold from hour to hour here: compare figures by it).
 
 Then the sizing (``sizing``): from DeepInfer's published rate (155 trillion tokens a day, 96%
 cached, 77K tokens a request) and a model's KV bytes per token (DeepSeek-V3's MLA: 70,272
@@ -205,7 +208,7 @@ def router_cpu_part(rounds: int) -> dict:
         if len(tokenizer.encode(model.chat_template.render(history))) > REQUEST_TOKENS:
             break
     steps = ("parse", "render", "tokenize", "hash", "lookup", "rank", "send", "total")
-    times: dict[str, list[float]] = {k: [] for k in steps}
+    times: dict[str, list[float]] = {k: [] for k in (*steps, "reference")}
     say(f"router CPU: a {len(history)}-message history, {rounds} turns ...")
     for r in range(rounds + 1):
         turn = [*history, {"role": "user", "content": message(10**6 + r, 60)}]
@@ -230,13 +233,17 @@ def router_cpu_part(rounds: int) -> dict:
         generate_task(job, "reply", "d0", "127.0.0.1:1", "token").to_bytes()
         t7 = time.perf_counter()
         policy.dispatched(best, route)
+        policy.prefilled(best, route, route.at)  # (answered before its next turn comes)
         if r == 0:  # (the first: the history's segments and hashes made)
             index.apply_message(pack_events([KvRecord(
                 "stored", STORE, bytes.fromhex("".join(hashes)), 16, b"", "chat", 0.0,
                 time.time(), "bench", 1.0, 1)]), 1)  # fmt: skip
             continue
+        t8 = time.perf_counter()
+        sum(range(100_000))  # this machine's speed now (it varies 2× from hour to hour here)
+        times["reference"].append((time.perf_counter() - t8) * 1e3)
         stamps = (t0, t1, t2, t3, t4, t5, t6, t7)
-        for k, a, b in zip(list(times)[:-1], stamps, stamps[1:], strict=False):
+        for k, a, b in zip(steps[:-1], stamps[:-1], stamps[1:], strict=True):
             times[k].append((b - a) * 1e3)
         times["total"].append((t7 - t0) * 1e3)
     return {f"{k}_p50_ms": statistics.median(v) for k, v in times.items()} | {

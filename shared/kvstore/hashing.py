@@ -24,12 +24,13 @@ from the router to the storage tier (``HASH_SCHEMES``; workers say their scheme 
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 import xxhash
+
+from shared.messages.generate import pack_ids
 
 
 class ImageSpan(Protocol):
@@ -41,7 +42,7 @@ class ImageSpan(Protocol):
 def pack_tokens(token_ids: Sequence[int], images: Sequence[ImageSpan] = ()) -> bytes:
     """Token ids as the bytes their blocks are hashed over (int32, little-endian); an image's
     placeholder positions contribute ``image_stream`` of its content hash instead."""
-    packed = struct.pack(f"<{len(token_ids)}i", *token_ids)
+    packed = pack_ids(token_ids)
     if not images:
         return packed
     out = bytearray(packed)

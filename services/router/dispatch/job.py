@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.router.routing.route import RouteRequest
-from shared.messages.generate import ImageRef, Priority
+from shared.messages.generate import ImageRef, Priority, TokenIds
 from shared.messages.sampling import SamplingParams
 
 # What a prompt was tokenized from: (text, its ids packed as block hashing reads them), in
@@ -21,7 +21,7 @@ class Job:
 
     request_id: str
     model: str
-    prompt_ids: list[int]
+    prompt_ids: TokenIds  # (a list in tests that make jobs by hand)
     sampling: SamplingParams
     deadline: float  # unix time
     retention: str = "chat"

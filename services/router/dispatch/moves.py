@@ -3,6 +3,7 @@ up on and why, and the job each move sends (``dispatcher.py`` runs the attempts)
 
 from __future__ import annotations
 
+import array
 import contextlib
 import logging
 import time
@@ -138,7 +139,7 @@ class Moves:
         self.job = replace(
             job,
             request_id=f"{job.request_id}-resume{self.move}",
-            prompt_ids=[*job.prompt_ids, *sent],
+            prompt_ids=array.array("i", job.prompt_ids) + array.array("i", sent),
             sampling=sampling,
             segments=(),
             block_hashes=[],

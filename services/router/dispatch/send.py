@@ -30,7 +30,7 @@ from services.router.routing.route import Route, RouteRequest, RoutingPolicy
 from services.router.settings import DispatchSettings
 from shared.bus import Bus, BusError, subjects
 from shared.bus.tokens import TokenServer
-from shared.messages.generate import GenerateTask, TaskAck, TokenEvent
+from shared.messages.generate import GenerateTask, TaskAck, TokenEvent, pack_ids
 from shared.security.handoff import HANDOFF_SECRET, handoff_token
 from shared.security.secret import load_or_create
 
@@ -204,11 +204,9 @@ def generate_task(
     reply_key: str = "",
 ) -> GenerateTask:
     """The task a worker is sent for ``job``: made from what the router checked, not checked
-    again, its prompt packed from the segments it was tokenized from (where it has no images:
-    an image's segment is its content's hash stream, not its placeholder ids)."""
-    packed = b"".join(p for _, p in job.segments) if job.segments and not job.images else b""
+    again (its prompt's ids packed as they are held: one copy)."""
     return GenerateTask.of(
-        packed,
+        pack_ids(job.prompt_ids),
         request_id=job.request_id,
         model=job.model,
         token_ids=job.prompt_ids,

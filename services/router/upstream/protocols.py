@@ -88,7 +88,7 @@ class Generate:
         sampling["detokenize"] = bool(job.sampling.stop)  # (stop strings are found in text)
         sampling["extra_args"] = {"kvmesh_retention": job.retention}
         body = {
-            "token_ids": job.prompt_ids,
+            "token_ids": list(job.prompt_ids),
             "model": served,
             "sampling_params": sampling,
             "stream": True,
@@ -138,7 +138,7 @@ class Completions:
         body = {
             **sampling,
             "model": served,
-            "prompt": job.prompt_ids,
+            "prompt": list(job.prompt_ids),
             "stream": True,
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
@@ -206,7 +206,7 @@ class Sglang:
         if p.stop:  # (the server has its tokenizer: it finds stop strings itself)
             sampling["stop"] = list(p.stop)
         return {
-            "input_ids": job.prompt_ids,
+            "input_ids": list(job.prompt_ids),
             "sampling_params": sampling,
             "stream": True,
             **logprob_fields(p),

@@ -42,7 +42,7 @@ def test_joined_prompts_hash_as_the_workers_do(tokenizer: PromptTokenizer) -> No
             parts += [img, tokenizer.encode_segments(" and then " * 30)]
         ids, segments, refs = join_prompt(parts)
         assert [r.tokens for r in refs] == [77] * len(images)
-        assert all(ids[r.start : r.start + r.tokens] == [PLACEHOLDER_ID] * 77 for r in refs)
+        assert all(list(ids[r.start : r.start + r.tokens]) == [PLACEHOLDER_ID] * 77 for r in refs)
         got = cache.hashes(segments, 64, "fp", "")  # reused from the prompt before, or not
         assert got == block_hashes(ids, 64, "fp", images=refs)
     first_a = join_prompt([tokenizer.encode_segments(text), a])
