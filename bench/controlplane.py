@@ -13,12 +13,14 @@ Measured in this process, on this machine's CPU:
 3. Catch-up: cachemeta's snapshot of 10^6 and 10^7 blocks written, then read by a joining
    router (both timed; the trend taken to 10^8).
 4. A router's CPU for a 77K-token turn whose history it has seen: the request's JSON parsed and
-   checked (the Chat Completions model), the chat template rendered, the prompt tokenized by
-   segment (the history's segments cached), its block hashes (the history's reused), looked up
-   in the index and the workers ranked (64, the ttft policy), the task's bytes made; each turn
-   answered before the next comes (the policy told it was prefilled). Beside it,
-   ``reference_p50_ms``: ``sum(range(100_000))`` timed in the same turns, as this machine's
-   speed at the time (it varies twofold from hour to hour here: compare figures by it).
+   checked (the Chat Completions model, as the router reads it into a conversation), the chat
+   template rendered (from the conversation's messages, as the router renders them), the
+   prompt tokenized by segment (the history's segments cached), its block hashes (the
+   history's reused), looked up in the index and the workers ranked (64, the ttft policy),
+   the task's bytes made; each turn answered before the next comes (the policy told it was
+   prefilled). Beside it, ``reference_p50_ms``: ``sum(range(100_000))`` timed in the same
+   turns, as this machine's speed at the time (it varies twofold from hour to hour here:
+   compare figures by it).
 
 Then the sizing (``sizing``): from DeepInfer's published rate (155 trillion tokens a day, 96%
 cached, 77K tokens a request) and a model's KV bytes per token (DeepSeek-V3's MLA: 70,272
@@ -54,7 +56,8 @@ from bench.harness import emit, say  # noqa: E402
 from services.router.dispatch.job import Job  # noqa: E402
 from services.router.dispatch.plan import PrefixHashes  # noqa: E402
 from services.router.dispatch.send import generate_task  # noqa: E402
-from services.router.formats.openai import ChatRequest  # noqa: E402
+from services.router.formats.openai import conversation  # noqa: E402
+from services.router.request.messages import chat_messages  # noqa: E402
 from services.router.request.render import PromptTokenizer  # noqa: E402
 from services.router.routing.policies import POLICIES  # noqa: E402
 from services.router.routing.route import RouteRequest  # noqa: E402
@@ -214,9 +217,9 @@ def router_cpu_part(rounds: int) -> dict:
         turn = [*history, {"role": "user", "content": message(10**6 + r, 60)}]
         body = json.dumps({"model": "m", "messages": turn, "max_tokens": 64}).encode()
         t0 = time.perf_counter()
-        request = ChatRequest.model_validate_json(body)
+        request = conversation(body, chat=True)  # (as the router reads a body)
         t1 = time.perf_counter()
-        text = model.chat_template.render([m.model_dump() for m in request.messages])
+        text = model.chat_template.render(chat_messages(request, "\x00kvmesh-image-"))
         t2 = time.perf_counter()
         ids, segments = tokenizer.encode_segments(text)
         t3 = time.perf_counter()

@@ -73,7 +73,7 @@ class _ChatMessage(_Body):
                 parts.append(conv.Text(p.text))
             else:
                 parts.append(conv.Image(p.image_url.url, f"{where}.content[{j}].image_url"))
-        role = {"developer": "system"}.get(self.role, self.role)
+        role = "system" if self.role == "developer" else self.role
         return conv.Message(role, tuple(parts), where, isinstance(self.content, list))
 
 
@@ -91,8 +91,10 @@ class AssistantMessage(_ChatMessage):
 
     def message(self, i: int) -> conv.Message:
         said = super().message(i)
+        if not self.tool_calls:
+            return said
         calls = []
-        for j, c in enumerate(self.tool_calls or ()):
+        for j, c in enumerate(self.tool_calls):
             param = f"{said.param}.tool_calls[{j}].function.arguments"
             args = conv.arguments_object(c.function.arguments, param)
             calls.append(conv.ToolCall(c.id, c.function.name, args))
