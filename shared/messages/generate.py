@@ -159,10 +159,7 @@ class GenerateTask(Message):
             raise ValueError("token_ids: not base64 of packed int32 ids") from None
         if len(packed) % 4:
             raise ValueError(f"token_ids: {len(packed)} bytes is not a whole number of int32")
-        ids = array.array("i", packed)
-        if sys.byteorder != "little":
-            ids.byteswap()
-        return ids.tolist()
+        return unpack_ids(packed).tolist()
 
 
 # A prompt's token ids as the router holds them: int32 in an array, made from their packed
