@@ -471,6 +471,13 @@ def main() -> int:
         default=0,
         help="MALLOC_ARENA_MAX for every service (glibc's heaps for threads; 0: glibc's own)",
     )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=0,
+        help="MALLOC_MMAP_THRESHOLD_ for every service: allocations this large or more mapped "
+        "apart and unmapped when freed (0: glibc's own, which rises to the largest freed)",
+    )
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory(prefix="kvmesh-soak-") as tmp,
@@ -479,6 +486,8 @@ def main() -> int:
         settings = {**SETTINGS, **({"KVMESH_KV_STORE_DIR": str(tier)} if tier else {})}
         if args.arena_max:
             settings["MALLOC_ARENA_MAX"] = str(args.arena_max)
+        if args.mmap_threshold:
+            settings["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
         say("starting a tiny stack (two prefill, two decode workers)")
         stack = start_stack("soak", Path(tmp) / "stack", IDS, **settings)
         for sid in args.trace_memory:
