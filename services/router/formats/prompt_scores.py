@@ -8,7 +8,7 @@ Pure: the prepared request's prompts and a delta's scores in, the body's parts o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from services.router.request.prepare import Prepared
 from shared.messages.generate import Logprobs
@@ -25,7 +25,7 @@ class PromptScores:
         self._pieces: list[bytes] | None = None
         self.tokenizer = p.text.tokenizer
 
-    def ids(self, index: int) -> list[int]:
+    def ids(self, index: int) -> Sequence[int]:
         return self.heads[index // self.per_prompt].job.prompt_ids
 
     def text(self, index: int) -> str:
