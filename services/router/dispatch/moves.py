@@ -136,10 +136,12 @@ class Moves:
             self.job = replace(job, request_id=f"{job.request_id}-retry{self.move}")
             return self.job
         sampling = job.sampling.resumed(len(sent))
+        prompt_ids = array.array("i", job.prompt_ids)  # (one copy, the answer so far after it)
+        prompt_ids.extend(sent)
         self.job = replace(
             job,
             request_id=f"{job.request_id}-resume{self.move}",
-            prompt_ids=array.array("i", job.prompt_ids) + array.array("i", sent),
+            prompt_ids=prompt_ids,
             sampling=sampling,
             segments=(),
             block_hashes=[],
