@@ -165,15 +165,15 @@ class GenerateTask(Message):
 # A prompt's token ids as the router holds them: int32 in an array, made from their packed
 # bytes in one copy (a list of a 77K-token prompt's ids is 2.8 MB of int objects to touch).
 TokenIds = array.array
-LITTLE = sys.byteorder == "little"
+_LITTLE = sys.byteorder == "little"
 
 
 def pack_ids(ids: Sequence[int]) -> bytes:
     """Token ids packed as the wire and block hashing read them: int32, little-endian."""
-    if LITTLE and isinstance(ids, array.array) and ids.typecode == "i":
+    if _LITTLE and isinstance(ids, array.array) and ids.typecode == "i":
         return ids.tobytes()
     packed = array.array("i", ids)
-    if not LITTLE:
+    if not _LITTLE:
         packed.byteswap()
     return packed.tobytes()
 
@@ -181,7 +181,7 @@ def pack_ids(ids: Sequence[int]) -> bytes:
 def unpack_ids(packed: bytes) -> TokenIds:
     """Packed ids (``pack_ids``) as an array of int32."""
     ids = array.array("i", packed)
-    if not LITTLE:
+    if not _LITTLE:
         ids.byteswap()
     return ids
 
